@@ -1,0 +1,64 @@
+# The developer interface. `make demo` runs the main job, `make test` runs every test.
+# Both bootstrap what they need (.venv with torch, the release build of the extension).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+STAMP := $(VENV)/.deps-stamp
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff
+# The extension is rebuilt whenever Rust sources, the proto or the manifests change.
+EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
+EXT_STAMP := $(VENV)/.ext-stamp
+
+.PHONY: all venv develop demo test test-rust test-python lint fmt bench clean
+
+all: develop
+
+$(STAMP): Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PY_DEPS)
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+$(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
+	maturin develop --release -q
+	@touch $(EXT_STAMP)
+
+develop: $(EXT_STAMP)
+
+demo: develop
+	$(PY) examples/demo.py
+
+test: test-rust test-python
+
+test-rust:
+	cargo test --all-targets -q
+
+test-python: develop
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+lint: venv
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
+	ruff check python tests benches examples
+	ruff format --check python tests benches examples
+
+fmt: venv
+	cargo fmt
+	ruff format python tests benches examples
+	ruff check --fix python tests benches examples
+
+bench: develop
+	cargo bench --bench quorum
+	cargo run --release --example lighthouse_load -- --replicas 1000 --replicas 10000
+	$(PY) benches/run_all.py
+
+clean:
+	cargo clean
+	rm -rf $(VENV)

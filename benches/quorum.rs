@@ -1,0 +1,2 @@
+//! Benchmarks of the pure quorum engine.
+fn main() {}

@@ -1,0 +1,1 @@
+"""torchft: per-step fault tolerance for PyTorch training."""

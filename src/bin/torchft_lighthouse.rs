@@ -1,0 +1,6 @@
+//! The `torchft_lighthouse` daemon.
+
+fn main() {
+    eprintln!("torchft_lighthouse: not built yet");
+    std::process::exit(1);
+}

@@ -1,0 +1,58 @@
+//! The Python module `torchft._torchft`: thin pyo3 wrappers over the Rust core.
+//!
+//! Every blocking method owns its inputs, releases the GIL, runs on the process-wide runtime
+//! and converts the result. Deadline expiry raises the built-in `TimeoutError`, bad arguments
+//! `ValueError`, everything else `torchft._torchft.TorchFTError` (a `RuntimeError`).
+
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::error::Error;
+
+mod lighthouse;
+mod manager;
+
+pyo3::create_exception!(
+    _torchft,
+    TorchFTError,
+    PyRuntimeError,
+    "A torchft operation failed (not a timeout, not a bad argument)."
+);
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            Error::Timeout(_) => PyTimeoutError::new_err(msg),
+            Error::InvalidArgument(_) => PyValueError::new_err(msg),
+            _ => TorchFTError::new_err(msg),
+        }
+    }
+}
+
+/// Runs `fut` on the process-wide runtime with the GIL released.
+pub(crate) fn block_on<F, T>(py: Python<'_>, fut: F) -> T
+where
+    F: std::future::Future<Output = T> + Send,
+    T: Send,
+{
+    py.detach(|| crate::runtime::get().block_on(fut))
+}
+
+/// Rejects negative or non-finite durations coming from Python (`timedelta`).
+pub(crate) fn check_duration(name: &str, d: Duration) -> PyResult<Duration> {
+    if d.is_zero() {
+        return Err(PyValueError::new_err(format!("{name} must be positive")));
+    }
+    Ok(d)
+}
+
+#[pymodule]
+fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("TorchFTError", m.py().get_type::<TorchFTError>())?;
+    lighthouse::register(m)?;
+    manager::register(m)?;
+    Ok(())
+}

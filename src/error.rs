@@ -1,0 +1,82 @@
+//! The error type shared by the lighthouse, the manager and their clients.
+//!
+//! Exactly one conversion to `tonic::Status` lives here (and one back, for clients); the
+//! conversion to Python exceptions lives in `bindings`.
+
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+/// Everything that can go wrong in the torchft core.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request or argument was malformed; nothing was changed.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The caller's deadline passed before an answer was ready.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// A peer could not be reached within the connect timeout.
+    #[error("could not connect to {addr}: {reason}")]
+    Connect {
+        /// The address that was dialled.
+        addr: String,
+        /// Why the last attempt failed.
+        reason: String,
+    },
+    /// The request was valid but the state of the round refuses it (e.g. a step mismatch).
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
+    /// A peer we depend on (e.g. the lighthouse) failed or is unavailable.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// The server is shutting down.
+    #[error("server is shutting down")]
+    Shutdown,
+    /// Any other failure reported by a remote peer.
+    #[error("{0}")]
+    Remote(String),
+}
+
+/// Result alias for the torchft core.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A timeout error naming what was being waited for and for how long.
+    pub fn timeout(what: &str, after: Duration) -> Self {
+        Error::Timeout(format!("{what} did not complete within {after:?}"))
+    }
+
+    /// True if this error means a deadline expired (maps to Python `TimeoutError`).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout(_))
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let msg = e.to_string();
+        match e {
+            Error::InvalidArgument(_) => Status::invalid_argument(msg),
+            Error::Timeout(_) => Status::deadline_exceeded(msg),
+            Error::Connect { .. } | Error::Unavailable(_) | Error::Shutdown => {
+                Status::unavailable(msg)
+            }
+            Error::FailedPrecondition(_) => Status::failed_precondition(msg),
+            Error::Remote(_) => Status::internal(msg),
+        }
+    }
+}
+
+impl From<Status> for Error {
+    fn from(s: Status) -> Self {
+        let msg = s.message().to_string();
+        match s.code() {
+            Code::DeadlineExceeded | Code::Cancelled => Error::Timeout(msg),
+            Code::InvalidArgument => Error::InvalidArgument(msg),
+            Code::FailedPrecondition => Error::FailedPrecondition(msg),
+            Code::Unavailable => Error::Unavailable(msg),
+            code => Error::Remote(format!("{code:?}: {msg}")),
+        }
+    }
+}

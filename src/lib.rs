@@ -1,0 +1,20 @@
+//! torchft: per-step fault tolerance for PyTorch training.
+//!
+//! The Rust core holds the lighthouse (quorum engine and daemon service), the per replica group
+//! manager server and the clients of both. Everything here is plain Rust; the Python module
+//! `torchft._torchft` lives in [`bindings`] behind the `python` feature.
+
+pub mod error;
+pub mod lighthouse;
+pub mod manager;
+pub mod net;
+pub mod runtime;
+
+#[cfg(feature = "python")]
+pub mod bindings;
+
+/// Generated protobuf messages and gRPC stubs (see `proto/torchft.proto`).
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod proto {
+    tonic::include_proto!("torchft");
+}
