@@ -209,7 +209,7 @@ class Launcher:
         self.replicas = replicas
         self.nproc_per_node = nproc_per_node
         self.max_restarts = max_restarts
-        self.lighthouse_addr = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        self.lighthouse_addr = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
         self.min_replicas = min_replicas or max(1, replicas // 2 + 1)
         self.join_timeout_ms = join_timeout_ms
         self.extra_env = dict(env or {})
