@@ -27,7 +27,6 @@ read the address published by the previous incarnation before rank 0 overwrites 
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from torch.distributed import ReduceOp, TCPStore, Work
 from torch.futures import Future
 
 from torchft import _torchft
+from torchft.work import _DummyWork, _FutureWork, future_timeout
 
 if TYPE_CHECKING:
     from torchft.checkpointing import CheckpointTransport
@@ -106,101 +106,6 @@ class ExceptionWithTraceback(Exception):
 
     def __str__(self) -> str:
         return f"{type(self.original_exception).__name__}: {self.original_exception}"
-
-
-class _CompletedWork(Work):
-    """A torch ``Work`` that is already complete and resolves to ``result``."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self._result = result
-        fut: Future[Any] = Future()
-        fut.set_result(result)
-        self._future = fut
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> Future[Any]:
-        return self._future
-
-
-class _FutureWork(Work):
-    """A torch ``Work`` backed by a torch future (used for the manager's allreduce)."""
-
-    def __init__(self, fut: Future[Any]) -> None:
-        super().__init__()
-        self._future = fut
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> Future[Any]:
-        return self._future
-
-
-class _TimeoutScheduler:
-    """One lazily started daemon thread that fires callbacks at deadlines.
-
-    Used by :meth:`Manager.wrap_future` so future timeouts do not cost a thread per call.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def call_later(self, delay: timedelta, fn: Callable[[], None]) -> None:
-        """Schedules ``fn`` to run after ``delay`` on the scheduler thread."""
-        import time
-
-        deadline = time.monotonic() + delay.total_seconds()
-        with self._cond:
-            if self._stopped:
-                return
-            self._seq += 1
-            heapq.heappush(self._heap, (deadline, self._seq, fn))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="torchft_timeouts", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        import time
-
-        while True:
-            with self._cond:
-                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(wait)
-                if self._stopped:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:  # a timeout callback must never kill the scheduler
-                logger.exception("future timeout callback failed")
-
-    def shutdown(self) -> None:
-        """Stops the thread; pending callbacks are dropped."""
-        with self._cond:
-            self._stopped = True
-            self._heap.clear()
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
 
 
 class _ReadWriteLock:
@@ -450,7 +355,6 @@ class Manager:
         self._replica_world_size: int = 0
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
-        self._timeouts = _TimeoutScheduler()
         self._manager: Any = None
         self._client: Any = None
         self._shutdown = False
@@ -651,29 +555,16 @@ class Manager:
         Returns:
             A torch future resolving to ``fut``'s value or ``default``.
         """
-        out: Future[T] = Future()
-        done = threading.Lock()
+        source = future_timeout(fut, timeout) if timeout is not None else fut
 
-        def settle(value: T, err: Exception | None) -> None:
-            if not done.acquire(blocking=False):
-                return
-            if err is not None:
-                self.report_error(err)
-            out.set_result(value)
-
-        def on_done(f: Future[T]) -> None:
+        def settle(f: Future[T]) -> T:
             try:
-                settle(f.value(), None)
+                return f.value()
             except Exception as e:
-                settle(default, e)
+                self.report_error(e)
+                return default
 
-        if timeout is not None:
-            self._timeouts.call_later(
-                timeout,
-                lambda: settle(default, TimeoutError(f"future did not complete in {timeout}")),
-            )
-        fut.add_done_callback(on_done)
-        return out
+        return source.then(settle)
 
     # ------------------------------------------------------------------ quorum
 
@@ -882,14 +773,14 @@ class Manager:
             A ``Work`` whose future resolves to ``tensor``.
         """
         if self._errored is not None:
-            return _CompletedWork(tensor)
+            return _DummyWork(tensor)
         try:
             self.wait_quorum()
         except Exception as e:
             self.report_error(e)
-            return _CompletedWork(tensor)
+            return _DummyWork(tensor)
         if self._errored is not None:
-            return _CompletedWork(tensor)
+            return _DummyWork(tensor)
 
         num_participants = self._participating_replica_world_size
         if self._participating_replica_rank is None:
@@ -926,7 +817,7 @@ class Manager:
             return _FutureWork(chained)
         except Exception as e:
             self.report_error(e)
-            return _CompletedWork(tensor)
+            return _DummyWork(tensor)
 
     # ------------------------------------------------------------------ commit
 
@@ -1056,9 +947,6 @@ class Manager:
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown(wait=wait, cancel_futures=True)
-        timeouts = getattr(self, "_timeouts", None)
-        if timeouts is not None:
-            timeouts.shutdown()
         transport = getattr(self, "_checkpoint_transport", None)
         if transport is not None:
             try:
