@@ -873,3 +873,20 @@ def test_structured_log_records(harness: Any, caplog: pytest.LogCaptureFixture) 
     assert [r.step for r in commits] == [0, 1]  # type: ignore[attr-defined]
     assert "injected" in by_name["torchft_errors"][0].error  # type: ignore[attr-defined]
     assert all(hasattr(r, "job_id") for r in commits)
+
+
+def test_heal_timeout_is_recorded_not_raised(harness: Any) -> None:
+    """A TimeoutError while healing (not the quorum itself) is a step error, not raised."""
+    h = harness()
+    h.native.metadata_by_addr["http://src:1"] = "src"
+    h.native.quorums = [_heal_quorum()]
+
+    def slow_recv(*args: Any, **kwargs: Any) -> Any:
+        raise TimeoutError("checkpoint fetch deadline")
+
+    h.transport.recv_checkpoint = slow_recv  # type: ignore[method-assign]
+    m = h.manager
+    m.start_quorum()
+    m.wait_quorum()
+    assert "checkpoint fetch deadline" in str(m.errored())
+    assert not m.should_commit()

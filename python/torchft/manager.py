@@ -108,6 +108,10 @@ class ExceptionWithTraceback(Exception):
         return f"{type(self.original_exception).__name__}: {self.original_exception}"
 
 
+class _QuorumTimeoutError(TimeoutError):
+    """The quorum request itself hit its deadline (raised to wait_quorum/should_commit)."""
+
+
 class _ReadWriteLock:
     """A writer-preferring read/write lock.
 
@@ -632,22 +636,27 @@ class Manager:
         """Runs one quorum; errors other than the quorum deadline are recorded, not raised."""
         try:
             self._quorum_body(allow_heal, shrink_only, quorum_timeout)
-        except TimeoutError as e:
+        except _QuorumTimeoutError as e:
             self.report_error(e)
             raise
         except Exception as e:
             self.report_error(e)
 
     def _quorum_body(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
-        quorum = self._client._quorum(
-            group_rank=self._group_rank,
-            step=self._step,
-            checkpoint_metadata=self._checkpoint_transport.metadata(),
-            shrink_only=shrink_only,
-            timeout=quorum_timeout,
-            commit_failures=self._commit_failures,
-            init_sync=self._init_sync,
-        )
+        try:
+            quorum = self._client._quorum(
+                group_rank=self._group_rank,
+                step=self._step,
+                checkpoint_metadata=self._checkpoint_transport.metadata(),
+                shrink_only=shrink_only,
+                timeout=quorum_timeout,
+                commit_failures=self._commit_failures,
+                init_sync=self._init_sync,
+            )
+        except TimeoutError as e:
+            # Only the quorum deadline itself surfaces to the caller; timeouts while
+            # reconfiguring or healing are ordinary step errors (recorded, retried).
+            raise _QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
         quorum_id: int = quorum.quorum_id
         replica_rank: int = quorum.replica_rank
         replica_world_size: int = quorum.replica_world_size
