@@ -1,14 +1,31 @@
 """Coordination primitives: the lighthouse and the per replica group manager server.
 
-Thin re-exports of the native module so user code does not import ``torchft._torchft``.
+These are the native (Rust) implementations re-exported under a stable public module, so user
+code does not import the private ``torchft._torchft`` directly.
 """
 
 from __future__ import annotations
 
-from torchft._torchft import ManagerClient, ManagerServer, QuorumResult
+import logging
+
+from torchft._torchft import (
+    LighthouseClient,
+    LighthouseServer,
+    ManagerClient,
+    ManagerServer,
+    Quorum,
+    QuorumMember,
+    QuorumResult,
+)
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
+    "LighthouseClient",
+    "LighthouseServer",
     "ManagerClient",
     "ManagerServer",
+    "Quorum",
+    "QuorumMember",
     "QuorumResult",
 ]

@@ -1,3 +1,393 @@
-//! Python wrappers for the lighthouse server and client.
+//! Python wrappers for the lighthouse: server, client, quorum types and the daemon entry point.
+//!
+//! Thin conversions only: arguments are checked and owned, the GIL is released while the Rust
+//! core runs, results are turned back into Python objects. `QuorumMember.data` is a dict in
+//! Python and a JSON string on the wire.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use pyo3::exceptions::{PySystemExit, PyValueError};
 use pyo3::prelude::*;
-pub(crate) fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> { Ok(()) }
+use pyo3::types::{PyDict, PyList};
+
+use super::{block_on, check_duration};
+use crate::lighthouse::{self as core, daemon, LighthouseOptions};
+use crate::proto;
+
+fn dict_to_json(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+    match data {
+        None => Ok(String::new()),
+        Some(d) if d.is_none() => Ok(String::new()),
+        Some(d) => {
+            if !d.is_instance_of::<PyDict>() {
+                return Err(PyValueError::new_err("data must be a dict"));
+            }
+            py.import("json")?.call_method1("dumps", (d,))?.extract()
+        }
+    }
+}
+
+fn json_to_dict(py: Python<'_>, data: &str) -> PyResult<Py<PyAny>> {
+    if data.is_empty() {
+        return Ok(PyDict::new(py).into_any().unbind());
+    }
+    Ok(py.import("json")?.call_method1("loads", (data,))?.unbind())
+}
+
+/// One replica group as presented to the lighthouse.
+#[pyclass(module = "torchft._torchft", frozen, eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuorumMember {
+    /// Unique id of this incarnation of the replica group.
+    #[pyo3(get)]
+    pub replica_id: String,
+    /// Manager server address of the group.
+    #[pyo3(get)]
+    pub address: String,
+    /// Rendezvous store address of the group.
+    #[pyo3(get)]
+    pub store_address: String,
+    /// Committed steps of the group.
+    #[pyo3(get)]
+    pub step: i64,
+    /// Ranks in the group.
+    #[pyo3(get)]
+    pub world_size: u64,
+    /// Whether the group asked to keep only previous members.
+    #[pyo3(get)]
+    pub shrink_only: bool,
+    /// Consecutive failed commits the group saw.
+    #[pyo3(get)]
+    pub commit_failures: i64,
+    data_json: String,
+}
+
+impl From<proto::QuorumMember> for QuorumMember {
+    fn from(m: proto::QuorumMember) -> Self {
+        Self {
+            replica_id: m.replica_id,
+            address: m.address,
+            store_address: m.store_address,
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            commit_failures: m.commit_failures,
+            data_json: m.data,
+        }
+    }
+}
+
+impl From<QuorumMember> for proto::QuorumMember {
+    fn from(m: QuorumMember) -> Self {
+        Self {
+            replica_id: m.replica_id,
+            address: m.address,
+            store_address: m.store_address,
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            commit_failures: m.commit_failures,
+            data: m.data_json,
+        }
+    }
+}
+
+#[pymethods]
+impl QuorumMember {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (replica_id, address = String::new(), store_address = String::new(),
+        step = 0, world_size = 1, shrink_only = false, commit_failures = 0, data = None))]
+    fn new(
+        py: Python<'_>,
+        replica_id: String,
+        address: String,
+        store_address: String,
+        step: i64,
+        world_size: u64,
+        shrink_only: bool,
+        commit_failures: i64,
+        data: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            replica_id,
+            address,
+            store_address,
+            step,
+            world_size,
+            shrink_only,
+            commit_failures,
+            data_json: dict_to_json(py, data.as_ref())?,
+        })
+    }
+
+    /// User metadata carried along unchanged (a dict; `{}` when none was given).
+    #[getter]
+    fn data(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        json_to_dict(py, &self.data_json)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "QuorumMember(replica_id={:?}, address={:?}, store_address={:?}, step={}, \
+             world_size={}, shrink_only={}, commit_failures={}, data={})",
+            self.replica_id,
+            self.address,
+            self.store_address,
+            self.step,
+            self.world_size,
+            if self.shrink_only { "True" } else { "False" },
+            self.commit_failures,
+            if self.data_json.is_empty() {
+                "{}"
+            } else {
+                &self.data_json
+            }
+        )
+    }
+}
+
+/// The set of replica groups taking part in a step.
+#[pyclass(module = "torchft._torchft", frozen)]
+#[derive(Debug, Clone)]
+pub struct Quorum {
+    /// Strictly increasing id; unchanged while membership is.
+    #[pyo3(get)]
+    pub quorum_id: i64,
+    members: Vec<QuorumMember>,
+    created: SystemTime,
+}
+
+impl From<proto::Quorum> for Quorum {
+    fn from(q: proto::Quorum) -> Self {
+        let created = q
+            .created
+            .and_then(|t| {
+                let secs = u64::try_from(t.seconds).ok()?;
+                let nanos = u32::try_from(t.nanos).ok()?;
+                UNIX_EPOCH.checked_add(Duration::new(secs, nanos))
+            })
+            .unwrap_or(UNIX_EPOCH);
+        Self {
+            quorum_id: q.quorum_id,
+            members: q.participants.into_iter().map(QuorumMember::from).collect(),
+            created,
+        }
+    }
+}
+
+#[pymethods]
+impl Quorum {
+    #[new]
+    #[pyo3(signature = (quorum_id, participants, created = None))]
+    fn new(quorum_id: i64, participants: Vec<QuorumMember>, created: Option<SystemTime>) -> Self {
+        Self {
+            quorum_id,
+            members: participants,
+            created: created.unwrap_or_else(SystemTime::now),
+        }
+    }
+
+    /// Members sorted by replica_id.
+    #[getter]
+    fn participants<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.members.iter().cloned())
+    }
+
+    /// When the lighthouse issued this quorum (timezone-aware UTC datetime).
+    #[getter]
+    fn created(&self) -> SystemTime {
+        self.created
+    }
+
+    fn __repr__(&self) -> String {
+        let members: Vec<String> = self.members.iter().map(QuorumMember::__repr__).collect();
+        let created = self
+            .created
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64();
+        format!(
+            "Quorum(quorum_id={}, participants=[{}], created={created:.6})",
+            self.quorum_id,
+            members.join(", ")
+        )
+    }
+}
+
+fn ms_arg(
+    name: &str,
+    value: Option<i64>,
+    default: Duration,
+    allow_zero: bool,
+) -> PyResult<Duration> {
+    match value {
+        None => Ok(default),
+        Some(v) if v < 0 => Err(PyValueError::new_err(format!(
+            "{name} must not be negative, got {v}"
+        ))),
+        Some(0) if !allow_zero => Err(PyValueError::new_err(format!("{name} must be positive"))),
+        Some(v) => Ok(Duration::from_millis(v.unsigned_abs())),
+    }
+}
+
+/// A lighthouse running inside this process (tests, single-machine jobs).
+#[pyclass(module = "torchft._torchft", frozen)]
+pub struct LighthouseServer {
+    inner: core::LighthouseServer,
+}
+
+#[pymethods]
+impl LighthouseServer {
+    #[new]
+    #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
+        heartbeat_timeout_ms = None))]
+    fn new(
+        py: Python<'_>,
+        bind: String,
+        min_replicas: i64,
+        join_timeout_ms: Option<i64>,
+        quorum_tick_ms: Option<i64>,
+        heartbeat_timeout_ms: Option<i64>,
+    ) -> PyResult<Self> {
+        if min_replicas < 1 {
+            return Err(PyValueError::new_err(format!(
+                "min_replicas must be at least 1, got {min_replicas}"
+            )));
+        }
+        let d = LighthouseOptions::default();
+        let opts = LighthouseOptions {
+            min_replicas: min_replicas.unsigned_abs(),
+            join_timeout: ms_arg("join_timeout_ms", join_timeout_ms, d.join_timeout, true)?,
+            quorum_tick: ms_arg("quorum_tick_ms", quorum_tick_ms, d.quorum_tick, false)?,
+            heartbeat_timeout: ms_arg(
+                "heartbeat_timeout_ms",
+                heartbeat_timeout_ms,
+                d.heartbeat_timeout,
+                false,
+            )?,
+        };
+        let inner = block_on(py, core::LighthouseServer::bind(&bind, opts))?;
+        Ok(Self { inner })
+    }
+
+    /// `http://host:port` clients should dial.
+    fn address(&self) -> String {
+        self.inner.address()
+    }
+
+    /// Stops serving; pending quorum requests fail with an error.
+    fn shutdown(&self, py: Python<'_>) {
+        block_on(py, self.inner.shutdown());
+    }
+
+    fn __repr__(&self) -> String {
+        format!("LighthouseServer(address={:?})", self.inner.address())
+    }
+}
+
+/// A client of a lighthouse (manager servers use the Rust one; this is for tools and tests).
+#[pyclass(module = "torchft._torchft", frozen)]
+pub struct LighthouseClient {
+    inner: core::LighthouseClient,
+    addr: String,
+}
+
+#[pymethods]
+impl LighthouseClient {
+    #[new]
+    #[pyo3(signature = (addr, connect_timeout))]
+    fn new(py: Python<'_>, addr: String, connect_timeout: Duration) -> PyResult<Self> {
+        let connect_timeout = check_duration("connect_timeout", connect_timeout)?;
+        let inner = block_on(py, core::LighthouseClient::connect(&addr, connect_timeout))?;
+        Ok(Self { inner, addr })
+    }
+
+    /// Joins the current round and waits until this replica is in an issued quorum.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (replica_id, timeout, address = None, store_address = None, step = None,
+        world_size = None, shrink_only = None, data = None))]
+    fn quorum(
+        &self,
+        py: Python<'_>,
+        replica_id: String,
+        timeout: Duration,
+        address: Option<String>,
+        store_address: Option<String>,
+        step: Option<i64>,
+        world_size: Option<i64>,
+        shrink_only: Option<bool>,
+        data: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Quorum> {
+        let timeout = check_duration("timeout", timeout)?;
+        let world_size = world_size.unwrap_or(1);
+        if world_size < 1 {
+            return Err(PyValueError::new_err(format!(
+                "world_size must be at least 1, got {world_size}"
+            )));
+        }
+        let member = proto::QuorumMember {
+            replica_id,
+            address: address.unwrap_or_default(),
+            store_address: store_address.unwrap_or_default(),
+            step: step.unwrap_or(0),
+            world_size: world_size.unsigned_abs(),
+            shrink_only: shrink_only.unwrap_or(false),
+            commit_failures: 0,
+            data: dict_to_json(py, data.as_ref())?,
+        };
+        let client = self.inner.clone();
+        let q = block_on(py, async move { client.quorum(member, timeout).await })?;
+        Ok(Quorum::from(q))
+    }
+
+    /// Tells the lighthouse this replica is alive.
+    #[pyo3(signature = (replica_id, timeout = Duration::from_secs(5)))]
+    fn heartbeat(&self, py: Python<'_>, replica_id: String, timeout: Duration) -> PyResult<()> {
+        let timeout = check_duration("timeout", timeout)?;
+        let client = self.inner.clone();
+        block_on(
+            py,
+            async move { client.heartbeat(&replica_id, timeout).await },
+        )?;
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("LighthouseClient(addr={:?})", self.addr)
+    }
+}
+
+/// Entry point of the `torchft_lighthouse` console script: parses `sys.argv` with the same
+/// flags as the binary and serves until SIGTERM/SIGINT.
+#[pyfunction]
+fn lighthouse_main(py: Python<'_>) -> PyResult<()> {
+    use clap::Parser;
+    let argv: Vec<String> = py.import("sys")?.getattr("argv")?.extract()?;
+    let args = match daemon::Args::try_parse_from(argv) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return Err(PySystemExit::new_err(e.exit_code()));
+        }
+    };
+    let res = py.detach(|| daemon::run(args));
+    // SIGINT also reached Python's own handler; the daemon already handled it.
+    let _ = py.check_signals();
+    match res {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            eprintln!("torchft_lighthouse: {e}");
+            Err(PySystemExit::new_err(1))
+        }
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<QuorumMember>()?;
+    m.add_class::<Quorum>()?;
+    m.add_class::<LighthouseServer>()?;
+    m.add_class::<LighthouseClient>()?;
+    m.add_function(wrap_pyfunction!(lighthouse_main, m)?)?;
+    Ok(())
+}

@@ -1,6 +1,64 @@
 //! The lighthouse: decides, per step, which replica groups take part (the quorum).
 //!
 //! `quorum` is the pure engine (state, now, options → decision); `service` is the gRPC
-//! service around it; `http` the status pages served on the same port; `daemon` the
-//! command-line entry point shared by the `torchft_lighthouse` binary and the Python console
-//! script.
+//! service around it plus the [`LighthouseServer`] that hosts it; `http` the status pages
+//! served on the same port; `client` the [`LighthouseClient`]; `daemon` the command-line entry
+//! point shared by the `torchft_lighthouse` binary and the Python console script.
+
+use std::time::Duration;
+
+pub mod client;
+pub mod daemon;
+pub mod http;
+pub mod quorum;
+pub mod service;
+
+pub use client::LighthouseClient;
+pub use service::LighthouseServer;
+
+/// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LighthouseOptions {
+    /// Fewest replica groups a quorum may have; smaller rounds wait.
+    pub min_replicas: u64,
+    /// How long a round waits, from its first joiner, for healthy stragglers.
+    pub join_timeout: Duration,
+    /// How often the lighthouse re-evaluates a round (join timeout, heartbeat expiry).
+    pub quorum_tick: Duration,
+    /// A replica group that has not heartbeated (or asked) for this long is not healthy.
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for LighthouseOptions {
+    fn default() -> Self {
+        Self {
+            min_replicas: 1,
+            join_timeout: Duration::from_secs(60),
+            quorum_tick: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl LighthouseOptions {
+    /// Checks the options are usable (at least one replica, non-zero tick and timeouts).
+    pub fn validate(&self) -> crate::error::Result<()> {
+        use crate::error::Error;
+        if self.min_replicas < 1 {
+            return Err(Error::InvalidArgument(
+                "min_replicas must be at least 1".into(),
+            ));
+        }
+        if self.quorum_tick.is_zero() {
+            return Err(Error::InvalidArgument(
+                "quorum_tick must be positive".into(),
+            ));
+        }
+        if self.heartbeat_timeout.is_zero() {
+            return Err(Error::InvalidArgument(
+                "heartbeat_timeout must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}

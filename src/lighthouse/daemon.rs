@@ -1,0 +1,172 @@
+//! The `torchft_lighthouse` daemon: flags, logging, serve until SIGTERM/SIGINT.
+//!
+//! Shared by the binary and the Python console script (`lighthouse_main`), so both accept the
+//! same flags and behave the same.
+
+use std::time::Duration;
+
+use clap::Parser;
+use tracing::info;
+
+use super::{LighthouseOptions, LighthouseServer};
+use crate::error::{Error, Result};
+
+/// torchft lighthouse: decides, per step, which replica groups take part in training.
+///
+/// Serves gRPC (quorum, heartbeat) and HTTP (/healthz, /readyz, /status, /) on one port.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "torchft_lighthouse", version, about, long_about = None)]
+pub struct Args {
+    /// Fewest replica groups a quorum may have (at least 1).
+    #[arg(
+        long = "min_replicas",
+        alias = "min-replicas",
+        env = "TORCHFT_MIN_REPLICAS",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub min_replicas: u64,
+
+    /// Address to listen on (host:port); port 0 picks a free port.
+    #[arg(long = "bind", env = "TORCHFT_BIND", default_value = "[::]:29510")]
+    pub bind: String,
+
+    /// How long a round waits, from its first joiner, for healthy stragglers (ms).
+    #[arg(
+        long = "join_timeout_ms",
+        alias = "join-timeout-ms",
+        env = "TORCHFT_JOIN_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
+    pub join_timeout_ms: u64,
+
+    /// How often the lighthouse re-evaluates a round (ms, at least 1).
+    #[arg(
+        long = "quorum_tick_ms",
+        alias = "quorum-tick-ms",
+        env = "TORCHFT_QUORUM_TICK_MS",
+        default_value_t = 100,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub quorum_tick_ms: u64,
+
+    /// A replica group silent for this long is no longer healthy (ms, at least 1).
+    #[arg(
+        long = "heartbeat_timeout_ms",
+        alias = "heartbeat-timeout-ms",
+        env = "TORCHFT_HEARTBEAT_TIMEOUT_MS",
+        default_value_t = 5_000,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub heartbeat_timeout_ms: u64,
+}
+
+impl Args {
+    /// The lighthouse options these flags describe.
+    pub fn options(&self) -> LighthouseOptions {
+        LighthouseOptions {
+            min_replicas: self.min_replicas,
+            join_timeout: Duration::from_millis(self.join_timeout_ms),
+            quorum_tick: Duration::from_millis(self.quorum_tick_ms),
+            heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
+        }
+    }
+}
+
+/// Installs a `tracing` subscriber writing to stderr, filtered by `RUST_LOG` (default info).
+///
+/// Does nothing if the process already has one.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn wait_for_signal() -> Result<&'static str> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())
+            .map_err(|e| Error::Unavailable(format!("cannot listen for SIGTERM: {e}")))?;
+        let mut int = signal(SignalKind::interrupt())
+            .map_err(|e| Error::Unavailable(format!("cannot listen for SIGINT: {e}")))?;
+        tokio::select! {
+            _ = term.recv() => Ok("SIGTERM"),
+            _ = int.recv() => Ok("SIGINT"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c()
+            .await
+            .map_err(|e| Error::Unavailable(format!("cannot listen for Ctrl-C: {e}")))?;
+        Ok("Ctrl-C")
+    }
+}
+
+/// Runs the lighthouse until SIGTERM or SIGINT, then shuts it down gracefully.
+///
+/// Blocks the calling thread on the process-wide runtime.
+pub fn run(args: Args) -> Result<()> {
+    init_logging();
+    crate::runtime::get().block_on(async move {
+        let opts = args.options();
+        let server = LighthouseServer::bind(&args.bind, opts.clone()).await?;
+        info!(
+            min_replicas = opts.min_replicas,
+            join_timeout_ms = args.join_timeout_ms,
+            quorum_tick_ms = args.quorum_tick_ms,
+            heartbeat_timeout_ms = args.heartbeat_timeout_ms,
+            "lighthouse listening on {}",
+            server.address()
+        );
+        let signal = wait_for_signal().await;
+        match &signal {
+            Ok(name) => info!("received {name}, shutting down"),
+            Err(e) => tracing::error!(error = %e, "signal handling failed, shutting down"),
+        }
+        server.shutdown().await;
+        info!("lighthouse stopped");
+        signal.map(|_| ())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_with_both_spellings() {
+        let a = Args::try_parse_from([
+            "torchft_lighthouse",
+            "--min_replicas",
+            "2",
+            "--join-timeout-ms",
+            "10",
+            "--quorum_tick_ms=5",
+        ])
+        .unwrap();
+        assert_eq!(a.min_replicas, 2);
+        assert_eq!(a.join_timeout_ms, 10);
+        assert_eq!(a.quorum_tick_ms, 5);
+        assert_eq!(a.heartbeat_timeout_ms, 5_000);
+        assert_eq!(a.bind, "[::]:29510");
+        let o = a.options();
+        assert_eq!(o.join_timeout, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn bad_flags_rejected() {
+        for argv in [
+            vec!["x", "--min_replicas", "0"],
+            vec!["x", "--min_replicas", "abc"],
+            vec!["x", "--min_replicas", "1", "--bogus"],
+            vec!["x", "--min_replicas", "1", "--quorum_tick_ms", "0"],
+            vec!["x", "--min_replicas", "1", "--heartbeat_timeout_ms", "-5"],
+        ] {
+            assert!(Args::try_parse_from(&argv).is_err(), "{argv:?} accepted");
+        }
+    }
+}

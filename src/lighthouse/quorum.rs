@@ -1,0 +1,1121 @@
+//! The pure quorum engine: `(state, now, options) → decision`, with no I/O and no clock.
+//!
+//! Every method takes the current time as an argument, so the rules are tested with virtual
+//! time. Joins, leaves and heartbeats cost O(1) amortised: the engine keeps incremental
+//! counters (participants, participants that were in the previous quorum, shrink-only
+//! requests, healthy replicas as of the last prune) and only builds a quorum (O(n)) once it
+//! has decided to issue one. Heartbeat expiry and pruning happen in [`QuorumEngine::tick`].
+//!
+//! Rules (see the design notes, "Lighthouse quorum rules"):
+//! - healthy = heartbeated or asked within `heartbeat_timeout` (a waiting participant is
+//!   healthy: its request is live);
+//! - a quorum needs ≥ `min_replicas` members and a strict majority of all healthy replicas,
+//!   on the fast path too;
+//! - fast path: every member of the previous quorum asks again → answer at once;
+//! - otherwise answer once every healthy replica asks, or `join_timeout` after the round's
+//!   first joiner;
+//! - `shrink_only` (any participant) keeps only members of the previous quorum;
+//! - the id changes when the member set changes or a member reports commit failures.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use super::LighthouseOptions;
+use crate::error::{Error, Result};
+use crate::proto::{Quorum, QuorumMember};
+
+/// Heartbeat records unseen for this many heartbeat timeouts are forgotten at tick time, so
+/// a long-running lighthouse does not accumulate every replica id it ever saw.
+pub const PRUNE_AFTER_TIMEOUTS: u32 = 10;
+
+/// One replica group waiting in the current round.
+#[derive(Debug, Clone)]
+struct Participant {
+    member: QuorumMember,
+    generation: u64,
+}
+
+/// When a replica group was last seen, and whether it is counted as healthy.
+#[derive(Debug, Clone, Copy)]
+struct HeartbeatRecord {
+    last_seen: Instant,
+    counted: bool,
+}
+
+/// Outcome of [`QuorumEngine::join`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Joined {
+    /// Identifies this request; pass it to [`QuorumEngine::leave`] so a stale request of the
+    /// same replica cannot remove a newer one.
+    pub generation: u64,
+    /// The generation of an earlier, still waiting request of the same replica that this one
+    /// replaced (that waiter should be told it was superseded).
+    pub replaced: Option<u64>,
+}
+
+/// Why the next quorum is, or is not yet, ready.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every member of the previous quorum asked again (and min/majority hold).
+    FastPath,
+    /// Every healthy replica group is asking.
+    AllHealthyJoined,
+    /// The join timeout of the round passed with enough replica groups.
+    JoinTimeout,
+    /// Nobody is asking.
+    NoParticipants,
+    /// Fewer candidates than `min_replicas`.
+    BelowMinReplicas {
+        /// Candidates after shrink-only filtering.
+        candidates: usize,
+        /// The configured minimum.
+        min_replicas: u64,
+    },
+    /// The candidates are not a strict majority of the healthy replica groups.
+    NoMajority {
+        /// Candidates after shrink-only filtering.
+        candidates: usize,
+        /// Healthy replica groups (as of the last prune).
+        healthy: usize,
+    },
+    /// Enough replica groups, waiting for healthy stragglers until the join timeout.
+    WaitingForStragglers {
+        /// Healthy replica groups that are not asking yet.
+        missing: usize,
+        /// Time left until the join timeout.
+        remaining: Duration,
+    },
+}
+
+impl Verdict {
+    /// True when a quorum is issued on this verdict.
+    pub fn is_ready(&self) -> bool {
+        matches!(
+            self,
+            Verdict::FastPath | Verdict::AllHealthyJoined | Verdict::JoinTimeout
+        )
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Verdict::FastPath => write!(f, "ready: every member of the previous quorum is asking"),
+            Verdict::AllHealthyJoined => write!(f, "ready: every healthy replica is asking"),
+            Verdict::JoinTimeout => write!(f, "ready: join timeout passed with enough replicas"),
+            Verdict::NoParticipants => write!(f, "no replica is asking for a quorum"),
+            Verdict::BelowMinReplicas {
+                candidates,
+                min_replicas,
+            } => {
+                let more = min_replicas.saturating_sub(*candidates as u64);
+                let s = if more == 1 { "" } else { "s" };
+                write!(
+                    f,
+                    "waiting for {more} more replica{s} to reach min_replicas={min_replicas}"
+                )
+            }
+            Verdict::NoMajority {
+                candidates,
+                healthy,
+            } => write!(
+                f,
+                "waiting for a strict majority: {candidates} asking of {healthy} healthy replicas"
+            ),
+            Verdict::WaitingForStragglers { missing, remaining } => write!(
+                f,
+                "waiting up to {:.1}s for {missing} healthy replica(s) not asking yet",
+                remaining.as_secs_f64()
+            ),
+        }
+    }
+}
+
+/// A read-only view of the engine for status pages.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Id of the last issued quorum, if any.
+    pub quorum_id: Option<i64>,
+    /// The configured minimum.
+    pub min_replicas: u64,
+    /// Members of the last issued quorum.
+    pub members: Vec<QuorumMember>,
+    /// Known replica ids with the time since they were last seen, and whether healthy.
+    pub heartbeats: Vec<(String, Duration, bool)>,
+    /// Replica ids asking in the current round (sorted).
+    pub participants: Vec<String>,
+    /// Why the next quorum is or is not ready.
+    pub verdict: Verdict,
+}
+
+/// The lighthouse's quorum state machine. Pure: the caller supplies `now` everywhere.
+#[derive(Debug)]
+pub struct QuorumEngine {
+    opts: LighthouseOptions,
+    /// Id given to the next quorum whose membership changed.
+    next_id: i64,
+    previous: Option<Quorum>,
+    previous_ids: HashSet<String>,
+    participants: HashMap<String, Participant>,
+    round_started: Option<Instant>,
+    next_generation: u64,
+    /// Participants that are members of the previous quorum.
+    prev_participating: usize,
+    /// Participants that asked for shrink_only.
+    shrink_only: usize,
+    heartbeats: HashMap<String, HeartbeatRecord>,
+    /// Records with `counted`: a superset of the healthy replicas (exact after a prune).
+    healthy: usize,
+}
+
+/// Rejects members the engine cannot reason about; nothing is changed on error.
+pub fn validate_member(member: &QuorumMember) -> Result<()> {
+    if member.replica_id.trim().is_empty() {
+        return Err(Error::InvalidArgument(
+            "replica_id must not be empty".into(),
+        ));
+    }
+    if member.step < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "step must not be negative (replica {:?} sent {})",
+            member.replica_id, member.step
+        )));
+    }
+    if member.world_size == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "world_size must be at least 1 (replica {:?} sent 0)",
+            member.replica_id
+        )));
+    }
+    if member.commit_failures < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "commit_failures must not be negative (replica {:?} sent {})",
+            member.replica_id, member.commit_failures
+        )));
+    }
+    if !member.data.is_empty()
+        && serde_json::from_str::<serde::de::IgnoredAny>(&member.data).is_err()
+    {
+        return Err(Error::InvalidArgument(format!(
+            "data of replica {:?} is not valid JSON",
+            member.replica_id
+        )));
+    }
+    Ok(())
+}
+
+impl QuorumEngine {
+    /// A fresh engine whose first quorum gets `initial_quorum_id` (at least 1).
+    ///
+    /// Passing e.g. the start time in microseconds keeps ids strictly increasing across
+    /// lighthouse restarts while the engine itself stays free of clocks.
+    pub fn new(opts: LighthouseOptions, initial_quorum_id: i64) -> Self {
+        Self {
+            opts,
+            next_id: initial_quorum_id.max(1),
+            previous: None,
+            previous_ids: HashSet::new(),
+            participants: HashMap::new(),
+            round_started: None,
+            next_generation: 1,
+            prev_participating: 0,
+            shrink_only: 0,
+            heartbeats: HashMap::new(),
+            healthy: 0,
+        }
+    }
+
+    /// The options the engine decides with.
+    pub fn options(&self) -> &LighthouseOptions {
+        &self.opts
+    }
+
+    /// The last issued quorum, if any.
+    pub fn previous(&self) -> Option<&Quorum> {
+        self.previous.as_ref()
+    }
+
+    /// Number of replica groups asking in the current round.
+    pub fn num_participants(&self) -> usize {
+        self.participants.len()
+    }
+
+    /// Number of heartbeat records kept (healthy or not yet pruned).
+    pub fn num_heartbeat_records(&self) -> usize {
+        self.heartbeats.len()
+    }
+
+    /// True if `replica_id` is waiting in the current round with this `generation`.
+    pub fn is_waiting(&self, replica_id: &str, generation: u64) -> bool {
+        self.participants
+            .get(replica_id)
+            .is_some_and(|p| p.generation == generation)
+    }
+
+    fn touch(&mut self, replica_id: &str, now: Instant) {
+        match self.heartbeats.get_mut(replica_id) {
+            Some(rec) => {
+                if now > rec.last_seen {
+                    rec.last_seen = now;
+                }
+                if !rec.counted {
+                    rec.counted = true;
+                    self.healthy += 1;
+                }
+            }
+            None => {
+                self.heartbeats.insert(
+                    replica_id.to_string(),
+                    HeartbeatRecord {
+                        last_seen: now,
+                        counted: true,
+                    },
+                );
+                self.healthy += 1;
+            }
+        }
+    }
+
+    /// Records that `replica_id` is alive.
+    pub fn heartbeat(&mut self, replica_id: &str, now: Instant) -> Result<()> {
+        if replica_id.trim().is_empty() {
+            return Err(Error::InvalidArgument(
+                "replica_id must not be empty".into(),
+            ));
+        }
+        self.touch(replica_id, now);
+        Ok(())
+    }
+
+    /// Adds `member` to the current round (replacing an earlier request of the same replica).
+    ///
+    /// Does not decide: call [`QuorumEngine::poll`] afterwards.
+    pub fn join(&mut self, member: QuorumMember, now: Instant) -> Result<Joined> {
+        validate_member(&member)?;
+        self.touch(&member.replica_id, now);
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let shrink = member.shrink_only;
+        let in_previous = self.previous_ids.contains(&member.replica_id);
+        let replaced = match self.participants.insert(
+            member.replica_id.clone(),
+            Participant { member, generation },
+        ) {
+            Some(old) => {
+                if old.member.shrink_only {
+                    self.shrink_only -= 1;
+                }
+                Some(old.generation)
+            }
+            None => {
+                if in_previous {
+                    self.prev_participating += 1;
+                }
+                None
+            }
+        };
+        if shrink {
+            self.shrink_only += 1;
+        }
+        if self.round_started.is_none() {
+            self.round_started = Some(now);
+        }
+        Ok(Joined {
+            generation,
+            replaced,
+        })
+    }
+
+    /// Removes the request `generation` of `replica_id` from the round (cancelled or timed
+    /// out). Returns false if that request is no longer waiting (answered or replaced).
+    pub fn leave(&mut self, replica_id: &str, generation: u64) -> bool {
+        if !self.is_waiting(replica_id, generation) {
+            return false;
+        }
+        if let Some(p) = self.participants.remove(replica_id) {
+            if p.member.shrink_only {
+                self.shrink_only -= 1;
+            }
+            if self.previous_ids.contains(replica_id) {
+                self.prev_participating -= 1;
+            }
+        }
+        if self.participants.is_empty() {
+            self.round_started = None;
+        }
+        true
+    }
+
+    fn shrinking(&self) -> bool {
+        self.shrink_only > 0 && self.previous.is_some()
+    }
+
+    /// Why the next quorum is or is not ready, from the counters (O(1)).
+    pub fn verdict(&self, now: Instant) -> Verdict {
+        let asking = self.participants.len();
+        if asking == 0 {
+            return Verdict::NoParticipants;
+        }
+        let candidates = if self.shrinking() {
+            self.prev_participating
+        } else {
+            asking
+        };
+        let healthy = self.healthy.max(asking);
+        if (candidates as u64) < self.opts.min_replicas {
+            return Verdict::BelowMinReplicas {
+                candidates,
+                min_replicas: self.opts.min_replicas,
+            };
+        }
+        if candidates * 2 <= healthy {
+            return Verdict::NoMajority {
+                candidates,
+                healthy,
+            };
+        }
+        if !self.previous_ids.is_empty() && self.prev_participating == self.previous_ids.len() {
+            return Verdict::FastPath;
+        }
+        if asking >= healthy {
+            return Verdict::AllHealthyJoined;
+        }
+        let started = self.round_started.unwrap_or(now);
+        let missing = healthy - asking;
+        match started.checked_add(self.opts.join_timeout) {
+            Some(deadline) if now >= deadline => Verdict::JoinTimeout,
+            Some(deadline) => Verdict::WaitingForStragglers {
+                missing,
+                remaining: deadline - now,
+            },
+            None => Verdict::WaitingForStragglers {
+                missing,
+                remaining: Duration::MAX,
+            },
+        }
+    }
+
+    /// Issues a quorum if the round is ready (call after every join).
+    ///
+    /// The returned quorum has no `created` timestamp: wall-clock time is the caller's.
+    pub fn poll(&mut self, now: Instant) -> Option<Quorum> {
+        if self.verdict(now).is_ready() {
+            Some(self.issue(now))
+        } else {
+            None
+        }
+    }
+
+    /// Expires heartbeats, forgets long-gone replicas, then decides like [`QuorumEngine::poll`].
+    pub fn tick(&mut self, now: Instant) -> Option<Quorum> {
+        self.prune(now);
+        self.poll(now)
+    }
+
+    /// Recounts the healthy replicas and drops records older than
+    /// [`PRUNE_AFTER_TIMEOUTS`] heartbeat timeouts (O(number of records)).
+    pub fn prune(&mut self, now: Instant) {
+        let timeout = self.opts.heartbeat_timeout;
+        let forget_after = timeout.saturating_mul(PRUNE_AFTER_TIMEOUTS);
+        let participants = &self.participants;
+        let mut healthy = 0;
+        self.heartbeats.retain(|id, rec| {
+            let waiting = participants.contains_key(id);
+            let age = now.saturating_duration_since(rec.last_seen);
+            rec.counted = waiting || age <= timeout;
+            if rec.counted {
+                healthy += 1;
+            }
+            waiting || age <= forget_after
+        });
+        self.healthy = healthy;
+    }
+
+    fn issue(&mut self, now: Instant) -> Quorum {
+        let shrinking = self.shrinking();
+        let mut members: Vec<QuorumMember> = if shrinking {
+            let ids: Vec<String> = self
+                .participants
+                .keys()
+                .filter(|id| self.previous_ids.contains(*id))
+                .cloned()
+                .collect();
+            ids.iter()
+                .filter_map(|id| self.participants.remove(id))
+                .map(|p| p.member)
+                .collect()
+        } else {
+            self.participants.drain().map(|(_, p)| p.member).collect()
+        };
+        members.sort_unstable_by(|a, b| a.replica_id.cmp(&b.replica_id));
+
+        let same_members = self.previous.is_some()
+            && members.len() == self.previous_ids.len()
+            && members
+                .iter()
+                .all(|m| self.previous_ids.contains(&m.replica_id));
+        let failures = members.iter().any(|m| m.commit_failures > 0);
+        let quorum_id = match &self.previous {
+            Some(prev) if same_members && !failures => prev.quorum_id,
+            _ => {
+                let id = self.next_id;
+                self.next_id += 1;
+                id
+            }
+        };
+
+        self.previous_ids = members.iter().map(|m| m.replica_id.clone()).collect();
+        let quorum = Quorum {
+            quorum_id,
+            participants: members,
+            created: None,
+        };
+        self.previous = Some(quorum.clone());
+
+        // Whoever was not selected (newcomers under shrink_only) waits for the next round.
+        self.prev_participating = self
+            .participants
+            .keys()
+            .filter(|id| self.previous_ids.contains(*id))
+            .count();
+        self.shrink_only = self
+            .participants
+            .values()
+            .filter(|p| p.member.shrink_only)
+            .count();
+        self.round_started = if self.participants.is_empty() {
+            None
+        } else {
+            Some(now)
+        };
+        quorum
+    }
+
+    /// A read-only view for status pages (O(n)).
+    pub fn snapshot(&self, now: Instant) -> Snapshot {
+        let timeout = self.opts.heartbeat_timeout;
+        let mut heartbeats: Vec<(String, Duration, bool)> = self
+            .heartbeats
+            .iter()
+            .map(|(id, rec)| {
+                let age = now.saturating_duration_since(rec.last_seen);
+                let healthy = age <= timeout || self.participants.contains_key(id);
+                (id.clone(), age, healthy)
+            })
+            .collect();
+        heartbeats.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut participants: Vec<String> = self.participants.keys().cloned().collect();
+        participants.sort();
+        Snapshot {
+            quorum_id: self.previous.as_ref().map(|q| q.quorum_id),
+            min_replicas: self.opts.min_replicas,
+            members: self
+                .previous
+                .as_ref()
+                .map(|q| q.participants.clone())
+                .unwrap_or_default(),
+            heartbeats,
+            participants,
+            verdict: self.verdict(now),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(min_replicas: u64) -> LighthouseOptions {
+        LighthouseOptions {
+            min_replicas,
+            join_timeout: Duration::from_secs(60),
+            quorum_tick: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn member(id: &str) -> QuorumMember {
+        QuorumMember {
+            replica_id: id.to_string(),
+            address: format!("http://{id}:1"),
+            store_address: format!("{id}:2"),
+            step: 1,
+            world_size: 1,
+            ..Default::default()
+        }
+    }
+
+    fn ids(q: &Quorum) -> Vec<&str> {
+        q.participants
+            .iter()
+            .map(|m| m.replica_id.as_str())
+            .collect()
+    }
+
+    /// One scripted event of a table-driven scenario.
+    #[derive(Clone)]
+    enum Ev {
+        Join(&'static str),
+        JoinWith(QuorumMember),
+        Heartbeat(&'static str),
+        Advance(u64),
+        Tick,
+        /// Expect the last join/tick to have issued a quorum with exactly these members.
+        Issued(&'static [&'static str]),
+        /// Expect that nothing was issued.
+        Nothing,
+        /// Expect the last issued quorum id to equal the previous issued id.
+        SameId,
+        /// Expect the last issued quorum id to be greater than the previous issued id.
+        NewId,
+    }
+
+    fn run(min: u64, script: &[Ev]) {
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut engine = QuorumEngine::new(opts(min), 100);
+        let mut last: Option<Quorum> = None;
+        let mut issued_ids: Vec<i64> = vec![];
+        for (i, ev) in script.iter().enumerate() {
+            match ev {
+                Ev::Join(id) => {
+                    engine.join(member(id), now).unwrap();
+                    last = engine.poll(now);
+                }
+                Ev::JoinWith(m) => {
+                    engine.join(m.clone(), now).unwrap();
+                    last = engine.poll(now);
+                }
+                Ev::Heartbeat(id) => engine.heartbeat(id, now).unwrap(),
+                Ev::Advance(ms) => now += Duration::from_millis(*ms),
+                Ev::Tick => last = engine.tick(now),
+                Ev::Issued(want) => {
+                    let q = last
+                        .take()
+                        .unwrap_or_else(|| panic!("step {i}: nothing issued"));
+                    assert_eq!(ids(&q), want.to_vec(), "step {i}");
+                    issued_ids.push(q.quorum_id);
+                }
+                Ev::Nothing => assert!(last.is_none(), "step {i}: unexpected {last:?}"),
+                Ev::SameId => {
+                    let n = issued_ids.len();
+                    assert_eq!(issued_ids[n - 1], issued_ids[n - 2], "step {i}");
+                }
+                Ev::NewId => {
+                    let n = issued_ids.len();
+                    assert!(issued_ids[n - 1] > issued_ids[n - 2], "step {i}");
+                }
+            }
+        }
+    }
+
+    fn shrink(id: &str) -> QuorumMember {
+        QuorumMember {
+            shrink_only: true,
+            ..member(id)
+        }
+    }
+
+    fn failing(id: &str) -> QuorumMember {
+        QuorumMember {
+            commit_failures: 2,
+            ..member(id)
+        }
+    }
+
+    use Ev::*;
+
+    #[test]
+    fn first_round_waits_for_all_healthy() {
+        run(
+            1,
+            &[
+                Heartbeat("b"),
+                Join("a"),
+                Nothing,
+                Join("b"),
+                Issued(&["a", "b"]),
+            ],
+        );
+    }
+
+    #[test]
+    fn min_replicas_blocks_small_rounds() {
+        run(
+            3,
+            &[
+                Join("a"),
+                Nothing,
+                Join("b"),
+                Nothing,
+                Advance(61_000),
+                Tick,
+                Nothing,
+                Join("c"),
+                Issued(&["a", "b", "c"]),
+            ],
+        );
+        run(
+            3,
+            &[Join("a"), Join("b"), Join("c"), Issued(&["a", "b", "c"])],
+        );
+    }
+
+    #[test]
+    fn join_timeout_issues_without_stragglers() {
+        run(
+            1,
+            &[
+                Heartbeat("c"),
+                Join("a"),
+                Join("b"),
+                Nothing,
+                Advance(3_000),
+                Heartbeat("c"),
+                Tick,
+                Nothing,
+                Advance(3_000),
+                Heartbeat("c"),
+                Advance(55_000),
+                Heartbeat("c"),
+                Tick,
+                Issued(&["a", "b"]),
+            ],
+        );
+    }
+
+    #[test]
+    fn heartbeat_expiry_drops_straggler_at_tick() {
+        run(
+            1,
+            &[
+                Heartbeat("c"),
+                Join("a"),
+                Join("b"),
+                Nothing,
+                Advance(5_001),
+                Tick,
+                Issued(&["a", "b"]),
+            ],
+        );
+    }
+
+    #[test]
+    fn majority_required() {
+        // 2 asking of 4 healthy is not a strict majority, even after the join timeout.
+        run(
+            1,
+            &[
+                Heartbeat("c"),
+                Heartbeat("d"),
+                Join("a"),
+                Join("b"),
+                Advance(4_000),
+                Heartbeat("c"),
+                Heartbeat("d"),
+                Advance(1_000),
+                Tick,
+                Nothing,
+                Join("c"),
+                Nothing,
+                Advance(57_000),
+                Heartbeat("d"),
+                Tick,
+                Issued(&["a", "b", "c"]),
+            ],
+        );
+    }
+
+    #[test]
+    fn fast_path_answers_at_once_and_keeps_id() {
+        run(
+            2,
+            &[
+                Join("a"),
+                Join("b"),
+                Issued(&["a", "b"]),
+                Heartbeat("c"),
+                Join("a"),
+                Nothing,
+                Join("b"),
+                Issued(&["a", "b"]),
+                SameId,
+            ],
+        );
+    }
+
+    #[test]
+    fn fast_path_includes_newcomers_and_changes_id() {
+        run(
+            1,
+            &[
+                Join("a"),
+                Issued(&["a"]),
+                Join("b"),
+                Nothing, // b alone is 1 of 2 healthy: no majority yet
+                Join("a"),
+                Issued(&["a", "b"]),
+                NewId,
+            ],
+        );
+    }
+
+    #[test]
+    fn fast_path_does_not_bypass_min_replicas_after_shrink() {
+        // Previous quorum {a, b, c}; min 3. a and b ask again with shrink_only, c is gone but
+        // newcomer d asks: fast path must not fire with 2 < min_replicas members.
+        let mut e = QuorumEngine::new(opts(3), 1);
+        let t = Instant::now();
+        for id in ["a", "b", "c"] {
+            e.join(member(id), t).unwrap();
+        }
+        let q = e.poll(t).unwrap();
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        let t = t + Duration::from_secs(6);
+        e.join(shrink("a"), t).unwrap();
+        e.join(member("b"), t).unwrap();
+        e.join(member("d"), t).unwrap();
+        assert!(e.tick(t).is_none(), "quorum below min_replicas issued");
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::BelowMinReplicas { candidates: 2, .. }
+        ));
+    }
+
+    #[test]
+    fn fast_path_does_not_bypass_majority() {
+        // Previous quorum {a}; now a asks but b, c, d are healthy: 1 of 4 is no majority.
+        let mut e = QuorumEngine::new(opts(1), 1);
+        let t = Instant::now();
+        e.join(member("a"), t).unwrap();
+        assert!(e.poll(t).is_some());
+        for id in ["b", "c", "d"] {
+            e.heartbeat(id, t).unwrap();
+        }
+        e.join(member("a"), t).unwrap();
+        assert!(e.poll(t).is_none());
+        assert_eq!(
+            e.verdict(t),
+            Verdict::NoMajority {
+                candidates: 1,
+                healthy: 4
+            }
+        );
+    }
+
+    #[test]
+    fn shrink_only_keeps_previous_members() {
+        run(
+            2,
+            &[
+                Join("a"),
+                Join("b"),
+                Issued(&["a", "b"]),
+                Join("c"),
+                Nothing,
+                JoinWith(shrink("a")),
+                Nothing,
+                Join("b"),
+                Issued(&["a", "b"]),
+                SameId,
+            ],
+        );
+    }
+
+    #[test]
+    fn shrink_only_leftover_waits_for_next_round() {
+        let mut e = QuorumEngine::new(opts(1), 1);
+        let t = Instant::now();
+        e.join(member("a"), t).unwrap();
+        e.join(member("b"), t).unwrap();
+        e.poll(t).unwrap();
+        e.join(member("c"), t).unwrap();
+        e.join(shrink("a"), t).unwrap();
+        e.join(member("b"), t).unwrap();
+        let q = e.poll(t).unwrap();
+        assert_eq!(ids(&q), ["a", "b"]);
+        assert_eq!(e.num_participants(), 1);
+        // The next round includes c once a and b ask again.
+        e.join(member("a"), t).unwrap();
+        e.join(member("b"), t).unwrap();
+        let q2 = e.poll(t).unwrap();
+        assert_eq!(ids(&q2), ["a", "b", "c"]);
+        assert!(q2.quorum_id > q.quorum_id);
+    }
+
+    #[test]
+    fn commit_failures_bump_id() {
+        run(
+            2,
+            &[
+                Join("a"),
+                Join("b"),
+                Issued(&["a", "b"]),
+                JoinWith(failing("a")),
+                Join("b"),
+                Issued(&["a", "b"]),
+                NewId,
+            ],
+        );
+    }
+
+    #[test]
+    fn cancelled_request_leaves_round() {
+        let mut e = QuorumEngine::new(opts(2), 1);
+        let t = Instant::now();
+        let a = e.join(member("a"), t).unwrap();
+        assert!(e.poll(t).is_none());
+        assert!(e.leave("a", a.generation));
+        assert_eq!(e.num_participants(), 0);
+        // b alone must not be put in a quorum with the departed a.
+        e.join(member("b"), t).unwrap();
+        assert!(e.poll(t).is_none());
+        e.join(member("c"), t).unwrap();
+        // a was seen recently, so the round waits for it as a healthy straggler ...
+        assert!(e.poll(t).is_none());
+        // ... and once its heartbeat expires the quorum forms without it.
+        let q = e.tick(t + Duration::from_secs(6)).unwrap();
+        assert_eq!(ids(&q), ["b", "c"]);
+    }
+
+    #[test]
+    fn stale_leave_does_not_remove_newer_request() {
+        let mut e = QuorumEngine::new(opts(2), 1);
+        let t = Instant::now();
+        let old = e.join(member("a"), t).unwrap();
+        let new = e.join(member("a"), t).unwrap();
+        assert_eq!(new.replaced, Some(old.generation));
+        assert!(!e.leave("a", old.generation));
+        assert!(e.is_waiting("a", new.generation));
+        assert_eq!(e.num_participants(), 1);
+        assert!(e.leave("a", new.generation));
+    }
+
+    #[test]
+    fn heartbeat_records_pruned() {
+        let mut e = QuorumEngine::new(opts(1), 1);
+        let t = Instant::now();
+        for i in 0..50 {
+            e.heartbeat(&format!("r{i}"), t).unwrap();
+        }
+        e.tick(t + Duration::from_secs(49));
+        assert_eq!(e.num_heartbeat_records(), 50);
+        e.tick(t + Duration::from_secs(51));
+        assert_eq!(e.num_heartbeat_records(), 0);
+    }
+
+    #[test]
+    fn waiting_participant_not_pruned() {
+        let mut e = QuorumEngine::new(opts(2), 1);
+        let t = Instant::now();
+        e.join(member("a"), t).unwrap();
+        e.tick(t + Duration::from_secs(100));
+        assert_eq!(e.num_heartbeat_records(), 1);
+        assert_eq!(e.num_participants(), 1);
+    }
+
+    #[test]
+    fn ids_start_at_initial_and_increase_across_restarts() {
+        let t = Instant::now();
+        let mut e1 = QuorumEngine::new(opts(1), 1_000);
+        e1.join(member("a"), t).unwrap();
+        let q1 = e1.poll(t).unwrap();
+        assert_eq!(q1.quorum_id, 1_000);
+        e1.join(member("b"), t).unwrap();
+        e1.join(member("a"), t).unwrap();
+        let q2 = e1.poll(t).unwrap();
+        assert_eq!(q2.quorum_id, 1_001);
+        // A restart seeds with a later clock reading.
+        let mut e2 = QuorumEngine::new(opts(1), 2_000);
+        e2.join(member("a"), t).unwrap();
+        assert!(e2.poll(t).unwrap().quorum_id > q2.quorum_id);
+        assert_eq!(QuorumEngine::new(opts(1), -5).next_id, 1);
+    }
+
+    #[test]
+    fn invalid_members_rejected_state_unchanged() {
+        let cases: Vec<(QuorumMember, &str)> = vec![
+            (
+                QuorumMember {
+                    replica_id: String::new(),
+                    ..member("x")
+                },
+                "replica_id",
+            ),
+            (
+                QuorumMember {
+                    replica_id: "  ".into(),
+                    ..member("x")
+                },
+                "replica_id",
+            ),
+            (
+                QuorumMember {
+                    step: -1,
+                    ..member("x")
+                },
+                "step",
+            ),
+            (
+                QuorumMember {
+                    world_size: 0,
+                    ..member("x")
+                },
+                "world_size",
+            ),
+            (
+                QuorumMember {
+                    commit_failures: -3,
+                    ..member("x")
+                },
+                "commit_failures",
+            ),
+            (
+                QuorumMember {
+                    data: "{not json".into(),
+                    ..member("x")
+                },
+                "JSON",
+            ),
+        ];
+        let t = Instant::now();
+        for (m, what) in cases {
+            let mut e = QuorumEngine::new(opts(1), 1);
+            let err = e.join(m, t).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(msg) if msg.contains(what)),
+                "{err}"
+            );
+            assert_eq!(e.num_participants(), 0);
+            assert_eq!(e.num_heartbeat_records(), 0);
+            assert!(e.poll(t).is_none());
+        }
+        let mut e = QuorumEngine::new(opts(1), 1);
+        assert!(e.heartbeat("", t).is_err());
+        assert_eq!(e.num_heartbeat_records(), 0);
+    }
+
+    #[test]
+    fn verdict_messages_are_readable() {
+        let v = Verdict::BelowMinReplicas {
+            candidates: 1,
+            min_replicas: 2,
+        };
+        assert_eq!(
+            v.to_string(),
+            "waiting for 1 more replica to reach min_replicas=2"
+        );
+        let mut e = QuorumEngine::new(opts(2), 1);
+        let t = Instant::now();
+        assert_eq!(e.snapshot(t).verdict, Verdict::NoParticipants);
+        e.join(member("a"), t).unwrap();
+        let s = e.snapshot(t);
+        assert_eq!(s.participants, ["a"]);
+        assert_eq!(
+            s.verdict.to_string(),
+            "waiting for 1 more replica to reach min_replicas=2"
+        );
+    }
+
+    /// Small deterministic PRNG so the randomized test is reproducible without extra crates.
+    struct XorShift(u64);
+    impl XorShift {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[test]
+    fn randomized_invariants() {
+        for seed in 1..=200u64 {
+            let mut rng = XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let min = 1 + rng.below(3);
+            let o = LighthouseOptions {
+                min_replicas: min,
+                join_timeout: Duration::from_millis(500 + rng.below(2000)),
+                quorum_tick: Duration::from_millis(100),
+                heartbeat_timeout: Duration::from_millis(1000 + rng.below(3000)),
+            };
+            let mut e = QuorumEngine::new(o.clone(), 1 + rng.below(1000) as i64);
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut gens: HashMap<String, u64> = HashMap::new();
+            // Exact liveness model, independent of the engine's counters.
+            let mut seen: HashMap<String, Instant> = HashMap::new();
+            let mut sets: HashMap<i64, Vec<String>> = HashMap::new();
+            let mut last_id = i64::MIN;
+            for _ in 0..400 {
+                let id = format!("r{}", rng.below(7));
+                let issued = match rng.below(8) {
+                    0..=2 => {
+                        let m = QuorumMember {
+                            shrink_only: rng.below(10) == 0,
+                            commit_failures: if rng.below(10) == 0 { 1 } else { 0 },
+                            ..member(&id)
+                        };
+                        let j = e.join(m, now).unwrap();
+                        gens.insert(id.clone(), j.generation);
+                        seen.insert(id.clone(), now);
+                        e.poll(now)
+                    }
+                    3 => {
+                        if let Some(g) = gens.remove(&id) {
+                            e.leave(&id, g);
+                        }
+                        None
+                    }
+                    4 => {
+                        e.heartbeat(&id, now).unwrap();
+                        seen.insert(id.clone(), now);
+                        None
+                    }
+                    5 | 6 => {
+                        now += Duration::from_millis(rng.below(1500));
+                        None
+                    }
+                    _ => e.tick(now),
+                };
+                let Some(q) = issued else { continue };
+                let members: Vec<String> = q
+                    .participants
+                    .iter()
+                    .map(|m| m.replica_id.clone())
+                    .collect();
+                // Issued members no longer wait.
+                for m in &members {
+                    gens.remove(m);
+                }
+                assert!(
+                    members.len() as u64 >= min,
+                    "seed {seed}: below min_replicas"
+                );
+                let healthy = seen
+                    .iter()
+                    .filter(|(id, t)| {
+                        now.saturating_duration_since(**t) <= o.heartbeat_timeout
+                            || e.participants.contains_key(*id)
+                            || members.contains(id)
+                    })
+                    .count();
+                assert!(
+                    members.len() * 2 > healthy,
+                    "seed {seed}: no strict majority"
+                );
+                assert!(q.quorum_id >= last_id, "seed {seed}: id went backwards");
+                if let Some(prev) = sets.get(&q.quorum_id) {
+                    assert_eq!(prev, &members, "seed {seed}: two member sets for one id");
+                    assert_eq!(q.quorum_id, last_id, "seed {seed}: old id reused");
+                }
+                sets.insert(q.quorum_id, members);
+                last_id = q.quorum_id;
+            }
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! The lighthouse gRPC service around the pure engine, and the server hosting it.
+//!
+//! Quorum requests long-poll: each waiter gets its own oneshot channel (a lagging waiter can
+//! never miss its quorum because many were issued), and a drop guard on the handler future
+//! removes a cancelled or timed-out request from the round. A tick task re-evaluates the round
+//! every `quorum_tick` (join timeout, heartbeat expiry). gRPC and the HTTP status pages share
+//! one listener, served by axum (HTTP/1 and h2c on the same port).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tonic::{Request, Response, Status};
+use tracing::{debug, info, warn};
+
+use super::quorum::{QuorumEngine, Snapshot};
+use super::LighthouseOptions;
+use crate::error::{Error, Result};
+use crate::net::request_timeout;
+use crate::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+use crate::proto::{
+    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
+    LighthouseQuorumResponse, Quorum, QuorumMember,
+};
+
+/// How long [`LighthouseServer::shutdown`] waits for connections to drain before aborting.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
+const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
+type Delivery = Result<Arc<Quorum>>;
+
+struct Waiter {
+    generation: u64,
+    tx: oneshot::Sender<Delivery>,
+}
+
+struct State {
+    engine: QuorumEngine,
+    waiters: HashMap<String, Waiter>,
+    shutting_down: bool,
+}
+
+/// State shared by the gRPC handlers, the tick task and the HTTP pages.
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    /// Wall-clock start, reported on the status page.
+    pub(crate) started: SystemTime,
+}
+
+/// The id the first quorum of a lighthouse started now gets: the wall clock in microseconds,
+/// so a restarted lighthouse never reuses an id of its previous life.
+pub fn initial_quorum_id() -> i64 {
+    let micros = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 2))
+        .unwrap_or(1);
+    micros.max(1)
+}
+
+fn now_instant() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+impl Shared {
+    fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
+        Self {
+            state: Mutex::new(State {
+                engine: QuorumEngine::new(opts, initial_id),
+                waiters: HashMap::new(),
+                shutting_down: false,
+            }),
+            started: SystemTime::now(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the engine half-updated in a way that
+        // matters more than stopping the lighthouse would; keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands an issued quorum to each of its members' waiters.
+    fn deliver(state: &mut State, mut quorum: Quorum) {
+        quorum.created = Some(timestamp(SystemTime::now()));
+        info!(
+            quorum_id = quorum.quorum_id,
+            members = quorum.participants.len(),
+            "quorum issued"
+        );
+        let quorum = Arc::new(quorum);
+        for m in &quorum.participants {
+            if let Some(w) = state.waiters.remove(&m.replica_id) {
+                // The receiver may be gone if the handler is just being cancelled.
+                let _ = w.tx.send(Ok(quorum.clone()));
+            }
+        }
+    }
+
+    fn join(&self, member: QuorumMember) -> Result<(u64, oneshot::Receiver<Delivery>)> {
+        let now = now_instant();
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if state.shutting_down {
+            return Err(Error::Shutdown);
+        }
+        let replica_id = member.replica_id.clone();
+        let joined = state.engine.join(member, now)?;
+        let (tx, rx) = oneshot::channel();
+        let old = state.waiters.insert(
+            replica_id.clone(),
+            Waiter {
+                generation: joined.generation,
+                tx,
+            },
+        );
+        if let Some(old) = old {
+            debug!(replica_id = %replica_id, "quorum request superseded by a newer one");
+            let _ = old.tx.send(Err(Error::FailedPrecondition(format!(
+                "superseded by a newer quorum request from replica {replica_id:?}"
+            ))));
+        }
+        if let Some(q) = state.engine.poll(now) {
+            Self::deliver(state, q);
+        }
+        Ok((joined.generation, rx))
+    }
+
+    fn leave(&self, replica_id: &str, generation: u64) {
+        let mut state = self.lock();
+        if state.engine.leave(replica_id, generation) {
+            debug!(replica_id = %replica_id, "quorum request left the round");
+        }
+        if state
+            .waiters
+            .get(replica_id)
+            .is_some_and(|w| w.generation == generation)
+        {
+            state.waiters.remove(replica_id);
+        }
+    }
+
+    fn heartbeat(&self, replica_id: &str) -> Result<()> {
+        let now = now_instant();
+        let mut state = self.lock();
+        if state.shutting_down {
+            return Err(Error::Shutdown);
+        }
+        state.engine.heartbeat(replica_id, now)
+    }
+
+    fn tick(&self) {
+        let now = now_instant();
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if state.shutting_down {
+            return;
+        }
+        if let Some(q) = state.engine.tick(now) {
+            Self::deliver(state, q);
+        }
+    }
+
+    /// Stops accepting requests and ends every pending long-poll with `Error::Shutdown`.
+    fn begin_shutdown(&self) {
+        let mut state = self.lock();
+        state.shutting_down = true;
+        for (_, w) in state.waiters.drain() {
+            let _ = w.tx.send(Err(Error::Shutdown));
+        }
+    }
+
+    /// A view of the engine for the status pages.
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        let now = now_instant();
+        self.lock().engine.snapshot(now)
+    }
+
+    /// False once shutdown has begun.
+    pub(crate) fn serving(&self) -> bool {
+        !self.lock().shutting_down
+    }
+}
+
+/// Removes a waiting request from the round when its handler future ends for any reason
+/// (answered, deadline, client cancel). A no-op once the request was answered or replaced.
+struct LeaveGuard {
+    shared: Arc<Shared>,
+    replica_id: String,
+    generation: u64,
+}
+
+impl Drop for LeaveGuard {
+    fn drop(&mut self) {
+        self.shared.leave(&self.replica_id, self.generation);
+    }
+}
+
+/// The tonic service implementation.
+struct Grpc {
+    shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl LighthouseService for Grpc {
+    async fn quorum(
+        &self,
+        request: Request<LighthouseQuorumRequest>,
+    ) -> std::result::Result<Response<LighthouseQuorumResponse>, Status> {
+        let timeout = request_timeout(&request);
+        let requester = request
+            .into_inner()
+            .requester
+            .ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
+        let replica_id = requester.replica_id.clone();
+        let (generation, rx) = self.shared.join(requester)?;
+        let _guard = LeaveGuard {
+            shared: self.shared.clone(),
+            replica_id,
+            generation,
+        };
+        let delivered = match timeout {
+            Some(t) => match tokio::time::timeout(t, rx).await {
+                Ok(d) => d,
+                Err(_) => return Err(Error::timeout("lighthouse quorum", t).into()),
+            },
+            None => rx.await,
+        };
+        match delivered {
+            Ok(Ok(quorum)) => Ok(Response::new(LighthouseQuorumResponse {
+                quorum: Some((*quorum).clone()),
+            })),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => Err(Error::Shutdown.into()),
+        }
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<LighthouseHeartbeatRequest>,
+    ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
+        self.shared.heartbeat(&request.into_inner().replica_id)?;
+        Ok(Response::new(LighthouseHeartbeatResponse {}))
+    }
+}
+
+/// A running lighthouse: gRPC + HTTP on one port, spawned on the current tokio runtime.
+pub struct LighthouseServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    tasks: tokio::sync::Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The machine's host name, so an address bound to a wildcard is dialable from elsewhere.
+pub fn hostname() -> String {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .map(|s| s.trim().to_string())
+        .chain(std::env::var("HOSTNAME").ok())
+        .find(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+impl LighthouseServer {
+    /// Binds `bind` (e.g. `"[::]:0"`, `"127.0.0.1:0"`) and starts serving.
+    pub async fn bind(bind: &str, opts: LighthouseOptions) -> Result<Self> {
+        opts.validate()?;
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(bind)
+            .await
+            .map_err(|e| Error::InvalidArgument(format!("invalid bind address {bind:?}: {e}")))?
+            .collect();
+        let mut last_err = None;
+        let mut listener = None;
+        for a in &addrs {
+            match tokio::net::TcpListener::bind(a).await {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        let listener = listener.ok_or_else(|| {
+            Error::Unavailable(format!(
+                "cannot bind {bind:?}: {}",
+                last_err.map_or_else(|| "no address".to_string(), |e| e.to_string())
+            ))
+        })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| Error::Unavailable(format!("cannot read bound address: {e}")))?;
+
+        let tick = opts.quorum_tick;
+        let shared = Arc::new(Shared::new(opts, initial_quorum_id()));
+        let (stop, stop_rx) = watch::channel(false);
+
+        let grpc = LighthouseServiceServer::new(Grpc {
+            shared: shared.clone(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let app = tonic::service::Routes::new(grpc)
+            .into_axum_router()
+            .merge(super::http::router(shared.clone()))
+            .fallback(super::http::not_found);
+
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let mut serve_stop = stop_rx.clone();
+        let server = tokio::spawn(async move {
+            let res = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = serve_stop.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = res {
+                warn!(error = %e, "lighthouse server stopped with an error");
+            }
+        });
+
+        let tick_shared = shared.clone();
+        let mut tick_stop = stop_rx;
+        let ticker = tokio::spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = interval.tick() => tick_shared.tick(),
+                    _ = tick_stop.wait_for(|s| *s) => break,
+                }
+            }
+        });
+
+        Ok(Self {
+            local_addr,
+            shared,
+            stop,
+            tasks: tokio::sync::Mutex::new(vec![server, ticker]),
+        })
+    }
+
+    /// The socket address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// `http://host:port` to dial; a wildcard bind reports the machine's host name.
+    pub fn address(&self) -> String {
+        let port = self.local_addr.port();
+        match self.local_addr.ip() {
+            ip if ip.is_unspecified() => format!("http://{}:{port}", hostname()),
+            IpAddr::V4(ip) => format!("http://{ip}:{port}"),
+            IpAddr::V6(ip) => format!("http://[{ip}]:{port}"),
+        }
+    }
+
+    /// Id of the last issued quorum, if any (for tests and tooling).
+    pub fn quorum_id(&self) -> Option<i64> {
+        self.shared.snapshot().quorum_id
+    }
+
+    /// Graceful stop: pending long-polls end with UNAVAILABLE, then the listener and the tick
+    /// task are joined (connections still open after a grace period are cut).
+    pub async fn shutdown(&self) {
+        self.shared.begin_shutdown();
+        let _ = self.stop.send(true);
+        let tasks: Vec<JoinHandle<()>> = self.tasks.lock().await.drain(..).collect();
+        for mut t in tasks {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut t).await.is_err() {
+                warn!("lighthouse task did not stop within {SHUTDOWN_GRACE:?}; aborting it");
+                t.abort();
+            }
+        }
+    }
+}
+
+impl Drop for LighthouseServer {
+    fn drop(&mut self) {
+        // Dropping without `shutdown()` still stops serving (without waiting).
+        self.shared.begin_shutdown();
+        let _ = self.stop.send(true);
+    }
+}

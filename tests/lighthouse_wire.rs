@@ -1,0 +1,353 @@
+//! Wire tests: a real lighthouse on 127.0.0.1:0 and real gRPC/HTTP clients.
+
+use std::future::Future;
+use std::time::Duration;
+
+use torchft::error::Error;
+use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
+use torchft::proto::{Quorum, QuorumMember};
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
+async fn bounded<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_TIMEOUT, f)
+        .await
+        .expect("test timed out");
+}
+
+fn opts(min_replicas: u64, join_timeout_ms: u64) -> LighthouseOptions {
+    LighthouseOptions {
+        min_replicas,
+        join_timeout: Duration::from_millis(join_timeout_ms),
+        quorum_tick: Duration::from_millis(10),
+        heartbeat_timeout: Duration::from_millis(500),
+    }
+}
+
+fn member(id: &str) -> QuorumMember {
+    QuorumMember {
+        replica_id: id.to_string(),
+        address: format!("http://{id}.example:1"),
+        store_address: format!("{id}.example:2"),
+        step: 3,
+        world_size: 2,
+        ..Default::default()
+    }
+}
+
+async fn start(o: LighthouseOptions) -> (LighthouseServer, LighthouseClient) {
+    let server = LighthouseServer::bind("127.0.0.1:0", o).await.unwrap();
+    let client = LighthouseClient::connect(&server.address(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    (server, client)
+}
+
+fn ids(q: &Quorum) -> Vec<String> {
+    q.participants
+        .iter()
+        .map(|m| m.replica_id.clone())
+        .collect()
+}
+
+async fn ask(c: &LighthouseClient, m: QuorumMember, ms: u64) -> Result<Quorum, Error> {
+    c.quorum(m, Duration::from_millis(ms)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_join_and_fast_path() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        assert!(server.address().starts_with("http://127.0.0.1:"));
+        let (a, b) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a, b);
+        assert_eq!(ids(&a), ["a", "b"]);
+        assert!(a.created.is_some());
+        assert_eq!(a.participants[0].step, 3);
+        assert_eq!(a.participants[0].world_size, 2);
+        // Second round: both ask again → fast path, same id.
+        let (a2, b2) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        assert_eq!(a2.unwrap().quorum_id, a.quorum_id);
+        assert_eq!(b2.unwrap().quorum_id, a.quorum_id);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_timeout_issues_without_straggler() {
+    bounded(async {
+        let (server, c) = start(opts(1, 300)).await;
+        // c heartbeats (healthy) but never asks; a and b are a majority of 3.
+        let hb = c.clone();
+        let beat = tokio::spawn(async move {
+            for _ in 0..20 {
+                let _ = hb.heartbeat("c", Duration::from_secs(1)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let t0 = std::time::Instant::now();
+        let (a, b) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        let waited = t0.elapsed();
+        assert_eq!(ids(&a.unwrap()), ["a", "b"]);
+        assert_eq!(ids(&b.unwrap()), ["a", "b"]);
+        assert!(
+            waited >= Duration::from_millis(250),
+            "answered before join timeout: {waited:?}"
+        );
+        beat.abort();
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_expiry_drops_replica() {
+    bounded(async {
+        let (server, c) = start(opts(1, 60_000)).await;
+        c.heartbeat("gone", Duration::from_secs(1)).await.unwrap();
+        // With "gone" healthy, a + b (2 of 3) wait for it; after 500 ms it expires.
+        let t0 = std::time::Instant::now();
+        let (a, b) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        assert_eq!(ids(&a.unwrap()), ["a", "b"]);
+        b.unwrap();
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_millis(400),
+            "did not wait for heartbeat: {waited:?}"
+        );
+        assert!(
+            waited < Duration::from_secs(5),
+            "join timeout used instead: {waited:?}"
+        );
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_exceeded_and_request_leaves_round() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let err = ask(&c, member("a"), 200).await.unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        // Let a's heartbeat expire so it is not waited for as a straggler.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        // a left: b and c form a quorum without it.
+        let (b, cc) = tokio::join!(ask(&c, member("b"), 5_000), ask(&c, member("c"), 5_000));
+        assert_eq!(ids(&b.unwrap()), ["b", "c"]);
+        assert_eq!(ids(&cc.unwrap()), ["b", "c"]);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_request_leaves_round() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        // Client-side cancel (drop the future) long before the deadline.
+        let pending = ask(&c, member("a"), 30_000);
+        assert!(tokio::time::timeout(Duration::from_millis(100), pending)
+            .await
+            .is_err());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let (b, cc) = tokio::join!(ask(&c, member("b"), 5_000), ask(&c, member("c"), 5_000));
+        assert_eq!(ids(&b.unwrap()), ["b", "c"]);
+        cc.unwrap();
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_request_supersedes_old_waiter() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let c1 = c.clone();
+        let old = tokio::spawn(async move { ask(&c1, member("a"), 10_000).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let c2 = c.clone();
+        let new = tokio::spawn(async move { ask(&c2, member("a"), 10_000).await });
+        let old_err = old.await.unwrap().unwrap_err();
+        assert!(old_err.to_string().contains("superseded"), "{old_err}");
+        // The newer request is still in the round.
+        let b = ask(&c, member("b"), 5_000).await.unwrap();
+        assert_eq!(ids(&b), ["a", "b"]);
+        assert_eq!(ids(&new.await.unwrap().unwrap()), ["a", "b"]);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_failures_bump_id() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let (a, _) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        let id1 = a.unwrap().quorum_id;
+        let failing = QuorumMember {
+            commit_failures: 1,
+            ..member("a")
+        };
+        let (a, _) = tokio::join!(ask(&c, failing, 5_000), ask(&c, member("b"), 5_000));
+        let id2 = a.unwrap().quorum_id;
+        assert!(id2 > id1);
+        let (a, _) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        assert_eq!(a.unwrap().quorum_id, id2);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrink_only_excludes_newcomer() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let (a, _) = tokio::join!(ask(&c, member("a"), 5_000), ask(&c, member("b"), 5_000));
+        let id1 = a.unwrap().quorum_id;
+        let c3 = c.clone();
+        let newcomer = tokio::spawn(async move { ask(&c3, member("c"), 1_000).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let shrink = QuorumMember {
+            shrink_only: true,
+            ..member("a")
+        };
+        let (a, b) = tokio::join!(ask(&c, shrink, 5_000), ask(&c, member("b"), 5_000));
+        let a = a.unwrap();
+        assert_eq!(ids(&a), ["a", "b"]);
+        assert_eq!(a.quorum_id, id1);
+        b.unwrap();
+        // The newcomer was left for a later round and times out here.
+        assert!(newcomer.await.unwrap().unwrap_err().is_timeout());
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_input_refused_state_unchanged() {
+    bounded(async {
+        let (server, c) = start(opts(1, 60_000)).await;
+        let bad = [
+            QuorumMember {
+                replica_id: String::new(),
+                ..member("x")
+            },
+            QuorumMember {
+                step: -1,
+                ..member("x")
+            },
+            QuorumMember {
+                world_size: 0,
+                ..member("x")
+            },
+            QuorumMember {
+                data: "{oops".into(),
+                ..member("x")
+            },
+        ];
+        for m in bad {
+            let err = ask(&c, m, 2_000).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+        assert!(matches!(
+            c.heartbeat("", Duration::from_secs(1)).await.unwrap_err(),
+            Error::InvalidArgument(_)
+        ));
+        // Missing requester, sent with the raw stub.
+        let channel = torchft::net::connect(&server.address(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let mut raw =
+            torchft::proto::lighthouse_service_client::LighthouseServiceClient::new(channel);
+        let status = raw
+            .quorum(torchft::proto::LighthouseQuorumRequest { requester: None })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        // Nothing was recorded: a single valid replica forms a quorum alone at once.
+        assert_eq!(server.quorum_id(), None);
+        let q = ask(&c, member("ok"), 2_000).await.unwrap();
+        assert_eq!(ids(&q), ["ok"]);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_pending_long_polls() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let c1 = c.clone();
+        let pending = tokio::spawn(async move { ask(&c1, member("a"), 30_000).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t0 = std::time::Instant::now();
+        server.shutdown().await;
+        let err = pending.await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::Unavailable(_)), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_on_same_port_keeps_ids_increasing() {
+    bounded(async {
+        let (server, c) = start(opts(1, 60_000)).await;
+        let port = server.local_addr().port();
+        let id1 = ask(&c, member("a"), 5_000).await.unwrap().quorum_id;
+        server.shutdown().await;
+        drop(server);
+        let bind = format!("127.0.0.1:{port}");
+        let mut server2 = None;
+        for _ in 0..50 {
+            match LighthouseServer::bind(&bind, opts(1, 60_000)).await {
+                Ok(s) => {
+                    server2 = Some(s);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        let server2 = server2.expect("could not rebind the same port");
+        let c2 = LighthouseClient::connect(&server2.address(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let id2 = ask(&c2, member("a"), 5_000).await.unwrap().quorum_id;
+        assert!(id2 > id1, "id reused after restart: {id1} then {id2}");
+        server2.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_clients() {
+    bounded(async {
+        let n = 200;
+        let (server, c) = start(LighthouseOptions {
+            min_replicas: n,
+            ..opts(n, 60_000)
+        })
+        .await;
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let c = c.clone();
+            tasks.push(tokio::spawn(async move {
+                ask(&c, member(&format!("r{i:03}")), 20_000).await
+            }));
+        }
+        let mut id = None;
+        for t in tasks {
+            let q = t.await.unwrap().unwrap();
+            assert_eq!(q.participants.len(), n as usize);
+            assert!(id.is_none() || id == Some(q.quorum_id));
+            id = Some(q.quorum_id);
+        }
+        server.shutdown().await;
+    })
+    .await;
+}
