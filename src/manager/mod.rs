@@ -2,3 +2,63 @@
 //!
 //! It gathers the group's ranks, asks the lighthouse once per quorum round and tells each
 //! rank its role for the step; it also runs the per-step commit vote.
+//!
+//! - [`compute`]: the pure function turning a lighthouse quorum into one rank's answer.
+//! - [`gather`]: bookkeeping of the quorum round in progress (who waits, step agreement).
+//! - [`commit`]: the `should_commit` barrier (AND over the group's ranks, keyed by step).
+//! - [`server`]: the gRPC service, the lighthouse calls and the heartbeat loop.
+//! - [`client`]: the client every rank uses to talk to its group's manager server.
+
+use std::time::Duration;
+
+pub mod client;
+pub mod commit;
+pub mod compute;
+pub mod gather;
+pub mod server;
+
+pub use client::ManagerClient;
+pub use compute::compute_quorum_results;
+pub use server::ManagerServer;
+
+/// Deadline applied to a request that arrives without one (a gRPC caller may omit it).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How a manager server presents itself and reaches the lighthouse.
+#[derive(Debug, Clone)]
+pub struct ManagerOptions {
+    /// Unique id of this replica group incarnation (`{replica_id}:{uuid}`); must not be empty.
+    pub replica_id: String,
+    /// The lighthouse to ask for quorums (`host:port` or `http://host:port`).
+    pub lighthouse_addr: String,
+    /// Host name other groups dial to reach this server (used in [`ManagerServer::address`]).
+    pub hostname: String,
+    /// Where to listen, e.g. `[::]:0` (port 0 picks a free port).
+    pub bind: String,
+    /// This group's rendezvous store (`host:port`), handed to the lighthouse.
+    pub store_addr: String,
+    /// Number of ranks in the group; a quorum round waits for all of them. At least 1.
+    pub world_size: u64,
+    /// Period of the heartbeat sent to the lighthouse (kept while the lighthouse is down).
+    pub heartbeat_interval: Duration,
+    /// Bound on establishing a connection to the lighthouse.
+    pub connect_timeout: Duration,
+    /// How many times a failed lighthouse quorum request is retried (with backoff) in a round.
+    pub quorum_retries: u64,
+}
+
+impl Default for ManagerOptions {
+    fn default() -> Self {
+        Self {
+            replica_id: String::new(),
+            lighthouse_addr: String::new(),
+            hostname: "localhost".to_string(),
+            bind: "[::]:0".to_string(),
+            store_addr: String::new(),
+            world_size: 1,
+            heartbeat_interval: Duration::from_millis(100),
+            connect_timeout: Duration::from_secs(60),
+            quorum_retries: 0,
+        }
+    }
+}
