@@ -624,7 +624,7 @@ class ProcessGroupWrapper(ProcessGroup):
         """Post-processes a work from the underlying group (timeouts, error recording)."""
         if self._wrapped:
             return work
-        fut = future_timeout(work.get_future(), self._timeout)
+        fut = future_timeout(_work_future(work, result), self._timeout)
         fut.add_done_callback(self._error_recorder())
         return _FutureWork(fut, self._timeout)
 
@@ -750,6 +750,27 @@ class ProcessGroupWrapper(ProcessGroup):
         return self._run("recv", tensors, src_rank, tag)
 
 
+def _work_future(work: dist._Work, result: object) -> Future[Any]:
+    """The work's future, or (for backend works without one) a future completed by a
+    helper thread that waits on the work and then resolves to ``result``."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        pass
+    fut: Future[Any] = Future()
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+            return
+        fut.set_result(result)
+
+    threading.Thread(target=wait, name="torchft_work_wait", daemon=True).start()
+    return fut
+
+
 def _weak_callback(method: Callable[[Exception], None]) -> Callable[[Exception], None]:
     """Wraps a bound method so a future callback does not keep its object alive."""
     ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
@@ -784,6 +805,8 @@ def _build_gloo(store: Store, rank: int, world_size: int, timeout: timedelta) ->
 
 def _build_nccl(store: Store, rank: int, world_size: int, timeout: timedelta) -> BaseProcessGroup:
     """Builds a torch ProcessGroup with a non-blocking (abortable) NCCL backend."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise RuntimeError("NCCL process groups need CUDA GPUs and a torch built with NCCL")
     from torch.distributed import ProcessGroupNCCL as BaseProcessGroupNCCL
 
     opts = BaseProcessGroupNCCL.Options()
@@ -1061,7 +1084,9 @@ class _ErrorSwallowingWork(dist._Work):
 
     def get_future(self) -> Future[Any]:
         return future_on_error(
-            self._work.get_future(), _weak_callback(self._pg.report_error), self._default
+            _work_future(self._work, self._default),
+            _weak_callback(self._pg.report_error),
+            self._default,
         )
 
 
@@ -1119,7 +1144,7 @@ class _FailingWork(dist._Work):
         def fail(f: Future[Any]) -> None:
             self._fut.set_exception(err)
 
-        work.get_future().add_done_callback(fail)
+        _work_future(work, None).add_done_callback(fail)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         self._fut.wait()

@@ -146,12 +146,16 @@ class _FutureWork(dist._Work):
 
 
 class _TimerThread:
-    """One daemon thread firing callbacks at deadlines (a heap ordered by due time)."""
+    """One daemon thread firing callbacks at deadlines (a heap ordered by due time).
+
+    The heap holds only (due, handle); callbacks live in a dict that ``cancel`` empties, so a
+    cancelled deadline does not keep its future (and the tensors it holds) alive.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._active: set[int] = set()
+        self._heap: list[tuple[float, int]] = []
+        self._callbacks: dict[int, Callable[[], None]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -159,11 +163,11 @@ class _TimerThread:
         """Runs ``callback`` after ``delay`` seconds unless cancelled; returns a handle."""
         with self._cond:
             handle = next(self._ids)
-            heapq.heappush(self._heap, (time.monotonic() + delay, handle, callback))
-            self._active.add(handle)
-            if len(self._heap) > 1024 and len(self._heap) > 4 * len(self._active):
+            heapq.heappush(self._heap, (time.monotonic() + delay, handle))
+            self._callbacks[handle] = callback
+            if len(self._heap) > 1024 and len(self._heap) > 4 * len(self._callbacks):
                 # Drop cancelled entries so a long run of short ops does not grow the heap.
-                self._heap = [e for e in self._heap if e[1] in self._active]
+                self._heap = [e for e in self._heap if e[1] in self._callbacks]
                 heapq.heapify(self._heap)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -176,22 +180,27 @@ class _TimerThread:
     def cancel(self, handle: int) -> None:
         """Prevents a scheduled callback from firing (no-op if it already fired)."""
         with self._cond:
-            self._active.discard(handle)
+            self._callbacks.pop(handle, None)
+
+    def pending(self) -> int:
+        """Number of deadlines still armed (for tests)."""
+        with self._cond:
+            return len(self._callbacks)
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                due, handle, callback = self._heap[0]
+                due, handle = self._heap[0]
                 now = time.monotonic()
-                if due > now and handle in self._active:
+                if due > now and handle in self._callbacks:
                     self._cond.wait(due - now)
                     continue
                 heapq.heappop(self._heap)
-                if handle not in self._active:
-                    continue
-                self._active.discard(handle)
+                callback = self._callbacks.pop(handle, None)
+            if callback is None:
+                continue
             try:
                 callback()
             except Exception:
