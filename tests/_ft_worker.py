@@ -41,7 +41,7 @@ def hash_state(obj: Any, h: Any | None = None) -> str:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(obj, dict):
         for k in sorted(obj, key=repr):
             h.update(f"K{k!r}".encode())
@@ -119,6 +119,20 @@ def main() -> int:
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
 
+    if os.environ.get("FT_DEBUG"):
+
+        def pre_hook(opt: Any, *a: Any) -> None:
+            grads = {i: p.grad for i, p in enumerate(model.parameters())}
+            logger.info(
+                "DEBUG step %d params %s grads %s optim %s",
+                manager.current_step(),
+                hash_state(model.state_dict())[:10],
+                hash_state(grads)[:10],
+                hash_state(optim.state_dict())[:10],
+            )
+
+        optim.register_step_pre_hook(pre_hook)
+
     fail_steps = {int(s) for s in args.fail_steps.split(",") if s}
     injected: set[int] = set()
     attempts: list[list[Any]] = []
@@ -142,7 +156,7 @@ def main() -> int:
             before = manager.current_step()
             optim.step()
             committed = manager.current_step() == before + 1
-            attempts.append([before, committed])
+            attempts.append([before, committed, hash_state(model.state_dict())[:12]])
             write_json(args.progress, {"step": manager.current_step(), "pid": os.getpid()})
             if args.step_sleep:
                 time.sleep(args.step_sleep)

@@ -216,11 +216,22 @@ def assert_identical(results: list[dict[str, Any]], target: int) -> None:
         assert len({r["optim_hash"] for r in rs}) == 1, f"optimizer differs on rank {rank}"
 
 
+def assert_same_trajectory(results: list[dict[str, Any]]) -> None:
+    """Every step committed by several groups left identical parameters in all of them."""
+    by_step: dict[tuple[int, int], set[str]] = {}
+    for r in results:
+        for step, committed, param_hash in r["attempts"]:
+            if committed:
+                by_step.setdefault((r["group_rank"], step), set()).add(param_hash)
+    diverged = sorted(k for k, v in by_step.items() if len(v) > 1)
+    assert not diverged, f"parameters diverged after (group rank, step) {diverged[:5]}"
+
+
 def run_kill_restart(
     cluster: Cluster, n_groups: int, ranks: int, sync: bool, kill_at: int = 25
 ) -> None:
     """Trains n_groups, SIGKILLs the last one mid-run, restarts it, checks it heals."""
-    extra = ["--step-sleep", "0.02"]
+    extra = ["--step-sleep", "0.04"]
     groups = [
         cluster.start(f"rg{i}", ranks=ranks, sync=sync, seed=i, extra=extra)
         for i in range(n_groups)
@@ -244,6 +255,7 @@ def run_kill_restart(
     results = cluster.finish(90)
     assert len(results) == n_groups * ranks
     assert_identical(results, target)
+    assert_same_trajectory(results)
     for r in results:
         if r["replica_id"] == victim.name:
             # It never trained from scratch: its first vote was already past the kill.
@@ -281,12 +293,13 @@ def test_injected_allreduce_failure_commits_nowhere(cluster: Cluster) -> None:
     results = cluster.finish(100)
     assert_identical(results, 30)
     for r in results:
-        votes = [tuple(a) for a in r["attempts"]]
+        votes = [(a[0], a[1]) for a in r["attempts"]]
         assert (10, False) in votes, f"{r['replica_id']}: injected failure did commit"
         assert votes.count((10, False)) == 1
         assert (10, True) in votes, f"{r['replica_id']}: step 10 was never retried"
         assert [v for v in votes if not v[1]] == [(10, False)], "unexpected failed commits"
     assert len({r["batches_committed"] for r in results}) == 1
+    assert_same_trajectory(results)
 
 
 @pytest.mark.timeout(120)
@@ -298,8 +311,12 @@ def test_one_sided_failure_heals_the_failed_group(cluster: Cluster) -> None:
     results = cluster.finish(100)
     assert_identical(results, 30)
     failed = next(r for r in results if r["replica_id"] == "rg0")
-    votes = [tuple(a) for a in failed["attempts"]]
+    votes = [(a[0], a[1]) for a in failed["attempts"]]
     assert (10, False) in votes
+    # It did not redo step 10 alone: it healed to the peer's step 11 and carried on.
+    assert (10, True) not in votes
+    assert (11, True) in votes
+    assert_same_trajectory(results)
 
 
 # --------------------------------------------------------------------------- in-process
