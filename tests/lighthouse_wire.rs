@@ -351,3 +351,31 @@ async fn many_concurrent_clients() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lagging_waiter_gets_its_quorum_after_many_others() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let (b, _) = tokio::join!(ask(&c, member("b"), 5_000), ask(&c, member("c"), 5_000));
+        let id = b.unwrap().quorum_id;
+        let c1 = c.clone();
+        let lagging = tokio::spawn(async move { ask(&c1, member("a"), 30_000).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // 300 quorums are issued while "a" waits (b shrinks, so "a" is left out each time).
+        for _ in 0..300 {
+            let shrink = QuorumMember {
+                shrink_only: true,
+                ..member("b")
+            };
+            let (b, cc) = tokio::join!(ask(&c, shrink, 5_000), ask(&c, member("c"), 5_000));
+            assert_eq!(ids(&b.unwrap()), ["b", "c"]);
+            assert_eq!(cc.unwrap().quorum_id, id);
+        }
+        assert!(!lagging.is_finished());
+        let (b, _) = tokio::join!(ask(&c, member("b"), 5_000), ask(&c, member("c"), 5_000));
+        assert_eq!(ids(&b.unwrap()), ["a", "b", "c"]);
+        assert_eq!(ids(&lagging.await.unwrap().unwrap()), ["a", "b", "c"]);
+        server.shutdown().await;
+    })
+    .await;
+}

@@ -845,6 +845,29 @@ mod tests {
     }
 
     #[test]
+    fn lagging_waiter_survives_many_quorums() {
+        // A newcomer kept out by shrink_only stays waiting however many quorums are issued,
+        // and is included once the previous members stop shrinking.
+        let mut e = QuorumEngine::new(opts(2), 1);
+        let t = Instant::now();
+        e.join(member("b"), t).unwrap();
+        e.join(member("c"), t).unwrap();
+        let first = e.poll(t).unwrap();
+        let a = e.join(member("a"), t).unwrap();
+        for _ in 0..1_000 {
+            e.join(shrink("b"), t).unwrap();
+            e.join(member("c"), t).unwrap();
+            let q = e.poll(t).unwrap();
+            assert_eq!(ids(&q), ["b", "c"]);
+            assert_eq!(q.quorum_id, first.quorum_id);
+            assert!(e.is_waiting("a", a.generation));
+        }
+        e.join(member("b"), t).unwrap();
+        e.join(member("c"), t).unwrap();
+        assert_eq!(ids(&e.poll(t).unwrap()), ["a", "b", "c"]);
+    }
+
+    #[test]
     fn commit_failures_bump_id() {
         run(
             2,

@@ -106,7 +106,8 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
 }
 
 impl Shared {
-    fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
+    /// Fresh state around a new engine.
+    pub(crate) fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
         Self {
             state: Mutex::new(State {
                 engine: QuorumEngine::new(opts, initial_id),
@@ -205,7 +206,7 @@ impl Shared {
     }
 
     /// Stops accepting requests and ends every pending long-poll with `Error::Shutdown`.
-    fn begin_shutdown(&self) {
+    pub(crate) fn begin_shutdown(&self) {
         let mut state = self.lock();
         state.shutting_down = true;
         for (_, w) in state.waiters.drain() {
