@@ -379,3 +379,24 @@ async fn lagging_waiter_gets_its_quorum_after_many_others() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wildcard_bind_reports_dialable_hostname() {
+    bounded(async {
+        let server = LighthouseServer::bind("0.0.0.0:0", opts(1, 60_000))
+            .await
+            .unwrap();
+        let addr = server.address();
+        let host = torchft::lighthouse::service::hostname();
+        assert_eq!(
+            addr,
+            format!("http://{host}:{}", server.local_addr().port())
+        );
+        let c = LighthouseClient::connect(&addr, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(ids(&ask(&c, member("a"), 5_000).await.unwrap()), ["a"]);
+        server.shutdown().await;
+    })
+    .await;
+}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -272,3 +273,28 @@ def test_daemon_restart_keeps_ids_increasing() -> None:
         assert q2.quorum_id > q1.quorum_id
     finally:
         p2.stop()
+
+
+@pytest.mark.timeout(60)
+def test_lighthouse_main_parses_argv_like_the_binary() -> None:
+    """lighthouse_main() called from Python uses the binary's flag parser."""
+    code = (
+        "import sys; sys.argv[0] = 'torchft_lighthouse'; "
+        "from torchft._torchft import lighthouse_main; lighthouse_main()"
+    )
+    env = {"PATH": "/usr/bin:/bin"}
+    r = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    for flag in ("--min_replicas", "--bind", "--join_timeout_ms", "--heartbeat_timeout_ms"):
+        assert flag in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-c", code, "--min_replicas", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert r.returncode == 2
+    assert "min_replicas" in r.stderr
