@@ -44,6 +44,10 @@ struct Args {
     /// Largest size decoded fully in `both` mode (full decoding is O(n) per group).
     #[arg(long, default_value_t = 2000)]
     full_decode_max: usize,
+    /// Give client connections large HTTP/2 flow-control windows (64 MB / 8 MB per stream)
+    /// instead of the defaults of `torchft::net::connect`.
+    #[arg(long)]
+    big_windows: bool,
     /// Use this running lighthouse instead of an in-process one.
     #[arg(long)]
     addr: Option<String>,
@@ -191,7 +195,17 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
     let conns = n.div_ceil(args.per_connection.max(1)).max(1);
     let mut channels = Vec::with_capacity(conns);
     for _ in 0..conns {
-        channels.push(torchft::net::connect(&addr, Duration::from_secs(10)).await?);
+        let channel = if args.big_windows {
+            tonic::transport::Endpoint::from_shared(torchft::net::normalize_addr(&addr)?)?
+                .tcp_nodelay(true)
+                .initial_connection_window_size(64 << 20)
+                .initial_stream_window_size(8 << 20)
+                .connect()
+                .await?
+        } else {
+            torchft::net::connect(&addr, Duration::from_secs(10)).await?
+        };
+        channels.push(channel);
     }
     let mut times = Vec::new();
     let mut issued = Vec::new();
@@ -211,7 +225,12 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
         Mode::Full => format!("{volume} members decoded"),
     };
     let target = target_ms(n).map_or_else(String::new, |t| format!("  (target ≤ {t:.0} ms)"));
-    let mode_name = if mode == Mode::Bytes { "bytes" } else { "full" };
+    let mode_name = match (mode, args.big_windows) {
+        (Mode::Bytes, false) => "bytes",
+        (Mode::Bytes, true) => "bytes, big windows",
+        (Mode::Full, false) => "full",
+        (Mode::Full, true) => "full, big windows",
+    };
     println!(
         "lighthouse_load/{n} replicas [{mode_name}, {conns} conns]: first round {:.1} ms; \
          fast path median {:.1} ms, max {:.1} ms over {} rounds; {what}{target}\n    \
