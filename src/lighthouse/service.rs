@@ -19,7 +19,6 @@ use axum::body::Bytes;
 use axum::http::{self, HeaderMap};
 use axum::response::IntoResponse;
 use prost::Message;
-
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
