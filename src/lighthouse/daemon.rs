@@ -72,15 +72,18 @@ impl Args {
     }
 }
 
-/// Installs a `tracing` subscriber writing to stderr, filtered by `RUST_LOG` (default info).
+/// Installs a `tracing` subscriber writing to stderr, filtered by `RUST_LOG` (default info),
+/// with colours only on a terminal.
 ///
 /// Does nothing if the process already has one.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init();
 }
 
