@@ -24,6 +24,17 @@ pub use server::ManagerServer;
 /// Deadline applied to a request that arrives without one (a gRPC caller may omit it).
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Longest head start the server takes on a caller's deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+
+/// The part of a caller's `timeout` the server may spend: slightly less than the whole, so the
+/// server answers DEADLINE_EXCEEDED (and removes the caller from its round) before the caller's
+/// own timer fires. Otherwise a caller that already gave up could still be counted in a round
+/// completed by a rank arriving in that instant, and its answer would be lost.
+pub(crate) fn server_budget(timeout: Duration) -> Duration {
+    timeout.saturating_sub((timeout / 20).min(DEADLINE_MARGIN))
+}
+
 /// How a manager server presents itself and reaches the lighthouse.
 #[derive(Debug, Clone)]
 pub struct ManagerOptions {
@@ -60,5 +71,23 @@ impl Default for ManagerOptions {
             connect_timeout: Duration::from_secs(60),
             quorum_retries: 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_budget_is_a_little_less_than_the_timeout() {
+        assert_eq!(
+            server_budget(Duration::from_secs(10)),
+            Duration::from_millis(9980)
+        );
+        assert_eq!(
+            server_budget(Duration::from_millis(100)),
+            Duration::from_millis(95)
+        );
+        assert_eq!(server_budget(Duration::ZERO), Duration::ZERO);
     }
 }

@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 use super::commit::CommitBarrier;
 use super::compute::compute_quorum_results;
 use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
-use super::{ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
+use super::{server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::net::{normalize_addr, request_timeout, with_timeout, Backoff};
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
@@ -399,7 +399,7 @@ impl ManagerService for Service {
         &self,
         request: Request<ManagerQuorumRequest>,
     ) -> Result<Response<ManagerQuorumResponse>, Status> {
-        let timeout = request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT);
+        let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let deadline = Instant::now() + timeout;
         let req = request.into_inner();
         let inner = &self.inner;
@@ -448,7 +448,7 @@ impl ManagerService for Service {
         &self,
         request: Request<ShouldCommitRequest>,
     ) -> Result<Response<ShouldCommitResponse>, Status> {
-        let timeout = request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT);
+        let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
         let vote = self
             .inner
