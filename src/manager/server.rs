@@ -465,6 +465,11 @@ impl ManagerService for Service {
         let msg = request.into_inner().msg;
         warn!(replica_id = %self.inner.opts.replica_id, reason = %msg,
             "kill requested; ending this process");
+        // The process ends now: make the reason visible even without a log subscriber.
+        eprintln!(
+            "torchft manager {}: kill requested: {msg}",
+            self.inner.opts.replica_id
+        );
         // Give the response a moment to reach the caller, then end the process.
         tokio::spawn(async {
             tokio::time::sleep(Duration::from_millis(50)).await;
