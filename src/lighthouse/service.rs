@@ -7,9 +7,18 @@
 //! one listener, served by axum (HTTP/1 and h2c on the same port).
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::http::{self, HeaderMap};
+use axum::response::IntoResponse;
+use prost::Message;
 
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -32,7 +41,29 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
 const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
-type Delivery = Result<Arc<Quorum>>;
+/// A quorum as handed to its members: the message, and the gRPC response framed once
+/// (5-byte prefix + encoded `LighthouseQuorumResponse`) so every member's reply shares the
+/// same bytes instead of cloning and encoding the quorum once per member.
+pub(crate) struct Issued {
+    quorum: Quorum,
+    framed: Bytes,
+}
+
+impl Issued {
+    fn new(quorum: Quorum) -> Self {
+        let len = prost::encoding::message::encoded_len(1, &quorum);
+        let mut buf = Vec::with_capacity(len + 5);
+        buf.push(0u8);
+        buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+        prost::encoding::message::encode(1, &quorum, &mut buf);
+        Self {
+            quorum,
+            framed: Bytes::from(buf),
+        }
+    }
+}
+
+type Delivery = Result<Arc<Issued>>;
 
 struct Waiter {
     generation: u64,
@@ -100,11 +131,11 @@ impl Shared {
             members = quorum.participants.len(),
             "quorum issued"
         );
-        let quorum = Arc::new(quorum);
-        for m in &quorum.participants {
+        let issued = Arc::new(Issued::new(quorum));
+        for m in &issued.quorum.participants {
             if let Some(w) = state.waiters.remove(&m.replica_id) {
                 // The receiver may be gone if the handler is just being cancelled.
-                let _ = w.tx.send(Ok(quorum.clone()));
+                let _ = w.tx.send(Ok(issued.clone()));
             }
         }
     }
@@ -208,7 +239,34 @@ impl Drop for LeaveGuard {
     }
 }
 
-/// The tonic service implementation.
+/// Joins the round and long-polls until `requester` is in an issued quorum, the deadline
+/// passes (the request then leaves the round) or the server shuts down.
+async fn wait_for_quorum(
+    shared: &Arc<Shared>,
+    requester: Option<QuorumMember>,
+    timeout: Option<Duration>,
+) -> Result<Arc<Issued>> {
+    let requester =
+        requester.ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
+    let replica_id = requester.replica_id.clone();
+    let (generation, rx) = shared.join(requester)?;
+    let _guard = LeaveGuard {
+        shared: shared.clone(),
+        replica_id,
+        generation,
+    };
+    let delivered = match timeout {
+        Some(t) => match tokio::time::timeout(t, rx).await {
+            Ok(d) => d,
+            Err(_) => return Err(Error::timeout("lighthouse quorum", t)),
+        },
+        None => rx.await,
+    };
+    delivered.unwrap_or(Err(Error::Shutdown))
+}
+
+/// The tonic service implementation (the Quorum method is normally served by
+/// [`QuorumRoute`]; this one is the reference path and serves Heartbeat).
 struct Grpc {
     shared: Arc<Shared>,
 }
@@ -220,31 +278,10 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseQuorumRequest>,
     ) -> std::result::Result<Response<LighthouseQuorumResponse>, Status> {
         let timeout = request_timeout(&request);
-        let requester = request
-            .into_inner()
-            .requester
-            .ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
-        let replica_id = requester.replica_id.clone();
-        let (generation, rx) = self.shared.join(requester)?;
-        let _guard = LeaveGuard {
-            shared: self.shared.clone(),
-            replica_id,
-            generation,
-        };
-        let delivered = match timeout {
-            Some(t) => match tokio::time::timeout(t, rx).await {
-                Ok(d) => d,
-                Err(_) => return Err(Error::timeout("lighthouse quorum", t).into()),
-            },
-            None => rx.await,
-        };
-        match delivered {
-            Ok(Ok(quorum)) => Ok(Response::new(LighthouseQuorumResponse {
-                quorum: Some((*quorum).clone()),
-            })),
-            Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(Error::Shutdown.into()),
-        }
+        let issued = wait_for_quorum(&self.shared, request.into_inner().requester, timeout).await?;
+        Ok(Response::new(LighthouseQuorumResponse {
+            quorum: Some(issued.quorum.clone()),
+        }))
     }
 
     async fn heartbeat(
@@ -253,6 +290,125 @@ impl LighthouseService for Grpc {
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
         self.shared.heartbeat(&request.into_inner().replica_id)?;
         Ok(Response::new(LighthouseHeartbeatResponse {}))
+    }
+}
+
+/// Path of the Quorum RPC.
+const QUORUM_PATH: &str = "/torchft.LighthouseService/Quorum";
+
+/// Largest Quorum request accepted (one member with its metadata).
+const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// A unary gRPC response body: one shared data frame, then `grpc-status: 0` trailers.
+struct SharedBody {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for SharedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<http_body::Frame<Bytes>, Infallible>>> {
+        if let Some(d) = self.data.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(d))));
+        }
+        Poll::Ready(
+            self.trailers
+                .take()
+                .map(|t| Ok(http_body::Frame::trailers(t))),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none() && self.trailers.is_none()
+    }
+}
+
+/// Serves the Quorum RPC with the quorum's shared pre-framed response (zero-copy per member),
+/// keeping a round linear in the number of replica groups on the server side.
+#[derive(Clone)]
+struct QuorumRoute {
+    shared: Arc<Shared>,
+}
+
+impl QuorumRoute {
+    async fn serve(
+        shared: Arc<Shared>,
+        req: http::Request<axum::body::Body>,
+    ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
+        let is_grpc = req
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/grpc"));
+        if !is_grpc {
+            return Ok((
+                http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "expected application/grpc\n",
+            )
+                .into_response());
+        }
+        let timeout = req
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(crate::net::parse_grpc_timeout);
+        let body = axum::body::to_bytes(req.into_body(), MAX_REQUEST_BYTES)
+            .await
+            .map_err(|e| Status::invalid_argument(format!("cannot read request: {e}")))?;
+        if body.len() < 5 {
+            return Err(Status::invalid_argument("truncated gRPC message"));
+        }
+        if body[0] != 0 {
+            return Err(Status::unimplemented(
+                "compressed requests are not supported",
+            ));
+        }
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        if body.len() != 5 + len {
+            return Err(Status::invalid_argument(
+                "gRPC message length does not match body",
+            ));
+        }
+        let msg = LighthouseQuorumRequest::decode(&body[5..])
+            .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
+        let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = SharedBody {
+            data: Some(issued.framed.clone()),
+            trailers: Some(trailers),
+        };
+        let mut resp = http::Response::new(axum::body::Body::new(body));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        Ok(resp)
+    }
+}
+
+impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
+    type Response = http::Response<axum::body::Body>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn Future<Output = std::result::Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<std::result::Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            Ok(Self::serve(shared, req)
+                .await
+                .unwrap_or_else(|status| status.into_http()))
+        })
     }
 }
 
@@ -315,6 +471,12 @@ impl LighthouseServer {
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
         let app = tonic::service::Routes::new(grpc)
             .into_axum_router()
+            .route_service(
+                QUORUM_PATH,
+                QuorumRoute {
+                    shared: shared.clone(),
+                },
+            )
             .merge(super::http::router(shared.clone()))
             .fallback(super::http::not_found);
 
