@@ -271,3 +271,24 @@ def test_kill_ends_the_hosting_process() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_lighthouse_restart_on_same_port(groups: Callable[[str, str, int], Group]) -> None:
+    """After the lighthouse restarts on its address, the next quorum forms with a higher id."""
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, quorum_tick_ms=10)
+    port = lh.address().rsplit(":", 1)[1]
+    g = groups("a", f"http://127.0.0.1:{port}", 1)
+    c = g.clients[0]
+    try:
+        first = c._quorum(0, 0, "m", False, LONG, 0)
+        lh.shutdown()
+        with pytest.raises(TorchFTError):
+            c._quorum(0, 1, "m", False, LONG, 0)
+        lh = LighthouseServer(f"127.0.0.1:{port}", min_replicas=1, quorum_tick_ms=10)
+        time.sleep(0.3)  # a few heartbeat periods: the manager reconnects by itself
+        second = c._quorum(0, 1, "m", False, LONG, 0)
+        assert second.quorum_id > first.quorum_id
+        assert second.max_step == 1
+    finally:
+        lh.shutdown()

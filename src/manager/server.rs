@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 use super::commit::CommitBarrier;
 use super::compute::compute_quorum_results;
 use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
-use super::{server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
+use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::net::{normalize_addr, request_timeout, with_timeout, Backoff};
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
@@ -301,13 +301,14 @@ impl Inner {
                 remaining,
             );
             let mut client = self.lighthouse.clone();
+            let started = Instant::now();
             let err = match tokio::time::timeout(remaining, client.quorum(req)).await {
                 Ok(Ok(resp)) => {
                     return resp.into_inner().quorum.ok_or_else(|| {
                         Error::Remote("the lighthouse answered without a quorum".into())
                     });
                 }
-                Ok(Err(status)) => Error::from(status),
+                Ok(Err(status)) => rpc_error(status, started, remaining),
                 Err(_) => Error::timeout("lighthouse quorum", remaining),
             };
             match err {
