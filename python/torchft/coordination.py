@@ -11,8 +11,11 @@ import logging
 from torchft._torchft import (
     LighthouseClient,
     LighthouseServer,
+    ManagerClient,
+    ManagerServer,
     Quorum,
     QuorumMember,
+    QuorumResult,
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -20,6 +23,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = [
     "LighthouseClient",
     "LighthouseServer",
+    "ManagerClient",
+    "ManagerServer",
     "Quorum",
     "QuorumMember",
+    "QuorumResult",
 ]

@@ -1,5 +1,313 @@
-//! Python wrappers for the manager server and client.
+//! Python wrappers for the manager server and client (`ManagerServer`, `ManagerClient`,
+//! `QuorumResult`).
+//!
+//! Thin: convert arguments, release the GIL, run the core on the process-wide runtime, convert
+//! the result. Deadline expiry raises `TimeoutError`, bad arguments `ValueError`.
+
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-pub(crate) fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+
+use super::{block_on, check_duration};
+use crate::manager::{ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer};
+use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
+
+/// The manager server of one replica group (hosted by group rank 0).
+#[pyclass(module = "torchft._torchft", name = "ManagerServer", frozen)]
+pub struct PyManagerServer {
+    server: CoreServer,
+}
+
+#[pymethods]
+impl PyManagerServer {
+    /// Starts the server on `bind` and begins heartbeating the lighthouse.
+    #[new]
+    #[pyo3(signature = (
+        replica_id,
+        lighthouse_addr,
+        hostname,
+        bind,
+        store_addr,
+        world_size,
+        heartbeat_interval = Duration::from_millis(100),
+        connect_timeout = Duration::from_secs(60),
+        quorum_retries = 0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        replica_id: String,
+        lighthouse_addr: String,
+        hostname: String,
+        bind: String,
+        store_addr: String,
+        world_size: i64,
+        heartbeat_interval: Duration,
+        connect_timeout: Duration,
+        quorum_retries: i64,
+    ) -> PyResult<Self> {
+        if world_size < 1 {
+            return Err(PyValueError::new_err(format!(
+                "world_size must be at least 1, got {world_size}"
+            )));
+        }
+        if quorum_retries < 0 {
+            return Err(PyValueError::new_err(format!(
+                "quorum_retries must not be negative, got {quorum_retries}"
+            )));
+        }
+        let opts = ManagerOptions {
+            replica_id,
+            lighthouse_addr,
+            hostname,
+            bind,
+            store_addr,
+            world_size: world_size as u64,
+            heartbeat_interval: check_duration("heartbeat_interval", heartbeat_interval)?,
+            connect_timeout: check_duration("connect_timeout", connect_timeout)?,
+            quorum_retries: quorum_retries as u64,
+        };
+        let server = block_on(py, CoreServer::start(opts))?;
+        Ok(Self { server })
+    }
+
+    /// The address ranks and other groups dial: `http://{hostname}:{port}`.
+    fn address(&self) -> String {
+        self.server.address()
+    }
+
+    /// Stops the server (pending calls end with an error). Safe to call twice.
+    fn shutdown(&self, py: Python<'_>) {
+        block_on(py, self.server.shutdown());
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ManagerServer(address={:?})", self.server.address())
+    }
+}
+
+/// A client of one manager server.
+#[pyclass(module = "torchft._torchft", name = "ManagerClient", frozen)]
+pub struct PyManagerClient {
+    client: CoreClient,
+    addr: String,
+}
+
+#[pymethods]
+impl PyManagerClient {
+    /// Connects to the manager server at `addr`, retrying until `connect_timeout`.
+    #[new]
+    #[pyo3(signature = (addr, connect_timeout = Duration::from_secs(60)))]
+    fn new(py: Python<'_>, addr: String, connect_timeout: Duration) -> PyResult<Self> {
+        let connect_timeout = check_duration("connect_timeout", connect_timeout)?;
+        let client = block_on(py, CoreClient::connect(&addr, connect_timeout))?;
+        Ok(Self { client, addr })
+    }
+
+    /// Asks for this rank's part of the next quorum (waits for the whole group).
+    #[pyo3(signature = (
+        group_rank,
+        step,
+        checkpoint_metadata,
+        shrink_only,
+        timeout,
+        commit_failures = 0,
+        init_sync = true,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn _quorum(
+        &self,
+        py: Python<'_>,
+        group_rank: i64,
+        step: i64,
+        checkpoint_metadata: String,
+        shrink_only: bool,
+        timeout: Duration,
+        commit_failures: i64,
+        init_sync: bool,
+    ) -> PyResult<QuorumResult> {
+        let timeout = check_duration("timeout", timeout)?;
+        let req = ManagerQuorumRequest {
+            group_rank,
+            step,
+            checkpoint_metadata,
+            shrink_only,
+            init_sync,
+            commit_failures,
+        };
+        let resp = block_on(py, self.client.quorum(req, timeout))?;
+        Ok(QuorumResult::from(resp))
+    }
+
+    /// The checkpoint metadata group rank `rank` of that manager's group last reported.
+    fn _checkpoint_metadata(
+        &self,
+        py: Python<'_>,
+        rank: i64,
+        timeout: Duration,
+    ) -> PyResult<String> {
+        let timeout = check_duration("timeout", timeout)?;
+        Ok(block_on(
+            py,
+            self.client.checkpoint_metadata(rank, timeout),
+        )?)
+    }
+
+    /// Casts this rank's vote for `step`; returns the group's decision (AND of all votes).
+    fn should_commit(
+        &self,
+        py: Python<'_>,
+        group_rank: i64,
+        step: i64,
+        should_commit: bool,
+        timeout: Duration,
+    ) -> PyResult<bool> {
+        let timeout = check_duration("timeout", timeout)?;
+        Ok(block_on(
+            py,
+            self.client
+                .should_commit(group_rank, step, should_commit, timeout),
+        )?)
+    }
+
+    /// Asks the manager server to end its hosting process (logged with `msg`).
+    #[pyo3(signature = (msg, timeout = Duration::from_secs(5)))]
+    fn kill(&self, py: Python<'_>, msg: String, timeout: Duration) -> PyResult<()> {
+        let timeout = check_duration("timeout", timeout)?;
+        Ok(block_on(py, self.client.kill(&msg, timeout))?)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ManagerClient(addr={:?})", self.addr)
+    }
+}
+
+/// One rank's answer to a quorum request: its role in the step.
+///
+/// Constructible with keyword arguments (all default to empty/zero/None) and mutable, so tests
+/// of code built on top can fabricate answers.
+#[pyclass(module = "torchft._torchft", get_all, set_all)]
+pub struct QuorumResult {
+    quorum_id: i64,
+    replica_rank: i64,
+    replica_world_size: i64,
+    recover_src_manager_address: String,
+    recover_src_replica_rank: Option<i64>,
+    recover_dst_replica_ranks: Vec<i64>,
+    store_address: String,
+    max_step: i64,
+    max_replica_rank: Option<i64>,
+    max_world_size: i64,
+    heal: bool,
+    commit_failures: i64,
+    replica_ids: Vec<String>,
+}
+
+impl From<ManagerQuorumResponse> for QuorumResult {
+    fn from(r: ManagerQuorumResponse) -> Self {
+        Self {
+            quorum_id: r.quorum_id,
+            replica_rank: r.replica_rank,
+            replica_world_size: r.replica_world_size,
+            recover_src_manager_address: r.recover_src_manager_address,
+            recover_src_replica_rank: r.recover_src_replica_rank,
+            recover_dst_replica_ranks: r.recover_dst_replica_ranks,
+            store_address: r.store_address,
+            max_step: r.max_step,
+            max_replica_rank: r.max_replica_rank,
+            max_world_size: r.max_world_size,
+            heal: r.heal,
+            commit_failures: r.commit_failures,
+            replica_ids: r.replica_ids,
+        }
+    }
+}
+
+/// Python-style rendering of an optional integer.
+fn py_opt(v: Option<i64>) -> String {
+    v.map_or_else(|| "None".to_string(), |x| x.to_string())
+}
+
+#[pymethods]
+impl QuorumResult {
+    /// Builds a result by hand (the server builds the real ones).
+    #[new]
+    #[pyo3(signature = (
+        quorum_id = 0,
+        replica_rank = 0,
+        replica_world_size = 1,
+        recover_src_manager_address = String::new(),
+        recover_src_replica_rank = None,
+        recover_dst_replica_ranks = Vec::new(),
+        store_address = String::new(),
+        max_step = 0,
+        max_replica_rank = None,
+        max_world_size = 0,
+        heal = false,
+        commit_failures = 0,
+        replica_ids = Vec::new(),
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        quorum_id: i64,
+        replica_rank: i64,
+        replica_world_size: i64,
+        recover_src_manager_address: String,
+        recover_src_replica_rank: Option<i64>,
+        recover_dst_replica_ranks: Vec<i64>,
+        store_address: String,
+        max_step: i64,
+        max_replica_rank: Option<i64>,
+        max_world_size: i64,
+        heal: bool,
+        commit_failures: i64,
+        replica_ids: Vec<String>,
+    ) -> Self {
+        Self {
+            quorum_id,
+            replica_rank,
+            replica_world_size,
+            recover_src_manager_address,
+            recover_src_replica_rank,
+            recover_dst_replica_ranks,
+            store_address,
+            max_step,
+            max_replica_rank,
+            max_world_size,
+            heal,
+            commit_failures,
+            replica_ids,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "QuorumResult(quorum_id={}, replica_rank={}, replica_world_size={}, \
+             recover_src_manager_address={:?}, recover_src_replica_rank={}, \
+             recover_dst_replica_ranks={:?}, store_address={:?}, max_step={}, \
+             max_replica_rank={}, max_world_size={}, heal={}, commit_failures={}, \
+             replica_ids={:?})",
+            self.quorum_id,
+            self.replica_rank,
+            self.replica_world_size,
+            self.recover_src_manager_address,
+            py_opt(self.recover_src_replica_rank),
+            self.recover_dst_replica_ranks,
+            self.store_address,
+            self.max_step,
+            py_opt(self.max_replica_rank),
+            self.max_world_size,
+            if self.heal { "True" } else { "False" },
+            self.commit_failures,
+            self.replica_ids,
+        )
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyManagerServer>()?;
+    m.add_class::<PyManagerClient>()?;
+    m.add_class::<QuorumResult>()?;
     Ok(())
 }

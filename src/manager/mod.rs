@@ -2,3 +2,131 @@
 //!
 //! It gathers the group's ranks, asks the lighthouse once per quorum round and tells each
 //! rank its role for the step; it also runs the per-step commit vote.
+//!
+//! - [`compute`]: the pure function turning a lighthouse quorum into one rank's answer.
+//! - [`gather`]: bookkeeping of the quorum round in progress (who waits, step agreement).
+//! - [`commit`]: the `should_commit` barrier (AND over the group's ranks, keyed by step).
+//! - [`server`]: the gRPC service, the lighthouse calls and the heartbeat loop.
+//! - [`client`]: the client every rank uses to talk to its group's manager server.
+
+use std::time::Duration;
+
+pub mod client;
+pub mod commit;
+pub mod compute;
+pub mod gather;
+pub mod server;
+
+pub use client::ManagerClient;
+pub use compute::compute_quorum_results;
+pub use server::ManagerServer;
+
+/// Deadline applied to a request that arrives without one (a gRPC caller may omit it).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Longest head start the server takes on a caller's deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+
+/// The part of a caller's `timeout` the server may spend: slightly less than the whole, so the
+/// server answers DEADLINE_EXCEEDED (and removes the caller from its round) before the caller's
+/// own timer fires. Otherwise a caller that already gave up could still be counted in a round
+/// completed by a rank arriving in that instant, and its answer would be lost.
+pub(crate) fn server_budget(timeout: Duration) -> Duration {
+    timeout.saturating_sub((timeout / 20).min(DEADLINE_MARGIN))
+}
+
+/// Converts a failed RPC's status to an error, given when the call started and its timeout.
+///
+/// A `CANCELLED` status before the deadline is not a timeout: the transport dropped the call
+/// (typically the peer's connection closed under it), so it is reported as `Unavailable` and
+/// Python sees a torchft error rather than a misleading `TimeoutError`.
+pub(crate) fn rpc_error(
+    status: tonic::Status,
+    started: tokio::time::Instant,
+    timeout: Duration,
+) -> crate::error::Error {
+    if status.code() == tonic::Code::Cancelled && started.elapsed() < timeout {
+        return crate::error::Error::Unavailable(format!(
+            "the connection dropped the call: {}",
+            status.message()
+        ));
+    }
+    crate::error::Error::from(status)
+}
+
+/// How a manager server presents itself and reaches the lighthouse.
+#[derive(Debug, Clone)]
+pub struct ManagerOptions {
+    /// Unique id of this replica group incarnation (`{replica_id}:{uuid}`); must not be empty.
+    pub replica_id: String,
+    /// The lighthouse to ask for quorums (`host:port` or `http://host:port`).
+    pub lighthouse_addr: String,
+    /// Host name other groups dial to reach this server (used in [`ManagerServer::address`]).
+    pub hostname: String,
+    /// Where to listen, e.g. `[::]:0` (port 0 picks a free port).
+    pub bind: String,
+    /// This group's rendezvous store (`host:port`), handed to the lighthouse.
+    pub store_addr: String,
+    /// Number of ranks in the group; a quorum round waits for all of them. At least 1.
+    pub world_size: u64,
+    /// Period of the heartbeat sent to the lighthouse (kept while the lighthouse is down).
+    pub heartbeat_interval: Duration,
+    /// Bound on establishing a connection to the lighthouse.
+    pub connect_timeout: Duration,
+    /// How many times a failed lighthouse quorum request is retried (with backoff) in a round.
+    pub quorum_retries: u64,
+}
+
+impl Default for ManagerOptions {
+    fn default() -> Self {
+        Self {
+            replica_id: String::new(),
+            lighthouse_addr: String::new(),
+            hostname: "localhost".to_string(),
+            bind: "[::]:0".to_string(),
+            store_addr: String::new(),
+            world_size: 1,
+            heartbeat_interval: Duration::from_millis(100),
+            connect_timeout: Duration::from_secs(60),
+            quorum_retries: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_budget_is_a_little_less_than_the_timeout() {
+        assert_eq!(
+            server_budget(Duration::from_secs(10)),
+            Duration::from_millis(9980)
+        );
+        assert_eq!(
+            server_budget(Duration::from_millis(100)),
+            Duration::from_millis(95)
+        );
+        assert_eq!(server_budget(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancelled_before_the_deadline_is_unavailable_not_timeout() {
+        use crate::error::Error;
+        let started = tokio::time::Instant::now();
+        let t = Duration::from_secs(1);
+        let e = rpc_error(
+            tonic::Status::cancelled("operation was canceled"),
+            started,
+            t,
+        );
+        assert!(matches!(e, Error::Unavailable(_)), "{e}");
+        let e = rpc_error(tonic::Status::deadline_exceeded("late"), started, t);
+        assert!(e.is_timeout());
+        tokio::time::advance(t).await;
+        let e = rpc_error(tonic::Status::cancelled("Timeout expired"), started, t);
+        assert!(e.is_timeout());
+        let e = rpc_error(tonic::Status::invalid_argument("bad"), started, t);
+        assert!(matches!(e, Error::InvalidArgument(_)));
+    }
+}

@@ -1,0 +1,345 @@
+//! The per-step commit vote of one replica group: a barrier plus an AND over its ranks.
+//!
+//! Rules:
+//! - A round is keyed by its step. It completes when all `world_size` group ranks have voted;
+//!   everyone then gets the same decision: true only if every rank voted true.
+//! - A vote for another step than the round in progress means the group's ranks disagree on
+//!   the step. Nothing sensible can be committed, so the whole round fails: the caller AND every
+//!   rank already waiting get `FailedPrecondition` naming both steps, and the round is cleared.
+//!   The waiting ranks learn it at once instead of hanging until their deadline, and no vote of
+//!   one step is ever counted in another step's round.
+//! - A rank that votes twice in one round replaces its earlier vote; the earlier caller gets
+//!   `FailedPrecondition` (it would otherwise never be answered).
+//! - A voter whose deadline passes (or whose request is dropped) leaves the round, so a later
+//!   vote by the same rank counts once and a decision never includes a vote nobody waits on.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+
+/// Barrier + AND over a replica group's ranks, one round per step.
+#[derive(Debug)]
+pub struct CommitBarrier {
+    world_size: u64,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    round: Option<Round>,
+    next_ticket: u64,
+}
+
+#[derive(Debug)]
+struct Round {
+    step: i64,
+    voters: HashMap<i64, Voter>,
+}
+
+#[derive(Debug)]
+struct Voter {
+    vote: bool,
+    ticket: u64,
+    tx: oneshot::Sender<Result<bool>>,
+}
+
+/// Removes a voter from its round when its wait ends without a decision (timeout, cancel).
+struct LeaveGuard<'a> {
+    barrier: &'a CommitBarrier,
+    group_rank: i64,
+    ticket: u64,
+}
+
+impl Drop for LeaveGuard<'_> {
+    fn drop(&mut self) {
+        let mut state = self.barrier.lock();
+        if let Some(round) = state.round.as_mut() {
+            if round
+                .voters
+                .get(&self.group_rank)
+                .is_some_and(|v| v.ticket == self.ticket)
+            {
+                round.voters.remove(&self.group_rank);
+                if round.voters.is_empty() {
+                    state.round = None;
+                }
+            }
+        }
+    }
+}
+
+impl CommitBarrier {
+    /// A barrier for a group of `world_size` ranks (at least 1).
+    pub fn new(world_size: u64) -> Result<Self> {
+        if world_size == 0 {
+            return Err(Error::InvalidArgument(
+                "world_size must be at least 1".into(),
+            ));
+        }
+        Ok(Self {
+            world_size,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the state half-updated in a way that
+        // matters more than losing the round, so recover the guard instead of propagating.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Casts `group_rank`'s vote for `step` and waits (up to `timeout`) for the group's decision.
+    pub async fn vote(
+        &self,
+        group_rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+    ) -> Result<bool> {
+        if group_rank < 0 || group_rank as u64 >= self.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "group_rank {group_rank} is outside [0, {})",
+                self.world_size
+            )));
+        }
+        if step < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "step must not be negative, got {step}"
+            )));
+        }
+        let (ticket, rx) = {
+            let mut state = self.lock();
+            if let Some(round) = state.round.as_ref() {
+                if round.step != step {
+                    let msg = format!(
+                        "should_commit step mismatch: group rank {group_rank} voted for step \
+                         {step} while step {} is being voted on",
+                        round.step
+                    );
+                    if let Some(round) = state.round.take() {
+                        for (_, v) in round.voters {
+                            let _ = v.tx.send(Err(Error::FailedPrecondition(msg.clone())));
+                        }
+                    }
+                    return Err(Error::FailedPrecondition(msg));
+                }
+            }
+            state.next_ticket += 1;
+            let ticket = state.next_ticket;
+            let world_size = self.world_size;
+            let round = state.round.get_or_insert_with(|| Round {
+                step,
+                voters: HashMap::new(),
+            });
+            let (tx, rx) = oneshot::channel();
+            if let Some(old) = round.voters.insert(group_rank, Voter { vote, ticket, tx }) {
+                let _ = old.tx.send(Err(Error::FailedPrecondition(format!(
+                    "group rank {group_rank} voted again for step {step}; this earlier vote \
+                     was replaced"
+                ))));
+            }
+            if round.voters.len() as u64 == world_size {
+                let decision = round.voters.values().all(|v| v.vote);
+                if let Some(round) = state.round.take() {
+                    for (rank, v) in round.voters {
+                        if rank != group_rank {
+                            let _ = v.tx.send(Ok(decision));
+                        }
+                    }
+                }
+                return Ok(decision);
+            }
+            (ticket, rx)
+        };
+        let _guard = LeaveGuard {
+            barrier: self,
+            group_rank,
+            ticket,
+        };
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(Error::Shutdown),
+            Err(_) => Err(Error::timeout(
+                &format!("should_commit for step {step} (group rank {group_rank})"),
+                timeout,
+            )),
+        }
+    }
+
+    /// Number of votes in the round in progress (for tests and status).
+    pub fn pending_votes(&self) -> usize {
+        self.lock().round.as_ref().map_or(0, |r| r.voters.len())
+    }
+
+    /// Fails every waiting voter with `Shutdown` (the server is going away).
+    pub fn fail_all(&self) {
+        if let Some(round) = self.lock().round.take() {
+            for (_, v) in round.voters {
+                let _ = v.tx.send(Err(Error::Shutdown));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    const LONG: Duration = Duration::from_secs(30);
+
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn spawn_vote(
+        b: &Arc<CommitBarrier>,
+        rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+    ) -> tokio::task::JoinHandle<Result<bool>> {
+        let b = b.clone();
+        tokio::spawn(async move { b.vote(rank, step, vote, timeout).await })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn decision_is_the_and_of_all_votes() {
+        for (votes, expected) in [
+            (vec![true, true, true], true),
+            (vec![true, false, true], false),
+            (vec![false, false, false], false),
+        ] {
+            let b = Arc::new(CommitBarrier::new(3).unwrap());
+            let handles: Vec<_> = votes
+                .iter()
+                .enumerate()
+                .map(|(r, &v)| spawn_vote(&b, r as i64, 5, v, LONG))
+                .collect();
+            for h in handles {
+                assert_eq!(h.await.unwrap().unwrap(), expected);
+            }
+            assert_eq!(b.pending_votes(), 0);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn single_rank_group_decides_at_once() {
+        let b = CommitBarrier::new(1).unwrap();
+        assert!(b.vote(0, 0, true, LONG).await.unwrap());
+        assert!(!b.vote(0, 1, false, LONG).await.unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn step_mismatch_fails_the_caller_and_the_waiting_ranks() {
+        let b = Arc::new(CommitBarrier::new(3).unwrap());
+        let r0 = spawn_vote(&b, 0, 4, true, LONG);
+        settle().await;
+        let err = b.vote(1, 5, true, LONG).await.unwrap_err();
+        assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+        assert!(err.to_string().contains("step 4"), "{err}");
+        let err0 = r0.await.unwrap().unwrap_err();
+        assert!(matches!(err0, Error::FailedPrecondition(_)), "{err0}");
+        assert_eq!(b.pending_votes(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn votes_never_leak_into_the_next_round() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        // Step 1: rank 0 votes false, rank 1 true → false for both.
+        let r0 = spawn_vote(&b, 0, 1, false, LONG);
+        settle().await;
+        assert!(!b.vote(1, 1, true, LONG).await.unwrap());
+        assert!(!r0.await.unwrap().unwrap());
+        // Step 2 starts clean: nothing of step 1 is counted.
+        assert_eq!(b.pending_votes(), 0);
+        let r0 = spawn_vote(&b, 0, 2, true, LONG);
+        settle().await;
+        assert_eq!(b.pending_votes(), 1);
+        assert!(b.vote(1, 2, true, LONG).await.unwrap());
+        assert!(r0.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_vote_for_the_next_step_is_not_counted_in_this_round() {
+        let b = Arc::new(CommitBarrier::new(3).unwrap());
+        let r0 = spawn_vote(&b, 0, 7, true, LONG);
+        let r1 = spawn_vote(&b, 1, 7, true, LONG);
+        settle().await;
+        // Rank 2 is ahead: its vote must not complete step 7's round.
+        assert!(b.vote(2, 8, true, LONG).await.is_err());
+        assert!(r0.await.unwrap().is_err());
+        assert!(r1.await.unwrap().is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn timed_out_voter_leaves_the_round() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let start = tokio::time::Instant::now();
+        let err = b
+            .vote(0, 3, false, Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert_eq!(start.elapsed(), Duration::from_millis(100));
+        assert_eq!(b.pending_votes(), 0);
+        // Its false vote is gone: the next two votes decide alone.
+        let r0 = spawn_vote(&b, 0, 3, true, LONG);
+        settle().await;
+        assert!(b.vote(1, 3, true, LONG).await.unwrap());
+        assert!(r0.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancelled_voter_leaves_the_round() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 3, false, LONG);
+        settle().await;
+        assert_eq!(b.pending_votes(), 1);
+        r0.abort();
+        let _ = r0.await;
+        assert_eq!(b.pending_votes(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn revote_replaces_the_earlier_vote() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let first = spawn_vote(&b, 0, 3, false, LONG);
+        settle().await;
+        let second = spawn_vote(&b, 0, 3, true, LONG);
+        settle().await;
+        assert!(first.await.unwrap().is_err());
+        assert_eq!(b.pending_votes(), 1);
+        assert!(b.vote(1, 3, true, LONG).await.unwrap());
+        assert!(second.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bad_input_is_refused_and_changes_nothing() {
+        let b = CommitBarrier::new(2).unwrap();
+        for (rank, step) in [(-1, 0), (2, 0), (0, -1)] {
+            assert!(matches!(
+                b.vote(rank, step, true, LONG).await,
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+        assert_eq!(b.pending_votes(), 0);
+        assert!(CommitBarrier::new(0).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fail_all_answers_waiters() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 3, true, LONG);
+        settle().await;
+        b.fail_all();
+        assert!(matches!(r0.await.unwrap(), Err(Error::Shutdown)));
+    }
+}

@@ -1,0 +1,535 @@
+//! The manager server's gRPC service, its lighthouse calls and its heartbeat loop.
+//!
+//! One quorum round: every group rank calls `Quorum`; the rank that completes the round
+//! triggers ONE lighthouse request (retried `quorum_retries` times with backoff, bounded by the
+//! longest deadline of the waiting ranks); each rank then gets its own answer from
+//! [`compute_quorum_results`]. If the lighthouse call fails, every waiting rank gets the error at
+//! once. Every rank's request honours its own deadline and leaves the round when it expires.
+//!
+//! The lighthouse channel is lazy and reconnects by itself, so the server starts while the
+//! lighthouse is down and recovers when it comes back on the same address.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+use tracing::{debug, info, warn};
+
+use super::commit::CommitBarrier;
+use super::compute::compute_quorum_results;
+use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
+use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
+use crate::error::{Error, Result};
+use crate::net::{normalize_addr, request_timeout, with_timeout, Backoff};
+use crate::proto::lighthouse_service_client::LighthouseServiceClient;
+use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
+use crate::proto::{
+    CheckpointMetadataRequest, CheckpointMetadataResponse, KillRequest, KillResponse,
+    LighthouseHeartbeatRequest, LighthouseQuorumRequest, ManagerQuorumRequest,
+    ManagerQuorumResponse, Quorum, QuorumMember, ShouldCommitRequest, ShouldCommitResponse,
+};
+
+/// How long a graceful shutdown waits for open connections before closing them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// A running manager server (spawned on the current tokio runtime).
+///
+/// Dropping it signals shutdown; [`ManagerServer::shutdown`] also waits for it to finish.
+#[derive(Debug)]
+pub struct ManagerServer {
+    address: String,
+    inner: Arc<Inner>,
+    shutdown_tx: watch::Sender<bool>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    opts: ManagerOptions,
+    address: String,
+    lighthouse_addr: String,
+    lighthouse: LighthouseServiceClient<Channel>,
+    gather: QuorumGather,
+    barrier: CommitBarrier,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// Formats `http://host:port`, bracketing IPv6 literals.
+fn http_address(hostname: &str, port: u16) -> String {
+    if hostname.contains(':') && !hostname.starts_with('[') {
+        format!("http://[{hostname}]:{port}")
+    } else {
+        format!("http://{hostname}:{port}")
+    }
+}
+
+/// Rebuilds an error so one failure can be delivered to several waiting ranks.
+fn duplicate(e: &Error) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+        Error::Timeout(m) => Error::Timeout(m.clone()),
+        Error::Connect { addr, reason } => Error::Connect {
+            addr: addr.clone(),
+            reason: reason.clone(),
+        },
+        Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
+        Error::Unavailable(m) => Error::Unavailable(m.clone()),
+        Error::Shutdown => Error::Shutdown,
+        Error::Remote(m) => Error::Remote(m.clone()),
+    }
+}
+
+/// The message of `e` without its kind prefix (the kind is kept by the wrapping error).
+fn detail(e: &Error) -> String {
+    match e {
+        Error::InvalidArgument(m)
+        | Error::Timeout(m)
+        | Error::FailedPrecondition(m)
+        | Error::Unavailable(m)
+        | Error::Remote(m) => m.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Resolves once `rx` says the server is shutting down (or its sender is gone).
+async fn shutting_down(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|down| *down).await;
+}
+
+impl ManagerServer {
+    /// Validates `opts`, binds `opts.bind` and starts serving and heartbeating.
+    ///
+    /// The lighthouse is dialled lazily: a lighthouse that is down only fails quorum requests
+    /// (promptly), it does not prevent the server from starting.
+    pub async fn start(opts: ManagerOptions) -> Result<Self> {
+        if opts.world_size == 0 {
+            return Err(Error::InvalidArgument(
+                "world_size must be at least 1".into(),
+            ));
+        }
+        if opts.replica_id.is_empty() {
+            return Err(Error::InvalidArgument(
+                "replica_id must not be empty".into(),
+            ));
+        }
+        if opts.hostname.is_empty() {
+            return Err(Error::InvalidArgument("hostname must not be empty".into()));
+        }
+        if opts.heartbeat_interval.is_zero() {
+            return Err(Error::InvalidArgument(
+                "heartbeat_interval must be positive".into(),
+            ));
+        }
+        if opts.connect_timeout.is_zero() {
+            return Err(Error::InvalidArgument(
+                "connect_timeout must be positive".into(),
+            ));
+        }
+        let lighthouse_addr = normalize_addr(&opts.lighthouse_addr)?;
+        let endpoint = Endpoint::from_shared(lighthouse_addr.clone())
+            .map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "invalid lighthouse address {lighthouse_addr:?}: {e}"
+                ))
+            })?
+            .connect_timeout(opts.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20));
+        let lighthouse = LighthouseServiceClient::new(endpoint.connect_lazy());
+
+        let listener = tokio::net::TcpListener::bind(&opts.bind)
+            .await
+            .map_err(|e| Error::Unavailable(format!("cannot listen on {}: {e}", opts.bind)))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::Unavailable(format!("cannot read the bound address: {e}")))?
+            .port();
+        let address = http_address(&opts.hostname, port);
+
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            gather: QuorumGather::new(opts.world_size)?,
+            barrier: CommitBarrier::new(opts.world_size)?,
+            address: address.clone(),
+            lighthouse_addr,
+            lighthouse,
+            shutdown: shutdown_rx.clone(),
+            opts,
+        });
+
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let service = ManagerServiceServer::new(Service {
+            inner: inner.clone(),
+        });
+        let signal = shutting_down(shutdown_rx.clone());
+        let serve = tokio::spawn(async move {
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, signal)
+                .await
+            {
+                warn!(error = %e, "manager server stopped with an error");
+            }
+        });
+        let heartbeat = tokio::spawn(heartbeat_loop(inner.clone()));
+        info!(
+            replica_id = %inner.opts.replica_id,
+            address = %address,
+            lighthouse = %inner.lighthouse_addr,
+            world_size = inner.opts.world_size,
+            "manager server listening"
+        );
+        Ok(Self {
+            address,
+            inner,
+            shutdown_tx,
+            tasks: Mutex::new(vec![serve, heartbeat]),
+        })
+    }
+
+    /// The address other groups and this group's ranks dial: `http://{hostname}:{port}`.
+    pub fn address(&self) -> String {
+        self.address.clone()
+    }
+
+    /// Stops serving: pending quorum and commit waits end with `Shutdown`, the heartbeat loop
+    /// stops, open connections get a bounded grace period. Idempotent.
+    pub async fn shutdown(&self) {
+        let _ = self.shutdown_tx.send(true);
+        self.inner.gather.fail_all();
+        self.inner.barrier.fail_all();
+        let tasks: Vec<JoinHandle<()>> = {
+            let mut guard = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+            guard.drain(..).collect()
+        };
+        for mut task in tasks {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+                .await
+                .is_err()
+            {
+                warn!("manager server task did not stop in time; aborting it");
+                task.abort();
+            }
+        }
+        debug!(address = %self.address, "manager server stopped");
+    }
+}
+
+impl Drop for ManagerServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown_tx.send(true);
+    }
+}
+
+/// Heartbeats the lighthouse every interval. Each attempt is bounded by the interval, so the
+/// period holds while the lighthouse is down; the lazy channel reconnects when it is back.
+async fn heartbeat_loop(inner: Arc<Inner>) {
+    let period = inner.opts.heartbeat_interval;
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut shutdown = inner.shutdown.clone();
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.wait_for(|down| *down) => return,
+        }
+        let req = LighthouseHeartbeatRequest {
+            replica_id: inner.opts.replica_id.clone(),
+        };
+        let mut client = inner.lighthouse.clone();
+        let result =
+            tokio::time::timeout(period, client.heartbeat(with_timeout(req, period))).await;
+        match result {
+            Ok(Ok(_)) => {
+                if failing {
+                    info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
+                    failing = false;
+                }
+            }
+            Ok(Err(status)) => {
+                if !failing {
+                    warn!(lighthouse = %inner.lighthouse_addr, error = %status.message(),
+                        "lighthouse heartbeat failed; retrying every {period:?}");
+                    failing = true;
+                }
+            }
+            Err(_) => {
+                if !failing {
+                    warn!(lighthouse = %inner.lighthouse_addr,
+                        "lighthouse heartbeat timed out; retrying every {period:?}");
+                    failing = true;
+                }
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
+    async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<Quorum> {
+        let member = QuorumMember {
+            replica_id: self.opts.replica_id.clone(),
+            address: self.address.clone(),
+            store_address: self.opts.store_addr.clone(),
+            step: round.step,
+            world_size: self.opts.world_size,
+            shrink_only: round.shrink_only,
+            commit_failures: round.commit_failures,
+            data: String::new(),
+        };
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+        let mut attempt: u64 = 0;
+        loop {
+            let remaining = round.deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(Error::Timeout(format!(
+                    "lighthouse quorum at {} did not answer before the ranks' deadline",
+                    self.lighthouse_addr
+                )));
+            }
+            let req = with_timeout(
+                LighthouseQuorumRequest {
+                    requester: Some(member.clone()),
+                },
+                remaining,
+            );
+            let mut client = self.lighthouse.clone();
+            let started = Instant::now();
+            let err = match tokio::time::timeout(remaining, client.quorum(req)).await {
+                Ok(Ok(resp)) => {
+                    return resp.into_inner().quorum.ok_or_else(|| {
+                        Error::Remote("the lighthouse answered without a quorum".into())
+                    });
+                }
+                Ok(Err(status)) => rpc_error(status, started, remaining),
+                Err(_) => Error::timeout("lighthouse quorum", remaining),
+            };
+            match err {
+                Error::Timeout(_) | Error::InvalidArgument(_) | Error::FailedPrecondition(_) => {
+                    return Err(err)
+                }
+                _ => {}
+            }
+            if attempt >= self.opts.quorum_retries {
+                return Err(Error::Unavailable(format!(
+                    "lighthouse quorum request to {} failed after {} attempt(s): {}",
+                    self.lighthouse_addr,
+                    attempt + 1,
+                    detail(&err)
+                )));
+            }
+            attempt += 1;
+            let delay = backoff.next_delay();
+            warn!(
+                lighthouse = %self.lighthouse_addr, attempt, error = %err,
+                "lighthouse quorum request failed; retrying in {delay:?}"
+            );
+            let remaining = round.deadline.saturating_duration_since(Instant::now());
+            tokio::time::sleep(delay.min(remaining)).await;
+        }
+    }
+
+    /// Runs the lighthouse request of a complete round and answers every rank of it.
+    async fn answer_round(self: Arc<Self>, round: ReadyRound) {
+        let result = tokio::select! {
+            r = self.lighthouse_quorum(&round) => r,
+            _ = shutting_down(self.shutdown.clone()) => Err(Error::Shutdown),
+        };
+        match result {
+            Ok(quorum) => {
+                debug!(
+                    quorum_id = quorum.quorum_id,
+                    step = round.step,
+                    participants = quorum.participants.len(),
+                    "quorum received"
+                );
+                for (rank, tx) in round.replies {
+                    let answer = compute_quorum_results(
+                        &self.opts.replica_id,
+                        rank,
+                        &quorum,
+                        round.init_sync,
+                    );
+                    let _ = tx.send(answer);
+                }
+            }
+            Err(e) => {
+                warn!(step = round.step, error = %e, "quorum round failed");
+                for (_, tx) in round.replies {
+                    let _ = tx.send(Err(duplicate(&e)));
+                }
+            }
+        }
+    }
+
+    /// Waits for a rank's answer until `deadline`, or until shutdown.
+    async fn await_answer<T>(
+        &self,
+        rx: oneshot::Receiver<Result<T>>,
+        deadline: Instant,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<T> {
+        tokio::select! {
+            r = tokio::time::timeout_at(deadline, rx) => match r {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(Error::Shutdown),
+                Err(_) => Err(Error::timeout(what, timeout)),
+            },
+            _ = shutting_down(self.shutdown.clone()) => Err(Error::Shutdown),
+        }
+    }
+}
+
+/// The tonic service; a thin layer over [`Inner`].
+#[derive(Debug)]
+struct Service {
+    inner: Arc<Inner>,
+}
+
+#[tonic::async_trait]
+impl ManagerService for Service {
+    async fn quorum(
+        &self,
+        request: Request<ManagerQuorumRequest>,
+    ) -> Result<Response<ManagerQuorumResponse>, Status> {
+        let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
+        let deadline = Instant::now() + timeout;
+        let req = request.into_inner();
+        let inner = &self.inner;
+        let joined = inner.gather.join(&req, deadline)?;
+        let _guard = LeaveGuard {
+            gather: &inner.gather,
+            group_rank: req.group_rank,
+            ticket: joined.ticket,
+        };
+        if let Some(round) = joined.ready {
+            if round.replies.len() == 1 {
+                // Only this rank waits: answer inline (no extra task on the hot path). The
+                // deadline below still bounds it.
+                let what = format!("quorum (group rank {}, step {})", req.group_rank, req.step);
+                let fut = inner.clone().answer_round(round);
+                return tokio::select! {
+                    _ = fut => inner.await_answer(joined.rx, deadline, timeout, &what).await,
+                    _ = tokio::time::sleep_until(deadline) => Err(Error::timeout(&what, timeout)),
+                }
+                .map(Response::new)
+                .map_err(Status::from);
+            }
+            // Several ranks wait on this round: it must outlive this request.
+            tokio::spawn(inner.clone().answer_round(round));
+        }
+        let what = format!("quorum (group rank {}, step {})", req.group_rank, req.step);
+        inner
+            .await_answer(joined.rx, deadline, timeout, &what)
+            .await
+            .map(Response::new)
+            .map_err(Status::from)
+    }
+
+    async fn checkpoint_metadata(
+        &self,
+        request: Request<CheckpointMetadataRequest>,
+    ) -> Result<Response<CheckpointMetadataResponse>, Status> {
+        let rank = request.get_ref().rank;
+        let checkpoint_metadata = self.inner.gather.checkpoint_metadata(rank)?;
+        Ok(Response::new(CheckpointMetadataResponse {
+            checkpoint_metadata,
+        }))
+    }
+
+    async fn should_commit(
+        &self,
+        request: Request<ShouldCommitRequest>,
+    ) -> Result<Response<ShouldCommitResponse>, Status> {
+        let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
+        let req = request.into_inner();
+        let vote = self
+            .inner
+            .barrier
+            .vote(req.group_rank, req.step, req.should_commit, timeout);
+        let should_commit = tokio::select! {
+            r = vote => r?,
+            _ = shutting_down(self.inner.shutdown.clone()) => return Err(Error::Shutdown.into()),
+        };
+        Ok(Response::new(ShouldCommitResponse { should_commit }))
+    }
+
+    async fn kill(&self, request: Request<KillRequest>) -> Result<Response<KillResponse>, Status> {
+        let msg = request.into_inner().msg;
+        warn!(replica_id = %self.inner.opts.replica_id, reason = %msg,
+            "kill requested; ending this process");
+        // The process ends now: make the reason visible even without a log subscriber.
+        eprintln!(
+            "torchft manager {}: kill requested: {msg}",
+            self.inner.opts.replica_id
+        );
+        // Give the response a moment to reach the caller, then end the process.
+        tokio::spawn(async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            std::process::exit(1);
+        });
+        Ok(Response::new(KillResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_brackets_ipv6() {
+        assert_eq!(http_address("host", 5), "http://host:5");
+        assert_eq!(http_address("::1", 5), "http://[::1]:5");
+        assert_eq!(http_address("[::1]", 5), "http://[::1]:5");
+    }
+
+    #[test]
+    fn duplicate_keeps_the_kind() {
+        assert!(duplicate(&Error::Timeout("x".into())).is_timeout());
+        assert!(matches!(
+            duplicate(&Error::Unavailable("x".into())),
+            Error::Unavailable(m) if m == "x"
+        ));
+    }
+
+    #[tokio::test]
+    async fn start_refuses_bad_options() {
+        let ok = ManagerOptions {
+            replica_id: "a".into(),
+            lighthouse_addr: "127.0.0.1:1".into(),
+            bind: "127.0.0.1:0".into(),
+            ..ManagerOptions::default()
+        };
+        for bad in [
+            ManagerOptions {
+                world_size: 0,
+                ..ok.clone()
+            },
+            ManagerOptions {
+                replica_id: String::new(),
+                ..ok.clone()
+            },
+            ManagerOptions {
+                lighthouse_addr: String::new(),
+                ..ok.clone()
+            },
+            ManagerOptions {
+                heartbeat_interval: Duration::ZERO,
+                ..ok.clone()
+            },
+        ] {
+            assert!(matches!(
+                ManagerServer::start(bad).await,
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+}
