@@ -365,7 +365,14 @@ class HTTPTransport(CheckpointTransport[T]):
         wait_s = min(max(wait_s, 0.0), self._timeout.total_seconds())
         kind = parts[3]
 
-        served = self._wait_served(step, wait_s)
+        if kind == "range":
+            # Ranges belong to one offered state (named by its generation): never wait,
+            # and never mix tensors of two different offers.
+            served = self._served
+            if served is None or served.step != step or query.get("gen", [""])[0] != served.gen:
+                raise _HTTPError(409, f"the state of step {step} is no longer served")
+        else:
+            served = self._wait_served(step, wait_s)
         if kind == "header" and len(parts) == 4:
             self._stream(
                 h,
@@ -390,10 +397,6 @@ class HTTPTransport(CheckpointTransport[T]):
                 start, end = int(parts[4]), int(parts[5])
             except ValueError:
                 raise _HTTPError(400, f"invalid range in {h.path!r}") from None
-            if query.get("gen", [""])[0] != served.gen:
-                raise _HTTPError(
-                    409, f"the state of step {step} changed since its header was fetched"
-                )
             if not 0 <= start <= end <= len(served.enc.specs):
                 raise _HTTPError(400, f"range [{start}, {end}) out of bounds")
             size = ser.range_frame_size(served.enc, start, end)
