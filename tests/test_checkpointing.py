@@ -719,7 +719,7 @@ def test_http_stalled_receiver_does_not_block_sender() -> None:
 
 @pytest.mark.timeout(30)
 def test_http_server_deadline_bounds_a_slow_receiver() -> None:
-    """Without disallow, a stalled transfer is cut (lock released) at the sender's timeout."""
+    """Without disallow, a stalled transfer is cut (lock released) at the offer's timeout."""
     held = threading.Semaphore(0)
     released = threading.Event()
 
@@ -731,11 +731,11 @@ def test_http_server_deadline_bounds_a_slow_receiver() -> None:
         finally:
             released.set()
 
-    sender: HTTPTransport[Any] = HTTPTransport(timedelta(seconds=1), state_dict_lock=read_lock)
+    sender: HTTPTransport[Any] = HTTPTransport(TIMEOUT, state_dict_lock=read_lock)
     port = int(sender.metadata().split(":")[2].split("/")[0])
     reader = socket.create_connection(("127.0.0.1", port))
     try:
-        sender.send_checkpoint([1], 1, {"w": torch.randn(16 << 20)}, TIMEOUT)
+        sender.send_checkpoint([1], 1, {"w": torch.randn(16 << 20)}, timedelta(seconds=1))
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         reader.sendall(b"GET /checkpoint/1/full HTTP/1.0\r\n\r\n")
         assert held.acquire(timeout=5), "transfer did not start"
@@ -945,6 +945,6 @@ def test_pg_transport_wrong_step_and_timeout() -> None:
     assert torch.equal(buf.view(torch.float32), state["a"])
 
     t0 = time.monotonic()
-    with pytest.raises((TimeoutError, RuntimeError)):
+    with pytest.raises(TimeoutError):
         receiver.recv_checkpoint(0, "<n/a>", 1, timedelta(seconds=0.5))
     assert time.monotonic() - t0 < 10

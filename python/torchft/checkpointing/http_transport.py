@@ -49,8 +49,6 @@ T = TypeVar("T")
 
 _BASE_PATH = "/checkpoint"
 _MAX_ERROR_BODY = 64 << 10
-# Socket buffer sizes for bulk transfers (the kernel clamps them to its limits).
-_SOCK_BUF = 4 << 20
 
 
 class _Aborted(Exception):
@@ -65,6 +63,9 @@ class _Served:
     gen: str
     enc: ser.Encoded
     header_frame: bytes
+    # Bound (seconds) on serving one request of this offer, so a stalled receiver cannot
+    # hold the state (and its read lock) longer.
+    timeout: float
 
 
 class _HTTPError(Exception):
@@ -99,6 +100,7 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
+    streaming: bool = False
     protocol_version = "HTTP/1.0"
     disable_nagle_algorithm = True
 
@@ -106,8 +108,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         transport = self.server.transport
         self.timeout = transport._timeout.total_seconds()
         super().setup()
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
         transport._register_conn(self.connection)
 
     def finish(self) -> None:
@@ -120,6 +120,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         logger.debug("checkpoint server %s: " + format, self.address_string(), *args)
 
     def do_GET(self) -> None:  # noqa: N802
+        # Set once the 200 status line went out: afterwards errors can only cut the body.
+        self.streaming = False
         try:
             self.server.transport._handle_get(self)
         except _HTTPError as e:
@@ -127,9 +129,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _Aborted as e:
             logger.info("checkpoint transfer to %s aborted: %s", self.address_string(), e)
             self.close_connection = True
-        except (OSError, TimeoutError) as e:
-            logger.warning("checkpoint transfer to %s failed: %s", self.address_string(), e)
+        except Exception as e:
             self.close_connection = True
+            if self.streaming:
+                logger.warning("checkpoint transfer to %s failed: %r", self.address_string(), e)
+            else:
+                # e.g. the state-dict lock could not be taken in time.
+                logger.warning("checkpoint request from %s failed: %r", self.address_string(), e)
+                status = 503 if isinstance(e, TimeoutError) else 500
+                self._send_text(status, f"checkpoint could not be served: {e!r}")
 
     def _send_text(self, status: int, message: str) -> None:
         body = message.encode()
@@ -257,7 +265,8 @@ class HTTPTransport(CheckpointTransport[T]):
             dst_ranks: receivers (informational; any receiver may fetch).
             step: the step being served.
             state_dict: the state; its tensors must not be mutated while served.
-            timeout: unused (serving is bounded by the transport's timeout per request).
+            timeout: bound on serving each request of this offer (a stalled or slow
+                receiver is cut off after it); non-positive means the transport's timeout.
 
         Raises:
             TypeError: the state contains an unsupported value.
@@ -265,7 +274,16 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         gen = uuid.uuid4().hex
         enc = ser.encode(state_dict, meta={"step": step, "gen": gen})
-        served = _Served(step=step, gen=gen, enc=enc, header_frame=ser.header_frame(enc))
+        serve_timeout = timeout.total_seconds()
+        if serve_timeout <= 0:
+            serve_timeout = self._timeout.total_seconds()
+        served = _Served(
+            step=step,
+            gen=gen,
+            enc=enc,
+            header_frame=ser.header_frame(enc),
+            timeout=serve_timeout,
+        )
         with self._cond:
             if self._closed:
                 raise RuntimeError("HTTPTransport is shut down")
@@ -430,11 +448,12 @@ class HTTPTransport(CheckpointTransport[T]):
                     raise _HTTPError(409, f"step {served.step} is no longer served")
                 self._conns[sock] = served.gen
             try:
-                deadline = time.monotonic() + self._timeout.total_seconds()
+                deadline = time.monotonic() + served.timeout
                 h.send_response(200)
                 h.send_header("Content-Type", "application/octet-stream")
                 h.send_header("Content-Length", str(size))
                 h.end_headers()
+                h.streaming = True
                 sent = 0
 
                 def write(piece: bytes | memoryview) -> None:
@@ -443,7 +462,7 @@ class HTTPTransport(CheckpointTransport[T]):
                         raise _Aborted(f"step {served.step} no longer served")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"checkpoint transfer exceeded {self._timeout}")
+                        raise TimeoutError(f"checkpoint transfer exceeded {served.timeout:.1f}s")
                     sock.settimeout(remaining)
                     h.wfile.write(piece)
                     sent += len(piece)
@@ -647,9 +666,6 @@ class _Fetch:
         try:
             conn.connect()
             self._sock = conn.sock
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
             conn.putrequest("GET", self._path)
             conn.endheaders()
             self._sock_timeout()
@@ -659,6 +675,11 @@ class _Fetch:
             raise TimeoutError(
                 f"timed out fetching checkpoint from replica {self._src} ({self.url})"
             ) from None
+        except (OSError, http.client.HTTPException) as e:
+            self.__exit__(None, None, None)
+            raise ConnectionError(
+                f"could not fetch checkpoint from replica {self._src} ({self.url}): {e!r}"
+            ) from e
         except BaseException:
             self.__exit__(None, None, None)
             raise
