@@ -5,9 +5,13 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import pickle
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -524,6 +528,34 @@ def test_deeply_nested_header_is_refused() -> None:
         ser.decode_bytes(stream + empty_range())
 
 
+def test_serialization_deep_but_allowed_nesting_round_trips() -> None:
+    """Nesting up to the documented limit works; beyond it is a TypeError at send time."""
+    ok: Any = torch.ones(1)
+    for i in range(ser.MAX_DEPTH - 1):
+        ok = ({i: ok}, [ok], (ok,))[i % 3]
+    assert_identical(ok, ser.decode_bytes(ser.encode_to_bytes(ok)))
+    too_deep: Any = 1
+    for _ in range(ser.MAX_DEPTH + 5):
+        too_deep = [too_deep]
+    with pytest.raises(TypeError, match="nesting"):
+        ser.encode(too_deep)
+
+
+def test_absurd_tensor_size_from_peer_is_refused() -> None:
+    """A header announcing a tensor too large to allocate fails cleanly."""
+    n = 1 << 62
+    stream = frame_header(
+        {
+            "version": 1,
+            "meta": {},
+            "tensors": [{"dtype": "uint8", "shape": [n], "nbytes": n}],
+            "root": {"$": "tensor", "t": 0},
+        }
+    ) + struct.pack("<8sQQ", ser.MAGIC_RANGE, 0, 1)
+    with pytest.raises(CheckpointFormatError):
+        ser.decode_bytes(stream)
+
+
 def test_serialization_detects_every_flipped_region() -> None:
     """A flipped bit anywhere in the stream (header, tensor, checksum, trailer) is caught."""
     state = {"a": torch.randn(100), "b": [torch.arange(10), 3]}
@@ -863,6 +895,122 @@ def test_http_shutdown_is_idempotent_and_refuses_new_sends() -> None:
     transport.shutdown()
     with pytest.raises(RuntimeError):
         transport.send_checkpoint([1], 1, {}, TIMEOUT)
+
+
+_SENDER_PROCESS = """
+import sys, time
+from contextlib import contextmanager
+from datetime import timedelta
+
+from test_checkpointing import realistic_state
+from torchft.checkpointing import HTTPTransport
+
+mode = sys.argv[1]
+
+
+@contextmanager
+def slow_lock():
+    print("LOCKED", flush=True)
+    time.sleep(float(sys.argv[2]))
+    yield
+
+
+lock = slow_lock if mode == "slow_lock" else None
+state, *_ = realistic_state(seed=5)
+transport = HTTPTransport(timedelta(seconds=30), state_dict_lock=lock)
+transport.send_checkpoint([1], 9, state, timedelta(seconds=30))
+print(transport.metadata(), flush=True)
+sys.stdin.read()
+transport.shutdown()
+"""
+
+
+@contextmanager
+def sender_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Runs an HTTPTransport sender in its own process; yields it and its metadata URL."""
+    import torchft
+
+    paths = [str(Path(torchft.__file__).parent.parent), str(Path(__file__).parent)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SENDER_PROCESS, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://"), f"sender process failed to start: {url!r}"
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_chunks", [0, 4])
+def test_http_round_trip_across_processes(num_chunks: int) -> None:
+    """A state served by another process arrives bit-identical to a local rebuild of it."""
+    expected, *_ = realistic_state(seed=5)
+    receiver: HTTPTransport[Any] = HTTPTransport(TIMEOUT, num_chunks=num_chunks)
+    try:
+        with sender_process("plain") as (_, url):
+            out = receiver.recv_checkpoint(0, url, 9, TIMEOUT)
+        assert_identical(expected, out)
+    finally:
+        receiver.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_http_hung_or_killed_sender_fails_receiver_promptly() -> None:
+    """SIGSTOP on the sender ends in TimeoutError at the deadline; SIGKILL in a prompt error."""
+    receiver: HTTPTransport[Any] = HTTPTransport(TIMEOUT)
+    try:
+        with sender_process("plain") as (proc, url):
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    receiver.recv_checkpoint(0, url, 9, timedelta(seconds=1))
+                assert time.monotonic() - t0 < 4
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionError):
+                receiver.recv_checkpoint(0, url, 9, TIMEOUT)
+            assert time.monotonic() - t0 < 3
+
+        # Killed while it holds the request (before the body): the receiver fails at once.
+        with sender_process("slow_lock", "30") as (proc, url):
+            result: list[BaseException | None] = []
+
+            def fetch() -> None:
+                try:
+                    receiver.recv_checkpoint(0, url, 9, TIMEOUT)
+                    result.append(None)
+                except BaseException as e:  # noqa: BLE001
+                    result.append(e)
+
+            thread = threading.Thread(target=fetch)
+            thread.start()
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "LOCKED"
+            t0 = time.monotonic()
+            proc.kill()
+            thread.join(timeout=8)
+            assert not thread.is_alive()
+            assert time.monotonic() - t0 < 3
+            assert isinstance(result[0], ConnectionError), result
+    finally:
+        receiver.shutdown()
 
 
 # --------------------------------------------------------------------------- PG transport

@@ -491,8 +491,17 @@ def read_header(readinto: ReadInto) -> Header:
 
 
 def alloc_tensor(spec: TensorSpec) -> torch.Tensor:
-    """Allocates an uninitialised CPU tensor matching ``spec``."""
-    return torch.empty(spec.shape, dtype=spec.torch_dtype)
+    """Allocates an uninitialised CPU tensor matching ``spec``.
+
+    Raises:
+        CheckpointFormatError: the size announced by the peer cannot be allocated.
+    """
+    try:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointFormatError(
+            f"cannot allocate a {spec.dtype}{list(spec.shape)} tensor ({spec.nbytes} bytes): {e}"
+        ) from None
 
 
 def read_range(
