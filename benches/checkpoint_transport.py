@@ -64,7 +64,7 @@ def raw_socket_copy(tensors: list[torch.Tensor]) -> float:
     """Seconds to copy the tensors' bytes over a loopback TCP socket into new buffers."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    views = [memoryview(tensor_bytes(t).numpy()) for t in tensors]
+    views = [tensor_bytes(t).numpy().data for t in tensors]
 
     def serve() -> None:
         conn, _ = listener.accept()
@@ -78,7 +78,7 @@ def raw_socket_copy(tensors: list[torch.Tensor]) -> float:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         for v in views:
             dst = torch.empty(len(v), dtype=torch.uint8)
-            mv = memoryview(dst.numpy())
+            mv = dst.numpy().data
             got = 0
             while got < len(v):
                 n = sock.recv_into(mv[got:])

@@ -1016,12 +1016,13 @@ def test_http_hung_or_killed_sender_fails_receiver_promptly() -> None:
 # --------------------------------------------------------------------------- PG transport
 
 
-def _gloo_pair(timeout: timedelta) -> list[dist.ProcessGroup]:
+def _gloo_pair(timeout: timedelta) -> list[Any]:
+    """Two Gloo process groups (ranks 0 and 1) over loopback, built concurrently."""
     store = dist.HashStore()
-    pgs: list[dist.ProcessGroup] = [None, None]  # type: ignore[list-item]
+    pgs: list[Any] = [None, None]
 
     def make(rank: int) -> None:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)

@@ -341,7 +341,7 @@ def _iter_range(
             )
         crc = 0
         if spec.nbytes:
-            mv = memoryview(flat.numpy())
+            mv = flat.numpy().data
             for off in range(0, spec.nbytes, chunk_bytes):
                 piece = mv[off : off + chunk_bytes]
                 crc = zlib.crc32(piece, crc)
@@ -545,7 +545,7 @@ def read_range(
             dst = alloc_tensor(spec)
         crc = 0
         if spec.nbytes:
-            mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+            mv = dst.reshape(-1).view(torch.uint8).numpy().data
             for off in range(0, spec.nbytes, chunk_bytes):
                 if check is not None:
                     check()
@@ -589,7 +589,7 @@ def split_ranges(specs: Sequence[TensorSpec], parts: int) -> list[tuple[int, int
     parts = max(1, min(parts, n))
     total = sum(s.nbytes for s in specs) + n  # +n so that empty tensors still spread
     target = total / parts
-    ranges = []
+    ranges: list[tuple[int, int]] = []
     start = 0
     acc = 0
     for i, s in enumerate(specs):

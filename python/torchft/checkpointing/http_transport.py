@@ -106,7 +106,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         transport = self.server.transport
-        self.timeout = transport._timeout.total_seconds()
+        # Per-connection socket timeout (an idle or stalled client frees its thread).
+        self.timeout = transport._timeout.total_seconds()  # type: ignore[misc]
         super().setup()
         transport._register_conn(self.connection)
 
@@ -241,7 +242,9 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         self._thread.start()
         try:
-            self._host = _reachable_host(self._port, self._server.address_family)
+            self._host = _reachable_host(
+                self._port, socket.AddressFamily(self._server.address_family)
+            )
         except Exception:
             self.shutdown(wait=False)
             raise
@@ -432,7 +435,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self,
         h: _Handler,
         served: _Served,
-        body: Callable[[Callable[[bytes | memoryview], object]], None],
+        body: Callable[[Callable[[bytes | memoryview], object]], object],
         size: int,
         lock: bool,
     ) -> None:
