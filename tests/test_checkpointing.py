@@ -888,6 +888,19 @@ def test_http_metadata_is_reachable_and_env_timeout(monkeypatch: pytest.MonkeyPa
         HTTPTransport(TIMEOUT, num_chunks=-1)
 
 
+def test_http_shutdown_leaves_no_threads() -> None:
+    """After shutdown(wait=True) no server, connection or fetch thread is left running."""
+    before = set(threading.enumerate())
+    with http_pair(num_chunks=3) as (sender, receiver):
+        sender.send_checkpoint([1], 1, {"x": [torch.randn(1000) for _ in range(10)]}, TIMEOUT)
+        receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        assert set(threading.enumerate()) - before, "the transports run server threads"
+    deadline = time.monotonic() + 3
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in set(threading.enumerate()) - before]
+
+
 def test_http_shutdown_is_idempotent_and_refuses_new_sends() -> None:
     """After shutdown the transport refuses to serve and a second shutdown is a no-op."""
     transport: HTTPTransport[Any] = HTTPTransport(TIMEOUT)
@@ -1097,3 +1110,61 @@ def test_pg_transport_wrong_step_and_timeout() -> None:
     with pytest.raises(TimeoutError):
         receiver.recv_checkpoint(0, "<n/a>", 1, timedelta(seconds=0.5))
     assert time.monotonic() - t0 < 10
+
+
+_PG_RECEIVER_PROCESS = """
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from test_checkpointing import assert_identical, realistic_state
+from torchft.checkpointing import PGTransport
+
+port = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+opts = dist.ProcessGroupGloo._Options()
+opts._timeout = timedelta(seconds=30)
+opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+pg = dist.ProcessGroupGloo(store, 1, 2, opts)
+local, *_ = realistic_state(seed=8)
+transport = PGTransport(pg, timedelta(seconds=30), torch.device("cpu"), state_dict=lambda: local)
+out = transport.recv_checkpoint(0, "<n/a>", 11, timedelta(seconds=30))
+expected, *_ = realistic_state(seed=3)
+assert_identical(expected, out)
+assert out["user"]["model"]["lin.weight"].data_ptr() == local["user"]["model"]["lin.weight"].data_ptr()
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_pg_transport_between_processes() -> None:
+    """PGTransport over Gloo between two processes (TCPStore on port 0), in place."""
+    import torchft
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    paths = [str(Path(torchft.__file__).parent.parent), str(Path(__file__).parent)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PG_RECEIVER_PROCESS, str(store.port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timedelta(seconds=60)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(store, 0, 2, opts)
+        state, *_ = realistic_state(seed=3)
+        sender: PGTransport[Any] = PGTransport(pg, timedelta(seconds=60), torch.device("cpu"))  # type: ignore[arg-type]
+        sender.send_checkpoint([1], 11, state, timedelta(seconds=60))
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert out.strip() == "OK"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
