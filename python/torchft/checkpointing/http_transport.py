@@ -495,8 +495,11 @@ class HTTPTransport(CheckpointTransport[T]):
 
         Raises:
             TimeoutError: the source did not serve ``step`` or the transfer was too slow.
+            ConnectionError: the source could not be reached or dropped the connection
+                before answering.
             RuntimeError: wrong step, refused request, or corrupted/truncated data
                 (:class:`~torchft.checkpointing._serialization.CheckpointFormatError`).
+            ValueError: ``metadata`` is not an ``http://host:port/...`` URL.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         base = urllib.parse.urlsplit(metadata)
