@@ -888,6 +888,22 @@ def test_http_metadata_is_reachable_and_env_timeout(monkeypatch: pytest.MonkeyPa
         HTTPTransport(TIMEOUT, num_chunks=-1)
 
 
+def test_http_metadata_falls_back_when_hostname_is_unusable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unresolvable hostname is skipped for an address that reaches the server."""
+    from urllib.parse import urlsplit
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": "no-such-host.invalid")
+    with http_pair() as (sender, receiver):
+        url = urlsplit(sender.metadata())
+        assert url.hostname and "invalid" not in url.hostname
+        sender.send_checkpoint([1], 1, {"a": torch.arange(3)}, TIMEOUT)
+        out = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        assert torch.equal(out["a"], torch.arange(3))
+
+
 def test_http_shutdown_leaves_no_threads() -> None:
     """After shutdown(wait=True) no server, connection or fetch thread is left running."""
     before = set(threading.enumerate())
