@@ -1,0 +1,746 @@
+"""HTTP checkpoint transport: every rank serves its live state, healing ranks pull it.
+
+The sender runs a small threaded HTTP server (stdlib) bound on all interfaces. Between
+``send_checkpoint(step)`` and ``disallow_checkpoint()`` it serves the state of that step,
+encoded by :mod:`torchft.checkpointing._serialization` (JSON header + raw tensor bytes with
+CRCs, never pickle). Receivers stream the body straight into tensor memory, either as one
+request or as ``num_chunks`` parallel range requests.
+
+Endpoints (``{base}`` is :meth:`HTTPTransport.metadata`)::
+
+    GET {base}/{step}/full?wait=S          header frame + every tensor
+    GET {base}/{step}/header?wait=S        header frame only
+    GET {base}/{step}/range/{a}/{b}?gen=G  tensors [a, b) of the state identified by G
+
+A request for a step that is not served yet waits up to ``wait`` seconds (the receiver may
+ask before the source reached ``send_checkpoint``); a request for an older step than the
+one served fails at once with 409. The training thread never serves: serving happens in
+server threads with socket timeouts and a per-request deadline, and ``disallow_checkpoint``
+aborts in-flight transfers instead of waiting for slow receivers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import logging
+import math
+import socket
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from torchft.checkpointing import _serialization as ser
+from torchft.checkpointing.transport import CheckpointTransport, _timeout_from_env
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_BASE_PATH = "/checkpoint"
+_MAX_ERROR_BODY = 64 << 10
+
+
+class _Aborted(Exception):
+    """The transfer was cancelled (checkpoint disallowed or transport shut down)."""
+
+
+@dataclass
+class _Served:
+    """The state currently offered to receivers."""
+
+    step: int
+    gen: str
+    enc: ser.Encoded
+    header_frame: bytes
+    # Bound (seconds) on serving one request of this offer, so a stalled receiver cannot
+    # hold the state (and its read lock) longer.
+    timeout: float
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # shutdown() aborts and joins connections itself, bounded
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, transport: HTTPTransport, family: socket.AddressFamily) -> None:
+        self.address_family = family
+        self.transport = transport
+        host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+        super().__init__((host, 0), _Handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            # Dual stack: accept IPv4 clients too, whatever the hostname resolves to.
+            with contextlib.suppress(OSError):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("checkpoint server error for %s", client_address, exc_info=True)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    streaming: bool = False
+    protocol_version = "HTTP/1.0"
+    disable_nagle_algorithm = True
+
+    def setup(self) -> None:
+        transport = self.server.transport
+        # Per-connection socket timeout (an idle or stalled client frees its thread).
+        self.timeout = transport._timeout.total_seconds()  # type: ignore[misc]
+        super().setup()
+        transport._register_conn(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.transport._unregister_conn(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        logger.debug("checkpoint server %s: " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:  # noqa: N802
+        # Set once the 200 status line went out: afterwards errors can only cut the body.
+        self.streaming = False
+        try:
+            self.server.transport._handle_get(self)
+        except _HTTPError as e:
+            self._send_text(e.status, e.message)
+        except _Aborted as e:
+            logger.info("checkpoint transfer to %s aborted: %s", self.address_string(), e)
+            self.close_connection = True
+        except Exception as e:
+            self.close_connection = True
+            if self.streaming:
+                logger.warning("checkpoint transfer to %s failed: %r", self.address_string(), e)
+            else:
+                # e.g. the state-dict lock could not be taken in time.
+                logger.warning("checkpoint request from %s failed: %r", self.address_string(), e)
+                status = 503 if isinstance(e, TimeoutError) else 500
+                self._send_text(status, f"checkpoint could not be served: {e!r}")
+
+    def _send_text(self, status: int, message: str) -> None:
+        body = message.encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError as e:
+            logger.debug("could not send error response: %s", e)
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _primary_ip(family: socket.AddressFamily) -> str | None:
+    """Address of the interface holding the default route (no packet is sent)."""
+    probe = ("10.255.255.255", 1) if family == socket.AF_INET else ("fd00::1", 1, 0, 0)
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(probe)
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _can_connect(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _reachable_host(port: int, family: socket.AddressFamily) -> str:
+    """Picks the first name/address under which the server on ``port`` is reachable."""
+    candidates: list[str | None] = [socket.gethostname(), socket.getfqdn()]
+    candidates.append(_primary_ip(socket.AF_INET))
+    if family == socket.AF_INET6:
+        candidates.append(_primary_ip(socket.AF_INET6))
+    candidates += ["127.0.0.1", "::1"] if family == socket.AF_INET6 else ["127.0.0.1"]
+    seen = set()
+    for host in candidates:
+        if not host or host in seen:
+            continue
+        seen.add(host)
+        if _can_connect(host, port):
+            return host
+        logger.info("checkpoint server not reachable as %s:%d, trying next address", host, port)
+    raise RuntimeError(f"checkpoint server on port {port} is not reachable under any local address")
+
+
+class HTTPTransport(CheckpointTransport[T]):
+    """Serves this rank's live state over HTTP and fetches peers' state for healing.
+
+    Args:
+        timeout: default bound for serving one request and for waiting for a step to be
+            offered (overridden by ``TORCHFT_TIMEOUT_SEC``).
+        num_chunks: if > 0, receivers fetch the tensors with this many parallel range
+            requests; 0 fetches everything with one streamed request.
+        state_dict_lock: optional factory of a context manager held while the state is
+            read for a transfer (the Manager passes its state-dict read lock, so an
+            optimizer step cannot race a transfer).
+    """
+
+    def __init__(
+        self,
+        timeout: timedelta,
+        num_chunks: int = 0,
+        state_dict_lock: Callable[[], AbstractContextManager[object]] | None = None,
+    ) -> None:
+        if num_chunks < 0:
+            raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
+        self._timeout = _timeout_from_env(timeout)
+        if self._timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self._num_chunks = num_chunks
+        self._state_dict_lock = state_dict_lock
+
+        self._cond = threading.Condition()
+        self._served: _Served | None = None
+        self._last_step: int | None = None
+        self._closed = False
+        # connection socket -> generation being streamed on it (None: idle/not streaming)
+        self._conns: dict[socket.socket, str | None] = {}
+        self._conn_threads: set[threading.Thread] = set()
+
+        try:
+            server = _Server(self, socket.AF_INET6) if socket.has_ipv6 else None
+        except OSError:
+            server = None
+        self._server = server if server is not None else _Server(self, socket.AF_INET)
+        self._port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"torchft-ckpt-http-{self._port}",
+            daemon=True,
+        )
+        self._thread.start()
+        try:
+            self._host = _reachable_host(
+                self._port, socket.AddressFamily(self._server.address_family)
+            )
+        except Exception:
+            self.shutdown(wait=False)
+            raise
+        logger.info("checkpoint server listening at %s", self.metadata())
+
+    # ------------------------------------------------------------------ sender side
+
+    def metadata(self) -> str:
+        """Returns the base URL receivers fetch this rank's state from."""
+        return f"http://{_format_host(self._host)}:{self._port}{_BASE_PATH}"
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
+        """Offers ``state_dict`` as the state of ``step`` until :meth:`disallow_checkpoint`.
+
+        Non-blocking: only the structure is walked here (unsupported values raise at once);
+        tensor bytes are read by server threads when receivers ask.
+
+        Args:
+            dst_ranks: receivers (informational; any receiver may fetch).
+            step: the step being served.
+            state_dict: the state; its tensors must not be mutated while served.
+            timeout: bound on serving each request of this offer (a stalled or slow
+                receiver is cut off after it); non-positive means the transport's timeout.
+
+        Raises:
+            TypeError: the state contains an unsupported value.
+            RuntimeError: the transport was shut down.
+        """
+        gen = uuid.uuid4().hex
+        enc = ser.encode(state_dict, meta={"step": step, "gen": gen})
+        serve_timeout = timeout.total_seconds()
+        if serve_timeout <= 0:
+            serve_timeout = self._timeout.total_seconds()
+        served = _Served(
+            step=step,
+            gen=gen,
+            enc=enc,
+            header_frame=ser.header_frame(enc),
+            timeout=serve_timeout,
+        )
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("HTTPTransport is shut down")
+            old = self._served
+            self._served = served
+            self._last_step = step
+            self._cond.notify_all()
+        if old is not None:
+            self._abort_transfers(old.gen)
+        logger.debug(
+            "serving checkpoint step=%d to %s (%d tensors, %d bytes)",
+            step,
+            dst_ranks,
+            len(enc.specs),
+            enc.total_tensor_bytes,
+        )
+
+    def disallow_checkpoint(self) -> None:
+        """Stops serving; in-flight transfers are aborted, and this returns promptly."""
+        with self._cond:
+            served = self._served
+            self._served = None
+            self._cond.notify_all()
+        if served is not None:
+            self._abort_transfers(served.gen)
+
+    def _abort_transfers(self, gen: str) -> None:
+        with self._cond:
+            socks = [s for s, g in self._conns.items() if g == gen]
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + min(self._timeout.total_seconds(), 5.0)
+        with self._cond:
+            # Streaming threads notice the closed socket at their next write; wait briefly
+            # so the state is no longer read once this returns.
+            while any(g == gen for g in self._conns.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning("checkpoint transfer still running after abort")
+                    break
+                self._cond.wait(remaining)
+
+    def _register_conn(self, sock: socket.socket) -> None:
+        with self._cond:
+            self._conns[sock] = None
+            self._conn_threads.add(threading.current_thread())
+            closed = self._closed
+        if closed:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _unregister_conn(self, sock: socket.socket) -> None:
+        with self._cond:
+            self._conns.pop(sock, None)
+            self._conn_threads.discard(threading.current_thread())
+            self._cond.notify_all()
+
+    def _wait_served(self, step: int, wait_s: float) -> _Served:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise _HTTPError(410, "checkpoint server is shutting down")
+                served = self._served
+                if served is not None and served.step == step:
+                    return served
+                current = served.step if served is not None else self._last_step
+                if current is not None and current > step:
+                    raise _HTTPError(
+                        409,
+                        f"requested step {step} but this replica is at step {current}",
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _HTTPError(
+                        503,
+                        f"step {step} was not served within {wait_s:.1f}s "
+                        f"(current step: {current})",
+                    )
+                self._cond.wait(remaining)
+
+    def _handle_get(self, h: _Handler) -> None:
+        url = urllib.parse.urlsplit(h.path)
+        parts = url.path.split("/")
+        query = urllib.parse.parse_qs(url.query)
+        # "", "checkpoint", step, kind, ...
+        if len(parts) < 4 or parts[1] != _BASE_PATH.strip("/"):
+            raise _HTTPError(404, f"unknown path {url.path!r}")
+        try:
+            step = int(parts[2])
+            wait_s = float(query.get("wait", ["0"])[0])
+        except ValueError:
+            raise _HTTPError(400, f"invalid step or wait in {h.path!r}") from None
+        if not math.isfinite(wait_s):
+            raise _HTTPError(400, "invalid wait")
+        wait_s = min(max(wait_s, 0.0), self._timeout.total_seconds())
+        kind = parts[3]
+
+        if kind == "range":
+            # Ranges belong to one offered state (named by its generation): never wait,
+            # and never mix tensors of two different offers.
+            served = self._served
+            if served is None or served.step != step or query.get("gen", [""])[0] != served.gen:
+                raise _HTTPError(409, f"the state of step {step} is no longer served")
+        else:
+            served = self._wait_served(step, wait_s)
+        if kind == "header" and len(parts) == 4:
+            self._stream(
+                h,
+                served,
+                lambda write: write(served.header_frame),
+                len(served.header_frame),
+                lock=False,
+            )
+            return
+        if kind == "full" and len(parts) == 4:
+            n = len(served.enc.specs)
+            size = len(served.header_frame) + ser.range_frame_size(served.enc, 0, n)
+
+            def body(write: Callable[[bytes | memoryview], object]) -> None:
+                write(served.header_frame)
+                ser.write_range(served.enc, 0, n, write)
+
+            self._stream(h, served, body, size, lock=True)
+            return
+        if kind == "range" and len(parts) == 6:
+            try:
+                start, end = int(parts[4]), int(parts[5])
+            except ValueError:
+                raise _HTTPError(400, f"invalid range in {h.path!r}") from None
+            if not 0 <= start <= end <= len(served.enc.specs):
+                raise _HTTPError(400, f"range [{start}, {end}) out of bounds")
+            size = ser.range_frame_size(served.enc, start, end)
+            self._stream(
+                h,
+                served,
+                lambda write: ser.write_range(served.enc, start, end, write),
+                size,
+                lock=True,
+            )
+            return
+        raise _HTTPError(404, f"unknown path {url.path!r}")
+
+    def _stream(
+        self,
+        h: _Handler,
+        served: _Served,
+        body: Callable[[Callable[[bytes | memoryview], object]], object],
+        size: int,
+        lock: bool,
+    ) -> None:
+        sock = h.connection
+        lock_cm: AbstractContextManager[object] = (
+            self._state_dict_lock()
+            if (lock and self._state_dict_lock is not None)
+            else contextlib.nullcontext()
+        )
+        with lock_cm:
+            with self._cond:
+                if self._served is not served:
+                    raise _HTTPError(409, f"step {served.step} is no longer served")
+                self._conns[sock] = served.gen
+            try:
+                deadline = time.monotonic() + served.timeout
+                h.send_response(200)
+                h.send_header("Content-Type", "application/octet-stream")
+                h.send_header("Content-Length", str(size))
+                h.end_headers()
+                h.streaming = True
+                sent = 0
+
+                def write(piece: bytes | memoryview) -> None:
+                    nonlocal sent
+                    if self._served is not served:
+                        raise _Aborted(f"step {served.step} no longer served")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"checkpoint transfer exceeded {served.timeout:.1f}s")
+                    sock.settimeout(remaining)
+                    h.wfile.write(piece)
+                    sent += len(piece)
+
+                body(write)
+                if sent != size:
+                    raise RuntimeError(f"sent {sent} bytes, announced {size}")
+            finally:
+                with self._cond:
+                    if sock in self._conns:
+                        self._conns[sock] = None
+                    self._cond.notify_all()
+
+    # ------------------------------------------------------------------ receiver side
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Fetches the state of ``step`` from the peer serving at ``metadata``.
+
+        Args:
+            src_rank: replica rank of the source (for error messages).
+            metadata: the source's base URL (its :meth:`metadata`).
+            step: the expected step.
+            timeout: bound on the whole transfer.
+
+        Returns:
+            The received state dict (CPU tensors), fully verified.
+
+        Raises:
+            TimeoutError: the source did not serve ``step`` or the transfer was too slow.
+            ConnectionError: the source could not be reached or dropped the connection
+                before answering.
+            RuntimeError: wrong step, refused request, or corrupted/truncated data
+                (:class:`~torchft.checkpointing._serialization.CheckpointFormatError`).
+            ValueError: ``metadata`` is not an ``http://host:port/...`` URL.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        base = urllib.parse.urlsplit(metadata)
+        if base.scheme != "http" or not base.hostname or base.port is None:
+            raise ValueError(f"invalid checkpoint address {metadata!r}")
+        prefix = base.path.rstrip("/")
+        t0 = time.monotonic()
+        if self._num_chunks <= 0:
+            state, nbytes = self._recv_full(base, prefix, step, deadline, src_rank)
+        else:
+            state, nbytes = self._recv_chunked(base, prefix, step, deadline, src_rank)
+        elapsed = time.monotonic() - t0
+        logger.info(
+            "received checkpoint step=%d from replica %d (%d bytes in %.3fs, %.1f MB/s)",
+            step,
+            src_rank,
+            nbytes,
+            elapsed,
+            nbytes / max(elapsed, 1e-9) / 1e6,
+        )
+        return state
+
+    def _recv_full(
+        self, base: urllib.parse.SplitResult, prefix: str, step: int, deadline: float, src: int
+    ) -> tuple[Any, int]:
+        path = f"{prefix}/{step}/full?wait={_wait_param(deadline)}"
+        with _Fetch(base, path, deadline, src) as f:
+            header = ser.read_header(f.readinto)
+            _check_meta(header, step, src)
+            out: list[torch.Tensor | None] = [None] * len(header.specs)
+            ser.read_range(f.readinto, header, 0, len(out), out, check=f.check)
+            f.expect_eof()
+        return ser.build(header, out), sum(s.nbytes for s in header.specs)
+
+    def _recv_chunked(
+        self, base: urllib.parse.SplitResult, prefix: str, step: int, deadline: float, src: int
+    ) -> tuple[Any, int]:
+        with _Fetch(
+            base, f"{prefix}/{step}/header?wait={_wait_param(deadline)}", deadline, src
+        ) as f:
+            header = ser.read_header(f.readinto)
+            f.expect_eof()
+        gen = _check_meta(header, step, src)
+        out: list[torch.Tensor | None] = [None] * len(header.specs)
+        ranges = ser.split_ranges(header.specs, self._num_chunks)
+        cancel = threading.Event()
+        fetches: list[_Fetch] = []
+        fetch_lock = threading.Lock()
+
+        def fetch(start: int, end: int) -> None:
+            path = f"{prefix}/{step}/range/{start}/{end}?gen={gen}"
+            fetch = _Fetch(base, path, deadline, src, cancel)
+            with fetch_lock:
+                fetches.append(fetch)
+            with fetch:
+                ser.read_range(fetch.readinto, header, start, end, out, check=fetch.check)
+                fetch.expect_eof()
+
+        if ranges:
+            pool = ThreadPoolExecutor(
+                max_workers=len(ranges), thread_name_prefix="torchft-ckpt-recv"
+            )
+            try:
+                futures = [pool.submit(fetch, a, b) for a, b in ranges]
+                done, pending = wait(
+                    futures,
+                    timeout=max(deadline - time.monotonic(), 0),
+                    return_when=FIRST_EXCEPTION,
+                )
+                failed = [f for f in done if f.exception() is not None]
+                if failed or pending:
+                    cancel.set()
+                    with fetch_lock:
+                        for fe in fetches:
+                            fe.abort()
+                    if failed:
+                        raise failed[0].exception()  # type: ignore[misc]
+                    raise TimeoutError(f"checkpoint transfer from replica {src} timed out")
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+        return ser.build(header, out), sum(s.nbytes for s in header.specs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the server, aborts open connections and (optionally) joins its threads.
+
+        Args:
+            wait: wait (bounded by the timeout) for connection threads to exit.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._served = None
+            socks = list(self._conns)
+            threads = list(self._conn_threads)
+            self._cond.notify_all()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        self._server.shutdown()
+        self._server.server_close()
+        if wait:
+            deadline = time.monotonic() + min(self._timeout.total_seconds(), 5.0)
+            self._thread.join(max(deadline - time.monotonic(), 0))
+            for t in threads:
+                t.join(max(deadline - time.monotonic(), 0))
+
+
+def _wait_param(deadline: float) -> str:
+    # Ask the server to answer slightly before our own deadline so its message arrives.
+    return f"{max(deadline - time.monotonic() - 0.05, 0.0):.3f}"
+
+
+def _check_meta(header: ser.Header, step: int, src: int) -> str:
+    got = header.meta.get("step")
+    if got != step:
+        raise RuntimeError(f"replica {src} sent the state of step {got!r}, expected step {step}")
+    gen = header.meta.get("gen")
+    if not isinstance(gen, str) or not gen.isalnum():
+        raise ser.CheckpointFormatError("checkpoint header has no valid generation id")
+    return gen
+
+
+class _Fetch:
+    """One streamed GET with a whole-request deadline and optional cancellation."""
+
+    def __init__(
+        self,
+        base: urllib.parse.SplitResult,
+        path: str,
+        deadline: float,
+        src: int,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self._base = base
+        self._path = path
+        self._deadline = deadline
+        self._src = src
+        self._cancel = cancel
+        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None
+        self._resp: http.client.HTTPResponse | None = None
+        self.url = f"{base.scheme}://{base.netloc}{path}"
+
+    def _remaining(self) -> float:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"timed out fetching checkpoint from replica {self._src} ({self.url})"
+            )
+        return remaining
+
+    def check(self) -> None:
+        """Raises if the deadline passed or the fetch was cancelled."""
+        if self._cancel is not None and self._cancel.is_set():
+            raise _Aborted("cancelled")
+        self._sock_timeout()
+
+    def _sock_timeout(self) -> None:
+        remaining = self._remaining()
+        if self._sock is not None:
+            self._sock.settimeout(remaining)
+
+    def __enter__(self) -> _Fetch:
+        assert self._base.hostname is not None
+        conn = http.client.HTTPConnection(
+            self._base.hostname, self._base.port, timeout=self._remaining()
+        )
+        self._conn = conn
+        try:
+            conn.connect()
+            self._sock = conn.sock
+            conn.putrequest("GET", self._path)
+            conn.endheaders()
+            self._sock_timeout()
+            resp = conn.getresponse()
+        except TimeoutError:
+            self.__exit__(None, None, None)
+            raise TimeoutError(
+                f"timed out fetching checkpoint from replica {self._src} ({self.url})"
+            ) from None
+        except (OSError, http.client.HTTPException) as e:
+            self.__exit__(None, None, None)
+            raise ConnectionError(
+                f"could not fetch checkpoint from replica {self._src} ({self.url}): {e!r}"
+            ) from e
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self._resp = resp
+        if resp.status != 200:
+            try:
+                msg = resp.read(_MAX_ERROR_BODY).decode(errors="replace")
+            except (OSError, http.client.HTTPException):
+                msg = ""
+            self.__exit__(None, None, None)
+            if resp.status == 503:
+                raise TimeoutError(
+                    f"replica {self._src} did not serve the checkpoint in time: {msg}"
+                )
+            raise RuntimeError(
+                f"checkpoint request to replica {self._src} failed (HTTP {resp.status}): {msg}"
+            )
+        return self
+
+    def readinto(self, buf: memoryview) -> int:
+        """Reads into ``buf`` (``file.readinto`` semantics), mapping stream errors."""
+        assert self._resp is not None
+        try:
+            return self._resp.readinto(buf)
+        except http.client.IncompleteRead as e:
+            raise ser.CheckpointFormatError(
+                f"checkpoint stream from {self.url} truncated: {e!r}"
+            ) from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"timed out reading checkpoint from replica {self._src} ({self.url})"
+            ) from None
+        except (ConnectionError, http.client.HTTPException) as e:
+            if self._cancel is not None and self._cancel.is_set():
+                raise _Aborted("cancelled") from None
+            raise ser.CheckpointFormatError(
+                f"checkpoint stream from {self.url} broke: {e!r}"
+            ) from None
+
+    def expect_eof(self) -> None:
+        """Raises if the server sent more bytes than the frames describe."""
+        if self.readinto(memoryview(bytearray(1))) != 0:
+            raise ser.CheckpointFormatError(f"unexpected trailing bytes from {self.url}")
+
+    def abort(self) -> None:
+        """Breaks the connection so a blocked read returns at once."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._resp is not None:
+            with contextlib.suppress(Exception):
+                self._resp.close()
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
