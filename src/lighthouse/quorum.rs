@@ -21,7 +21,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use super::LighthouseOptions;
+use super::{compact, LighthouseOptions};
 use crate::error::{Error, Result};
 use crate::proto::{Quorum, QuorumMember};
 
@@ -167,6 +167,11 @@ pub struct QuorumEngine {
     heartbeats: HashMap<String, HeartbeatRecord>,
     /// Records with `counted`: a superset of the healthy replicas (exact after a prune).
     healthy: usize,
+    /// Revision of the last issued quorum (a counter of issued quorums, 0 before the first).
+    revision: u64,
+    /// Revision since which every issued quorum had the last one's id and member fields
+    /// except steps (0 before the first quorum).
+    stable_since: u64,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -223,6 +228,8 @@ impl QuorumEngine {
             shrink_only: 0,
             heartbeats: HashMap::new(),
             healthy: 0,
+            revision: 0,
+            stable_since: 0,
         }
     }
 
@@ -234,6 +241,20 @@ impl QuorumEngine {
     /// The last issued quorum, if any.
     pub fn previous(&self) -> Option<&Quorum> {
         self.previous.as_ref()
+    }
+
+    /// Revision of the last issued quorum (0 before the first): counts issued quorums.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// The revision since which every issued quorum had the same quorum_id and the same
+    /// members with the same fields except `step` as the last one (0 before the first).
+    ///
+    /// A requester that holds any quorum of revision ≥ this (and the same id) can rebuild the
+    /// last quorum from its compact form. Maintained in O(n) per issued quorum, O(1) state.
+    pub fn stable_since(&self) -> u64 {
+        self.stable_since
     }
 
     /// Number of replica groups asking in the current round.
@@ -465,12 +486,24 @@ impl QuorumEngine {
             }
         };
 
-        self.previous_ids = members.iter().map(|m| m.replica_id.clone()).collect();
+        if !same_members {
+            self.previous_ids = members.iter().map(|m| m.replica_id.clone()).collect();
+        }
+        self.revision += 1;
         let quorum = Quorum {
             quorum_id,
             participants: members,
             created: None,
+            revision: self.revision,
+            compact: None,
         };
+        let steps_only = self
+            .previous
+            .as_ref()
+            .is_some_and(|prev| compact::only_steps_changed(prev, &quorum));
+        if !steps_only {
+            self.stable_since = self.revision;
+        }
         self.previous = Some(quorum.clone());
 
         // Whoever was not selected (newcomers under shrink_only) waits for the next round.

@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -24,6 +24,7 @@ use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
+use super::compact;
 use super::quorum::{QuorumEngine, Snapshot};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
@@ -40,24 +41,62 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
 const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
-/// A quorum as handed to its members: the message, and the gRPC response framed once
-/// (5-byte prefix + encoded `LighthouseQuorumResponse`) so every member's reply shares the
-/// same bytes instead of cloning and encoding the quorum once per member.
+/// A quorum as handed to its members: the full message, and its two gRPC responses (full
+/// and compact, see [`compact`]) each framed at most once (5-byte prefix + encoded
+/// `LighthouseQuorumResponse`) so every member's reply shares the same bytes instead of
+/// cloning and encoding the quorum once per member.
 pub(crate) struct Issued {
     quorum: Quorum,
-    framed: Bytes,
+    /// Revision since which only steps changed (see `QuorumEngine::stable_since`).
+    stable_since: u64,
+    full: OnceLock<Bytes>,
+    compact: OnceLock<Bytes>,
+}
+
+/// What a requester already holds: `(known_quorum_id, known_revision)`, zeros for nothing.
+type Known = (i64, u64);
+
+fn frame(quorum: &Quorum) -> Bytes {
+    let len = prost::encoding::message::encoded_len(1, quorum);
+    let mut buf = Vec::with_capacity(len + 5);
+    buf.push(0u8);
+    buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    prost::encoding::message::encode(1, quorum, &mut buf);
+    Bytes::from(buf)
 }
 
 impl Issued {
-    fn new(quorum: Quorum) -> Self {
-        let len = prost::encoding::message::encoded_len(1, &quorum);
-        let mut buf = Vec::with_capacity(len + 5);
-        buf.push(0u8);
-        buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        prost::encoding::message::encode(1, &quorum, &mut buf);
+    fn new(quorum: Quorum, stable_since: u64) -> Self {
         Self {
             quorum,
-            framed: Bytes::from(buf),
+            stable_since,
+            full: OnceLock::new(),
+            compact: OnceLock::new(),
+        }
+    }
+
+    /// True if a requester holding `known` can rebuild this quorum from the compact form.
+    fn compact_for(&self, known: Known) -> bool {
+        compact::compact_applies(&self.quorum, self.stable_since, known.0, known.1)
+    }
+
+    /// The framed response for a requester holding `known` (shared bytes, encoded once).
+    fn framed(&self, known: Known) -> Bytes {
+        if self.compact_for(known) {
+            self.compact
+                .get_or_init(|| frame(&compact::compact_form(&self.quorum)))
+                .clone()
+        } else {
+            self.full.get_or_init(|| frame(&self.quorum)).clone()
+        }
+    }
+
+    /// The response message for a requester holding `known`.
+    fn message(&self, known: Known) -> Quorum {
+        if self.compact_for(known) {
+            compact::compact_form(&self.quorum)
+        } else {
+            self.quorum.clone()
         }
     }
 }
@@ -126,12 +165,14 @@ impl Shared {
     /// Hands an issued quorum to each of its members' waiters.
     fn deliver(state: &mut State, mut quorum: Quorum) {
         quorum.created = Some(timestamp(SystemTime::now()));
+        let stable_since = state.engine.stable_since();
         info!(
             quorum_id = quorum.quorum_id,
+            revision = quorum.revision,
             members = quorum.participants.len(),
             "quorum issued"
         );
-        let issued = Arc::new(Issued::new(quorum));
+        let issued = Arc::new(Issued::new(quorum, stable_since));
         for m in &issued.quorum.participants {
             if let Some(w) = state.waiters.remove(&m.replica_id) {
                 // The receiver may be gone if the handler is just being cancelled.
@@ -278,9 +319,11 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseQuorumRequest>,
     ) -> std::result::Result<Response<LighthouseQuorumResponse>, Status> {
         let timeout = request_timeout(&request);
-        let issued = wait_for_quorum(&self.shared, request.into_inner().requester, timeout).await?;
+        let req = request.into_inner();
+        let known = (req.known_quorum_id, req.known_revision);
+        let issued = wait_for_quorum(&self.shared, req.requester, timeout).await?;
         Ok(Response::new(LighthouseQuorumResponse {
-            quorum: Some(issued.quorum.clone()),
+            quorum: Some(issued.message(known)),
         }))
     }
 
@@ -376,11 +419,12 @@ impl QuorumRoute {
         }
         let msg = LighthouseQuorumRequest::decode(&body[5..])
             .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
+        let known = (msg.known_quorum_id, msg.known_revision);
         let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = SharedBody {
-            data: Some(issued.framed.clone()),
+            data: Some(issued.framed(known)),
             trailers: Some(trailers),
         };
         let mut resp = http::Response::new(axum::body::Body::new(body));
