@@ -603,3 +603,115 @@ impl Drop for LighthouseServer {
         let _ = self.stop.send(true);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> LighthouseOptions {
+        LighthouseOptions {
+            min_replicas: 2,
+            ..Default::default()
+        }
+    }
+
+    fn member(id: &str, step: i64) -> QuorumMember {
+        QuorumMember {
+            replica_id: id.into(),
+            address: format!("http://{id}:1"),
+            store_address: format!("{id}:2"),
+            step,
+            world_size: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Every member asks; returns what each one's waiter received.
+    fn round(shared: &Shared, members: &[QuorumMember]) -> Vec<Arc<Issued>> {
+        let rxs: Vec<_> = members
+            .iter()
+            .map(|m| shared.join(m.clone()).unwrap().1)
+            .collect();
+        rxs.into_iter()
+            .map(|mut rx| rx.try_recv().unwrap().unwrap())
+            .collect()
+    }
+
+    fn decode(framed: &Bytes) -> Quorum {
+        assert_eq!(framed[0], 0);
+        let len = u32::from_be_bytes([framed[1], framed[2], framed[3], framed[4]]) as usize;
+        assert_eq!(framed.len(), 5 + len);
+        LighthouseQuorumResponse::decode(&framed[5..])
+            .unwrap()
+            .quorum
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn replies_are_compact_only_for_holders_of_a_rebuildable_quorum() {
+        let shared = Shared::new(opts(), 10);
+        let q1 = round(&shared, &[member("a", 1), member("b", 1)]);
+        let q1 = q1[0].quorum.clone();
+        let issued = round(&shared, &[member("a", 2), member("b", 2)]);
+        assert!(
+            Arc::ptr_eq(&issued[0], &issued[1]),
+            "one issued quorum per round"
+        );
+        let issued = &issued[0];
+
+        // Holder of the previous quorum: compact, and it rebuilds the full quorum.
+        let known = (q1.quorum_id, q1.revision);
+        let compact_reply = decode(&issued.framed(known));
+        assert!(compact_reply.participants.is_empty());
+        assert_eq!(compact_reply.compact.as_ref().unwrap().base_step, 2);
+        assert_eq!(issued.message(known), compact_reply);
+        assert_eq!(
+            compact::expand(Some(&q1), compact_reply).unwrap(),
+            issued.quorum
+        );
+        // Nothing known (old-style request), another id, a future revision: full form.
+        for known in [(0, 0), (q1.quorum_id + 1, q1.revision), (q1.quorum_id, 99)] {
+            let reply = decode(&issued.framed(known));
+            assert_eq!(reply, issued.quorum, "known {known:?}");
+            assert_eq!(issued.message(known), issued.quorum, "known {known:?}");
+        }
+        // Each form is encoded once and its bytes are shared by every reply.
+        assert_eq!(issued.framed(known).as_ptr(), issued.framed(known).as_ptr());
+        assert_eq!(
+            issued.framed((0, 0)).as_ptr(),
+            issued.framed((0, 0)).as_ptr()
+        );
+        assert!(issued.framed(known).len() * 2 < issued.framed((0, 0)).len());
+
+        // Membership change: a holder of the old quorum gets the full form.
+        let q2 = issued.quorum.clone();
+        let grown = round(&shared, &[member("c", 3), member("a", 3), member("b", 3)]);
+        let grown = &grown[0];
+        assert_ne!(grown.quorum.quorum_id, q2.quorum_id);
+        let reply = decode(&grown.framed((q2.quorum_id, q2.revision)));
+        assert_eq!(reply.participants.len(), 3);
+
+        // Commit failures: new id, full form; the next steady round is compact again.
+        let mut failing = member("a", 4);
+        failing.commit_failures = 1;
+        let failed = round(&shared, &[failing, member("b", 4), member("c", 4)]);
+        let failed = failed[0].quorum.clone();
+        assert_ne!(failed.quorum_id, grown.quorum.quorum_id);
+        let healed = round(&shared, &[member("a", 5), member("b", 5), member("c", 5)]);
+        let healed = &healed[0];
+        assert_eq!(
+            healed.quorum.quorum_id, failed.quorum_id,
+            "same members, same id"
+        );
+        // commit_failures went back to 0: not rebuildable from the failed round's quorum.
+        let reply = decode(&healed.framed((failed.quorum_id, failed.revision)));
+        assert_eq!(reply.participants.len(), 3);
+        let steady = round(&shared, &[member("a", 6), member("b", 6), member("c", 6)]);
+        let reply = decode(&steady[0].framed((healed.quorum.quorum_id, healed.quorum.revision)));
+        assert!(reply.participants.is_empty());
+        assert_eq!(
+            compact::expand(Some(&healed.quorum), reply).unwrap(),
+            steady[0].quorum
+        );
+    }
+}
