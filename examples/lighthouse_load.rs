@@ -147,6 +147,9 @@ struct RoundStats {
     first_reply: Duration,
     /// Response bytes (bytes mode), members in the expanded quorums (full mode), 0 otherwise.
     volume: usize,
+    /// CPU time of this process during the round (clients, and the lighthouse when it runs
+    /// in-process).
+    cpu: Option<Duration>,
 }
 
 /// Per-group client state kept across rounds, like a manager server's.
@@ -167,6 +170,7 @@ async fn round(
     send_known: bool,
 ) -> anyhow::Result<RoundStats> {
     let timeout = Duration::from_secs(300);
+    let cpu0 = process_cpu();
     let t0 = Instant::now();
     type Out = (Instant, usize, (i64, u64));
     let tasks: Vec<tokio::task::JoinHandle<anyhow::Result<Out>>> = match groups {
@@ -235,12 +239,26 @@ async fn round(
         }
     }
     let total = t0.elapsed();
+    let cpu = process_cpu().zip(cpu0).map(|(b, a)| b.saturating_sub(a));
     let first_reply = first.map_or(total, |f| f.duration_since(t0));
     Ok(RoundStats {
         total,
         first_reply,
         volume,
+        cpu,
     })
+}
+
+/// CPU time used so far by this whole process (all threads), from `/proc/self/stat` (Linux;
+/// clock ticks of 10 ms). `None` where unavailable.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may contain spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(Duration::from_millis((utime + stime) * 10))
 }
 
 fn ms(d: Duration) -> f64 {
@@ -316,6 +334,21 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
     let mut issued: Vec<Duration> = rounds[1..].iter().map(|r| r.first_reply).collect();
     issued.sort();
     let fast_volume = rounds.last().map_or(0, |r| r.volume);
+    let mut fast_cpu: Vec<Duration> = rounds[1..].iter().filter_map(|r| r.cpu).collect();
+    fast_cpu.sort();
+    let cpu_note = match (first.cpu, fast_cpu.get(fast_cpu.len() / 2)) {
+        (Some(f), Some(m)) => format!(
+            "; process CPU: first round {:.0} ms, fast path median {:.0} ms{}",
+            ms(f),
+            ms(*m),
+            if args.addr.is_some() {
+                " (clients only)"
+            } else {
+                " (clients + lighthouse)"
+            }
+        ),
+        _ => String::new(),
+    };
     let mode_name = format!(
         "{}{}{}",
         match mode {
@@ -347,7 +380,7 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
         "lighthouse_load/{n} replicas [{mode_name}, {conns} conns]:\n    \
          first round {:.1} ms {}\n    \
          fast path median {:.1} ms, max {:.1} ms over {} rounds; {} per round{target}\n    \
-         (fast path: first reply after a median {:.1} ms)",
+         (fast path: first reply after a median {:.1} ms{cpu_note})",
         ms(first.total),
         if mode == Mode::Baseline {
             String::new()
