@@ -12,6 +12,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
-        .compile_protos(&["proto/torchft.proto"], &["proto", include.to_str().unwrap_or(".")])?;
+        .compile_protos(
+            &["proto/torchft.proto"],
+            &["proto", include.to_str().unwrap_or(".")],
+        )?;
     Ok(())
 }

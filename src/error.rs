@@ -53,9 +53,24 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The message without the kind prefix (the gRPC status code already carries the kind,
+    /// and the receiving side adds the prefix back when it converts the status).
+    fn detail(&self) -> String {
+        match self {
+            Error::InvalidArgument(m)
+            | Error::Timeout(m)
+            | Error::FailedPrecondition(m)
+            | Error::Unavailable(m)
+            | Error::Remote(m) => m.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
-        let msg = e.to_string();
+        let msg = e.detail();
         match e {
             Error::InvalidArgument(_) => Status::invalid_argument(msg),
             Error::Timeout(_) => Status::deadline_exceeded(msg),

@@ -126,8 +126,14 @@ mod tests {
 
     #[test]
     fn normalize() {
-        assert_eq!(normalize_addr("localhost:1").ok().as_deref(), Some("http://localhost:1"));
-        assert_eq!(normalize_addr("http://[::1]:2").ok().as_deref(), Some("http://[::1]:2"));
+        assert_eq!(
+            normalize_addr("localhost:1").ok().as_deref(),
+            Some("http://localhost:1")
+        );
+        assert_eq!(
+            normalize_addr("http://[::1]:2").ok().as_deref(),
+            Some("http://[::1]:2")
+        );
         assert!(normalize_addr("").is_err());
         assert!(normalize_addr("bad host:1").is_err());
     }

@@ -162,7 +162,16 @@ async fn garbage_requests_get_4xx_and_server_survives() {
             b"POST /torchft.LighthouseService/Quorum HTTP/1.1\r\nHost: x\r\ncontent-type: application/grpc\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc",
         )
         .await;
-        assert!(!resp.is_empty());
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(resp.contains("grpc-status: 3"), "{resp}");
+        assert!(resp.contains("truncated%20gRPC%20message"), "{resp}");
+        // The same path without a gRPC content type.
+        let resp = raw(
+            addr,
+            b"POST /torchft.LighthouseService/Quorum HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 415"), "{resp}");
         let r = reqwest::get(format!("{}/healthz", server.address())).await.unwrap();
         assert_eq!(r.status(), 200);
         server.shutdown().await;

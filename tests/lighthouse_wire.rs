@@ -265,7 +265,10 @@ async fn invalid_input_refused_state_unchanged() {
         let mut raw =
             torchft::proto::lighthouse_service_client::LighthouseServiceClient::new(channel);
         let status = raw
-            .quorum(torchft::proto::LighthouseQuorumRequest { requester: None })
+            .quorum(torchft::proto::LighthouseQuorumRequest {
+                requester: None,
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
@@ -347,6 +350,55 @@ async fn many_concurrent_clients() {
             assert!(id.is_none() || id == Some(q.quorum_id));
             id = Some(q.quorum_id);
         }
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lagging_waiter_gets_its_quorum_after_many_others() {
+    bounded(async {
+        let (server, c) = start(opts(2, 60_000)).await;
+        let (b, _) = tokio::join!(ask(&c, member("b"), 5_000), ask(&c, member("c"), 5_000));
+        let id = b.unwrap().quorum_id;
+        let c1 = c.clone();
+        let lagging = tokio::spawn(async move { ask(&c1, member("a"), 30_000).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // 300 quorums are issued while "a" waits (b shrinks, so "a" is left out each time).
+        for _ in 0..300 {
+            let shrink = QuorumMember {
+                shrink_only: true,
+                ..member("b")
+            };
+            let (b, cc) = tokio::join!(ask(&c, shrink, 5_000), ask(&c, member("c"), 5_000));
+            assert_eq!(ids(&b.unwrap()), ["b", "c"]);
+            assert_eq!(cc.unwrap().quorum_id, id);
+        }
+        assert!(!lagging.is_finished());
+        let (b, _) = tokio::join!(ask(&c, member("b"), 5_000), ask(&c, member("c"), 5_000));
+        assert_eq!(ids(&b.unwrap()), ["a", "b", "c"]);
+        assert_eq!(ids(&lagging.await.unwrap().unwrap()), ["a", "b", "c"]);
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wildcard_bind_reports_dialable_hostname() {
+    bounded(async {
+        let server = LighthouseServer::bind("0.0.0.0:0", opts(1, 60_000))
+            .await
+            .unwrap();
+        let addr = server.address();
+        let host = torchft::lighthouse::service::hostname();
+        assert_eq!(
+            addr,
+            format!("http://{host}:{}", server.local_addr().port())
+        );
+        let c = LighthouseClient::connect(&addr, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(ids(&ask(&c, member("a"), 5_000).await.unwrap()), ["a"]);
         server.shutdown().await;
     })
     .await;

@@ -5,9 +5,13 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import pickle
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -50,7 +54,7 @@ ALL_DTYPES = [
 ]
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- utilities
 
 
 def assert_identical(a: Any, b: Any, path: str = "root") -> None:
@@ -524,6 +528,34 @@ def test_deeply_nested_header_is_refused() -> None:
         ser.decode_bytes(stream + empty_range())
 
 
+def test_serialization_deep_but_allowed_nesting_round_trips() -> None:
+    """Nesting up to the documented limit works; beyond it is a TypeError at send time."""
+    ok: Any = torch.ones(1)
+    for i in range(ser.MAX_DEPTH - 1):
+        ok = ({i: ok}, [ok], (ok,))[i % 3]
+    assert_identical(ok, ser.decode_bytes(ser.encode_to_bytes(ok)))
+    too_deep: Any = 1
+    for _ in range(ser.MAX_DEPTH + 5):
+        too_deep = [too_deep]
+    with pytest.raises(TypeError, match="nesting"):
+        ser.encode(too_deep)
+
+
+def test_absurd_tensor_size_from_peer_is_refused() -> None:
+    """A header announcing a tensor too large to allocate fails cleanly."""
+    n = 1 << 62
+    stream = frame_header(
+        {
+            "version": 1,
+            "meta": {},
+            "tensors": [{"dtype": "uint8", "shape": [n], "nbytes": n}],
+            "root": {"$": "tensor", "t": 0},
+        }
+    ) + struct.pack("<8sQQ", ser.MAGIC_RANGE, 0, 1)
+    with pytest.raises(CheckpointFormatError):
+        ser.decode_bytes(stream)
+
+
 def test_serialization_detects_every_flipped_region() -> None:
     """A flipped bit anywhere in the stream (header, tensor, checksum, trailer) is caught."""
     state = {"a": torch.randn(100), "b": [torch.arange(10), 3]}
@@ -719,7 +751,7 @@ def test_http_stalled_receiver_does_not_block_sender() -> None:
 
 @pytest.mark.timeout(30)
 def test_http_server_deadline_bounds_a_slow_receiver() -> None:
-    """Without disallow, a stalled transfer is cut (lock released) at the sender's timeout."""
+    """Without disallow, a stalled transfer is cut (lock released) at the offer's timeout."""
     held = threading.Semaphore(0)
     released = threading.Event()
 
@@ -731,11 +763,11 @@ def test_http_server_deadline_bounds_a_slow_receiver() -> None:
         finally:
             released.set()
 
-    sender: HTTPTransport[Any] = HTTPTransport(timedelta(seconds=1), state_dict_lock=read_lock)
+    sender: HTTPTransport[Any] = HTTPTransport(TIMEOUT, state_dict_lock=read_lock)
     port = int(sender.metadata().split(":")[2].split("/")[0])
     reader = socket.create_connection(("127.0.0.1", port))
     try:
-        sender.send_checkpoint([1], 1, {"w": torch.randn(16 << 20)}, TIMEOUT)
+        sender.send_checkpoint([1], 1, {"w": torch.randn(16 << 20)}, timedelta(seconds=1))
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         reader.sendall(b"GET /checkpoint/1/full HTTP/1.0\r\n\r\n")
         assert held.acquire(timeout=5), "transfer did not start"
@@ -856,6 +888,35 @@ def test_http_metadata_is_reachable_and_env_timeout(monkeypatch: pytest.MonkeyPa
         HTTPTransport(TIMEOUT, num_chunks=-1)
 
 
+def test_http_metadata_falls_back_when_hostname_is_unusable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unresolvable hostname is skipped for an address that reaches the server."""
+    from urllib.parse import urlsplit
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": "no-such-host.invalid")
+    with http_pair() as (sender, receiver):
+        url = urlsplit(sender.metadata())
+        assert url.hostname and "invalid" not in url.hostname
+        sender.send_checkpoint([1], 1, {"a": torch.arange(3)}, TIMEOUT)
+        out = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        assert torch.equal(out["a"], torch.arange(3))
+
+
+def test_http_shutdown_leaves_no_threads() -> None:
+    """After shutdown(wait=True) no server, connection or fetch thread is left running."""
+    before = set(threading.enumerate())
+    with http_pair(num_chunks=3) as (sender, receiver):
+        sender.send_checkpoint([1], 1, {"x": [torch.randn(1000) for _ in range(10)]}, TIMEOUT)
+        receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        assert set(threading.enumerate()) - before, "the transports run server threads"
+    deadline = time.monotonic() + 3
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in set(threading.enumerate()) - before]
+
+
 def test_http_shutdown_is_idempotent_and_refuses_new_sends() -> None:
     """After shutdown the transport refuses to serve and a second shutdown is a no-op."""
     transport: HTTPTransport[Any] = HTTPTransport(TIMEOUT)
@@ -865,15 +926,132 @@ def test_http_shutdown_is_idempotent_and_refuses_new_sends() -> None:
         transport.send_checkpoint([1], 1, {}, TIMEOUT)
 
 
+_SENDER_PROCESS = """
+import sys, time
+from contextlib import contextmanager
+from datetime import timedelta
+
+from test_checkpointing import realistic_state
+from torchft.checkpointing import HTTPTransport
+
+mode = sys.argv[1]
+
+
+@contextmanager
+def slow_lock():
+    print("LOCKED", flush=True)
+    time.sleep(float(sys.argv[2]))
+    yield
+
+
+lock = slow_lock if mode == "slow_lock" else None
+state, *_ = realistic_state(seed=5)
+transport = HTTPTransport(timedelta(seconds=30), state_dict_lock=lock)
+transport.send_checkpoint([1], 9, state, timedelta(seconds=30))
+print(transport.metadata(), flush=True)
+sys.stdin.read()
+transport.shutdown()
+"""
+
+
+@contextmanager
+def sender_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Runs an HTTPTransport sender in its own process; yields it and its metadata URL."""
+    import torchft
+
+    paths = [str(Path(torchft.__file__).parent.parent), str(Path(__file__).parent)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SENDER_PROCESS, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://"), f"sender process failed to start: {url!r}"
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.mark.timeout(90)
+def test_http_round_trip_across_processes() -> None:
+    """A state served by another process arrives bit-identical to a local rebuild of it."""
+    expected, *_ = realistic_state(seed=5)
+    with sender_process("plain") as (_, url):
+        for num_chunks in (0, 4):
+            receiver: HTTPTransport[Any] = HTTPTransport(TIMEOUT, num_chunks=num_chunks)
+            try:
+                out = receiver.recv_checkpoint(0, url, 9, TIMEOUT)
+            finally:
+                receiver.shutdown()
+            assert_identical(expected, out)
+
+
+@pytest.mark.timeout(90)
+def test_http_hung_or_killed_sender_fails_receiver_promptly() -> None:
+    """SIGSTOP on the sender ends in TimeoutError at the deadline; SIGKILL in a prompt error."""
+    receiver: HTTPTransport[Any] = HTTPTransport(TIMEOUT)
+    try:
+        with sender_process("plain") as (proc, url):
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    receiver.recv_checkpoint(0, url, 9, timedelta(seconds=1))
+                assert time.monotonic() - t0 < 4
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionError):
+                receiver.recv_checkpoint(0, url, 9, TIMEOUT)
+            assert time.monotonic() - t0 < 3
+
+        # Killed while it holds the request (before the body): the receiver fails at once.
+        with sender_process("slow_lock", "30") as (proc, url):
+            result: list[BaseException | None] = []
+
+            def fetch() -> None:
+                try:
+                    receiver.recv_checkpoint(0, url, 9, TIMEOUT)
+                    result.append(None)
+                except BaseException as e:  # noqa: BLE001
+                    result.append(e)
+
+            thread = threading.Thread(target=fetch)
+            thread.start()
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "LOCKED"
+            t0 = time.monotonic()
+            proc.kill()
+            thread.join(timeout=8)
+            assert not thread.is_alive()
+            assert time.monotonic() - t0 < 3
+            assert isinstance(result[0], ConnectionError), result
+    finally:
+        receiver.shutdown()
+
+
 # --------------------------------------------------------------------------- PG transport
 
 
-def _gloo_pair(timeout: timedelta) -> list[dist.ProcessGroup]:
+def _gloo_pair(timeout: timedelta) -> list[Any]:
+    """Two Gloo process groups (ranks 0 and 1) over loopback, built concurrently."""
     store = dist.HashStore()
-    pgs: list[dist.ProcessGroup] = [None, None]  # type: ignore[list-item]
+    pgs: list[Any] = [None, None]
 
     def make(rank: int) -> None:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
@@ -945,6 +1123,64 @@ def test_pg_transport_wrong_step_and_timeout() -> None:
     assert torch.equal(buf.view(torch.float32), state["a"])
 
     t0 = time.monotonic()
-    with pytest.raises((TimeoutError, RuntimeError)):
+    with pytest.raises(TimeoutError):
         receiver.recv_checkpoint(0, "<n/a>", 1, timedelta(seconds=0.5))
     assert time.monotonic() - t0 < 10
+
+
+_PG_RECEIVER_PROCESS = """
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from test_checkpointing import assert_identical, realistic_state
+from torchft.checkpointing import PGTransport
+
+port = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+opts = dist.ProcessGroupGloo._Options()
+opts._timeout = timedelta(seconds=30)
+opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+pg = dist.ProcessGroupGloo(store, 1, 2, opts)
+local, *_ = realistic_state(seed=8)
+transport = PGTransport(pg, timedelta(seconds=30), torch.device("cpu"), state_dict=lambda: local)
+out = transport.recv_checkpoint(0, "<n/a>", 11, timedelta(seconds=30))
+expected, *_ = realistic_state(seed=3)
+assert_identical(expected, out)
+assert out["user"]["model"]["lin.weight"].data_ptr() == local["user"]["model"]["lin.weight"].data_ptr()
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_pg_transport_between_processes() -> None:
+    """PGTransport over Gloo between two processes (TCPStore on port 0), in place."""
+    import torchft
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    paths = [str(Path(torchft.__file__).parent.parent), str(Path(__file__).parent)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PG_RECEIVER_PROCESS, str(store.port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timedelta(seconds=60)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(store, 0, 2, opts)
+        state, *_ = realistic_state(seed=3)
+        sender: PGTransport[Any] = PGTransport(pg, timedelta(seconds=60), torch.device("cpu"))  # type: ignore[arg-type]
+        sender.send_checkpoint([1], 11, state, timedelta(seconds=60))
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert out.strip() == "OK"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

@@ -146,13 +146,23 @@ class ManagerClient:
         commit_failures: int = 0,
         init_sync: bool = True,
     ) -> QuorumResult:
-        """This rank's part of the next quorum. Raises TimeoutError at the deadline."""
+        """This rank's part of the next quorum (waits for every rank of the group).
+
+        Raises TimeoutError at the deadline (the rank then leaves the round), ValueError for a
+        rank outside the group or a negative step, and TorchFTError when the lighthouse cannot be
+        reached or the group's ranks disagree on the step (every waiting rank gets it at once).
+        """
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its latest quorum request."""
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
     ) -> bool:
-        """Casts this rank's vote for ``step``; True only if every rank of the group voted True."""
+        """Casts this rank's vote for ``step``; True only if every rank of the group voted True.
+
+        Raises TimeoutError at the deadline (the vote is then withdrawn), ValueError for a rank
+        outside the group or a negative step, and TorchFTError for every waiting rank when ranks
+        vote for different steps.
+        """
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
 

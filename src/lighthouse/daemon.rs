@@ -72,19 +72,26 @@ impl Args {
     }
 }
 
-/// Installs a `tracing` subscriber writing to stderr, filtered by `RUST_LOG` (default info).
+/// Installs a `tracing` subscriber writing to stderr, filtered by `RUST_LOG` (default info),
+/// with colours only on a terminal.
 ///
 /// Does nothing if the process already has one.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init();
 }
 
-async fn wait_for_signal() -> Result<&'static str> {
+/// A future that resolves with the name of the first SIGTERM/SIGINT received.
+///
+/// The handlers are installed when this is called (not when it is first polled), so a signal
+/// arriving right after the "listening" log line is never lost.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = &'static str>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -92,17 +99,19 @@ async fn wait_for_signal() -> Result<&'static str> {
             .map_err(|e| Error::Unavailable(format!("cannot listen for SIGTERM: {e}")))?;
         let mut int = signal(SignalKind::interrupt())
             .map_err(|e| Error::Unavailable(format!("cannot listen for SIGINT: {e}")))?;
-        tokio::select! {
-            _ = term.recv() => Ok("SIGTERM"),
-            _ = int.recv() => Ok("SIGINT"),
-        }
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        })
     }
     #[cfg(not(unix))]
     {
-        tokio::signal::ctrl_c()
-            .await
-            .map_err(|e| Error::Unavailable(format!("cannot listen for Ctrl-C: {e}")))?;
-        Ok("Ctrl-C")
+        Ok(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        })
     }
 }
 
@@ -113,6 +122,7 @@ pub fn run(args: Args) -> Result<()> {
     init_logging();
     crate::runtime::get().block_on(async move {
         let opts = args.options();
+        let signal = shutdown_signal()?;
         let server = LighthouseServer::bind(&args.bind, opts.clone()).await?;
         info!(
             min_replicas = opts.min_replicas,
@@ -122,14 +132,11 @@ pub fn run(args: Args) -> Result<()> {
             "lighthouse listening on {}",
             server.address()
         );
-        let signal = wait_for_signal().await;
-        match &signal {
-            Ok(name) => info!("received {name}, shutting down"),
-            Err(e) => tracing::error!(error = %e, "signal handling failed, shutting down"),
-        }
+        let name = signal.await;
+        info!("received {name}, shutting down");
         server.shutdown().await;
         info!("lighthouse stopped");
-        signal.map(|_| ())
+        Ok(())
     })
 }
 

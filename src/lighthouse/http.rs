@@ -214,6 +214,21 @@ async fn index(State(shared): State<Arc<Shared>>) -> Response {
 mod tests {
     use super::*;
 
+    use crate::lighthouse::LighthouseOptions;
+
+    #[tokio::test]
+    async fn readyz_503_while_shutting_down() {
+        let shared = Arc::new(Shared::new(LighthouseOptions::default(), 1));
+        assert_eq!(readyz(State(shared.clone())).await.status(), StatusCode::OK);
+        shared.begin_shutdown();
+        assert_eq!(
+            readyz(State(shared.clone())).await.status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        // Liveness is unaffected.
+        assert_eq!(healthz().await, "ok");
+    }
+
     #[test]
     fn escapes_markup() {
         assert_eq!(

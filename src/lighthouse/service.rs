@@ -7,15 +7,24 @@
 //! one listener, served by axum (HTTP/1 and h2c on the same port).
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::body::Bytes;
+use axum::http::{self, HeaderMap};
+use axum::response::IntoResponse;
+use prost::Message;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
+use super::compact;
 use super::quorum::{QuorumEngine, Snapshot};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
@@ -32,7 +41,67 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
 const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
-type Delivery = Result<Arc<Quorum>>;
+/// A quorum as handed to its members: the full message, and its two gRPC responses (full
+/// and compact, see [`compact`]) each framed at most once (5-byte prefix + encoded
+/// `LighthouseQuorumResponse`) so every member's reply shares the same bytes instead of
+/// cloning and encoding the quorum once per member.
+pub(crate) struct Issued {
+    quorum: Quorum,
+    /// Revision since which only steps changed (see `QuorumEngine::stable_since`).
+    stable_since: u64,
+    full: OnceLock<Bytes>,
+    compact: OnceLock<Bytes>,
+}
+
+/// What a requester already holds: `(known_quorum_id, known_revision)`, zeros for nothing.
+type Known = (i64, u64);
+
+fn frame(quorum: &Quorum) -> Bytes {
+    let len = prost::encoding::message::encoded_len(1, quorum);
+    let mut buf = Vec::with_capacity(len + 5);
+    buf.push(0u8);
+    buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    prost::encoding::message::encode(1, quorum, &mut buf);
+    Bytes::from(buf)
+}
+
+impl Issued {
+    fn new(quorum: Quorum, stable_since: u64) -> Self {
+        Self {
+            quorum,
+            stable_since,
+            full: OnceLock::new(),
+            compact: OnceLock::new(),
+        }
+    }
+
+    /// True if a requester holding `known` can rebuild this quorum from the compact form.
+    fn compact_for(&self, known: Known) -> bool {
+        compact::compact_applies(&self.quorum, self.stable_since, known.0, known.1)
+    }
+
+    /// The framed response for a requester holding `known` (shared bytes, encoded once).
+    fn framed(&self, known: Known) -> Bytes {
+        if self.compact_for(known) {
+            self.compact
+                .get_or_init(|| frame(&compact::compact_form(&self.quorum)))
+                .clone()
+        } else {
+            self.full.get_or_init(|| frame(&self.quorum)).clone()
+        }
+    }
+
+    /// The response message for a requester holding `known`.
+    fn message(&self, known: Known) -> Quorum {
+        if self.compact_for(known) {
+            compact::compact_form(&self.quorum)
+        } else {
+            self.quorum.clone()
+        }
+    }
+}
+
+type Delivery = Result<Arc<Issued>>;
 
 struct Waiter {
     generation: u64,
@@ -75,7 +144,8 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
 }
 
 impl Shared {
-    fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
+    /// Fresh state around a new engine.
+    pub(crate) fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
         Self {
             state: Mutex::new(State {
                 engine: QuorumEngine::new(opts, initial_id),
@@ -95,16 +165,18 @@ impl Shared {
     /// Hands an issued quorum to each of its members' waiters.
     fn deliver(state: &mut State, mut quorum: Quorum) {
         quorum.created = Some(timestamp(SystemTime::now()));
+        let stable_since = state.engine.stable_since();
         info!(
             quorum_id = quorum.quorum_id,
+            revision = quorum.revision,
             members = quorum.participants.len(),
             "quorum issued"
         );
-        let quorum = Arc::new(quorum);
-        for m in &quorum.participants {
+        let issued = Arc::new(Issued::new(quorum, stable_since));
+        for m in &issued.quorum.participants {
             if let Some(w) = state.waiters.remove(&m.replica_id) {
                 // The receiver may be gone if the handler is just being cancelled.
-                let _ = w.tx.send(Ok(quorum.clone()));
+                let _ = w.tx.send(Ok(issued.clone()));
             }
         }
     }
@@ -174,7 +246,7 @@ impl Shared {
     }
 
     /// Stops accepting requests and ends every pending long-poll with `Error::Shutdown`.
-    fn begin_shutdown(&self) {
+    pub(crate) fn begin_shutdown(&self) {
         let mut state = self.lock();
         state.shutting_down = true;
         for (_, w) in state.waiters.drain() {
@@ -208,7 +280,34 @@ impl Drop for LeaveGuard {
     }
 }
 
-/// The tonic service implementation.
+/// Joins the round and long-polls until `requester` is in an issued quorum, the deadline
+/// passes (the request then leaves the round) or the server shuts down.
+async fn wait_for_quorum(
+    shared: &Arc<Shared>,
+    requester: Option<QuorumMember>,
+    timeout: Option<Duration>,
+) -> Result<Arc<Issued>> {
+    let requester =
+        requester.ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
+    let replica_id = requester.replica_id.clone();
+    let (generation, rx) = shared.join(requester)?;
+    let _guard = LeaveGuard {
+        shared: shared.clone(),
+        replica_id,
+        generation,
+    };
+    let delivered = match timeout {
+        Some(t) => match tokio::time::timeout(t, rx).await {
+            Ok(d) => d,
+            Err(_) => return Err(Error::timeout("lighthouse quorum", t)),
+        },
+        None => rx.await,
+    };
+    delivered.unwrap_or(Err(Error::Shutdown))
+}
+
+/// The tonic service implementation (the Quorum method is normally served by
+/// [`QuorumRoute`]; this one is the reference path and serves Heartbeat).
 struct Grpc {
     shared: Arc<Shared>,
 }
@@ -220,31 +319,12 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseQuorumRequest>,
     ) -> std::result::Result<Response<LighthouseQuorumResponse>, Status> {
         let timeout = request_timeout(&request);
-        let requester = request
-            .into_inner()
-            .requester
-            .ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
-        let replica_id = requester.replica_id.clone();
-        let (generation, rx) = self.shared.join(requester)?;
-        let _guard = LeaveGuard {
-            shared: self.shared.clone(),
-            replica_id,
-            generation,
-        };
-        let delivered = match timeout {
-            Some(t) => match tokio::time::timeout(t, rx).await {
-                Ok(d) => d,
-                Err(_) => return Err(Error::timeout("lighthouse quorum", t).into()),
-            },
-            None => rx.await,
-        };
-        match delivered {
-            Ok(Ok(quorum)) => Ok(Response::new(LighthouseQuorumResponse {
-                quorum: Some((*quorum).clone()),
-            })),
-            Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(Error::Shutdown.into()),
-        }
+        let req = request.into_inner();
+        let known = (req.known_quorum_id, req.known_revision);
+        let issued = wait_for_quorum(&self.shared, req.requester, timeout).await?;
+        Ok(Response::new(LighthouseQuorumResponse {
+            quorum: Some(issued.message(known)),
+        }))
     }
 
     async fn heartbeat(
@@ -253,6 +333,126 @@ impl LighthouseService for Grpc {
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
         self.shared.heartbeat(&request.into_inner().replica_id)?;
         Ok(Response::new(LighthouseHeartbeatResponse {}))
+    }
+}
+
+/// Path of the Quorum RPC.
+const QUORUM_PATH: &str = "/torchft.LighthouseService/Quorum";
+
+/// Largest Quorum request accepted (one member with its metadata).
+const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// A unary gRPC response body: one shared data frame, then `grpc-status: 0` trailers.
+struct SharedBody {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for SharedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<http_body::Frame<Bytes>, Infallible>>> {
+        if let Some(d) = self.data.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(d))));
+        }
+        Poll::Ready(
+            self.trailers
+                .take()
+                .map(|t| Ok(http_body::Frame::trailers(t))),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none() && self.trailers.is_none()
+    }
+}
+
+/// Serves the Quorum RPC with the quorum's shared pre-framed response (zero-copy per member),
+/// keeping a round linear in the number of replica groups on the server side.
+#[derive(Clone)]
+struct QuorumRoute {
+    shared: Arc<Shared>,
+}
+
+impl QuorumRoute {
+    async fn serve(
+        shared: Arc<Shared>,
+        req: http::Request<axum::body::Body>,
+    ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
+        let is_grpc = req
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/grpc"));
+        if !is_grpc {
+            return Ok((
+                http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "expected application/grpc\n",
+            )
+                .into_response());
+        }
+        let timeout = req
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(crate::net::parse_grpc_timeout);
+        let body = axum::body::to_bytes(req.into_body(), MAX_REQUEST_BYTES)
+            .await
+            .map_err(|e| Status::invalid_argument(format!("cannot read request: {e}")))?;
+        if body.len() < 5 {
+            return Err(Status::invalid_argument("truncated gRPC message"));
+        }
+        if body[0] != 0 {
+            return Err(Status::unimplemented(
+                "compressed requests are not supported",
+            ));
+        }
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        if body.len() != 5 + len {
+            return Err(Status::invalid_argument(
+                "gRPC message length does not match body",
+            ));
+        }
+        let msg = LighthouseQuorumRequest::decode(&body[5..])
+            .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
+        let known = (msg.known_quorum_id, msg.known_revision);
+        let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = SharedBody {
+            data: Some(issued.framed(known)),
+            trailers: Some(trailers),
+        };
+        let mut resp = http::Response::new(axum::body::Body::new(body));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        Ok(resp)
+    }
+}
+
+impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
+    type Response = http::Response<axum::body::Body>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn Future<Output = std::result::Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<std::result::Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            Ok(Self::serve(shared, req)
+                .await
+                .unwrap_or_else(|status| status.into_http()))
+        })
     }
 }
 
@@ -315,6 +515,12 @@ impl LighthouseServer {
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
         let app = tonic::service::Routes::new(grpc)
             .into_axum_router()
+            .route_service(
+                QUORUM_PATH,
+                QuorumRoute {
+                    shared: shared.clone(),
+                },
+            )
             .merge(super::http::router(shared.clone()))
             .fallback(super::http::not_found);
 
@@ -395,5 +601,117 @@ impl Drop for LighthouseServer {
         // Dropping without `shutdown()` still stops serving (without waiting).
         self.shared.begin_shutdown();
         let _ = self.stop.send(true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> LighthouseOptions {
+        LighthouseOptions {
+            min_replicas: 2,
+            ..Default::default()
+        }
+    }
+
+    fn member(id: &str, step: i64) -> QuorumMember {
+        QuorumMember {
+            replica_id: id.into(),
+            address: format!("http://{id}:1"),
+            store_address: format!("{id}:2"),
+            step,
+            world_size: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Every member asks; returns what each one's waiter received.
+    fn round(shared: &Shared, members: &[QuorumMember]) -> Vec<Arc<Issued>> {
+        let rxs: Vec<_> = members
+            .iter()
+            .map(|m| shared.join(m.clone()).unwrap().1)
+            .collect();
+        rxs.into_iter()
+            .map(|mut rx| rx.try_recv().unwrap().unwrap())
+            .collect()
+    }
+
+    fn decode(framed: &Bytes) -> Quorum {
+        assert_eq!(framed[0], 0);
+        let len = u32::from_be_bytes([framed[1], framed[2], framed[3], framed[4]]) as usize;
+        assert_eq!(framed.len(), 5 + len);
+        LighthouseQuorumResponse::decode(&framed[5..])
+            .unwrap()
+            .quorum
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn replies_are_compact_only_for_holders_of_a_rebuildable_quorum() {
+        let shared = Shared::new(opts(), 10);
+        let q1 = round(&shared, &[member("a", 1), member("b", 1)]);
+        let q1 = q1[0].quorum.clone();
+        let issued = round(&shared, &[member("a", 2), member("b", 2)]);
+        assert!(
+            Arc::ptr_eq(&issued[0], &issued[1]),
+            "one issued quorum per round"
+        );
+        let issued = &issued[0];
+
+        // Holder of the previous quorum: compact, and it rebuilds the full quorum.
+        let known = (q1.quorum_id, q1.revision);
+        let compact_reply = decode(&issued.framed(known));
+        assert!(compact_reply.participants.is_empty());
+        assert_eq!(compact_reply.compact.as_ref().unwrap().base_step, 2);
+        assert_eq!(issued.message(known), compact_reply);
+        assert_eq!(
+            compact::expand(Some(&q1), compact_reply).unwrap(),
+            issued.quorum
+        );
+        // Nothing known (old-style request), another id, a future revision: full form.
+        for known in [(0, 0), (q1.quorum_id + 1, q1.revision), (q1.quorum_id, 99)] {
+            let reply = decode(&issued.framed(known));
+            assert_eq!(reply, issued.quorum, "known {known:?}");
+            assert_eq!(issued.message(known), issued.quorum, "known {known:?}");
+        }
+        // Each form is encoded once and its bytes are shared by every reply.
+        assert_eq!(issued.framed(known).as_ptr(), issued.framed(known).as_ptr());
+        assert_eq!(
+            issued.framed((0, 0)).as_ptr(),
+            issued.framed((0, 0)).as_ptr()
+        );
+        assert!(issued.framed(known).len() * 2 < issued.framed((0, 0)).len());
+
+        // Membership change: a holder of the old quorum gets the full form.
+        let q2 = issued.quorum.clone();
+        let grown = round(&shared, &[member("c", 3), member("a", 3), member("b", 3)]);
+        let grown = &grown[0];
+        assert_ne!(grown.quorum.quorum_id, q2.quorum_id);
+        let reply = decode(&grown.framed((q2.quorum_id, q2.revision)));
+        assert_eq!(reply.participants.len(), 3);
+
+        // Commit failures: new id, full form; the next steady round is compact again.
+        let mut failing = member("a", 4);
+        failing.commit_failures = 1;
+        let failed = round(&shared, &[failing, member("b", 4), member("c", 4)]);
+        let failed = failed[0].quorum.clone();
+        assert_ne!(failed.quorum_id, grown.quorum.quorum_id);
+        let healed = round(&shared, &[member("a", 5), member("b", 5), member("c", 5)]);
+        let healed = &healed[0];
+        assert_eq!(
+            healed.quorum.quorum_id, failed.quorum_id,
+            "same members, same id"
+        );
+        // commit_failures went back to 0: not rebuildable from the failed round's quorum.
+        let reply = decode(&healed.framed((failed.quorum_id, failed.revision)));
+        assert_eq!(reply.participants.len(), 3);
+        let steady = round(&shared, &[member("a", 6), member("b", 6), member("c", 6)]);
+        let reply = decode(&steady[0].framed((healed.quorum.quorum_id, healed.quorum.revision)));
+        assert!(reply.participants.is_empty());
+        assert_eq!(
+            compact::expand(Some(&healed.quorum), reply).unwrap(),
+            steady[0].quorum
+        );
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tonic::transport::Channel;
 
+use super::rpc_error;
 use crate::error::{Error, Result};
 use crate::net::{connect, with_timeout};
 use crate::proto::manager_service_client::ManagerServiceClient;
@@ -28,9 +29,10 @@ async fn bounded<T, F>(what: &str, timeout: Duration, call: F) -> Result<T>
 where
     F: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 {
+    let started = tokio::time::Instant::now();
     match tokio::time::timeout(timeout, call).await {
         Ok(Ok(resp)) => Ok(resp.into_inner()),
-        Ok(Err(status)) => Err(Error::from(status)),
+        Ok(Err(status)) => Err(rpc_error(status, started, timeout)),
         Err(_) => Err(Error::timeout(what, timeout)),
     }
 }

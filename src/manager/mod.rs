@@ -24,6 +24,36 @@ pub use server::ManagerServer;
 /// Deadline applied to a request that arrives without one (a gRPC caller may omit it).
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Longest head start the server takes on a caller's deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+
+/// The part of a caller's `timeout` the server may spend: slightly less than the whole, so the
+/// server answers DEADLINE_EXCEEDED (and removes the caller from its round) before the caller's
+/// own timer fires. Otherwise a caller that already gave up could still be counted in a round
+/// completed by a rank arriving in that instant, and its answer would be lost.
+pub(crate) fn server_budget(timeout: Duration) -> Duration {
+    timeout.saturating_sub((timeout / 20).min(DEADLINE_MARGIN))
+}
+
+/// Converts a failed RPC's status to an error, given when the call started and its timeout.
+///
+/// A `CANCELLED` status before the deadline is not a timeout: the transport dropped the call
+/// (typically the peer's connection closed under it), so it is reported as `Unavailable` and
+/// Python sees a torchft error rather than a misleading `TimeoutError`.
+pub(crate) fn rpc_error(
+    status: tonic::Status,
+    started: tokio::time::Instant,
+    timeout: Duration,
+) -> crate::error::Error {
+    if status.code() == tonic::Code::Cancelled && started.elapsed() < timeout {
+        return crate::error::Error::Unavailable(format!(
+            "the connection dropped the call: {}",
+            status.message()
+        ));
+    }
+    crate::error::Error::from(status)
+}
+
 /// How a manager server presents itself and reaches the lighthouse.
 #[derive(Debug, Clone)]
 pub struct ManagerOptions {
@@ -60,5 +90,43 @@ impl Default for ManagerOptions {
             connect_timeout: Duration::from_secs(60),
             quorum_retries: 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_budget_is_a_little_less_than_the_timeout() {
+        assert_eq!(
+            server_budget(Duration::from_secs(10)),
+            Duration::from_millis(9980)
+        );
+        assert_eq!(
+            server_budget(Duration::from_millis(100)),
+            Duration::from_millis(95)
+        );
+        assert_eq!(server_budget(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancelled_before_the_deadline_is_unavailable_not_timeout() {
+        use crate::error::Error;
+        let started = tokio::time::Instant::now();
+        let t = Duration::from_secs(1);
+        let e = rpc_error(
+            tonic::Status::cancelled("operation was canceled"),
+            started,
+            t,
+        );
+        assert!(matches!(e, Error::Unavailable(_)), "{e}");
+        let e = rpc_error(tonic::Status::deadline_exceeded("late"), started, t);
+        assert!(e.is_timeout());
+        tokio::time::advance(t).await;
+        let e = rpc_error(tonic::Status::cancelled("Timeout expired"), started, t);
+        assert!(e.is_timeout());
+        let e = rpc_error(tonic::Status::invalid_argument("bad"), started, t);
+        assert!(matches!(e, Error::InvalidArgument(_)));
     }
 }

@@ -36,6 +36,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,8 @@ _END = struct.Struct("<8sQI")
 CHUNK_BYTES = 4 << 20
 # Refuse absurd headers from a peer instead of allocating for them.
 MAX_HEADER_BYTES = 256 << 20
+# Ranges with at least this many bytes hash on a worker thread, overlapping socket I/O.
+_OVERLAP_MIN_BYTES = 1 << 20
 # Nesting deeper than this is refused on both sides (it would exhaust the Python stack).
 MAX_DEPTH = 256
 
@@ -326,29 +329,75 @@ def range_frame_size(enc: Encoded, start: int, end: int) -> int:
     return _RANGE_PREFIX.size + payload + _U32.size * (end - start) + _END.size
 
 
+class _Crc:
+    """CRC32 over a sequence of pieces, optionally computed on a worker thread.
+
+    zlib releases the GIL, so hashing piece k on the worker overlaps with the socket I/O
+    of piece k+1 on the caller's thread; a single worker keeps the updates in order.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+        self._pool = pool
+        self._crc = 0
+        self._pending: Future[None] | None = None
+
+    def _update(self, piece: memoryview) -> None:
+        self._crc = zlib.crc32(piece, self._crc)
+
+    def update(self, piece: memoryview) -> None:
+        """Adds ``piece`` (must stay unmodified until :meth:`value`)."""
+        if self._pool is None or len(piece) < _OVERLAP_MIN_BYTES:
+            self._drain()
+            self._update(piece)
+        else:
+            self._pending = self._pool.submit(self._update, piece)
+
+    def _drain(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def value(self) -> int:
+        """Returns the CRC of every piece added so far."""
+        self._drain()
+        return self._crc
+
+
+def _crc_pool(nbytes: int) -> ThreadPoolExecutor | None:
+    if nbytes < _OVERLAP_MIN_BYTES:
+        return None
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft-ckpt-crc")
+
+
 def _iter_range(
     enc: Encoded, start: int, end: int, chunk_bytes: int
 ) -> Iterator[bytes | memoryview]:
     yield _RANGE_PREFIX.pack(MAGIC_RANGE, start, end)
     crcs = bytearray()
-    for i in range(start, end):
-        spec = enc.specs[i]
-        flat = tensor_bytes(enc.tensors[i])
-        if flat.numel() != spec.nbytes:
-            # The tensor was resized after encode(): never send bytes the header doesn't describe.
-            raise RuntimeError(
-                f"tensor {i} changed size while being sent ({flat.numel()} != {spec.nbytes} bytes)"
-            )
-        crc = 0
-        if spec.nbytes:
-            mv = memoryview(flat.numpy())
-            for off in range(0, spec.nbytes, chunk_bytes):
-                piece = mv[off : off + chunk_bytes]
-                crc = zlib.crc32(piece, crc)
-                yield piece
-        crc_b = _U32.pack(crc)
-        crcs += crc_b
-        yield crc_b
+    pool = _crc_pool(sum(s.nbytes for s in enc.specs[start:end]))
+    try:
+        for i in range(start, end):
+            spec = enc.specs[i]
+            flat = tensor_bytes(enc.tensors[i])
+            if flat.numel() != spec.nbytes:
+                # Resized after encode(): never send bytes the header doesn't describe.
+                raise RuntimeError(
+                    f"tensor {i} changed size while being sent "
+                    f"({flat.numel()} != {spec.nbytes} bytes)"
+                )
+            crc = _Crc(pool)
+            if spec.nbytes:
+                mv = flat.numpy().data
+                for off in range(0, spec.nbytes, chunk_bytes):
+                    piece = mv[off : off + chunk_bytes]
+                    crc.update(piece)
+                    yield piece
+            crc_b = _U32.pack(crc.value())
+            crcs += crc_b
+            yield crc_b
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     yield _END.pack(MAGIC_END, end - start, zlib.crc32(crcs))
 
 
@@ -491,8 +540,17 @@ def read_header(readinto: ReadInto) -> Header:
 
 
 def alloc_tensor(spec: TensorSpec) -> torch.Tensor:
-    """Allocates an uninitialised CPU tensor matching ``spec``."""
-    return torch.empty(spec.shape, dtype=spec.torch_dtype)
+    """Allocates an uninitialised CPU tensor matching ``spec``.
+
+    Raises:
+        CheckpointFormatError: the size announced by the peer cannot be allocated.
+    """
+    try:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointFormatError(
+            f"cannot allocate a {spec.dtype}{list(spec.shape)} tensor ({spec.nbytes} bytes): {e}"
+        ) from None
 
 
 def read_range(
@@ -529,25 +587,30 @@ def read_range(
         raise CheckpointFormatError(f"expected tensors [{start}, {end}), got [{r_start}, {r_end})")
     crcs = bytearray()
     crc_buf = bytearray(4)
-    for i in range(start, end):
-        spec = header.specs[i]
-        dst = out[i]
-        if dst is None or not _is_plain_cpu_target(dst, spec):
-            dst = alloc_tensor(spec)
-        crc = 0
-        if spec.nbytes:
-            mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
-            for off in range(0, spec.nbytes, chunk_bytes):
-                if check is not None:
-                    check()
-                piece = mv[off : off + chunk_bytes]
-                read_exact(readinto, piece, f"tensor {i}")
-                crc = zlib.crc32(piece, crc)
-        read_exact(readinto, memoryview(crc_buf), f"tensor {i} checksum")
-        crcs += crc_buf
-        if _U32.unpack(crc_buf)[0] != crc:
-            raise CheckpointFormatError(f"checksum mismatch in tensor {i} (corrupted stream)")
-        out[i] = dst
+    pool = _crc_pool(sum(s.nbytes for s in header.specs[start:end]))
+    try:
+        for i in range(start, end):
+            spec = header.specs[i]
+            dst = out[i]
+            if dst is None or not _is_plain_cpu_target(dst, spec):
+                dst = alloc_tensor(spec)
+            crc = _Crc(pool)
+            if spec.nbytes:
+                mv = dst.reshape(-1).view(torch.uint8).numpy().data
+                for off in range(0, spec.nbytes, chunk_bytes):
+                    if check is not None:
+                        check()
+                    piece = mv[off : off + chunk_bytes]
+                    read_exact(readinto, piece, f"tensor {i}")
+                    crc.update(piece)
+            read_exact(readinto, memoryview(crc_buf), f"tensor {i} checksum")
+            crcs += crc_buf
+            if _U32.unpack(crc_buf)[0] != crc.value():
+                raise CheckpointFormatError(f"checksum mismatch in tensor {i} (corrupted stream)")
+            out[i] = dst
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     magic, count, total_crc = _read_struct(readinto, _END, "range trailer")
     if magic != MAGIC_END or count != end - start or total_crc != zlib.crc32(crcs):
         raise CheckpointFormatError("bad trailer in checkpoint stream (corrupted or truncated)")
@@ -580,7 +643,7 @@ def split_ranges(specs: Sequence[TensorSpec], parts: int) -> list[tuple[int, int
     parts = max(1, min(parts, n))
     total = sum(s.nbytes for s in specs) + n  # +n so that empty tensors still spread
     target = total / parts
-    ranges = []
+    ranges: list[tuple[int, int]] = []
     start = 0
     acc = 0
     for i, s in enumerate(specs):

@@ -49,8 +49,6 @@ T = TypeVar("T")
 
 _BASE_PATH = "/checkpoint"
 _MAX_ERROR_BODY = 64 << 10
-# Socket buffer sizes for bulk transfers (the kernel clamps them to its limits).
-_SOCK_BUF = 4 << 20
 
 
 class _Aborted(Exception):
@@ -65,6 +63,9 @@ class _Served:
     gen: str
     enc: ser.Encoded
     header_frame: bytes
+    # Bound (seconds) on serving one request of this offer, so a stalled receiver cannot
+    # hold the state (and its read lock) longer.
+    timeout: float
 
 
 class _HTTPError(Exception):
@@ -99,15 +100,15 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
+    streaming: bool = False
     protocol_version = "HTTP/1.0"
     disable_nagle_algorithm = True
 
     def setup(self) -> None:
         transport = self.server.transport
-        self.timeout = transport._timeout.total_seconds()
+        # Per-connection socket timeout (an idle or stalled client frees its thread).
+        self.timeout = transport._timeout.total_seconds()  # type: ignore[misc]
         super().setup()
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
         transport._register_conn(self.connection)
 
     def finish(self) -> None:
@@ -120,6 +121,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         logger.debug("checkpoint server %s: " + format, self.address_string(), *args)
 
     def do_GET(self) -> None:  # noqa: N802
+        # Set once the 200 status line went out: afterwards errors can only cut the body.
+        self.streaming = False
         try:
             self.server.transport._handle_get(self)
         except _HTTPError as e:
@@ -127,9 +130,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _Aborted as e:
             logger.info("checkpoint transfer to %s aborted: %s", self.address_string(), e)
             self.close_connection = True
-        except (OSError, TimeoutError) as e:
-            logger.warning("checkpoint transfer to %s failed: %s", self.address_string(), e)
+        except Exception as e:
             self.close_connection = True
+            if self.streaming:
+                logger.warning("checkpoint transfer to %s failed: %r", self.address_string(), e)
+            else:
+                # e.g. the state-dict lock could not be taken in time.
+                logger.warning("checkpoint request from %s failed: %r", self.address_string(), e)
+                status = 503 if isinstance(e, TimeoutError) else 500
+                self._send_text(status, f"checkpoint could not be served: {e!r}")
 
     def _send_text(self, status: int, message: str) -> None:
         body = message.encode()
@@ -233,7 +242,9 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         self._thread.start()
         try:
-            self._host = _reachable_host(self._port, self._server.address_family)
+            self._host = _reachable_host(
+                self._port, socket.AddressFamily(self._server.address_family)
+            )
         except Exception:
             self.shutdown(wait=False)
             raise
@@ -257,7 +268,8 @@ class HTTPTransport(CheckpointTransport[T]):
             dst_ranks: receivers (informational; any receiver may fetch).
             step: the step being served.
             state_dict: the state; its tensors must not be mutated while served.
-            timeout: unused (serving is bounded by the transport's timeout per request).
+            timeout: bound on serving each request of this offer (a stalled or slow
+                receiver is cut off after it); non-positive means the transport's timeout.
 
         Raises:
             TypeError: the state contains an unsupported value.
@@ -265,7 +277,16 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         gen = uuid.uuid4().hex
         enc = ser.encode(state_dict, meta={"step": step, "gen": gen})
-        served = _Served(step=step, gen=gen, enc=enc, header_frame=ser.header_frame(enc))
+        serve_timeout = timeout.total_seconds()
+        if serve_timeout <= 0:
+            serve_timeout = self._timeout.total_seconds()
+        served = _Served(
+            step=step,
+            gen=gen,
+            enc=enc,
+            header_frame=ser.header_frame(enc),
+            timeout=serve_timeout,
+        )
         with self._cond:
             if self._closed:
                 raise RuntimeError("HTTPTransport is shut down")
@@ -365,7 +386,14 @@ class HTTPTransport(CheckpointTransport[T]):
         wait_s = min(max(wait_s, 0.0), self._timeout.total_seconds())
         kind = parts[3]
 
-        served = self._wait_served(step, wait_s)
+        if kind == "range":
+            # Ranges belong to one offered state (named by its generation): never wait,
+            # and never mix tensors of two different offers.
+            served = self._served
+            if served is None or served.step != step or query.get("gen", [""])[0] != served.gen:
+                raise _HTTPError(409, f"the state of step {step} is no longer served")
+        else:
+            served = self._wait_served(step, wait_s)
         if kind == "header" and len(parts) == 4:
             self._stream(
                 h,
@@ -390,10 +418,6 @@ class HTTPTransport(CheckpointTransport[T]):
                 start, end = int(parts[4]), int(parts[5])
             except ValueError:
                 raise _HTTPError(400, f"invalid range in {h.path!r}") from None
-            if query.get("gen", [""])[0] != served.gen:
-                raise _HTTPError(
-                    409, f"the state of step {step} changed since its header was fetched"
-                )
             if not 0 <= start <= end <= len(served.enc.specs):
                 raise _HTTPError(400, f"range [{start}, {end}) out of bounds")
             size = ser.range_frame_size(served.enc, start, end)
@@ -411,7 +435,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self,
         h: _Handler,
         served: _Served,
-        body: Callable[[Callable[[bytes | memoryview], object]], None],
+        body: Callable[[Callable[[bytes | memoryview], object]], object],
         size: int,
         lock: bool,
     ) -> None:
@@ -427,11 +451,12 @@ class HTTPTransport(CheckpointTransport[T]):
                     raise _HTTPError(409, f"step {served.step} is no longer served")
                 self._conns[sock] = served.gen
             try:
-                deadline = time.monotonic() + self._timeout.total_seconds()
+                deadline = time.monotonic() + served.timeout
                 h.send_response(200)
                 h.send_header("Content-Type", "application/octet-stream")
                 h.send_header("Content-Length", str(size))
                 h.end_headers()
+                h.streaming = True
                 sent = 0
 
                 def write(piece: bytes | memoryview) -> None:
@@ -440,7 +465,7 @@ class HTTPTransport(CheckpointTransport[T]):
                         raise _Aborted(f"step {served.step} no longer served")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"checkpoint transfer exceeded {self._timeout}")
+                        raise TimeoutError(f"checkpoint transfer exceeded {served.timeout:.1f}s")
                     sock.settimeout(remaining)
                     h.wfile.write(piece)
                     sent += len(piece)
@@ -470,8 +495,11 @@ class HTTPTransport(CheckpointTransport[T]):
 
         Raises:
             TimeoutError: the source did not serve ``step`` or the transfer was too slow.
+            ConnectionError: the source could not be reached or dropped the connection
+                before answering.
             RuntimeError: wrong step, refused request, or corrupted/truncated data
                 (:class:`~torchft.checkpointing._serialization.CheckpointFormatError`).
+            ValueError: ``metadata`` is not an ``http://host:port/...`` URL.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         base = urllib.parse.urlsplit(metadata)
@@ -644,9 +672,6 @@ class _Fetch:
         try:
             conn.connect()
             self._sock = conn.sock
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
             conn.putrequest("GET", self._path)
             conn.endheaders()
             self._sock_timeout()
@@ -656,6 +681,11 @@ class _Fetch:
             raise TimeoutError(
                 f"timed out fetching checkpoint from replica {self._src} ({self.url})"
             ) from None
+        except (OSError, http.client.HTTPException) as e:
+            self.__exit__(None, None, None)
+            raise ConnectionError(
+                f"could not fetch checkpoint from replica {self._src} ({self.url}): {e!r}"
+            ) from e
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -1,0 +1,163 @@
+//! The `torchft_lighthouse` binary as a real process: address logging, HTTP, signals, bad flags.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_torchft_lighthouse");
+
+/// Kills the child on drop so a failing test never leaks a daemon.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> (Daemon, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("TORCHFT_MIN_REPLICAS")
+        .env_remove("TORCHFT_BIND")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let daemon = Daemon(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if let Some(i) = line.find("lighthouse listening on ") {
+                let rest = &line[i + "lighthouse listening on ".len()..];
+                let addr = rest
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                let _ = tx.send(addr);
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("no address logged");
+    (daemon, addr)
+}
+
+fn wait_exit(d: &mut Daemon, within: Duration) -> Option<i32> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(status) = d.0.try_wait().unwrap() {
+            return status.code();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("daemon did not exit within {within:?}");
+}
+
+fn signal(d: &Daemon, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &d.0.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} failed");
+}
+
+#[test]
+fn serves_http_and_exits_zero_on_sigterm() {
+    let (mut d, addr) = spawn(&["--min_replicas", "1", "--bind", "127.0.0.1:0"]);
+    assert!(addr.starts_with("http://127.0.0.1:"), "{addr}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let body = tokio::time::timeout(Duration::from_secs(10), async {
+            reqwest::get(format!("{addr}/healthz"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(body, "ok");
+    });
+    signal(&d, "-TERM");
+    assert_eq!(wait_exit(&mut d, Duration::from_secs(15)), Some(0));
+}
+
+#[test]
+fn exits_zero_on_sigint_with_dash_flags() {
+    let (mut d, _) = spawn(&[
+        "--min-replicas",
+        "2",
+        "--bind",
+        "127.0.0.1:0",
+        "--quorum-tick-ms",
+        "5",
+    ]);
+    signal(&d, "-INT");
+    assert_eq!(wait_exit(&mut d, Duration::from_secs(15)), Some(0));
+}
+
+#[test]
+fn bad_flags_exit_nonzero_with_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--min_replicas", "0"], "min_replicas"),
+        (&["--min_replicas", "abc"], "min_replicas"),
+        (&["--min_replicas", "1", "--nope"], "--nope"),
+        (&[], "--min_replicas"),
+        (
+            &["--min_replicas", "1", "--bind", "192.0.2.1:1"],
+            "cannot bind",
+        ),
+        (
+            &["--min_replicas", "1", "--bind", "no port here"],
+            "invalid bind address",
+        ),
+    ];
+    for (args, message) in cases {
+        let out = Command::new(BIN)
+            .args(*args)
+            .env_remove("TORCHFT_MIN_REPLICAS")
+            .env_remove("TORCHFT_BIND")
+            .env("RUST_LOG", "error")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn env_variables_configure_the_daemon() {
+    let mut child = Command::new(BIN)
+        .env("TORCHFT_MIN_REPLICAS", "3")
+        .env("TORCHFT_BIND", "127.0.0.1:0")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut d = Daemon(child);
+    let mut lines = BufReader::new(stderr).lines();
+    let line = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("lighthouse listening on"))
+        .expect("no address logged");
+    assert!(line.contains("min_replicas=3"), "{line}");
+    assert!(line.contains("http://127.0.0.1:"), "{line}");
+    signal(&d, "-TERM");
+    assert_eq!(wait_exit(&mut d, Duration::from_secs(15)), Some(0));
+}

@@ -1,0 +1,311 @@
+//! The manager against scripted lighthouses: what it sends, how often, retries, heartbeats.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status};
+use torchft::error::Error;
+use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
+use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+use torchft::proto::{
+    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
+    LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember,
+};
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+async fn bounded<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_TIMEOUT, f)
+        .await
+        .expect("test timed out");
+}
+
+/// A lighthouse whose heartbeat handler records the arrival and then hangs for a long time.
+#[derive(Clone, Default)]
+struct HangingLighthouse {
+    arrivals: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+#[tonic::async_trait]
+impl LighthouseService for HangingLighthouse {
+    async fn quorum(
+        &self,
+        _request: Request<LighthouseQuorumRequest>,
+    ) -> Result<Response<LighthouseQuorumResponse>, Status> {
+        Err(Status::unimplemented("not used here"))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<LighthouseHeartbeatRequest>,
+    ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
+        self.arrivals
+            .lock()
+            .unwrap()
+            .push((Instant::now(), request.into_inner().replica_id));
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        Ok(Response::new(LighthouseHeartbeatResponse {}))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_keeps_its_period_while_the_lighthouse_hangs() {
+    bounded(async {
+        let fake = HangingLighthouse::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let svc = LighthouseServiceServer::new(fake.clone());
+        let serve = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
+                    let _ = stop_rx.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+
+        let period = Duration::from_millis(50);
+        let server = ManagerServer::start(ManagerOptions {
+            replica_id: "hb".into(),
+            lighthouse_addr: format!("http://{addr}"),
+            hostname: "127.0.0.1".into(),
+            bind: "127.0.0.1:0".into(),
+            store_addr: "s:1".into(),
+            world_size: 1,
+            heartbeat_interval: period,
+            connect_timeout: Duration::from_secs(5),
+            quorum_retries: 0,
+        })
+        .await
+        .unwrap();
+        let window = Duration::from_millis(1000);
+        tokio::time::sleep(window).await;
+        server.shutdown().await;
+        let arrivals = fake.arrivals.lock().unwrap().clone();
+        // Every attempt hangs; each is cut at one period, so about one per period arrives
+        // (a loop that waited for each answer would have sent one).
+        assert!(
+            arrivals.len() >= 8,
+            "only {} heartbeats in {window:?}",
+            arrivals.len()
+        );
+        assert!(arrivals.iter().all(|(_, id)| id == "hb"));
+        let gaps: Vec<Duration> = arrivals.windows(2).map(|w| w[1].0 - w[0].0).collect();
+        let max_gap = gaps.iter().max().copied().unwrap_or_default();
+        assert!(max_gap < period * 5, "largest gap {max_gap:?}");
+        // After shutdown no more heartbeats are sent.
+        let count = arrivals.len();
+        tokio::time::sleep(period * 4).await;
+        assert_eq!(fake.arrivals.lock().unwrap().len(), count);
+
+        let _ = stop_tx.send(true);
+        serve.abort();
+    })
+    .await;
+}
+
+/// A lighthouse that records every quorum request, fails the first `fail_first` of them with
+/// UNAVAILABLE and answers the others with a quorum of just the requester.
+#[derive(Clone, Default)]
+struct RecordingLighthouse {
+    requests: Arc<Mutex<Vec<QuorumMember>>>,
+    fail_first: usize,
+}
+
+#[tonic::async_trait]
+impl LighthouseService for RecordingLighthouse {
+    async fn quorum(
+        &self,
+        request: Request<LighthouseQuorumRequest>,
+    ) -> Result<Response<LighthouseQuorumResponse>, Status> {
+        let member = request
+            .into_inner()
+            .requester
+            .ok_or_else(|| Status::invalid_argument("no requester"))?;
+        let n = {
+            let mut reqs = self.requests.lock().unwrap();
+            reqs.push(member.clone());
+            reqs.len()
+        };
+        if n <= self.fail_first {
+            return Err(Status::unavailable(format!("scripted failure {n}")));
+        }
+        Ok(Response::new(LighthouseQuorumResponse {
+            quorum: Some(Quorum {
+                quorum_id: 42,
+                participants: vec![member],
+                ..Default::default()
+            }),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        _request: Request<LighthouseHeartbeatRequest>,
+    ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
+        Ok(Response::new(LighthouseHeartbeatResponse {}))
+    }
+}
+
+/// Serves `svc` on 127.0.0.1:0; returns its address and a stop handle.
+async fn serve_fake<S: LighthouseService>(
+    svc: S,
+) -> (String, watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let svc = LighthouseServiceServer::new(svc);
+    let handle = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
+                let _ = stop_rx.wait_for(|s| *s).await;
+            })
+            .await;
+    });
+    (format!("http://{addr}"), stop_tx, handle)
+}
+
+fn manager_opts(lighthouse_addr: &str, world_size: u64, quorum_retries: u64) -> ManagerOptions {
+    ManagerOptions {
+        replica_id: "grp".into(),
+        lighthouse_addr: lighthouse_addr.into(),
+        hostname: "127.0.0.1".into(),
+        bind: "127.0.0.1:0".into(),
+        store_addr: "grp-store:1".into(),
+        world_size,
+        heartbeat_interval: Duration::from_millis(100),
+        connect_timeout: Duration::from_secs(5),
+        quorum_retries,
+    }
+}
+
+async fn all_ranks(
+    server: &ManagerServer,
+    reqs: Vec<ManagerQuorumRequest>,
+) -> Vec<Result<torchft::proto::ManagerQuorumResponse, Error>> {
+    let mut calls = Vec::new();
+    for r in reqs {
+        let c = ManagerClient::connect(&server.address(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        calls.push(async move { c.quorum(r, Duration::from_secs(10)).await });
+    }
+    futures::future::join_all(calls).await
+}
+
+fn rank_req(
+    group_rank: i64,
+    shrink_only: bool,
+    commit_failures: i64,
+    init_sync: bool,
+) -> ManagerQuorumRequest {
+    ManagerQuorumRequest {
+        group_rank,
+        step: 9,
+        checkpoint_metadata: String::new(),
+        shrink_only,
+        init_sync,
+        commit_failures,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lighthouse_request_per_round_with_merged_flags() {
+    bounded(async {
+        let fake = RecordingLighthouse::default();
+        let (addr, stop, handle) = serve_fake(fake.clone()).await;
+        let server = ManagerServer::start(manager_opts(&addr, 3, 0))
+            .await
+            .unwrap();
+        let results = all_ranks(
+            &server,
+            vec![
+                rank_req(0, false, 1, false),
+                rank_req(1, true, 4, false),
+                rank_req(2, false, 0, false),
+            ],
+        )
+        .await;
+        for r in results {
+            let r = r.unwrap();
+            assert_eq!(r.quorum_id, 42);
+            assert_eq!(r.commit_failures, 4);
+            assert_eq!(r.replica_ids, vec!["grp"]);
+        }
+        let reqs = fake.requests.lock().unwrap().clone();
+        assert_eq!(reqs.len(), 1, "one lighthouse request for the whole group");
+        let m = &reqs[0];
+        assert_eq!(m.replica_id, "grp");
+        assert_eq!(m.address, server.address());
+        assert_eq!(m.store_address, "grp-store:1");
+        assert_eq!(m.step, 9);
+        assert_eq!(m.world_size, 3);
+        assert!(m.shrink_only, "shrink_only is OR-ed over the ranks");
+        assert_eq!(
+            m.commit_failures, 4,
+            "commit_failures is max-ed over the ranks"
+        );
+        assert_eq!(m.data, "");
+        server.shutdown().await;
+        let _ = stop.send(true);
+        handle.await.unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_lighthouse_requests_are_retried_up_to_quorum_retries() {
+    bounded(async {
+        // Two failures, two retries allowed: the third attempt answers.
+        let fake = RecordingLighthouse {
+            fail_first: 2,
+            ..Default::default()
+        };
+        let (addr, stop, handle) = serve_fake(fake.clone()).await;
+        let server = ManagerServer::start(manager_opts(&addr, 2, 2))
+            .await
+            .unwrap();
+        let results = all_ranks(
+            &server,
+            vec![rank_req(0, false, 0, true), rank_req(1, false, 0, true)],
+        )
+        .await;
+        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+        assert_eq!(fake.requests.lock().unwrap().len(), 3);
+        server.shutdown().await;
+        let _ = stop.send(true);
+        handle.await.unwrap();
+
+        // Two failures, one retry allowed: every rank gets the error, after two attempts.
+        let fake = RecordingLighthouse {
+            fail_first: 2,
+            ..Default::default()
+        };
+        let (addr, stop, handle) = serve_fake(fake.clone()).await;
+        let server = ManagerServer::start(manager_opts(&addr, 2, 1))
+            .await
+            .unwrap();
+        let start = Instant::now();
+        let results = all_ranks(
+            &server,
+            vec![rank_req(0, false, 0, true), rank_req(1, false, 0, true)],
+        )
+        .await;
+        for r in results {
+            let err = r.unwrap_err();
+            assert!(matches!(err, Error::Unavailable(_)), "{err}");
+            assert!(err.to_string().contains("2 attempt"), "{err}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert_eq!(fake.requests.lock().unwrap().len(), 2);
+        server.shutdown().await;
+        let _ = stop.send(true);
+        handle.await.unwrap();
+    })
+    .await;
+}

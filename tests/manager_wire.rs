@@ -1,0 +1,445 @@
+//! Wire tests: a real lighthouse and real manager servers on 127.0.0.1:0, real gRPC clients.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use torchft::error::Error;
+use torchft::lighthouse::{LighthouseOptions, LighthouseServer};
+use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
+use torchft::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+const CONNECT: Duration = Duration::from_secs(5);
+const LONG: Duration = Duration::from_secs(10);
+
+/// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
+async fn bounded<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_TIMEOUT, f)
+        .await
+        .expect("test timed out");
+}
+
+async fn lighthouse(min_replicas: u64) -> LighthouseServer {
+    lighthouse_on("127.0.0.1:0", min_replicas).await
+}
+
+async fn lighthouse_on(bind: &str, min_replicas: u64) -> LighthouseServer {
+    LighthouseServer::bind(
+        bind,
+        LighthouseOptions {
+            min_replicas,
+            join_timeout: Duration::from_secs(5),
+            quorum_tick: Duration::from_millis(10),
+            heartbeat_timeout: Duration::from_secs(2),
+        },
+    )
+    .await
+    .unwrap()
+}
+
+fn opts(replica_id: &str, lighthouse_addr: &str, world_size: u64) -> ManagerOptions {
+    ManagerOptions {
+        replica_id: replica_id.to_string(),
+        lighthouse_addr: lighthouse_addr.to_string(),
+        hostname: "127.0.0.1".to_string(),
+        bind: "127.0.0.1:0".to_string(),
+        store_addr: format!("{replica_id}-store:29500"),
+        world_size,
+        heartbeat_interval: Duration::from_millis(50),
+        connect_timeout: CONNECT,
+        quorum_retries: 0,
+    }
+}
+
+/// A started manager server and one client per group rank.
+struct Group {
+    server: ManagerServer,
+    clients: Vec<ManagerClient>,
+}
+
+async fn group(replica_id: &str, lighthouse_addr: &str, world_size: u64) -> Group {
+    group_with(opts(replica_id, lighthouse_addr, world_size)).await
+}
+
+async fn group_with(o: ManagerOptions) -> Group {
+    let world_size = o.world_size;
+    let server = ManagerServer::start(o).await.unwrap();
+    let mut clients = Vec::new();
+    for _ in 0..world_size {
+        clients.push(
+            ManagerClient::connect(&server.address(), CONNECT)
+                .await
+                .unwrap(),
+        );
+    }
+    Group { server, clients }
+}
+
+fn req(group_rank: i64, step: i64) -> ManagerQuorumRequest {
+    ManagerQuorumRequest {
+        group_rank,
+        step,
+        checkpoint_metadata: format!("meta-{group_rank}"),
+        shrink_only: false,
+        init_sync: true,
+        commit_failures: 0,
+    }
+}
+
+/// Every rank of `g` asks for a quorum at `step` concurrently; results in group-rank order.
+async fn round(
+    g: &Group,
+    step: i64,
+    timeout: Duration,
+) -> Vec<Result<ManagerQuorumResponse, Error>> {
+    let calls = g.clients.iter().enumerate().map(|(rank, c)| {
+        let c = c.clone();
+        async move { c.quorum(req(rank as i64, step), timeout).await }
+    });
+    futures::future::join_all(calls).await
+}
+
+/// A free local port nobody listens on.
+fn dead_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_round_two_groups_two_ranks() {
+    bounded(async {
+        let lh = lighthouse(2).await;
+        let a = group("a", &lh.address(), 2).await;
+        let b = group("b", &lh.address(), 2).await;
+        // Group a is up to date at step 3, group b is behind at step 1.
+        let (ra, rb) = tokio::join!(round(&a, 3, LONG), round(&b, 1, LONG));
+        let ra: Vec<_> = ra.into_iter().map(Result::unwrap).collect();
+        let rb: Vec<_> = rb.into_iter().map(Result::unwrap).collect();
+        for (rank, r) in ra.iter().enumerate() {
+            assert_eq!(r.replica_rank, 0);
+            assert_eq!(r.replica_world_size, 2);
+            assert_eq!(r.replica_ids, vec!["a", "b"]);
+            assert_eq!(r.max_step, 3);
+            assert_eq!(r.max_replica_rank, Some(0));
+            assert_eq!(r.max_world_size, 1);
+            assert!(!r.heal, "rank {rank}");
+            assert_eq!(r.recover_dst_replica_ranks, vec![1]);
+            assert_eq!(r.store_address, "a-store:29500");
+        }
+        for r in &rb {
+            assert_eq!(r.replica_rank, 1);
+            assert!(r.heal);
+            assert_eq!(r.max_replica_rank, None);
+            assert_eq!(r.recover_src_replica_rank, Some(0));
+            assert_eq!(r.recover_src_manager_address, a.server.address());
+            assert_eq!(r.store_address, "a-store:29500");
+        }
+        let ids: Vec<_> = ra.iter().chain(rb.iter()).map(|r| r.quorum_id).collect();
+        assert!(ids.iter().all(|&id| id == ids[0] && id > 0), "{ids:?}");
+
+        // A healer asks the source's manager for the metadata of its own group rank.
+        let src = ManagerClient::connect(&rb[1].recover_src_manager_address, CONNECT)
+            .await
+            .unwrap();
+        assert_eq!(src.checkpoint_metadata(1, LONG).await.unwrap(), "meta-1");
+        assert_eq!(src.checkpoint_metadata(0, LONG).await.unwrap(), "meta-0");
+
+        lh.shutdown().await;
+        a.server.shutdown().await;
+        b.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_steps_with_commit_votes() {
+    bounded(async {
+        let lh = lighthouse(2).await;
+        let a = group("a", &lh.address(), 2).await;
+        let b = group("b", &lh.address(), 2).await;
+        let mut last_id = None;
+        for step in 0..10 {
+            let (ra, rb) = tokio::join!(round(&a, step, LONG), round(&b, step, LONG));
+            let all: Vec<_> = ra.into_iter().chain(rb).map(Result::unwrap).collect();
+            let id = all[0].quorum_id;
+            assert!(all.iter().all(|r| r.quorum_id == id && r.max_step == step));
+            // Membership is stable: the id is kept after the first round.
+            if let Some(prev) = last_id {
+                assert_eq!(id, prev);
+            }
+            last_id = Some(id);
+            // Both groups vote; group b's rank 1 votes no on odd steps.
+            let votes = [&a, &b].into_iter().enumerate().flat_map(|(gi, g)| {
+                g.clients.iter().enumerate().map(move |(rank, c)| {
+                    let c = c.clone();
+                    let vote = !(gi == 1 && rank == 1 && step % 2 == 1);
+                    async move { (gi, c.should_commit(rank as i64, step, vote, LONG).await) }
+                })
+            });
+            for (gi, decision) in futures::future::join_all(votes).await {
+                let expected = !(gi == 1 && step % 2 == 1);
+                assert_eq!(decision.unwrap(), expected, "group {gi} step {step}");
+            }
+        }
+        lh.shutdown().await;
+        a.server.shutdown().await;
+        b.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighthouse_never_started_fails_all_ranks_promptly() {
+    bounded(async {
+        let addr = format!("http://127.0.0.1:{}", dead_port());
+        let g = group("a", &addr, 2).await;
+        let start = Instant::now();
+        for r in round(&g, 0, LONG).await {
+            let err = r.unwrap_err();
+            assert!(matches!(err, Error::Unavailable(_)), "{err}");
+            assert!(err.to_string().contains("lighthouse"), "{err}");
+        }
+        assert!(start.elapsed() < LONG / 2, "took {:?}", start.elapsed());
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighthouse_shut_down_fails_all_ranks_promptly() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let g = group("a", &lh.address(), 2).await;
+        for r in round(&g, 0, LONG).await {
+            r.unwrap();
+        }
+        lh.shutdown().await;
+        let start = Instant::now();
+        for r in round(&g, 1, LONG).await {
+            assert!(matches!(r, Err(Error::Unavailable(_))), "{r:?}");
+        }
+        assert!(start.elapsed() < LONG / 2, "took {:?}", start.elapsed());
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_ride_out_a_lighthouse_that_comes_up_late() {
+    bounded(async {
+        let port = dead_port();
+        let addr = format!("127.0.0.1:{port}");
+        let mut o = opts("a", &addr, 1);
+        o.quorum_retries = 20;
+        let g = group_with(o).await;
+        let late = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            lighthouse_on(&addr, 1).await
+        });
+        let r = g.clients[0].quorum(req(0, 0), LONG).await.unwrap();
+        assert_eq!(r.replica_world_size, 1);
+        late.await.unwrap().shutdown().await;
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighthouse_restart_on_same_port_next_quorum_forms_with_higher_id() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let bind = lh.local_addr().to_string();
+        let g = group("a", &lh.address(), 2).await;
+        let first = round(&g, 0, LONG).await;
+        let id1 = first[0].as_ref().unwrap().quorum_id;
+        lh.shutdown().await;
+        drop(lh);
+        // While it is down, rounds fail promptly.
+        assert!(round(&g, 1, LONG).await.iter().all(|r| r.is_err()));
+        let lh = lighthouse_on(&bind, 1).await;
+        // Let the heartbeat loop find the new daemon (a few heartbeat periods).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let second = round(&g, 1, LONG).await;
+        let ids: Vec<_> = second.into_iter().map(|r| r.unwrap().quorum_id).collect();
+        assert_eq!(ids[0], ids[1]);
+        assert!(ids[0] > id1, "quorum id went from {id1} to {}", ids[0]);
+        lh.shutdown().await;
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_rank_others_time_out_at_their_deadline_and_leave() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let g = group("a", &lh.address(), 2).await;
+        let deadline = Duration::from_millis(500);
+        let start = Instant::now();
+        let err = g.clients[0].quorum(req(0, 0), deadline).await.unwrap_err();
+        let elapsed = start.elapsed();
+        assert!(err.is_timeout(), "{err}");
+        assert!(
+            elapsed >= deadline - Duration::from_millis(50),
+            "{elapsed:?}"
+        );
+        assert!(
+            elapsed < deadline + Duration::from_millis(400),
+            "{elapsed:?}"
+        );
+        // Rank 0 left the round: rank 1 alone does not complete it.
+        let err = g.clients[1].quorum(req(1, 0), deadline).await.unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        // With both present the round completes.
+        for r in round(&g, 0, LONG).await {
+            r.unwrap();
+        }
+        lh.shutdown().await;
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighthouse_waiting_is_bounded_by_each_ranks_deadline() {
+    bounded(async {
+        // min_replicas 2 with one group: the lighthouse never answers.
+        let lh = lighthouse(2).await;
+        let g = group("a", &lh.address(), 2).await;
+        let start = Instant::now();
+        let short = Duration::from_millis(300);
+        let long = Duration::from_millis(900);
+        let (r0, r1) = tokio::join!(
+            async {
+                let r = g.clients[0].quorum(req(0, 0), short).await;
+                (r, start.elapsed())
+            },
+            async {
+                let r = g.clients[1].quorum(req(1, 0), long).await;
+                (r, start.elapsed())
+            }
+        );
+        assert!(r0.0.unwrap_err().is_timeout());
+        assert!(r1.0.unwrap_err().is_timeout());
+        assert!(r0.1 < short + Duration::from_millis(300), "{:?}", r0.1);
+        assert!(r1.1 >= long - Duration::from_millis(50), "{:?}", r1.1);
+        assert!(r1.1 < long + Duration::from_millis(300), "{:?}", r1.1);
+        lh.shutdown().await;
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_mismatch_between_ranks_fails_all_ranks() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let g = group("a", &lh.address(), 2).await;
+        let start = Instant::now();
+        let (r0, r1) = tokio::join!(g.clients[0].quorum(req(0, 4), LONG), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            g.clients[1].quorum(req(1, 5), LONG).await
+        });
+        for r in [r0, r1] {
+            let err = r.unwrap_err();
+            assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+            assert!(err.to_string().contains("step"), "{err}");
+        }
+        assert!(start.elapsed() < LONG / 2);
+        lh.shutdown().await;
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let g = group("a", &lh.address(), 2).await;
+        let c = &g.clients[0];
+        for bad in [req(2, 0), req(-1, 0), req(0, -1)] {
+            let err = c.quorum(bad, LONG).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+        let err = c.checkpoint_metadata(1, LONG).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("group rank 1"), "{err}");
+        for (rank, step) in [(2, 0), (-1, 0), (0, -1)] {
+            let err = c.should_commit(rank, step, true, LONG).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+        let bad_opts = ManagerOptions {
+            world_size: 0,
+            ..opts("b", &lh.address(), 1)
+        };
+        assert!(matches!(
+            ManagerServer::start(bad_opts).await,
+            Err(Error::InvalidArgument(_))
+        ));
+        lh.shutdown().await;
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn should_commit_across_two_ranks() {
+    bounded(async {
+        let addr = format!("http://127.0.0.1:{}", dead_port());
+        let g = group("a", &addr, 2).await;
+        let (c0, c1) = (&g.clients[0], &g.clients[1]);
+        let (d0, d1) = tokio::join!(
+            c0.should_commit(0, 5, true, LONG),
+            c1.should_commit(1, 5, true, LONG)
+        );
+        assert!(d0.unwrap() && d1.unwrap());
+        let (d0, d1) = tokio::join!(
+            c0.should_commit(0, 6, true, LONG),
+            c1.should_commit(1, 6, false, LONG)
+        );
+        assert!(!d0.unwrap() && !d1.unwrap());
+        // A lone voter times out at its deadline, then a full round decides without it.
+        let start = Instant::now();
+        let err = c0
+            .should_commit(0, 7, false, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert!(start.elapsed() < Duration::from_millis(700));
+        let (d0, d1) = tokio::join!(
+            c0.should_commit(0, 7, true, LONG),
+            c1.should_commit(1, 7, true, LONG)
+        );
+        assert!(d0.unwrap() && d1.unwrap());
+        // Votes for different steps fail both ranks at once.
+        let start = Instant::now();
+        let (d0, d1) = tokio::join!(c0.should_commit(0, 8, true, LONG), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            c1.should_commit(1, 9, true, LONG).await
+        });
+        assert!(matches!(d0, Err(Error::FailedPrecondition(_))), "{d0:?}");
+        assert!(matches!(d1, Err(Error::FailedPrecondition(_))), "{d1:?}");
+        assert!(start.elapsed() < LONG / 2);
+        g.server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_pending_calls() {
+    bounded(async {
+        let addr = format!("http://127.0.0.1:{}", dead_port());
+        let g = group("a", &addr, 2).await;
+        let c0 = g.clients[0].clone();
+        let pending = tokio::spawn(async move { c0.should_commit(0, 1, true, LONG).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let start = Instant::now();
+        g.server.shutdown().await;
+        let r = pending.await.unwrap();
+        assert!(r.is_err(), "{r:?}");
+        assert!(!r.unwrap_err().is_timeout());
+        assert!(start.elapsed() < Duration::from_secs(3));
+    })
+    .await;
+}

@@ -1,0 +1,294 @@
+"""Manager server and client through the Python bindings, against a real in-process lighthouse."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import TypeVar
+
+import pytest
+
+from torchft._torchft import TorchFTError
+from torchft.coordination import (
+    LighthouseServer,
+    ManagerClient,
+    ManagerServer,
+    QuorumResult,
+)
+
+T = TypeVar("T")
+
+LONG = timedelta(seconds=10)
+CONNECT = timedelta(seconds=5)
+
+
+def _dead_addr() -> str:
+    """A local address nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[LighthouseServer]:
+    """A lighthouse that answers as soon as one replica group asks."""
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10)
+    try:
+        yield lh
+    finally:
+        lh.shutdown()
+
+
+@pytest.fixture
+def lighthouse2() -> Iterator[LighthouseServer]:
+    """A lighthouse that needs two replica groups for a quorum."""
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=10)
+    try:
+        yield lh
+    finally:
+        lh.shutdown()
+
+
+class Group:
+    """A manager server plus one client per group rank; shut down on close."""
+
+    def __init__(self, replica_id: str, lighthouse_addr: str, world_size: int) -> None:
+        """Starts the server and connects the clients.
+
+        Args:
+            replica_id: the group's replica id.
+            lighthouse_addr: where the lighthouse listens.
+            world_size: number of ranks in the group.
+        """
+        self.server = ManagerServer(
+            replica_id=replica_id,
+            lighthouse_addr=lighthouse_addr,
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr=f"{replica_id}-store:29500",
+            world_size=world_size,
+            heartbeat_interval=timedelta(milliseconds=50),
+            connect_timeout=CONNECT,
+            quorum_retries=0,
+        )
+        self.clients = [ManagerClient(self.server.address(), CONNECT) for _ in range(world_size)]
+
+    def close(self) -> None:
+        """Stops the server."""
+        self.server.shutdown()
+
+
+@pytest.fixture
+def groups() -> Iterator[Callable[[str, str, int], Group]]:
+    """Factory for groups that are all shut down at the end of the test."""
+    made: list[Group] = []
+
+    def make(replica_id: str, lighthouse_addr: str, world_size: int) -> Group:
+        g = Group(replica_id, lighthouse_addr, world_size)
+        made.append(g)
+        return g
+
+    try:
+        yield make
+    finally:
+        for g in made:
+            g.close()
+
+
+def _parallel(*calls: Callable[[], T]) -> list[T | BaseException]:
+    """Runs the calls on threads at once; returns results or raised exceptions in order."""
+
+    def wrap(c: Callable[[], T]) -> T | BaseException:
+        try:
+            return c()
+        except BaseException as e:  # noqa: BLE001 - returned to the test for inspection
+            return e
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return list(pool.map(wrap, calls))
+
+
+def _quorum(
+    c: ManagerClient, rank: int, step: int, timeout: timedelta = LONG
+) -> Callable[[], QuorumResult]:
+    return lambda: c._quorum(rank, step, f"meta-{rank}", False, timeout, 0)
+
+
+def test_full_round_two_groups_two_ranks(
+    lighthouse2: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """Two groups of two ranks: the behind group heals from the up-to-date one."""
+    a = groups("a", lighthouse2.address(), 2)
+    b = groups("b", lighthouse2.address(), 2)
+    results = _parallel(
+        _quorum(a.clients[0], 0, 3),
+        _quorum(a.clients[1], 1, 3),
+        _quorum(b.clients[0], 0, 1),
+        _quorum(b.clients[1], 1, 1),
+    )
+    for r in results:
+        assert isinstance(r, QuorumResult), r
+    ra0, ra1, rb0, rb1 = results
+    assert isinstance(ra0, QuorumResult) and isinstance(rb1, QuorumResult)
+    assert len({r.quorum_id for r in results if isinstance(r, QuorumResult)}) == 1
+    assert ra0.replica_ids == ["a", "b"]
+    assert ra0.replica_rank == 0 and ra0.replica_world_size == 2
+    assert not ra0.heal and ra0.recover_dst_replica_ranks == [1]
+    assert ra0.max_replica_rank == 0 and ra0.max_world_size == 1 and ra0.max_step == 3
+    assert rb1.heal and rb1.recover_src_replica_rank == 0
+    assert rb1.recover_src_manager_address == a.server.address()
+    assert rb1.max_replica_rank is None
+    assert rb1.store_address == "a-store:29500"
+    src = ManagerClient(rb1.recover_src_manager_address, CONNECT)
+    assert src._checkpoint_metadata(1, LONG) == "meta-1"
+
+
+def test_should_commit_and_of_votes(groups: Callable[[str, str, int], Group]) -> None:
+    """should_commit is True only if every rank votes True; a lone voter times out."""
+    g = groups("a", _dead_addr(), 2)
+    c0, c1 = g.clients
+    assert _parallel(
+        lambda: c0.should_commit(0, 1, True, LONG), lambda: c1.should_commit(1, 1, True, LONG)
+    ) == [True, True]
+    assert _parallel(
+        lambda: c0.should_commit(0, 2, True, LONG), lambda: c1.should_commit(1, 2, False, LONG)
+    ) == [False, False]
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        c0.should_commit(0, 3, True, timedelta(milliseconds=300))
+    assert time.monotonic() - start < 1.0
+
+
+def test_quorum_timeout_when_a_rank_never_arrives(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """A rank waiting for a missing peer gets TimeoutError at its deadline, not later."""
+    g = groups("a", lighthouse.address(), 2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        g.clients[0]._quorum(0, 0, "m", False, timedelta(milliseconds=500), 0)
+    elapsed = time.monotonic() - start
+    assert 0.4 <= elapsed < 1.0, elapsed
+    # The timed-out rank left: a full round still works afterwards.
+    results = _parallel(_quorum(g.clients[0], 0, 0), _quorum(g.clients[1], 1, 0))
+    assert all(isinstance(r, QuorumResult) for r in results), results
+
+
+def test_lighthouse_down_fails_promptly(groups: Callable[[str, str, int], Group]) -> None:
+    """With no lighthouse, every rank gets a TorchFTError well before its deadline."""
+    g = groups("a", _dead_addr(), 2)
+    start = time.monotonic()
+    results = _parallel(_quorum(g.clients[0], 0, 0), _quorum(g.clients[1], 1, 0))
+    for r in results:
+        assert isinstance(r, TorchFTError), r
+        assert "lighthouse" in str(r)
+    assert time.monotonic() - start < LONG.total_seconds() / 2
+
+
+def test_step_mismatch_is_an_error(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """Ranks of one group reporting different steps all get an error."""
+    g = groups("a", lighthouse.address(), 2)
+
+    def late() -> QuorumResult:
+        time.sleep(0.05)
+        return g.clients[1]._quorum(1, 5, "m", False, LONG, 0)
+
+    results = _parallel(_quorum(g.clients[0], 0, 4), late)
+    for r in results:
+        assert isinstance(r, TorchFTError) and "step" in str(r), r
+
+
+def test_bad_arguments_raise_value_error(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """Out-of-range ranks, negative steps, zero timeouts and bad options raise ValueError."""
+    g = groups("a", lighthouse.address(), 2)
+    c = g.clients[0]
+    with pytest.raises(ValueError):
+        c._quorum(2, 0, "m", False, LONG, 0)
+    with pytest.raises(ValueError):
+        c._quorum(0, -1, "m", False, LONG, 0)
+    with pytest.raises(ValueError):
+        c._quorum(0, 0, "m", False, timedelta(0), 0)
+    with pytest.raises(ValueError):
+        c.should_commit(5, 0, True, LONG)
+    with pytest.raises(ValueError, match="group rank 1"):
+        c._checkpoint_metadata(1, LONG)
+    with pytest.raises(ValueError):
+        ManagerServer("b", lighthouse.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 0)
+    with pytest.raises(ValueError):
+        ManagerServer("", lighthouse.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1)
+
+
+def test_quorum_result_is_constructible() -> None:
+    """QuorumResult can be built and edited by hand (for tests of code built on top)."""
+    q = QuorumResult(quorum_id=3, heal=True, recover_src_replica_rank=1)
+    q.max_step = 7
+    assert (q.quorum_id, q.heal, q.recover_src_replica_rank, q.max_step) == (3, True, 1, 7)
+    assert q.max_replica_rank is None and q.recover_dst_replica_ranks == []
+    assert "quorum_id=3" in repr(q) and "heal=True" in repr(q)
+
+
+@pytest.mark.timeout(60)
+def test_kill_ends_the_hosting_process() -> None:
+    """Kill ends the process hosting the manager server, with exit code 1 and the reason."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from datetime import timedelta
+        from torchft._torchft import ManagerServer
+        s = ManagerServer("victim", "{_dead_addr()}", "127.0.0.1", "127.0.0.1:0", "s:1", 1,
+                          timedelta(milliseconds=100), timedelta(seconds=5), 0)
+        print(s.address(), flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        addr = proc.stdout.readline().strip()
+        assert addr.startswith("http://127.0.0.1:"), addr
+        ManagerClient(addr, CONNECT).kill("test says goodbye")
+        rc = proc.wait(timeout=10)
+        assert rc == 1
+        assert proc.stderr is not None
+        assert "test says goodbye" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_lighthouse_restart_on_same_port(groups: Callable[[str, str, int], Group]) -> None:
+    """After the lighthouse restarts on its address, the next quorum forms with a higher id."""
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, quorum_tick_ms=10)
+    port = lh.address().rsplit(":", 1)[1]
+    g = groups("a", f"http://127.0.0.1:{port}", 1)
+    c = g.clients[0]
+    try:
+        first = c._quorum(0, 0, "m", False, LONG, 0)
+        lh.shutdown()
+        with pytest.raises(TorchFTError):
+            c._quorum(0, 1, "m", False, LONG, 0)
+        lh = LighthouseServer(f"127.0.0.1:{port}", min_replicas=1, quorum_tick_ms=10)
+        time.sleep(0.3)  # a few heartbeat periods: the manager reconnects by itself
+        second = c._quorum(0, 1, "m", False, LONG, 0)
+        assert second.quorum_id > first.quorum_id
+        assert second.max_step == 1
+    finally:
+        lh.shutdown()
