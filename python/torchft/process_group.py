@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -625,26 +627,7 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped:
             return work
         fut = future_timeout(_work_future(work, result), self._timeout)
-        fut.add_done_callback(self._error_recorder())
-        return _FutureWork(fut, self._timeout)
-
-    def _error_recorder(self) -> Callable[[Future[Any]], None]:
-        """A future callback recording failures on this group.
-
-        It holds only a weak reference: callbacks run on backend threads, and if they held
-        the last reference the backend would be destroyed (and join itself) there.
-        """
-        ref = weakref.ref(self)
-
-        def check(fut: Future[Any]) -> None:
-            try:
-                fut.value()
-            except Exception as e:  # noqa: BLE001 - recorded for errored()
-                pg = ref()
-                if pg is not None:
-                    pg._record_error(e)
-
-        return check
+        return _FutureWork(_recording(fut, self))  # fut already carries the deadline
 
     def _run(self, op: str, *args: object) -> dist._Work:
         pg = self._current()
@@ -748,6 +731,28 @@ class ProcessGroupWrapper(ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist._Work:
         """See ``ProcessGroup.recv``."""
         return self._run("recv", tensors, src_rank, tag)
+
+
+def _recording(fut: Future[Any], owner: ProcessGroupWrapper | ProcessGroupBaby) -> Future[Any]:
+    """Chains ``fut`` so a failure is recorded on ``owner`` before anyone sees it.
+
+    The returned future completes only after the error is recorded, so ``errored()`` is
+    already set when a waiter wakes up. Only a weak reference to ``owner`` is kept:
+    callbacks run on backend threads, and if they dropped the last reference the backend
+    would be destroyed (and join itself) there.
+    """
+    ref = weakref.ref(owner)
+
+    def check(f: Future[Any]) -> Any:
+        try:
+            return f.value()
+        except Exception as e:
+            pg = ref()
+            if pg is not None:
+                pg._record_error(e)
+            raise
+
+    return fut.then(check)
 
 
 def _work_future(work: dist._Work, result: object) -> Future[Any]:
@@ -860,7 +865,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
                     t.floor_divide_(world)
             return tensors
 
-        return _FutureWork(work.get_future().then(divide), self._timeout)
+        return _FutureWork(work.get_future().then(divide))
 
 
 class ProcessGroupNCCL(ProcessGroupWrapper):
@@ -924,9 +929,7 @@ class _NCCLWork(dist._Work):
         return True
 
     def get_future(self) -> Future[Any]:
-        fut = self._work.get_future()
-        fut.add_done_callback(self._pg._error_recorder())
-        return fut
+        return _recording(self._work.get_future(), self._pg)
 
 
 class ProcessGroupDummy(ProcessGroup):
@@ -1379,10 +1382,15 @@ class _BabyChild:
             # The child owns these ends now; keeping them open would hide its death (no EOF).
             req_r.close()
             resp_w.close()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._reader = threading.Thread(
             target=self._read_loop, name="torchft_baby_reader", daemon=True
         )
         self._reader.start()
+        self._sender = threading.Thread(
+            target=self._send_loop, name="torchft_baby_sender", daemon=True
+        )
+        self._sender.start()
 
     def submit(self, method: str, args: tuple[object, ...], result: object) -> Future[Any]:
         """Sends one operation; the returned future resolves to ``result`` when it is done."""
@@ -1395,12 +1403,29 @@ class _BabyChild:
             op_id = self._next_id
             self._next_id += 1
             self._pending[op_id] = (fut, result)
-            try:
-                self._req.send(_BabyOp(op_id, method, args))
-            except Exception as e:  # noqa: BLE001 - broken pipe means the child is gone
+        try:
+            # Pickled here, in the caller's thread: this is where tensors move to shared
+            # memory, so it must not race with the caller's own use of them.
+            payload = ForkingPickler.dumps(_BabyOp(op_id, method, args))
+        except Exception as e:  # noqa: BLE001 - e.g. a tensor that cannot be shared
+            with self._lock:
                 self._pending.pop(op_id, None)
-                fut.set_exception(RuntimeError(f"sending to the child process failed: {e}"))
+            fut.set_exception(RuntimeError(f"cannot send {method} to the child process: {e}"))
+            return fut
+        # A separate thread writes to the pipe, so a stuck child (full pipe) never blocks us.
+        self._outbox.put(payload)
         return fut
+
+    def _send_loop(self) -> None:
+        while True:
+            payload = self._outbox.get()
+            if payload is None:
+                return
+            try:
+                self._req.send_bytes(payload)
+            except Exception as e:  # noqa: BLE001 - broken pipe means the child is gone
+                self._fail_all(RuntimeError(f"sending to the child process failed: {e}"))
+                return
 
     def _read_loop(self) -> None:
         while True:
@@ -1455,15 +1480,13 @@ class _BabyChild:
                 return
             self._closed = True
         if graceful and self.process.is_alive():
-            try:
-                with self._lock:
-                    self._req.send(None)
-            except Exception:  # noqa: BLE001 - it is going away anyway
-                pass
+            self._outbox.put(ForkingPickler.dumps(None))
             self.process.join(timeout=5.0)
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=10.0)
+        self._outbox.put(None)
+        self._sender.join(timeout=10.0)
         self._reader.join(timeout=10.0)
         self._fail_all(RuntimeError("child process group was shut down"))
         self._req.close()
@@ -1619,18 +1642,7 @@ class ProcessGroupBaby(ProcessGroup):
             # The child reads the tensors from its own streams.
             torch.cuda.current_stream().synchronize()
         fut = future_timeout(child.submit(method, args, result), self._timeout)
-        ref = weakref.ref(self)
-
-        def record(f: Future[Any]) -> None:
-            try:
-                f.value()
-            except Exception as e:  # noqa: BLE001 - recorded for errored()
-                pg = ref()
-                if pg is not None:
-                    pg._record_error(e)
-
-        fut.add_done_callback(record)
-        return _FutureWork(fut, self._timeout)
+        return _FutureWork(_recording(fut, self))  # fut already carries the deadline
 
     def allreduce(
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp | Any = None
