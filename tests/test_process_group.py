@@ -664,3 +664,65 @@ def test_nccl_without_cuda_fails_clearly(store: TCPStore) -> None:
     pg = ProcessGroupNCCL(timeout=timedelta(seconds=5))
     with pytest.raises(RuntimeError, match="CUDA"):
         pg.configure(_addr(store, "nocuda"), "r", 0, 1)
+
+
+# ---- real processes and signals --------------------------------------------------------
+
+
+def _gloo_peer(store_addr: str, ready: Any) -> None:
+    """Rank 1 in another process: allreduces forever until killed."""
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    pg.configure(store_addr, "peer", 1, 2)
+    first = True
+    while True:
+        pg.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+        if first:
+            ready.set()
+            first = False
+
+
+@pytest.mark.timeout(120)
+def test_gloo_peer_killed_fails_fast_and_recovers(store: TCPStore) -> None:
+    """When the peer process is SIGKILLed mid-training, our collective fails (bounded by
+    the timeout, not hung), the error is recorded, and a reconfigure to a smaller world
+    works again."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    peer = ctx.Process(target=_gloo_peer, args=(_addr(store, "kill1"), ready), daemon=True)
+    peer.start()
+    try:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+        pg.configure(_addr(store, "kill1"), "me", 0, 2)
+        t = torch.ones(1)
+        pg.allreduce([t], ReduceOp.SUM).wait()
+        assert t.item() == 2.0
+        assert ready.wait(30)
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - Gloo's connection error or our timeout
+            for _ in range(1000):
+                pg.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+        assert time.monotonic() - start < 30
+        assert pg.errored() is not None
+
+        pg.configure(_addr(store, "kill2"), "me", 0, 1)
+        assert pg.errored() is None
+        t = torch.full((1,), 3.0)
+        pg.allreduce([t], ReduceOp.SUM).wait()
+        assert t.item() == 3.0
+        pg.shutdown()
+    finally:
+        if peer.is_alive():
+            peer.kill()
+        peer.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_configure_with_missing_peer_times_out(store: TCPStore) -> None:
+    """Rendezvous with a peer that never comes raises within the timeout."""
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=2))
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - torch raises its own DistStoreError
+        pg.configure(_addr(store, "lonely"), "r", 0, 2)
+    assert time.monotonic() - start < 30
