@@ -726,3 +726,54 @@ def test_gloo_configure_with_missing_peer_times_out(store: TCPStore) -> None:
     with pytest.raises(Exception):  # noqa: B017 - torch raises its own DistStoreError
         pg.configure(_addr(store, "lonely"), "r", 0, 2)
     assert time.monotonic() - start < 30
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return "Z" not in line.split()[1]
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _baby_owner(store_addr: str, pid_queue: Any) -> None:
+    """A process that owns a Baby group with a collective stuck in its child."""
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=600))
+    pg.configure(store_addr, "owner", 0, 2)
+    pg.allreduce([torch.ones(1)], ReduceOp.SUM)
+    assert pg._child is not None
+    pid_queue.put(pg._child.process.pid)
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_baby_child_exits_when_its_parent_is_killed(store: TCPStore) -> None:
+    """Killing the training process never leaves an orphaned child behind, even with a
+    collective stuck in the child."""
+    ctx = multiprocessing.get_context("spawn")
+    pids = ctx.Queue()
+    # Not a daemon: daemonic processes may not start children.
+    owner = ctx.Process(target=_baby_owner, args=(_addr(store, "orphan"), pids))
+    owner.start()
+    try:
+        child_pid = pids.get(timeout=60)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not _alive(child_pid):
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child_pid, signal.SIGKILL)
+            pytest.fail("the child outlived its parent")
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(10)
+        pids.close()
+        pids.join_thread()

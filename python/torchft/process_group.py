@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -1286,6 +1287,24 @@ def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> di
     return getattr(pg, method)(*args)
 
 
+def _start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> None:
+    """Exits this (child) process soon after its parent dies.
+
+    EOF on the request pipe covers the common case, but the child may be stuck elsewhere
+    (e.g. in a rendezvous that never completes); polling the parent pid covers that. A
+    kernel parent-death signal is not used because it fires when the *thread* that
+    spawned us exits, which is legitimate here.
+    """
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(interval)
+
+    threading.Thread(target=watch, name="torchft_parent_watchdog", daemon=True).start()
+
+
 def _baby_worker(
     create: Callable[[Store, int, int, timedelta], ProcessGroup],
     store_addr: str,
@@ -1295,12 +1314,14 @@ def _baby_worker(
     use_cuda: bool,
     req: Any,
     resp: Any,
+    parent_pid: int,
 ) -> None:
     """Entry point of the child process: builds the group and serves operations.
 
     Replies are ("ready",), ("done", op_id), ("error", op_id, message) or ("fatal", message).
     The loop ends when the parent closes its pipe (or dies) or asks for shutdown.
     """
+    _start_parent_watchdog(parent_pid)
     send_lock = threading.Lock()
 
     def reply(msg: tuple[object, ...]) -> None:
@@ -1322,10 +1343,13 @@ def _baby_worker(
         try:
             msg = req.recv()
         except (EOFError, OSError):
-            break
+            # The parent is gone: exit at once, even if a collective is stuck in the backend.
+            os._exit(0)
         if msg is None:
             break
-        assert isinstance(msg, _BabyOp)
+        if not isinstance(msg, _BabyOp):
+            reply(("fatal", f"unexpected message {type(msg).__name__}"))
+            break
         op_id = msg.op_id
         try:
             work = _child_run_op(pg, msg.method, msg.args)
@@ -1344,6 +1368,7 @@ def _baby_worker(
             reply(("done", op_id))
 
         work.get_future().add_done_callback(done)
+    # Polite shutdown requested; the parent kills us if this takes too long.
     pg.shutdown()
 
 
@@ -1372,7 +1397,17 @@ class _BabyChild:
         self.ready: Future[None] = Future()
         self.process = ctx.Process(
             target=_baby_worker,
-            args=(create, store_addr, rank, world_size, timeout, use_cuda, req_r, resp_w),
+            args=(
+                create,
+                store_addr,
+                rank,
+                world_size,
+                timeout,
+                use_cuda,
+                req_r,
+                resp_w,
+                os.getpid(),
+            ),
             name=f"torchft_baby_{rank}",
             daemon=True,
         )
