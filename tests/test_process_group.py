@@ -691,8 +691,10 @@ def test_gloo_peer_killed_fails_fast_and_recovers(store: TCPStore) -> None:
     peer = ctx.Process(target=_gloo_peer, args=(_addr(store, "kill1"), ready), daemon=True)
     peer.start()
     try:
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+        # Generous while the peer process starts up, short once training runs.
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
         pg.configure(_addr(store, "kill1"), "me", 0, 2)
+        pg.set_timeout(timedelta(seconds=5))
         t = torch.ones(1)
         pg.allreduce([t], ReduceOp.SUM).wait()
         assert t.item() == 2.0
