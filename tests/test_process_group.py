@@ -779,3 +779,31 @@ def test_baby_child_exits_when_its_parent_is_killed(store: TCPStore) -> None:
         owner.join(10)
         pids.close()
         pids.join_thread()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", [ProcessGroupGloo, ProcessGroupBabyGloo])
+def test_abort_releases_blocked_waiters_at_once(
+    store: TCPStore, cls: type[ProcessGroupGloo] | type[ProcessGroupBabyGloo]
+) -> None:
+    """abort() fails a collective that is stuck on a missing peer immediately, long before
+    its timeout."""
+    pgs = [cls(timeout=timedelta(seconds=60)) for _ in range(2)]
+    # Both ranks rendezvous, then only rank 0 issues a collective: it blocks.
+    _run_ranks(2, lambda r: pgs[r].configure(_addr(store, f"ab_{cls.__name__}"), "r", r, 2))
+    if cls is ProcessGroupBabyGloo:
+        # Make sure both children finished their rendezvous.
+        works = [pg.barrier() for pg in pgs]
+        for w in works:
+            w.wait()
+    work = pgs[0].allreduce([torch.ones(1)], ReduceOp.SUM)
+    time.sleep(0.3)
+    assert not work.get_future().done()
+    start = time.monotonic()
+    pgs[0].abort()
+    with pytest.raises(RuntimeError, match="abort"):
+        work.wait()
+    assert time.monotonic() - start < 10
+    assert pgs[0].errored() is not None
+    for pg in pgs:
+        pg.shutdown()

@@ -158,3 +158,35 @@ def test_context_timeout_calls_back_only_when_late() -> None:
     assert not fired.is_set()
     with context_timeout(fired.set, 0.05):
         assert fired.wait(5)
+
+
+def test_inflight_fail_all_releases_pending_only() -> None:
+    """fail_all fails pending tracked futures (after on_error saw the error), leaves
+    completed ones alone, and forgets futures once they complete."""
+    from torchft.work import _InFlight
+
+    inflight = _InFlight()
+    seen: list[Exception] = []
+    done_src: Future[object] = Future()
+    done = inflight.track(done_src, None, seen.append)
+    pending = inflight.track(Future(), timedelta(seconds=60), seen.append)
+    done_src.set_result("ok")
+    assert len(inflight) == 1
+    assert inflight.fail_all(RuntimeError("aborted")) == 1
+    with pytest.raises(RuntimeError, match="aborted"):
+        pending.wait()
+    assert done.wait() == "ok"
+    assert [str(e) for e in seen] == ["aborted"]
+    assert len(inflight) == 0
+    assert inflight.fail_all(RuntimeError("again")) == 0
+
+
+def test_inflight_timeout_is_a_timeout_error() -> None:
+    """A tracked future past its deadline raises the builtin TimeoutError."""
+    from torchft.work import _InFlight
+
+    seen: list[Exception] = []
+    out = _InFlight().track(Future(), 0.1, seen.append)
+    with pytest.raises(TimeoutError):
+        out.wait()
+    assert isinstance(seen[0], TimeoutError)

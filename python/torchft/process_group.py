@@ -64,9 +64,9 @@ from torch.futures import Future
 from torchft.work import (
     _DummyWork,
     _FutureWork,
+    _InFlight,
     context_timeout,
     future_on_error,
-    future_timeout,
 )
 
 if TYPE_CHECKING:
@@ -478,6 +478,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._world_size = 1
         self._error: Exception | None = None
         self._replica_id: str | None = None
+        self._inflight = _InFlight()
 
     @property
     def parent(self) -> BaseProcessGroup | None:
@@ -514,9 +515,16 @@ class ProcessGroupWrapper(ProcessGroup):
             old = self._pg
             self._pg = None
             self._error = None
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         if old is not None:
-            self._teardown(old)
-        pg = self._create_pg(store, rank, world_size)
+            box = [old]
+            del old
+            self._teardown(box)
+        try:
+            pg = self._create_pg(store, rank, world_size)
+        except Exception as e:
+            self._record_error(e)
+            raise
         with self._lock:
             self._pg = pg
             self._rank = rank
@@ -531,8 +539,23 @@ class ProcessGroupWrapper(ProcessGroup):
             world_size,
         )
 
-    def _teardown(self, pg: BaseProcessGroup) -> None:
-        """Releases an old group before a new one is built (subclasses may abort it)."""
+    def _teardown(self, box: list[BaseProcessGroup], wait: float = 0.0) -> None:
+        """Aborts and releases an old group on a helper thread.
+
+        Destroying a backend joins its worker threads, which may be stuck in a collective
+        with a dead peer until the backend's own timeout; that must never block configure or
+        abort. ``box`` holds the only reference, which the helper thread takes over.
+
+        Args:
+            box: a one-element list with the group (emptied by the helper).
+            wait: how long to wait for the release (0: do not wait).
+        """
+        thread = threading.Thread(
+            target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=True
+        )
+        thread.start()
+        if wait > 0:
+            thread.join(wait)
 
     def abort(self) -> None:
         """Aborts the current group; it must be reconfigured before further use."""
@@ -543,14 +566,16 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped:
             pg.abort()
             return
+        err = RuntimeError(f"{type(self).__name__} was aborted")
         with self._lock:
             self._pg = None
             if self._error is None:
-                self._error = RuntimeError(f"{type(self).__name__} was aborted")
-        try:
-            pg.abort()
-        except Exception as e:  # noqa: BLE001 - some backends cannot abort; dropping is enough
-            logger.debug("abort of %s failed: %s", type(pg).__name__, e)
+                self._error = err
+        # Release everyone blocked on this group's collectives now, not at their timeout.
+        self._inflight.fail_all(err)
+        box = [pg]
+        del pg
+        self._teardown(box)
 
     def shutdown(self) -> None:
         """Releases the current group."""
@@ -563,7 +588,10 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped:
             pg.shutdown()
             return
-        self._teardown(pg)
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
+        box = [pg]
+        del pg
+        self._teardown(box, wait=5.0)
 
     def errored(self) -> Exception | None:
         """The first error seen since the last ``configure`` (or the wrapped group's)."""
@@ -627,8 +655,10 @@ class ProcessGroupWrapper(ProcessGroup):
         """Post-processes a work from the underlying group (timeouts, error recording)."""
         if self._wrapped:
             return work
-        fut = future_timeout(_work_future(work, result), self._timeout)
-        return _FutureWork(_recording(fut, self))  # fut already carries the deadline
+        fut = self._inflight.track(
+            _work_future(work, result), self._timeout, _weak_callback(self._record_error)
+        )
+        return _FutureWork(fut)  # fut already carries the deadline
 
     def _run(self, op: str, *args: object) -> dist._Work:
         pg = self._current()
@@ -732,6 +762,19 @@ class ProcessGroupWrapper(ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist._Work:
         """See ``ProcessGroup.recv``."""
         return self._run("recv", tensors, src_rank, tag)
+
+
+def _release(box: list[BaseProcessGroup], graceful: bool) -> None:
+    """Shuts down or aborts (best effort) and drops the group in ``box`` (helper thread)."""
+    pg = box.pop()
+    try:
+        if graceful:
+            pg.shutdown()
+        else:
+            pg.abort()
+    except Exception as e:  # noqa: BLE001 - not every backend supports it; dropping is enough
+        logger.debug("releasing %s failed: %s", type(pg).__name__, e)
+    del pg
 
 
 def _recording(fut: Future[Any], owner: ProcessGroupWrapper | ProcessGroupBaby) -> Future[Any]:
@@ -887,13 +930,6 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
         return _build_nccl(store, rank, world_size, self._timeout)
-
-    def _teardown(self, pg: BaseProcessGroup) -> None:
-        # An old communicator may still hold stuck kernels; abort it instead of waiting.
-        try:
-            pg.abort()
-        except Exception as e:  # noqa: BLE001 - best effort
-            logger.warning("aborting the previous NCCL group failed: %s", e)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``torchft-nccl``."""
@@ -1558,6 +1594,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._world_size = 1
         self._error: Exception | None = None
         self._finalizer: weakref.finalize | None = None
+        self._inflight = _InFlight()
 
     @classmethod
     def _create_pg(
@@ -1570,6 +1607,7 @@ class ProcessGroupBaby(ProcessGroup):
         """Kills the current child and spawns one that joins ``store_addr`` as ``rank``."""
         _check_rank(rank, world_size)
         _parse_store_addr(store_addr)
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         self._stop_child(graceful=False)
         child = _BabyChild(
             type(self)._create_pg,
@@ -1625,9 +1663,12 @@ class ProcessGroupBaby(ProcessGroup):
 
     def abort(self) -> None:
         """Kills the child at once; pending operations fail. Reconfigure to continue."""
+        err = RuntimeError(f"{type(self).__name__} was aborted")
         with self._lock:
             if self._child is not None and self._error is None:
-                self._error = RuntimeError(f"{type(self).__name__} was aborted")
+                self._error = err
+        # Release waiters first; killing and joining the child can take a moment.
+        self._inflight.fail_all(err)
         self._stop_child(graceful=False)
 
     def shutdown(self) -> None:
@@ -1676,8 +1717,10 @@ class ProcessGroupBaby(ProcessGroup):
         if self._use_cuda:
             # The child reads the tensors from its own streams.
             torch.cuda.current_stream().synchronize()
-        fut = future_timeout(child.submit(method, args, result), self._timeout)
-        return _FutureWork(_recording(fut, self))  # fut already carries the deadline
+        fut = self._inflight.track(
+            child.submit(method, args, result), self._timeout, _weak_callback(self._record_error)
+        )
+        return _FutureWork(fut)  # fut already carries the deadline
 
     def allreduce(
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp | Any = None
