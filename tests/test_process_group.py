@@ -807,3 +807,24 @@ def test_abort_releases_blocked_waiters_at_once(
     assert pgs[0].errored() is not None
     for pg in pgs:
         pg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_reconfigure_fails_old_ops_but_starts_clean(store: TCPStore) -> None:
+    """A collective still pending when the group is reconfigured fails at once, and the new
+    configuration reports no error."""
+    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=60)) for _ in range(2)]
+    _run_ranks(2, lambda r: pgs[r].configure(_addr(store, "re1"), "r", r, 2))
+    stuck = pgs[0].allreduce([torch.ones(1)], ReduceOp.SUM)
+    time.sleep(0.2)
+    start = time.monotonic()
+    pgs[0].configure(_addr(store, "re2"), "r", 0, 1)
+    with pytest.raises(RuntimeError, match="reconfigured"):
+        stuck.wait()
+    assert time.monotonic() - start < 10
+    assert pgs[0].errored() is None
+    t = torch.tensor([2.0])
+    pgs[0].allreduce([t], ReduceOp.SUM).wait()
+    assert t.item() == 2.0
+    for pg in pgs:
+        pg.shutdown()

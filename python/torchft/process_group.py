@@ -511,11 +511,13 @@ class ProcessGroupWrapper(ProcessGroup):
     ) -> None:
         """Builds a new group on an already scoped store (also used by backend factories)."""
         _check_rank(rank, world_size)
+        # Operations of the previous configuration fail (and are recorded) first; the new
+        # configuration then starts without an error.
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         with self._lock:
             old = self._pg
             self._pg = None
             self._error = None
-        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         if old is not None:
             box = [old]
             del old
