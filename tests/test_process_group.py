@@ -828,3 +828,24 @@ def test_reconfigure_fails_old_ops_but_starts_clean(store: TCPStore) -> None:
     assert t.item() == 2.0
     for pg in pgs:
         pg.shutdown()
+
+
+def test_registered_group_works_with_device_mesh(store: TCPStore) -> None:
+    """A registered group can back a DeviceMesh dimension and functional collectives."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    try:
+        pg.configure(_addr(store, "mesh"), "r", 0, 1)
+        pg.register("torchft_mesh_dp")
+        assert pg.group_name == "torchft_mesh_dp"
+        mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("dp",))
+        assert mesh.get_group("dp") is pg
+        out = funcol.all_reduce(torch.full((2,), 3.0), "sum", mesh)
+        assert torch.equal(funcol.wait_tensor(out), torch.full((2,), 3.0))
+    finally:
+        pg.unregister()
+        pg.shutdown()
+        dist.destroy_process_group()

@@ -203,6 +203,7 @@ class ProcessGroup(BaseProcessGroup):
         """
         super().__init__(0, 1)
         self._group_name: str | None = None
+        self._torch_group_name = ""
         self._registered_store: Store | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -254,6 +255,14 @@ class ProcessGroup(BaseProcessGroup):
         return self.rank()
 
     # ---- registration with torch.distributed -----------------------------------------
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's C++ side calls this name
+        """The name given by ``register`` (torch reads it through ``group_name``)."""
+        return self._torch_group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's C++ side calls this name
+        """Records the name torch assigns to this group."""
+        self._torch_group_name = name
 
     def register(self, name: str) -> ProcessGroup:
         """Makes this group visible to torch.distributed under ``name``.
