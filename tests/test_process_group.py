@@ -849,3 +849,31 @@ def test_registered_group_works_with_device_mesh(store: TCPStore) -> None:
         pg.unregister()
         pg.shutdown()
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_baby_abort_with_unsent_tensors_leaks_no_fds(store: TCPStore) -> None:
+    """Aborting while operations wait in a child that never got to read them (stuck in a
+    rendezvous) leaks neither shared-memory fds nor processes."""
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=60))
+    pg.configure(_addr(store, "warm2"), "r", 0, 1)
+    pg.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+    pg.shutdown()
+    gc.collect()
+    fds_before = _fd_count()
+    targets_before = _fd_targets()
+    children_before = len(multiprocessing.active_children())
+
+    for i in range(3):
+        pg.configure(_addr(store, f"stuck{i}"), "r", 0, 2)  # the peer never comes
+        works = [pg.allreduce([torch.ones(4)], ReduceOp.SUM) for _ in range(3)]
+        time.sleep(0.3)
+        pg.abort()
+        for w in works:
+            with pytest.raises(RuntimeError):
+                w.wait()
+        del works, w
+    pg.shutdown()
+    gc.collect()
+    assert len(multiprocessing.active_children()) == children_before
+    assert _fd_count() <= fds_before, sorted(set(_fd_targets()) - set(targets_before))

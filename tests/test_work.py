@@ -58,6 +58,14 @@ def test_future_work_waits_and_raises() -> None:
         _FutureWork(bad).wait()
 
 
+def test_future_work_zero_timeout_means_none() -> None:
+    """torch calls wait(timedelta(0)) to mean "no timeout": it must wait, not fail."""
+    fut: Future[object] = Future()
+    th = _complete_later(fut, 1, 0.1)
+    assert _FutureWork(fut).wait(timedelta(0)) is True
+    th.join()
+
+
 def test_future_work_wait_timeout() -> None:
     """wait(timeout) on a never-completing future raises TimeoutError in time."""
     work = _FutureWork(Future(), timeout=timedelta(seconds=0.2))

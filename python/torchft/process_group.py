@@ -27,9 +27,13 @@ The environment variable ``TORCHFT_TIMEOUT_SEC`` overrides the timeout given to 
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import queue
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -65,6 +69,7 @@ from torchft.work import (
     _DummyWork,
     _FutureWork,
     _InFlight,
+    _work_timeout,
     context_timeout,
     future_on_error,
 )
@@ -964,6 +969,7 @@ class _NCCLWork(dist._Work):
         self._timeout = timeout
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        timeout = _work_timeout(timeout)
         with context_timeout(self._pg._timed_out, timeout or self._timeout):
             try:
                 self._work.wait()
@@ -1125,6 +1131,7 @@ class _ErrorSwallowingWork(dist._Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
+            timeout = _work_timeout(timeout)
             if timeout is None:
                 self._work.wait()
             else:
@@ -1305,6 +1312,111 @@ def _detach(value: object) -> object:
     return value
 
 
+# Tensors go to the child as shared memory. torch's default pickling passes each storage's
+# fd through a helper thread that keeps a duplicate until the receiver fetches it, which
+# leaks when the child is killed first (the usual case for a stuck collective). Here the
+# fds travel in-band with the message over a Unix socket instead (SCM_RIGHTS): if the child
+# dies before reading, the kernel closes them with the socket.
+
+_HEADER = struct.Struct("!QI")  # payload length, number of fds
+_MAX_FDS = 4096
+_fd_context = threading.local()
+
+
+def _reduce_storage_inband(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    """Pickles a CPU storage as an index into the fds sent with the message."""
+    fds: list[int] | None = getattr(_fd_context, "fds", None)
+    if fds is None or storage.device.type != "cpu" or storage.size() == 0:
+        from torch.multiprocessing.reductions import reduce_storage
+
+        return reduce_storage(storage)
+    fd, size = storage._share_fd_cpu_()
+    fds.append(fd)
+    return (_rebuild_storage_inband, (len(fds) - 1, size))
+
+
+def _rebuild_storage_inband(index: int, size: int) -> torch.UntypedStorage:
+    """Maps the ``index``-th fd received with the current message (child side)."""
+    from torch.multiprocessing.reductions import StorageWeakRef, fd_id, shared_cache
+
+    fd = _fd_context.received[index]
+    key = fd_id(fd)
+    cached = shared_cache.get(key)
+    if cached is not None:
+        storage = torch.UntypedStorage._new_with_weak_ptr(cached.cdata)
+        if storage is not None:
+            return storage
+    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+    shared_cache[key] = StorageWeakRef(storage)
+    return storage
+
+
+class _InbandPickler(ForkingPickler):
+    """ForkingPickler whose CPU storages are sent as in-band fds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dispatch_table[torch.UntypedStorage] = _reduce_storage_inband
+
+
+def _dumps_inband(obj: object) -> tuple[bytes, list[int]]:
+    """Pickles ``obj``; returns the bytes and the fds (owned by the storages) to send."""
+    buf = io.BytesIO()
+    fds: list[int] = []
+    _fd_context.fds = fds
+    try:
+        _InbandPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    finally:
+        _fd_context.fds = None
+    return buf.getvalue(), fds
+
+
+def _send_inband(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
+    """Sends one framed message; the fds ride with its header."""
+    header = _HEADER.pack(len(payload), len(fds))
+    if fds:
+        sent = socket.send_fds(sock, [header], fds)
+        if sent < len(header):
+            sock.sendall(header[sent:])
+    else:
+        sock.sendall(header)
+    sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            raise EOFError("socket closed")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv_inband(sock: socket.socket) -> object:
+    """Receives one framed message and unpickles it (closing the received fds after)."""
+    data, fds, flags, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    try:
+        if not data:
+            raise EOFError("socket closed")
+        if flags & getattr(socket, "MSG_CTRUNC", 0):
+            raise RuntimeError("too many tensors in one operation")
+        if len(data) < _HEADER.size:
+            data += _recv_exact(sock, _HEADER.size - len(data))
+        length, nfds = _HEADER.unpack(data)
+        if nfds != len(fds):
+            raise RuntimeError(f"expected {nfds} fds, received {len(fds)}")
+        payload = _recv_exact(sock, length)
+        _fd_context.received = fds
+        try:
+            return pickle.loads(payload)
+        finally:
+            _fd_context.received = None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 @dataclass
 class _BabyOp:
     """One operation sent to the child: a ProcessGroup method name and picklable args."""
@@ -1388,7 +1500,7 @@ def _baby_worker(
 
     while True:
         try:
-            msg = req.recv()
+            msg = _recv_inband(req)
         except (EOFError, OSError):
             # The parent is gone: exit at once, even if a collective is stuck in the backend.
             os._exit(0)
@@ -1432,7 +1544,7 @@ class _BabyChild:
         use_cuda: bool,
     ) -> None:
         ctx = mp.get_context("spawn")
-        req_r, req_w = ctx.Pipe(duplex=False)
+        req_w, req_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         resp_r, resp_w = ctx.Pipe(duplex=False)
         self._req = req_w
         self._resp = resp_r
@@ -1464,7 +1576,9 @@ class _BabyChild:
             # The child owns these ends now; keeping them open would hide its death (no EOF).
             req_r.close()
             resp_w.close()
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, list[int], object] | None] = (
+            queue.SimpleQueue()
+        )
         self._reader = threading.Thread(
             target=self._read_loop, name="torchft_baby_reader", daemon=True
         )
@@ -1488,23 +1602,25 @@ class _BabyChild:
         try:
             # Pickled here, in the caller's thread: this is where tensors move to shared
             # memory, so it must not race with the caller's own use of them.
-            payload = ForkingPickler.dumps(_BabyOp(op_id, method, args))
+            payload, fds = _dumps_inband(_BabyOp(op_id, method, args))
         except Exception as e:  # noqa: BLE001 - e.g. a tensor that cannot be shared
             with self._lock:
                 self._pending.pop(op_id, None)
             fut.set_exception(RuntimeError(f"cannot send {method} to the child process: {e}"))
             return fut
         # A separate thread writes to the pipe, so a stuck child (full pipe) never blocks us.
-        self._outbox.put(payload)
+        # ``args`` rides along: its storages own the fds until they are sent.
+        self._outbox.put((payload, fds, args))
         return fut
 
     def _send_loop(self) -> None:
         while True:
-            payload = self._outbox.get()
-            if payload is None:
+            item = self._outbox.get()
+            if item is None:
                 return
+            payload, fds, _keepalive = item
             try:
-                self._req.send_bytes(payload)
+                _send_inband(self._req, payload, fds)
             except Exception as e:  # noqa: BLE001 - broken pipe means the child is gone
                 self._fail_all(RuntimeError(f"sending to the child process failed: {e}"))
                 return
@@ -1541,11 +1657,13 @@ class _BabyChild:
         with self._lock:
             if self._error is None:
                 self._error = err
-            pending = list(self._pending.values())
+            pending = [fut for fut, _ in self._pending.values()]
             self._pending.clear()
         if not self.ready.done():
             self.ready.set_exception(err)
-        for fut, _ in pending:
+        # Only futures are kept here (not their tensors): an error stored later may hold this
+        # frame through its traceback.
+        for fut in pending:
             if not fut.done():
                 fut.set_exception(err)
 
@@ -1562,7 +1680,7 @@ class _BabyChild:
                 return
             self._closed = True
         if graceful and self.process.is_alive():
-            self._outbox.put(ForkingPickler.dumps(None))
+            self._outbox.put((pickle.dumps(None), [], None))
             self.process.join(timeout=5.0)
         if self.process.is_alive():
             self.process.kill()

@@ -60,6 +60,13 @@ def completed_future(value: T) -> Future[T]:
     return fut
 
 
+def _work_timeout(timeout: timedelta | None) -> timedelta | None:
+    """torch passes a zero timeout to ``Work.wait`` to mean "no timeout"."""
+    if timeout is None or timeout.total_seconds() <= 0:
+        return None
+    return timeout
+
+
 def _to_seconds(timeout: timedelta | float | None) -> float | None:
     if timeout is None:
         return None
@@ -133,6 +140,7 @@ class _FutureWork(dist._Work):
             TimeoutError: the deadline passed first.
             Exception: the error the future completed with.
         """
+        timeout = _work_timeout(timeout)
         future_wait(self._fut, timeout if timeout is not None else self._timeout)
         return True
 
@@ -263,7 +271,9 @@ def _mirror(
         try:
             value = f.value()
         except Exception as e:  # noqa: BLE001 - propagated through the future
-            finish(None, e)
+            # The traceback would only point here, but through its frames it would keep the
+            # completing thread's locals (often tensors) alive as long as the error is kept.
+            finish(None, e.with_traceback(None))
             return
         finish(value, None)
 
