@@ -877,3 +877,28 @@ def test_baby_abort_with_unsent_tensors_leaks_no_fds(store: TCPStore) -> None:
     gc.collect()
     assert len(multiprocessing.active_children()) == children_before
     assert _fd_count() <= fds_before, sorted(set(_fd_targets()) - set(targets_before))
+
+
+@pytest.mark.timeout(120)
+def test_init_process_group_with_torchft_baby_gloo(store: TCPStore) -> None:
+    """The baby backend works through init_process_group: the child gets its own prefix on
+    the same TCPStore server."""
+    dist.init_process_group(
+        backend="torchft-baby-gloo",
+        store=dist.PrefixStore("baby_init", store),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        pg = dist.group.WORLD
+        assert isinstance(pg, ProcessGroupBabyGloo)
+        t = torch.tensor([6.0])
+        dist.all_reduce(t)
+        assert t.item() == 6.0
+        assert pg._child is not None and pg._child.process.is_alive()
+    finally:
+        pg = dist.group.WORLD
+        dist.destroy_process_group()
+        if isinstance(pg, ProcessGroupBabyGloo):
+            pg.shutdown()
