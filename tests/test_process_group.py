@@ -664,6 +664,10 @@ def test_nccl_without_cuda_fails_clearly(store: TCPStore) -> None:
     pg = ProcessGroupNCCL(timeout=timedelta(seconds=5))
     with pytest.raises(RuntimeError, match="CUDA"):
         pg.configure(_addr(store, "nocuda"), "r", 0, 1)
+    baby = ProcessGroupBabyNCCL(timeout=timedelta(seconds=5))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        baby.configure(_addr(store, "nocuda"), "r", 0, 1)
+    assert baby._child is None
 
 
 # ---- real processes and signals --------------------------------------------------------

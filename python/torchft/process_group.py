@@ -1470,7 +1470,7 @@ def _baby_worker(
     rank: int,
     world_size: int,
     timeout: timedelta,
-    use_cuda: bool,
+    cuda_device: int | None,
     req: Any,
     resp: Any,
     parent_pid: int,
@@ -1481,6 +1481,10 @@ def _baby_worker(
     The loop ends when the parent closes its pipe (or dies) or asks for shutdown.
     """
     _start_parent_watchdog(parent_pid)
+    use_cuda = cuda_device is not None
+    if cuda_device is not None:
+        # Same device as the parent's tensors.
+        torch.cuda.set_device(cuda_device)
     send_lock = threading.Lock()
 
     def reply(msg: tuple[object, ...]) -> None:
@@ -1541,7 +1545,7 @@ class _BabyChild:
         rank: int,
         world_size: int,
         timeout: timedelta,
-        use_cuda: bool,
+        cuda_device: int | None,
     ) -> None:
         ctx = mp.get_context("spawn")
         req_w, req_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -1562,7 +1566,7 @@ class _BabyChild:
                 rank,
                 world_size,
                 timeout,
-                use_cuda,
+                cuda_device,
                 req_r,
                 resp_w,
                 os.getpid(),
@@ -1736,6 +1740,8 @@ class ProcessGroupBaby(ProcessGroup):
         """Kills the current child and spawns one that joins ``store_addr`` as ``rank``."""
         _check_rank(rank, world_size)
         _parse_store_addr(store_addr)
+        if self._use_cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"{type(self).__name__} needs CUDA GPUs")
         self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         self._stop_child(graceful=False)
         child = _BabyChild(
@@ -1744,7 +1750,7 @@ class ProcessGroupBaby(ProcessGroup):
             rank,
             world_size,
             self._timeout,
-            self._use_cuda,
+            torch.cuda.current_device() if self._use_cuda else None,
         )
         with self._lock:
             self._child = child
@@ -1989,9 +1995,7 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
     def _create_pg(
         cls, store: Store, rank: int, world_size: int, timeout: timedelta
     ) -> ProcessGroup:
-        # The child sees the same devices as the parent; use the rank's local device.
-        if torch.cuda.device_count() > 0:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        # The worker already selected the parent's current device.
         pg = ProcessGroupNCCL(timeout=timeout)
         pg._configure_store(store, rank, world_size)
         return pg
