@@ -72,6 +72,13 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
                 **kwargs,
             )
         self._manager = manager
+        # torch re-buckets after the first backward (in gradient-ready order). A replica that
+        # joins later would then reduce its first step with a different bucket layout than
+        # its peers and mix up gradients, so fix the final layout now, identically everywhere.
+        reducer = getattr(self, "reducer", None)
+        if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
+            reducer._push_all_rebuilt_params()
+            reducer._rebuild_buckets()
         self.register_comm_hook(manager, _manager_comm_hook)
 
 
