@@ -210,3 +210,24 @@ def test_pure_ddp_waits_for_every_allreduce_before_backward_returns() -> None:
         stop.set()
         helper.join(timeout=5)
     assert manager.calls == 2 * len(list(model.parameters()))
+
+
+def test_bucket_layout_is_fixed_from_construction() -> None:
+    """A fresh replica reduces with the same bucket layout as one that already trained, so a
+    late joiner's buckets line up with its peers' (torch would otherwise re-bucket after the
+    first backward)."""
+
+    def layout(steps: int) -> list[int]:
+        manager = _ScalingManager(num_participants=1)
+        model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4))
+        ddp = DistributedDataParallel(manager, model, bucket_cap_mb=0.01)  # type: ignore[arg-type]
+        for _ in range(steps):
+            manager.sizes.clear()
+            model.zero_grad()
+            ddp(torch.randn(2, 8)).sum().backward()
+        return list(manager.sizes)
+
+    fresh = layout(1)
+    trained = layout(3)
+    assert len(fresh) >= 2
+    assert fresh == trained
