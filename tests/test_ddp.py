@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp, TCPStore
 from torchft.ddp import DistributedDataParallel, PureDistributedDataParallel
-from torchft.process_group import ProcessGroupGloo
+from torchft.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 from torchft.work import _DummyWork, _FutureWork
 
 
@@ -39,7 +39,7 @@ class _ScalingManager:
 class _GlooManager:
     """A manager whose allreduce is a real Gloo SUM followed by a division (AVG)."""
 
-    def __init__(self, pg: ProcessGroupGloo) -> None:
+    def __init__(self, pg: ProcessGroupGloo | ProcessGroupBabyGloo) -> None:
         self.pg = pg
         self.calls = 0
 
@@ -110,19 +110,24 @@ def _run_ranks(world: int, fn: Any) -> list[Any]:
         return [f.result(timeout=90) for f in futures]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "pure"])
-def test_gradients_are_averaged_over_real_gloo(store: TCPStore, wrapper: str) -> None:
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("wrapper", "group"), [("ddp", "gloo"), ("pure", "gloo"), ("ddp", "baby"), ("pure", "baby")]
+)
+def test_gradients_are_averaged_over_real_gloo(store: TCPStore, wrapper: str, group: str) -> None:
     """Two replicas with different data end with identical grads equal to the mean of their
-    local grads, and identical parameters after an optimizer step, over two steps."""
+    local grads, and identical parameters after an optimizer step, over two steps; with the
+    group in this process and in a child process."""
     world = 2
     inputs = [[torch.randn(6, 8) for _ in range(world)] for _ in range(2)]
-    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=30)) for _ in range(world)]
+    cls = ProcessGroupGloo if group == "gloo" else ProcessGroupBabyGloo
+    pgs = [cls(timeout=timedelta(seconds=60)) for _ in range(world)]
     # Built up front: seeding the global RNG from two threads would race.
     models = [_model() for _ in range(world)]
 
     def run(rank: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], int]:
         pg = pgs[rank]
-        pg.configure(f"127.0.0.1:{store.port}/ddp_{wrapper}", f"replica_{rank}", rank, world)
+        pg.configure(f"127.0.0.1:{store.port}/{group}_{wrapper}", f"replica_{rank}", rank, world)
         manager = _GlooManager(pg)
         model = models[rank]
         if wrapper == "ddp":
@@ -205,3 +210,24 @@ def test_pure_ddp_waits_for_every_allreduce_before_backward_returns() -> None:
         stop.set()
         helper.join(timeout=5)
     assert manager.calls == 2 * len(list(model.parameters()))
+
+
+def test_bucket_layout_is_fixed_from_construction() -> None:
+    """A fresh replica reduces with the same bucket layout as one that already trained, so a
+    late joiner's buckets line up with its peers' (torch would otherwise re-bucket after the
+    first backward)."""
+
+    def layout(steps: int) -> list[int]:
+        manager = _ScalingManager(num_participants=1)
+        model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4))
+        ddp = DistributedDataParallel(manager, model, bucket_cap_mb=0.01)  # type: ignore[arg-type]
+        for _ in range(steps):
+            manager.sizes.clear()
+            model.zero_grad()
+            ddp(torch.randn(2, 8)).sum().backward()
+        return list(manager.sizes)
+
+    fresh = layout(1)
+    trained = layout(3)
+    assert len(fresh) >= 2
+    assert fresh == trained

@@ -664,3 +664,245 @@ def test_nccl_without_cuda_fails_clearly(store: TCPStore) -> None:
     pg = ProcessGroupNCCL(timeout=timedelta(seconds=5))
     with pytest.raises(RuntimeError, match="CUDA"):
         pg.configure(_addr(store, "nocuda"), "r", 0, 1)
+    baby = ProcessGroupBabyNCCL(timeout=timedelta(seconds=5))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        baby.configure(_addr(store, "nocuda"), "r", 0, 1)
+    assert baby._child is None
+
+
+# ---- real processes and signals --------------------------------------------------------
+
+
+def _gloo_peer(store_addr: str, ready: Any) -> None:
+    """Rank 1 in another process: allreduces forever until killed."""
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    pg.configure(store_addr, "peer", 1, 2)
+    first = True
+    while True:
+        pg.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+        if first:
+            ready.set()
+            first = False
+
+
+@pytest.mark.timeout(120)
+def test_gloo_peer_killed_fails_fast_and_recovers(store: TCPStore) -> None:
+    """When the peer process is SIGKILLed mid-training, our collective fails (bounded by
+    the timeout, not hung), the error is recorded, and a reconfigure to a smaller world
+    works again."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    peer = ctx.Process(target=_gloo_peer, args=(_addr(store, "kill1"), ready), daemon=True)
+    peer.start()
+    try:
+        # Generous while the peer process starts up, short once training runs.
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+        pg.configure(_addr(store, "kill1"), "me", 0, 2)
+        pg.set_timeout(timedelta(seconds=5))
+        t = torch.ones(1)
+        pg.allreduce([t], ReduceOp.SUM).wait()
+        assert t.item() == 2.0
+        assert ready.wait(30)
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - Gloo's connection error or our timeout
+            for _ in range(1000):
+                pg.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+        assert time.monotonic() - start < 30
+        assert pg.errored() is not None
+
+        pg.configure(_addr(store, "kill2"), "me", 0, 1)
+        assert pg.errored() is None
+        t = torch.full((1,), 3.0)
+        pg.allreduce([t], ReduceOp.SUM).wait()
+        assert t.item() == 3.0
+        pg.shutdown()
+    finally:
+        if peer.is_alive():
+            peer.kill()
+        peer.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_configure_with_missing_peer_times_out(store: TCPStore) -> None:
+    """Rendezvous with a peer that never comes raises within the timeout."""
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=2))
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - torch raises its own DistStoreError
+        pg.configure(_addr(store, "lonely"), "r", 0, 2)
+    assert time.monotonic() - start < 30
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return "Z" not in line.split()[1]
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _baby_owner(store_addr: str, pid_queue: Any) -> None:
+    """A process that owns a Baby group with a collective stuck in its child."""
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=600))
+    pg.configure(store_addr, "owner", 0, 2)
+    pg.allreduce([torch.ones(1)], ReduceOp.SUM)
+    assert pg._child is not None
+    pid_queue.put(pg._child.process.pid)
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_baby_child_exits_when_its_parent_is_killed(store: TCPStore) -> None:
+    """Killing the training process never leaves an orphaned child behind, even with a
+    collective stuck in the child."""
+    ctx = multiprocessing.get_context("spawn")
+    pids = ctx.Queue()
+    # Not a daemon: daemonic processes may not start children.
+    owner = ctx.Process(target=_baby_owner, args=(_addr(store, "orphan"), pids))
+    owner.start()
+    try:
+        child_pid = pids.get(timeout=60)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not _alive(child_pid):
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child_pid, signal.SIGKILL)
+            pytest.fail("the child outlived its parent")
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(10)
+        pids.close()
+        pids.join_thread()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", [ProcessGroupGloo, ProcessGroupBabyGloo])
+def test_abort_releases_blocked_waiters_at_once(
+    store: TCPStore, cls: type[ProcessGroupGloo] | type[ProcessGroupBabyGloo]
+) -> None:
+    """abort() fails a collective that is stuck on a missing peer immediately, long before
+    its timeout."""
+    pgs = [cls(timeout=timedelta(seconds=60)) for _ in range(2)]
+    # Both ranks rendezvous, then only rank 0 issues a collective: it blocks.
+    _run_ranks(2, lambda r: pgs[r].configure(_addr(store, f"ab_{cls.__name__}"), "r", r, 2))
+    if cls is ProcessGroupBabyGloo:
+        # Make sure both children finished their rendezvous.
+        works = [pg.barrier() for pg in pgs]
+        for w in works:
+            w.wait()
+    work = pgs[0].allreduce([torch.ones(1)], ReduceOp.SUM)
+    time.sleep(0.3)
+    assert not work.get_future().done()
+    start = time.monotonic()
+    pgs[0].abort()
+    with pytest.raises(RuntimeError, match="abort"):
+        work.wait()
+    assert time.monotonic() - start < 10
+    assert pgs[0].errored() is not None
+    for pg in pgs:
+        pg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_reconfigure_fails_old_ops_but_starts_clean(store: TCPStore) -> None:
+    """A collective still pending when the group is reconfigured fails at once, and the new
+    configuration reports no error."""
+    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=60)) for _ in range(2)]
+    _run_ranks(2, lambda r: pgs[r].configure(_addr(store, "re1"), "r", r, 2))
+    stuck = pgs[0].allreduce([torch.ones(1)], ReduceOp.SUM)
+    time.sleep(0.2)
+    start = time.monotonic()
+    pgs[0].configure(_addr(store, "re2"), "r", 0, 1)
+    with pytest.raises(RuntimeError, match="reconfigured"):
+        stuck.wait()
+    assert time.monotonic() - start < 10
+    assert pgs[0].errored() is None
+    t = torch.tensor([2.0])
+    pgs[0].allreduce([t], ReduceOp.SUM).wait()
+    assert t.item() == 2.0
+    for pg in pgs:
+        pg.shutdown()
+
+
+def test_registered_group_works_with_device_mesh(store: TCPStore) -> None:
+    """A registered group can back a DeviceMesh dimension and functional collectives."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    try:
+        pg.configure(_addr(store, "mesh"), "r", 0, 1)
+        pg.register("torchft_mesh_dp")
+        assert pg.group_name == "torchft_mesh_dp"
+        mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("dp",))
+        assert mesh.get_group("dp") is pg
+        out = funcol.all_reduce(torch.full((2,), 3.0), "sum", mesh)
+        assert torch.equal(funcol.wait_tensor(out), torch.full((2,), 3.0))
+    finally:
+        pg.unregister()
+        pg.shutdown()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_baby_abort_with_unsent_tensors_leaks_no_fds(store: TCPStore) -> None:
+    """Aborting while operations wait in a child that never got to read them (stuck in a
+    rendezvous) leaks neither shared-memory fds nor processes."""
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=60))
+    pg.configure(_addr(store, "warm2"), "r", 0, 1)
+    pg.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+    pg.shutdown()
+    gc.collect()
+    fds_before = _fd_count()
+    targets_before = _fd_targets()
+    children_before = len(multiprocessing.active_children())
+
+    for i in range(3):
+        pg.configure(_addr(store, f"stuck{i}"), "r", 0, 2)  # the peer never comes
+        works = [pg.allreduce([torch.ones(4)], ReduceOp.SUM) for _ in range(3)]
+        time.sleep(0.3)
+        pg.abort()
+        for w in works:
+            with pytest.raises(RuntimeError):
+                w.wait()
+        del works, w
+    pg.shutdown()
+    gc.collect()
+    assert len(multiprocessing.active_children()) == children_before
+    assert _fd_count() <= fds_before, sorted(set(_fd_targets()) - set(targets_before))
+
+
+@pytest.mark.timeout(120)
+def test_init_process_group_with_torchft_baby_gloo(store: TCPStore) -> None:
+    """The baby backend works through init_process_group: the child gets its own prefix on
+    the same TCPStore server."""
+    dist.init_process_group(
+        backend="torchft-baby-gloo",
+        store=dist.PrefixStore("baby_init", store),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        pg = dist.group.WORLD
+        assert isinstance(pg, ProcessGroupBabyGloo)
+        t = torch.tensor([6.0])
+        dist.all_reduce(t)
+        assert t.item() == 6.0
+        assert pg._child is not None and pg._child.process.is_alive()
+    finally:
+        pg = dist.group.WORLD
+        dist.destroy_process_group()
+        if isinstance(pg, ProcessGroupBabyGloo):
+            pg.shutdown()

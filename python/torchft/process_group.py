@@ -27,14 +27,21 @@ The environment variable ``TORCHFT_TIMEOUT_SEC`` overrides the timeout given to 
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
+import queue
+import socket
+import struct
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,9 +68,10 @@ from torch.futures import Future
 from torchft.work import (
     _DummyWork,
     _FutureWork,
+    _InFlight,
+    _work_timeout,
     context_timeout,
     future_on_error,
-    future_timeout,
 )
 
 if TYPE_CHECKING:
@@ -200,6 +208,7 @@ class ProcessGroup(BaseProcessGroup):
         """
         super().__init__(0, 1)
         self._group_name: str | None = None
+        self._torch_group_name = ""
         self._registered_store: Store | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -251,6 +260,14 @@ class ProcessGroup(BaseProcessGroup):
         return self.rank()
 
     # ---- registration with torch.distributed -----------------------------------------
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's C++ side calls this name
+        """The name given by ``register`` (torch reads it through ``group_name``)."""
+        return self._torch_group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's C++ side calls this name
+        """Records the name torch assigns to this group."""
+        self._torch_group_name = name
 
     def register(self, name: str) -> ProcessGroup:
         """Makes this group visible to torch.distributed under ``name``.
@@ -475,6 +492,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._world_size = 1
         self._error: Exception | None = None
         self._replica_id: str | None = None
+        self._inflight = _InFlight()
 
     @property
     def parent(self) -> BaseProcessGroup | None:
@@ -507,13 +525,22 @@ class ProcessGroupWrapper(ProcessGroup):
     ) -> None:
         """Builds a new group on an already scoped store (also used by backend factories)."""
         _check_rank(rank, world_size)
+        # Operations of the previous configuration fail (and are recorded) first; the new
+        # configuration then starts without an error.
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         with self._lock:
             old = self._pg
             self._pg = None
             self._error = None
         if old is not None:
-            self._teardown(old)
-        pg = self._create_pg(store, rank, world_size)
+            box = [old]
+            del old
+            self._teardown(box)
+        try:
+            pg = self._create_pg(store, rank, world_size)
+        except Exception as e:
+            self._record_error(e)
+            raise
         with self._lock:
             self._pg = pg
             self._rank = rank
@@ -528,8 +555,23 @@ class ProcessGroupWrapper(ProcessGroup):
             world_size,
         )
 
-    def _teardown(self, pg: BaseProcessGroup) -> None:
-        """Releases an old group before a new one is built (subclasses may abort it)."""
+    def _teardown(self, box: list[BaseProcessGroup], wait: float = 0.0) -> None:
+        """Aborts and releases an old group on a helper thread.
+
+        Destroying a backend joins its worker threads, which may be stuck in a collective
+        with a dead peer until the backend's own timeout; that must never block configure or
+        abort. ``box`` holds the only reference, which the helper thread takes over.
+
+        Args:
+            box: a one-element list with the group (emptied by the helper).
+            wait: how long to wait for the release (0: do not wait).
+        """
+        thread = threading.Thread(
+            target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=True
+        )
+        thread.start()
+        if wait > 0:
+            thread.join(wait)
 
     def abort(self) -> None:
         """Aborts the current group; it must be reconfigured before further use."""
@@ -540,14 +582,16 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped:
             pg.abort()
             return
+        err = RuntimeError(f"{type(self).__name__} was aborted")
         with self._lock:
             self._pg = None
             if self._error is None:
-                self._error = RuntimeError(f"{type(self).__name__} was aborted")
-        try:
-            pg.abort()
-        except Exception as e:  # noqa: BLE001 - some backends cannot abort; dropping is enough
-            logger.debug("abort of %s failed: %s", type(pg).__name__, e)
+                self._error = err
+        # Release everyone blocked on this group's collectives now, not at their timeout.
+        self._inflight.fail_all(err)
+        box = [pg]
+        del pg
+        self._teardown(box)
 
     def shutdown(self) -> None:
         """Releases the current group."""
@@ -560,7 +604,10 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped:
             pg.shutdown()
             return
-        self._teardown(pg)
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
+        box = [pg]
+        del pg
+        self._teardown(box, wait=5.0)
 
     def errored(self) -> Exception | None:
         """The first error seen since the last ``configure`` (or the wrapped group's)."""
@@ -624,27 +671,10 @@ class ProcessGroupWrapper(ProcessGroup):
         """Post-processes a work from the underlying group (timeouts, error recording)."""
         if self._wrapped:
             return work
-        fut = future_timeout(_work_future(work, result), self._timeout)
-        fut.add_done_callback(self._error_recorder())
-        return _FutureWork(fut, self._timeout)
-
-    def _error_recorder(self) -> Callable[[Future[Any]], None]:
-        """A future callback recording failures on this group.
-
-        It holds only a weak reference: callbacks run on backend threads, and if they held
-        the last reference the backend would be destroyed (and join itself) there.
-        """
-        ref = weakref.ref(self)
-
-        def check(fut: Future[Any]) -> None:
-            try:
-                fut.value()
-            except Exception as e:  # noqa: BLE001 - recorded for errored()
-                pg = ref()
-                if pg is not None:
-                    pg._record_error(e)
-
-        return check
+        fut = self._inflight.track(
+            _work_future(work, result), self._timeout, _weak_callback(self._record_error)
+        )
+        return _FutureWork(fut)  # fut already carries the deadline
 
     def _run(self, op: str, *args: object) -> dist._Work:
         pg = self._current()
@@ -748,6 +778,41 @@ class ProcessGroupWrapper(ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist._Work:
         """See ``ProcessGroup.recv``."""
         return self._run("recv", tensors, src_rank, tag)
+
+
+def _release(box: list[BaseProcessGroup], graceful: bool) -> None:
+    """Shuts down or aborts (best effort) and drops the group in ``box`` (helper thread)."""
+    pg = box.pop()
+    try:
+        if graceful:
+            pg.shutdown()
+        else:
+            pg.abort()
+    except Exception as e:  # noqa: BLE001 - not every backend supports it; dropping is enough
+        logger.debug("releasing %s failed: %s", type(pg).__name__, e)
+    del pg
+
+
+def _recording(fut: Future[Any], owner: ProcessGroupWrapper | ProcessGroupBaby) -> Future[Any]:
+    """Chains ``fut`` so a failure is recorded on ``owner`` before anyone sees it.
+
+    The returned future completes only after the error is recorded, so ``errored()`` is
+    already set when a waiter wakes up. Only a weak reference to ``owner`` is kept:
+    callbacks run on backend threads, and if they dropped the last reference the backend
+    would be destroyed (and join itself) there.
+    """
+    ref = weakref.ref(owner)
+
+    def check(f: Future[Any]) -> Any:
+        try:
+            return f.value()
+        except Exception as e:
+            pg = ref()
+            if pg is not None:
+                pg._record_error(e)
+            raise
+
+    return fut.then(check)
 
 
 def _work_future(work: dist._Work, result: object) -> Future[Any]:
@@ -860,7 +925,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
                     t.floor_divide_(world)
             return tensors
 
-        return _FutureWork(work.get_future().then(divide), self._timeout)
+        return _FutureWork(work.get_future().then(divide))
 
 
 class ProcessGroupNCCL(ProcessGroupWrapper):
@@ -881,13 +946,6 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
         return _build_nccl(store, rank, world_size, self._timeout)
-
-    def _teardown(self, pg: BaseProcessGroup) -> None:
-        # An old communicator may still hold stuck kernels; abort it instead of waiting.
-        try:
-            pg.abort()
-        except Exception as e:  # noqa: BLE001 - best effort
-            logger.warning("aborting the previous NCCL group failed: %s", e)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``torchft-nccl``."""
@@ -911,6 +969,7 @@ class _NCCLWork(dist._Work):
         self._timeout = timeout
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        timeout = _work_timeout(timeout)
         with context_timeout(self._pg._timed_out, timeout or self._timeout):
             try:
                 self._work.wait()
@@ -924,9 +983,7 @@ class _NCCLWork(dist._Work):
         return True
 
     def get_future(self) -> Future[Any]:
-        fut = self._work.get_future()
-        fut.add_done_callback(self._pg._error_recorder())
-        return fut
+        return _recording(self._work.get_future(), self._pg)
 
 
 class ProcessGroupDummy(ProcessGroup):
@@ -1074,6 +1131,7 @@ class _ErrorSwallowingWork(dist._Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
+            timeout = _work_timeout(timeout)
             if timeout is None:
                 self._work.wait()
             else:
@@ -1254,6 +1312,111 @@ def _detach(value: object) -> object:
     return value
 
 
+# Tensors go to the child as shared memory. torch's default pickling passes each storage's
+# fd through a helper thread that keeps a duplicate until the receiver fetches it, which
+# leaks when the child is killed first (the usual case for a stuck collective). Here the
+# fds travel in-band with the message over a Unix socket instead (SCM_RIGHTS): if the child
+# dies before reading, the kernel closes them with the socket.
+
+_HEADER = struct.Struct("!QI")  # payload length, number of fds
+_MAX_FDS = 4096
+_fd_context = threading.local()
+
+
+def _reduce_storage_inband(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    """Pickles a CPU storage as an index into the fds sent with the message."""
+    fds: list[int] | None = getattr(_fd_context, "fds", None)
+    if fds is None or storage.device.type != "cpu" or storage.size() == 0:
+        from torch.multiprocessing.reductions import reduce_storage
+
+        return reduce_storage(storage)
+    fd, size = storage._share_fd_cpu_()
+    fds.append(fd)
+    return (_rebuild_storage_inband, (len(fds) - 1, size))
+
+
+def _rebuild_storage_inband(index: int, size: int) -> torch.UntypedStorage:
+    """Maps the ``index``-th fd received with the current message (child side)."""
+    from torch.multiprocessing.reductions import StorageWeakRef, fd_id, shared_cache
+
+    fd = _fd_context.received[index]
+    key = fd_id(fd)
+    cached = shared_cache.get(key)
+    if cached is not None:
+        storage = torch.UntypedStorage._new_with_weak_ptr(cached.cdata)
+        if storage is not None:
+            return storage
+    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+    shared_cache[key] = StorageWeakRef(storage)
+    return storage
+
+
+class _InbandPickler(ForkingPickler):
+    """ForkingPickler whose CPU storages are sent as in-band fds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dispatch_table[torch.UntypedStorage] = _reduce_storage_inband
+
+
+def _dumps_inband(obj: object) -> tuple[bytes, list[int]]:
+    """Pickles ``obj``; returns the bytes and the fds (owned by the storages) to send."""
+    buf = io.BytesIO()
+    fds: list[int] = []
+    _fd_context.fds = fds
+    try:
+        _InbandPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    finally:
+        _fd_context.fds = None
+    return buf.getvalue(), fds
+
+
+def _send_inband(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
+    """Sends one framed message; the fds ride with its header."""
+    header = _HEADER.pack(len(payload), len(fds))
+    if fds:
+        sent = socket.send_fds(sock, [header], fds)
+        if sent < len(header):
+            sock.sendall(header[sent:])
+    else:
+        sock.sendall(header)
+    sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            raise EOFError("socket closed")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv_inband(sock: socket.socket) -> object:
+    """Receives one framed message and unpickles it (closing the received fds after)."""
+    data, fds, flags, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    try:
+        if not data:
+            raise EOFError("socket closed")
+        if flags & getattr(socket, "MSG_CTRUNC", 0):
+            raise RuntimeError("too many tensors in one operation")
+        if len(data) < _HEADER.size:
+            data += _recv_exact(sock, _HEADER.size - len(data))
+        length, nfds = _HEADER.unpack(data)
+        if nfds != len(fds):
+            raise RuntimeError(f"expected {nfds} fds, received {len(fds)}")
+        payload = _recv_exact(sock, length)
+        _fd_context.received = fds
+        try:
+            return pickle.loads(payload)
+        finally:
+            _fd_context.received = None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 @dataclass
 class _BabyOp:
     """One operation sent to the child: a ProcessGroup method name and picklable args."""
@@ -1283,21 +1446,45 @@ def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> di
     return getattr(pg, method)(*args)
 
 
+def _start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> None:
+    """Exits this (child) process soon after its parent dies.
+
+    EOF on the request pipe covers the common case, but the child may be stuck elsewhere
+    (e.g. in a rendezvous that never completes); polling the parent pid covers that. A
+    kernel parent-death signal is not used because it fires when the *thread* that
+    spawned us exits, which is legitimate here.
+    """
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(interval)
+
+    threading.Thread(target=watch, name="torchft_parent_watchdog", daemon=True).start()
+
+
 def _baby_worker(
     create: Callable[[Store, int, int, timedelta], ProcessGroup],
     store_addr: str,
     rank: int,
     world_size: int,
     timeout: timedelta,
-    use_cuda: bool,
+    cuda_device: int | None,
     req: Any,
     resp: Any,
+    parent_pid: int,
 ) -> None:
     """Entry point of the child process: builds the group and serves operations.
 
     Replies are ("ready",), ("done", op_id), ("error", op_id, message) or ("fatal", message).
     The loop ends when the parent closes its pipe (or dies) or asks for shutdown.
     """
+    _start_parent_watchdog(parent_pid)
+    use_cuda = cuda_device is not None
+    if cuda_device is not None:
+        # Same device as the parent's tensors.
+        torch.cuda.set_device(cuda_device)
     send_lock = threading.Lock()
 
     def reply(msg: tuple[object, ...]) -> None:
@@ -1317,12 +1504,15 @@ def _baby_worker(
 
     while True:
         try:
-            msg = req.recv()
+            msg = _recv_inband(req)
         except (EOFError, OSError):
-            break
+            # The parent is gone: exit at once, even if a collective is stuck in the backend.
+            os._exit(0)
         if msg is None:
             break
-        assert isinstance(msg, _BabyOp)
+        if not isinstance(msg, _BabyOp):
+            reply(("fatal", f"unexpected message {type(msg).__name__}"))
+            break
         op_id = msg.op_id
         try:
             work = _child_run_op(pg, msg.method, msg.args)
@@ -1341,6 +1531,7 @@ def _baby_worker(
             reply(("done", op_id))
 
         work.get_future().add_done_callback(done)
+    # Polite shutdown requested; the parent kills us if this takes too long.
     pg.shutdown()
 
 
@@ -1354,10 +1545,10 @@ class _BabyChild:
         rank: int,
         world_size: int,
         timeout: timedelta,
-        use_cuda: bool,
+        cuda_device: int | None,
     ) -> None:
         ctx = mp.get_context("spawn")
-        req_r, req_w = ctx.Pipe(duplex=False)
+        req_w, req_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         resp_r, resp_w = ctx.Pipe(duplex=False)
         self._req = req_w
         self._resp = resp_r
@@ -1369,7 +1560,17 @@ class _BabyChild:
         self.ready: Future[None] = Future()
         self.process = ctx.Process(
             target=_baby_worker,
-            args=(create, store_addr, rank, world_size, timeout, use_cuda, req_r, resp_w),
+            args=(
+                create,
+                store_addr,
+                rank,
+                world_size,
+                timeout,
+                cuda_device,
+                req_r,
+                resp_w,
+                os.getpid(),
+            ),
             name=f"torchft_baby_{rank}",
             daemon=True,
         )
@@ -1379,10 +1580,17 @@ class _BabyChild:
             # The child owns these ends now; keeping them open would hide its death (no EOF).
             req_r.close()
             resp_w.close()
+        self._outbox: queue.SimpleQueue[tuple[bytes, list[int], object] | None] = (
+            queue.SimpleQueue()
+        )
         self._reader = threading.Thread(
             target=self._read_loop, name="torchft_baby_reader", daemon=True
         )
         self._reader.start()
+        self._sender = threading.Thread(
+            target=self._send_loop, name="torchft_baby_sender", daemon=True
+        )
+        self._sender.start()
 
     def submit(self, method: str, args: tuple[object, ...], result: object) -> Future[Any]:
         """Sends one operation; the returned future resolves to ``result`` when it is done."""
@@ -1395,12 +1603,31 @@ class _BabyChild:
             op_id = self._next_id
             self._next_id += 1
             self._pending[op_id] = (fut, result)
-            try:
-                self._req.send(_BabyOp(op_id, method, args))
-            except Exception as e:  # noqa: BLE001 - broken pipe means the child is gone
+        try:
+            # Pickled here, in the caller's thread: this is where tensors move to shared
+            # memory, so it must not race with the caller's own use of them.
+            payload, fds = _dumps_inband(_BabyOp(op_id, method, args))
+        except Exception as e:  # noqa: BLE001 - e.g. a tensor that cannot be shared
+            with self._lock:
                 self._pending.pop(op_id, None)
-                fut.set_exception(RuntimeError(f"sending to the child process failed: {e}"))
+            fut.set_exception(RuntimeError(f"cannot send {method} to the child process: {e}"))
+            return fut
+        # A separate thread writes to the pipe, so a stuck child (full pipe) never blocks us.
+        # ``args`` rides along: its storages own the fds until they are sent.
+        self._outbox.put((payload, fds, args))
         return fut
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            payload, fds, _keepalive = item
+            try:
+                _send_inband(self._req, payload, fds)
+            except Exception as e:  # noqa: BLE001 - broken pipe means the child is gone
+                self._fail_all(RuntimeError(f"sending to the child process failed: {e}"))
+                return
 
     def _read_loop(self) -> None:
         while True:
@@ -1434,11 +1661,13 @@ class _BabyChild:
         with self._lock:
             if self._error is None:
                 self._error = err
-            pending = list(self._pending.values())
+            pending = [fut for fut, _ in self._pending.values()]
             self._pending.clear()
         if not self.ready.done():
             self.ready.set_exception(err)
-        for fut, _ in pending:
+        # Only futures are kept here (not their tensors): an error stored later may hold this
+        # frame through its traceback.
+        for fut in pending:
             if not fut.done():
                 fut.set_exception(err)
 
@@ -1455,15 +1684,13 @@ class _BabyChild:
                 return
             self._closed = True
         if graceful and self.process.is_alive():
-            try:
-                with self._lock:
-                    self._req.send(None)
-            except Exception:  # noqa: BLE001 - it is going away anyway
-                pass
+            self._outbox.put((pickle.dumps(None), [], None))
             self.process.join(timeout=5.0)
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=10.0)
+        self._outbox.put(None)
+        self._sender.join(timeout=10.0)
         self._reader.join(timeout=10.0)
         self._fail_all(RuntimeError("child process group was shut down"))
         self._req.close()
@@ -1500,6 +1727,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._world_size = 1
         self._error: Exception | None = None
         self._finalizer: weakref.finalize | None = None
+        self._inflight = _InFlight()
 
     @classmethod
     def _create_pg(
@@ -1512,6 +1740,9 @@ class ProcessGroupBaby(ProcessGroup):
         """Kills the current child and spawns one that joins ``store_addr`` as ``rank``."""
         _check_rank(rank, world_size)
         _parse_store_addr(store_addr)
+        if self._use_cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"{type(self).__name__} needs CUDA GPUs")
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         self._stop_child(graceful=False)
         child = _BabyChild(
             type(self)._create_pg,
@@ -1519,7 +1750,7 @@ class ProcessGroupBaby(ProcessGroup):
             rank,
             world_size,
             self._timeout,
-            self._use_cuda,
+            torch.cuda.current_device() if self._use_cuda else None,
         )
         with self._lock:
             self._child = child
@@ -1567,9 +1798,12 @@ class ProcessGroupBaby(ProcessGroup):
 
     def abort(self) -> None:
         """Kills the child at once; pending operations fail. Reconfigure to continue."""
+        err = RuntimeError(f"{type(self).__name__} was aborted")
         with self._lock:
             if self._child is not None and self._error is None:
-                self._error = RuntimeError(f"{type(self).__name__} was aborted")
+                self._error = err
+        # Release waiters first; killing and joining the child can take a moment.
+        self._inflight.fail_all(err)
         self._stop_child(graceful=False)
 
     def shutdown(self) -> None:
@@ -1618,19 +1852,10 @@ class ProcessGroupBaby(ProcessGroup):
         if self._use_cuda:
             # The child reads the tensors from its own streams.
             torch.cuda.current_stream().synchronize()
-        fut = future_timeout(child.submit(method, args, result), self._timeout)
-        ref = weakref.ref(self)
-
-        def record(f: Future[Any]) -> None:
-            try:
-                f.value()
-            except Exception as e:  # noqa: BLE001 - recorded for errored()
-                pg = ref()
-                if pg is not None:
-                    pg._record_error(e)
-
-        fut.add_done_callback(record)
-        return _FutureWork(fut, self._timeout)
+        fut = self._inflight.track(
+            child.submit(method, args, result), self._timeout, _weak_callback(self._record_error)
+        )
+        return _FutureWork(fut)  # fut already carries the deadline
 
     def allreduce(
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp | Any = None
@@ -1770,9 +1995,7 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
     def _create_pg(
         cls, store: Store, rank: int, world_size: int, timeout: timedelta
     ) -> ProcessGroup:
-        # The child sees the same devices as the parent; use the rank's local device.
-        if torch.cuda.device_count() > 0:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        # The worker already selected the parent's current device.
         pg = ProcessGroupNCCL(timeout=timeout)
         pg._configure_store(store, rank, world_size)
         return pg

@@ -60,6 +60,13 @@ def completed_future(value: T) -> Future[T]:
     return fut
 
 
+def _work_timeout(timeout: timedelta | None) -> timedelta | None:
+    """torch passes a zero timeout to ``Work.wait`` to mean "no timeout"."""
+    if timeout is None or timeout.total_seconds() <= 0:
+        return None
+    return timeout
+
+
 def _to_seconds(timeout: timedelta | float | None) -> float | None:
     if timeout is None:
         return None
@@ -133,6 +140,7 @@ class _FutureWork(dist._Work):
             TimeoutError: the deadline passed first.
             Exception: the error the future completed with.
         """
+        timeout = _work_timeout(timeout)
         future_wait(self._fut, timeout if timeout is not None else self._timeout)
         return True
 
@@ -213,6 +221,69 @@ class _TimerThread:
 _TIMER = _TimerThread()
 
 
+def _mirror(
+    fut: Future[T],
+    timeout: timedelta | float | None,
+    on_error: Callable[[Exception], None] | None = None,
+) -> tuple[Future[T], Callable[[BaseException], bool]]:
+    """A future mirroring ``fut`` that can also be failed early (deadline or ``fail``).
+
+    ``on_error`` (if given) sees the error before the returned future completes, so state
+    it records is visible to anyone woken by the future.
+
+    Returns:
+        ``(out, fail)``: ``fail(err)`` completes ``out`` with ``err`` unless it is already
+        complete, and returns whether it did.
+    """
+    seconds = _to_seconds(timeout)
+    out: Future[T] = Future()
+    lock = threading.Lock()
+    state = {"done": False, "handle": None}
+
+    def finish(value: T | None, error: BaseException | None) -> bool:
+        with lock:
+            if state["done"]:
+                return False
+            state["done"] = True
+            handle = state["handle"]
+        if handle is not None:
+            _TIMER.cancel(handle)  # type: ignore[arg-type]
+        if error is not None:
+            if on_error is not None and isinstance(error, Exception):
+                try:
+                    on_error(error)
+                except Exception:
+                    logger.exception("error handler failed")
+            out.set_exception(error)
+        else:
+            out.set_result(value)  # type: ignore[arg-type]
+        return True
+
+    def fail(error: BaseException) -> bool:
+        return finish(None, error)
+
+    if seconds is not None:
+        handle = _TIMER.schedule(
+            seconds,
+            lambda: finish(None, TimeoutError(f"future did not complete within {seconds}s")),
+        )
+        with lock:
+            state["handle"] = handle
+
+    def on_done(f: Future[T]) -> None:
+        try:
+            value = f.value()
+        except Exception as e:  # noqa: BLE001 - propagated through the future
+            # The traceback would only point here, but through its frames it would keep the
+            # completing thread's locals (often tensors) alive as long as the error is kept.
+            finish(None, e.with_traceback(None))
+            return
+        finish(value, None)
+
+    fut.add_done_callback(on_done)
+    return out, fail
+
+
 def future_timeout(fut: Future[T], timeout: timedelta | float) -> Future[T]:
     """Returns a future that mirrors ``fut`` but fails with TimeoutError after ``timeout``.
 
@@ -228,38 +299,61 @@ def future_timeout(fut: Future[T], timeout: timedelta | float) -> Future[T]:
     """
     if fut.done():
         return fut
-    seconds = _to_seconds(timeout)
-    out: Future[T] = Future()
-    lock = threading.Lock()
-    state = {"done": False}
-
-    def finish(value: T | None, error: BaseException | None) -> bool:
-        with lock:
-            if state["done"]:
-                return False
-            state["done"] = True
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(value)  # type: ignore[arg-type]
-        return True
-
-    def on_timeout() -> None:
-        finish(None, TimeoutError(f"future did not complete within {seconds}s"))
-
-    handle = _TIMER.schedule(seconds if seconds is not None else 0.0, on_timeout)
-
-    def on_done(f: Future[T]) -> None:
-        _TIMER.cancel(handle)
-        try:
-            value = f.value()
-        except Exception as e:  # noqa: BLE001 - propagated through the future
-            finish(None, e)
-            return
-        finish(value, None)
-
-    fut.add_done_callback(on_done)
+    out, _ = _mirror(fut, timeout)
     return out
+
+
+class _InFlight:
+    """Tracks the futures of in-flight operations so that ``abort`` can fail them all.
+
+    Aborting a quorum must release every caller blocked on its collectives at once,
+    instead of leaving them to their timeouts.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fails: dict[int, Callable[[BaseException], bool]] = {}
+        self._ids = itertools.count()
+
+    def track(
+        self,
+        fut: Future[T],
+        timeout: timedelta | float | None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> Future[T]:
+        """Returns a mirror of ``fut`` bounded by ``timeout`` and failed by ``fail_all``.
+
+        Args:
+            fut: the operation's future.
+            timeout: its deadline (None: none besides ``fail_all``).
+            on_error: called with the error (operation failure, timeout or abort) before
+                the returned future completes.
+
+        Returns:
+            The future callers should wait on.
+        """
+        out, fail = _mirror(fut, timeout, on_error)
+        key = next(self._ids)
+        with self._lock:
+            self._fails[key] = fail
+
+        def forget(_: Future[T]) -> None:
+            with self._lock:
+                self._fails.pop(key, None)
+
+        out.add_done_callback(forget)
+        return out
+
+    def fail_all(self, error: BaseException) -> int:
+        """Fails every tracked future that is still pending; returns how many."""
+        with self._lock:
+            fails = list(self._fails.values())
+            self._fails.clear()
+        return sum(1 for fail in fails if fail(error))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fails)
 
 
 def future_wait(fut: Future[T], timeout: timedelta | float | None) -> T:
