@@ -1,0 +1,157 @@
+"""Data parallelism whose gradient averaging goes through the Manager.
+
+torch's ``DistributedDataParallel`` is kept for bucketing and overlap, but it is given a
+world-size-1 process group and a communication hook that hands every bucket to
+``manager.allreduce``: the replica dimension (which changes with every quorum) is owned by
+the Manager, which also swallows communication errors so backward never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.futures import Future
+from torch.nn import parallel
+
+from torchft.process_group import ProcessGroupDummy
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]
+
+
+def _first_tensor(value: object) -> torch.Tensor:
+    """A manager allreduce future holds the tensor (or a one-element list of it)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    raise TypeError(f"allreduce future must hold a tensor, got {type(value).__name__}")
+
+
+class DistributedDataParallel(parallel.DistributedDataParallel):
+    """torch DDP whose gradient communication goes through ``manager.allreduce``.
+
+    Initial state synchronisation is left to the Manager (a joining replica heals from a
+    peer), so buffers are not broadcast and parameters are not synced at construction.
+    """
+
+    def __init__(self, manager: Manager, module: nn.Module, **kwargs: Any) -> None:
+        """Wraps ``module``.
+
+        Args:
+            manager: the Manager whose ``allreduce`` averages gradients across replicas.
+            module: the model.
+            **kwargs: forwarded to ``torch.nn.parallel.DistributedDataParallel``
+                (``process_group``, ``broadcast_buffers`` and ``init_sync`` are fixed).
+
+        Raises:
+            ValueError: a fixed argument was passed.
+        """
+        for fixed in ("process_group", "broadcast_buffers", "init_sync"):
+            if fixed in kwargs:
+                raise ValueError(f"{fixed!r} is managed by torchft and cannot be passed")
+        # The replica dimension goes through the manager; torch only sees a group of one.
+        with warnings.catch_warnings():
+            # Newer torch deprecates broadcast_buffers, but it is still the only switch that
+            # also skips the buffer sync at construction.
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
+            super().__init__(
+                module,
+                process_group=ProcessGroupDummy(0, 1),
+                broadcast_buffers=False,
+                init_sync=False,
+                **kwargs,
+            )
+        self._manager = manager
+        # torch re-buckets after the first backward (in gradient-ready order). A replica that
+        # joins later would then reduce its first step with a different bucket layout than
+        # its peers and mix up gradients, so fix the final layout now, identically everywhere.
+        reducer = getattr(self, "reducer", None)
+        if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
+            reducer._push_all_rebuilt_params()
+            reducer._rebuild_buckets()
+        self.register_comm_hook(manager, _manager_comm_hook)
+
+
+def _manager_comm_hook(state: Manager, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Averages one gradient bucket across replicas through the Manager.
+
+    Args:
+        state: the Manager.
+        bucket: the gradient bucket (its flat buffer is reduced).
+
+    Returns:
+        A future holding the averaged buffer.
+    """
+    buffer = bucket.buffer()
+    work = state.allreduce(buffer)
+    return work.get_future().then(lambda fut: _first_tensor(fut.value()))
+
+
+# DDP validates the hook's annotations by identity, so they must be real objects rather than
+# the strings produced by ``from __future__ import annotations``.
+_manager_comm_hook.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": Future[torch.Tensor],
+}
+
+
+class PureDistributedDataParallel(nn.Module):
+    """A minimal data-parallel wrapper: one allreduce per parameter, no bucketing.
+
+    Each parameter's gradient is handed to ``manager.allreduce`` as soon as it is
+    accumulated; before ``backward()`` returns, all of them are waited for and the averaged
+    values are in ``.grad``. Useful for debugging and for models DDP cannot handle.
+    """
+
+    def __init__(self, manager: Manager, module: nn.Module) -> None:
+        """Wraps ``module``.
+
+        Args:
+            manager: the Manager whose ``allreduce`` averages gradients across replicas.
+            module: the model.
+        """
+        super().__init__()
+        self.module = module
+        self._manager = manager
+        self._pending: list[tuple[torch.Tensor, Future[Any]]] = []
+        self._callback_queued = False
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for p in module.parameters()
+            if p.requires_grad
+        ]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        work = self._manager.allreduce(grad)
+        self._pending.append((param, work.get_future()))
+        if not self._callback_queued:
+            self._callback_queued = True
+            # Runs once the whole backward pass is done, still inside backward().
+            torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
+
+    def _wait_all(self) -> None:
+        pending, self._pending = self._pending, []
+        self._callback_queued = False
+        for param, fut in pending:
+            averaged = _first_tensor(fut.wait())
+            grad = param.grad
+            if grad is not None and averaged is not grad:
+                grad.copy_(averaged)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module."""
+        return self.module(*args, **kwargs)
