@@ -1,0 +1,336 @@
+"""Per-step overhead of fault-tolerant DDP against plain torch DDP, measured in one run.
+
+Both sides train the same MLP (256 -> H -> H -> 10, batch 32, AdamW) with two processes on
+Gloo (CPU):
+
+- plain: ``torch.nn.parallel.DistributedDataParallel`` over one Gloo process group;
+- torchft: two replica groups of one rank each, a lighthouse (min_replicas=2) in this process,
+  ``Manager`` + ``torchft.DistributedDataParallel`` + ``torchft.Optimizer``.
+
+It prints the median step time of each and their ratio (torchft / plain) per hidden size, and
+the recovery time: from the start of a killed group's replacement process to its first
+committed step (which includes healing from the live group).
+
+Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+REPO_PYTHON = str(HERE.parent.parent / "python")
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _model(hidden: int) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def _write(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def worker_plain(args: argparse.Namespace) -> None:
+    """One rank of plain torch DDP."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    model = nn.parallel.DistributedDataParallel(_model(args.hidden))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for i in range(args.warmup + args.steps):
+        x = torch.randn(32, 256, generator=gen)
+        y = torch.randint(0, 10, (32,), generator=gen)
+        start = time.perf_counter()
+        optim.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optim.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    dist.barrier()
+    dist.destroy_process_group()
+    _write(args.result, {"times": times})
+
+
+def worker_ft(args: argparse.Namespace) -> None:
+    """One replica group (one rank) of torchft DDP."""
+    import torch
+    from torch import nn
+
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    rank_seed = int(os.environ.get("BENCH_SEED", "0"))
+    model = _model(args.hidden)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=int(os.environ.get("BENCH_MIN", "2")),
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=60),
+        replica_id=args.replica_id,
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    gen = torch.Generator().manual_seed(rank_seed)
+    times = []
+    first_commit: float | None = None
+    total = args.warmup + args.steps
+    try:
+        while manager.current_step() < total:
+            x = torch.randn(32, 256, generator=gen)
+            y = torch.randint(0, 10, (32,), generator=gen)
+            start = time.perf_counter()
+            optim.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            # The quorum (and any heal) finished inside backward: this is the voted step.
+            before = manager.current_step()
+            optim.step()
+            elapsed = time.perf_counter() - start
+            committed_step = manager.current_step()
+            committed = committed_step == before + 1
+            if first_commit is None and committed:
+                first_commit = time.time()
+                _write(args.result + ".first", {"t": first_commit, "step": committed_step})
+            if before >= args.warmup and committed:
+                times.append(elapsed)
+            if args.progress:
+                _write(args.progress, {"step": committed_step})
+    finally:
+        manager.shutdown(wait=False)
+    _write(args.result, {"times": times})
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _spawn(mode: str, rank: int, store_port: int, extra: list[str], env_extra: dict[str, str]):
+    env = dict(os.environ)
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2" if mode == "plain" else "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store_port),
+            "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    env.update(env_extra)
+    cmd = [sys.executable, str(HERE), "worker", "--mode", mode, *extra]
+    return subprocess.Popen(cmd, env=env)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if rc != 0:
+                raise RuntimeError(f"worker exited with {rc}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _median_of(paths: list[Path]) -> float:
+    medians = [statistics.median(json.loads(p.read_text())["times"]) for p in paths]
+    return max(medians)  # the slower rank bounds the step
+
+
+def run_plain(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = [tmp / f"plain_{hidden}_{r}.json" for r in range(2)]
+    common = ["--hidden", str(hidden), "--steps", str(steps), "--warmup", str(warmup)]
+    procs = [
+        _spawn("plain", r, store.port, [*common, "--result", str(results[r])], {}) for r in range(2)
+    ]
+    _wait(procs, 600)
+    return _median_of(results)
+
+
+def run_ft(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
+    from torch.distributed import TCPStore
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    results = [tmp / f"ft_{hidden}_{r}.json" for r in range(2)]
+    common = ["--hidden", str(hidden), "--steps", str(steps), "--warmup", str(warmup)]
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    try:
+        procs = [
+            _spawn(
+                "ft",
+                0,
+                stores[r].port,
+                [*common, "--result", str(results[r]), "--replica-id", f"bench{r}"],
+                {**env, "BENCH_SEED": str(r)},
+            )
+            for r in range(2)
+        ]
+        _wait(procs, 600)
+    finally:
+        lighthouse.shutdown()
+    return _median_of(results)
+
+
+def run_recovery(tmp: Path, hidden: int) -> dict[str, float]:
+    """Kills one group mid-run and times its replacement from process start to first commit."""
+    from torch.distributed import TCPStore
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000
+    )
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(r: int, tag: str, total: int) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        stores.append(store)
+        result = tmp / f"rec_{tag}.json"
+        progress = tmp / f"rec_{tag}.progress"
+        args = ["--hidden", str(hidden), "--steps", str(total), "--warmup", "0"]
+        args += ["--result", str(result), "--replica-id", f"rec{r}", "--progress", str(progress)]
+        p = _spawn("ft", 0, store.port, args, {**env, "BENCH_SEED": str(r), "BENCH_MIN": "1"})
+        procs.append(p)
+        return p, result, progress
+
+    def step_of(progress: Path) -> int:
+        try:
+            return int(json.loads(progress.read_text())["step"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return -1
+
+    stores: list[Any] = []
+    try:
+        total = 100000  # bounded by the kill below, not by steps
+        _, _, prog0 = start(0, "a", total)
+        victim, _, prog1 = start(1, "b", total)
+        deadline = time.monotonic() + 120
+        while min(step_of(prog0), step_of(prog1)) < 20:
+            if time.monotonic() > deadline:
+                raise RuntimeError("recovery run did not reach step 20")
+            time.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        t_start = time.time()
+        _, result, _ = start(1, "c", total)
+        first = Path(str(result) + ".first")
+        while not first.exists():
+            if time.monotonic() > deadline + 120:
+                raise RuntimeError("replacement never committed")
+            time.sleep(0.01)
+        info = json.loads(first.read_text())
+        return {"seconds": info["t"] - t_start, "healed_to_step": info["step"]}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--mode", choices=["plain", "ft"], required=True)
+    w.add_argument("--hidden", type=int, required=True)
+    w.add_argument("--steps", type=int, required=True)
+    w.add_argument("--warmup", type=int, required=True)
+    w.add_argument("--result", required=True)
+    w.add_argument("--replica-id", default="bench")
+    w.add_argument("--progress", default="")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--rounds", type=int, default=1, help="alternate plain/torchft runs")
+    parser.add_argument("--no-recovery", action="store_true")
+    args = parser.parse_args()
+
+    if args.cmd == "worker":
+        if args.mode == "plain":
+            worker_plain(args)
+        else:
+            worker_ft(args)
+        return 0
+
+    targets = {256: 1.3, 1024: 1.15}
+    print(
+        f"ddp_overhead: MLP 256->H->H->10, batch 32, AdamW, 2 processes, Gloo, {args.steps} steps"
+    )
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="ddp_overhead") as d:
+        tmp = Path(d)
+        for hidden in args.hidden:
+            plain_runs, ft_runs = [], []
+            for _ in range(args.rounds):
+                plain_runs.append(run_plain(tmp, hidden, args.steps, args.warmup))
+                ft_runs.append(run_ft(tmp, hidden, args.steps, args.warmup))
+            plain = min(plain_runs)
+            ft = min(ft_runs)
+            ratio = ft / plain
+            target = targets.get(hidden)
+            verdict = ""
+            if target is not None:
+                verdict = f"(target <= {target}: {'ok' if ratio <= target else 'MISSED'})"
+                ok = ok and ratio <= target
+            print(
+                f"  H={hidden:5d}: plain DDP {plain * 1e3:7.2f} ms/step   "
+                f"torchft {ft * 1e3:7.2f} ms/step   ratio {ratio:.3f} {verdict}"
+            )
+        if not args.no_recovery:
+            rec = run_recovery(tmp, args.hidden[0])
+            print(
+                f"  recovery: replacement process start -> first committed step "
+                f"{rec['seconds']:.2f} s (healed to step {rec['healed_to_step']})"
+            )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,977 @@
+"""The per-step fault-tolerance coordinator of one training process.
+
+A :class:`Manager` lives in every rank of a replica group. Once per step it asks the replica
+group's manager server for a quorum (which replica groups take part, who heals from whom),
+reconfigures the cross-replica process group when the membership changed, moves live
+checkpoints between replica groups (healing), performs the cross-replica gradient allreduce on
+behalf of DDP while swallowing communication errors, and finally decides with the other ranks
+of its replica group whether the step commits.
+
+The step protocol, seen from one rank::
+
+    manager.start_quorum()          # optimizer.zero_grad(); async, overlapped with forward
+    loss = model(batch); loss.backward()   # manager.allreduce(grad) through the DDP comm hook
+    if manager.should_commit():     # optimizer.step(); vote of every rank in the group
+        optimizer.step()
+
+Errors on the training path (a peer died mid-allreduce, a heal failed) are recorded with
+:meth:`Manager.report_error` and turn the step's commit vote into "no"; they are never raised
+from inside collectives. Bad arguments raise at once.
+
+Store keys: group rank 0 publishes the manager server address in the replica group's store under
+``torchft/manager/{replica_id}/addr`` (``replica_id`` is the constructor argument, so several
+replica groups may share one store if they use distinct replica ids). A restarted replica group
+should get a fresh store (torchrun creates one per restart), otherwise a non-zero rank could
+read the address published by the previous incarnation before rank 0 overwrites it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from contextlib import contextmanager
+from datetime import timedelta
+from enum import Enum
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from torch.distributed import ReduceOp, TCPStore, Work
+from torch.futures import Future
+
+from torchft import _torchft
+from torchft.work import _DummyWork, _FutureWork, future_timeout
+
+if TYPE_CHECKING:
+    from torchft.checkpointing import CheckpointTransport
+    from torchft.process_group import ProcessGroup
+
+logger: logging.Logger = logging.getLogger(__name__)
+_quorum_logger: logging.Logger = logging.getLogger("torchft_quorums")
+_commit_logger: logging.Logger = logging.getLogger("torchft_commits")
+_error_logger: logging.Logger = logging.getLogger("torchft_errors")
+
+T = TypeVar("T")
+
+#: Key under which the default (legacy constructor) state dict functions are registered.
+DEFAULT_STATE_DICT_KEY = "default"
+
+_ENV_TIMEOUT = "TORCHFT_TIMEOUT_SEC"
+_ENV_QUORUM_TIMEOUT = "TORCHFT_QUORUM_TIMEOUT_SEC"
+_ENV_CONNECT_TIMEOUT = "TORCHFT_CONNECT_TIMEOUT_SEC"
+_ENV_QUORUM_RETRIES = "TORCHFT_QUORUM_RETRIES"
+_ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+_ENV_MANAGER_PORT = "TORCHFT_MANAGER_PORT"
+
+
+class WorldSizeMode(Enum):
+    """How the number of contributing replica groups is chosen each step.
+
+    DYNAMIC: every replica group at the max step contributes and gradients are averaged over
+    all of them; the effective batch size follows the number of healthy groups.
+
+    FIXED_WITH_SPARES: at most ``min_replica_size`` replica groups contribute; the others are
+    hot spares that send zeros, so the effective batch size stays constant.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+class ExceptionWithTraceback(Exception):
+    """An error recorded during a step, with the traceback captured where it was reported.
+
+    Errors are reported on background threads and inspected later (at the commit decision),
+    so the original stack would otherwise be lost.
+    """
+
+    def __init__(self, e: Exception) -> None:
+        """Wraps ``e`` and captures the current traceback.
+
+        Args:
+            e: the original exception.
+        """
+        self.original_exception: Exception = e
+        tb = traceback.format_exception(type(e), e, e.__traceback__)
+        self.stack_trace: str = "".join(tb)
+        super().__init__(f"{type(e).__name__}: {e}")
+
+    def __str__(self) -> str:
+        return f"{type(self.original_exception).__name__}: {self.original_exception}"
+
+
+class _QuorumTimeoutError(TimeoutError):
+    """The quorum request itself hit its deadline (raised to wait_quorum/should_commit)."""
+
+
+class _ReadWriteLock:
+    """A writer-preferring read/write lock.
+
+    Checkpoint transports take the read side while serialising the state dict; the optimizer
+    step takes the write side so a peer never reads half-updated parameters.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Context manager holding the read side."""
+        self.acquire_read()
+        try:
+            yield
+        finally:
+            self.release_read()
+
+
+def _env_seconds(name: str, default: timedelta) -> timedelta:
+    """Returns the timeout from env ``name`` (seconds, float) if set, else ``default``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        secs = float(raw)
+    except ValueError:
+        raise ValueError(f"env {name}={raw!r} is not a number of seconds") from None
+    if not secs > 0:
+        raise ValueError(f"env {name}={raw!r} must be a positive number of seconds")
+    return timedelta(seconds=secs)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    """Returns the integer in env ``name`` if set, else ``default``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"env {name}={raw!r} is not an integer") from None
+
+
+def _check_timeout(name: str, value: object) -> timedelta:
+    if not isinstance(value, timedelta):
+        raise TypeError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
+    if value <= timedelta(0):
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+class Manager:
+    """Coordinates fault-tolerant data parallel training for one rank of a replica group.
+
+    See the module documentation for the step protocol. Every public method is safe to call
+    from the training thread; the quorum runs on one background worker thread.
+    """
+
+    def __init__(
+        self,
+        pg: ProcessGroup,
+        load_state_dict: Callable[[T], None] | None,
+        state_dict: Callable[[], T] | None,
+        min_replica_size: int,
+        use_async_quorum: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+        rank: int | None = None,
+        world_size: int | None = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        lighthouse_addr: str | None = None,
+        replica_id: str | None = None,
+        port: int | None = None,
+        hostname: str = socket.gethostname(),
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        checkpoint_transport: CheckpointTransport[dict[str, Any]] | None = None,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        quorum_retries: int = 0,
+    ) -> None:
+        """Creates the manager, connects to the replica group's store and manager server.
+
+        Args:
+            pg: the cross-replica process group; reconfigured whenever the quorum changes.
+            load_state_dict: legacy loader of the user state (registered under key
+                ``"default"``); may be None when :meth:`register_state_dict_fn` is used.
+            state_dict: legacy saver of the user state, paired with ``load_state_dict``.
+            min_replica_size: a step commits only with at least this many participants.
+            use_async_quorum: run the quorum on a background thread, overlapped with the
+                forward pass; healing replicas then sit out the step they heal in.
+            timeout: default timeout of collectives, checkpoint transfer and commit votes.
+            quorum_timeout: deadline of one quorum request.
+            connect_timeout: deadline for connecting to the store and manager server.
+            rank: group rank (default env ``RANK``).
+            world_size: group size (default env ``WORLD_SIZE``).
+            world_size_mode: see :class:`WorldSizeMode`.
+            store_addr: host of the replica group's TCPStore (default env ``MASTER_ADDR``).
+            store_port: port of that store (default env ``MASTER_PORT``).
+            lighthouse_addr: lighthouse address (default env ``TORCHFT_LIGHTHOUSE``).
+            replica_id: stable name of the replica group; a fresh uuid is appended per start.
+            port: port of the manager server on group rank 0 (default env
+                ``TORCHFT_MANAGER_PORT`` or 0 = any free port).
+            hostname: host name other replica groups use to reach this one.
+            heartbeat_interval: how often the manager server heartbeats the lighthouse.
+            checkpoint_transport: how live checkpoints move between replica groups
+                (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``).
+            init_sync: at step 0 make every replica group heal from one primary so all start
+                from identical weights.
+            max_retries: raise ``RuntimeError`` after more than this many consecutive failed
+                commits (None = retry forever).
+            quorum_retries: how often the manager server retries a failed lighthouse quorum.
+
+        Raises:
+            ValueError: on invalid arguments or missing configuration.
+            TypeError: on arguments of the wrong type.
+        """
+        # ---- argument validation (fail fast with a clear message) ----
+        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int):
+            raise TypeError(f"min_replica_size must be an int, got {min_replica_size!r}")
+        if min_replica_size < 1:
+            raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
+        if not isinstance(world_size_mode, WorldSizeMode):
+            raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
+        timeout = _env_seconds(_ENV_TIMEOUT, _check_timeout("timeout", timeout))
+        quorum_timeout = _env_seconds(
+            _ENV_QUORUM_TIMEOUT, _check_timeout("quorum_timeout", quorum_timeout)
+        )
+        connect_timeout = _env_seconds(
+            _ENV_CONNECT_TIMEOUT, _check_timeout("connect_timeout", connect_timeout)
+        )
+        heartbeat_interval = _check_timeout("heartbeat_interval", heartbeat_interval)
+        quorum_retries = cast(int, _env_int(_ENV_QUORUM_RETRIES, quorum_retries))
+        if quorum_retries < 0:
+            raise ValueError(f"quorum_retries must be >= 0, got {quorum_retries}")
+        if max_retries is not None and max_retries < 0:
+            raise ValueError(f"max_retries must be None or >= 0, got {max_retries}")
+        if (load_state_dict is None) != (state_dict is None):
+            raise ValueError("load_state_dict and state_dict must be given together (or neither)")
+
+        if rank is None:
+            rank = _env_int("RANK", None)
+            if rank is None:
+                raise ValueError("rank not given and env RANK is not set")
+        if world_size is None:
+            world_size = _env_int("WORLD_SIZE", None)
+            if world_size is None:
+                raise ValueError("world_size not given and env WORLD_SIZE is not set")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+
+        if store_addr is None:
+            store_addr = os.environ.get("MASTER_ADDR")
+            if not store_addr:
+                raise ValueError("store_addr not given and env MASTER_ADDR is not set")
+        if store_port is None:
+            store_port = _env_int("MASTER_PORT", None)
+            if store_port is None:
+                raise ValueError("store_port not given and env MASTER_PORT is not set")
+        if not 0 < store_port < 65536:
+            raise ValueError(f"store_port must be in 1..65535, got {store_port}")
+        if lighthouse_addr is None:
+            lighthouse_addr = os.environ.get(_ENV_LIGHTHOUSE) or None
+        if not lighthouse_addr:
+            raise ValueError(
+                "no lighthouse address: pass lighthouse_addr or set env TORCHFT_LIGHTHOUSE "
+                "(e.g. http://lighthouse-host:29510)"
+            )
+        if port is None:
+            port = cast(int, _env_int(_ENV_MANAGER_PORT, 0))
+        if not 0 <= port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+
+        self._pg = pg
+        self._min_replica_size = min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._timeout = timeout
+        self._quorum_timeout = quorum_timeout
+        self._connect_timeout = connect_timeout
+        self._group_rank: int = rank
+        self._group_world_size: int = world_size
+        self._world_size_mode = world_size_mode
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        self._job_id = os.environ.get("JOB_ID", "unknown")
+
+        # ---- user state ----
+        self._load_state_dict_fns: dict[str, Callable[[Any], None]] = {}
+        self._user_state_dicts: dict[str, Callable[[], Any]] = {}
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn(DEFAULT_STATE_DICT_KEY, load_state_dict, state_dict)
+        self._state_dict_lock = _ReadWriteLock()
+        self._write_locked = False
+
+        # ---- per-step state ----
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._quorum_id = -1
+        self._errored: ExceptionWithTraceback | None = None
+        self._error_lock = threading.Lock()
+        self._healing = False
+        self._pending_state_dict: dict[str, Any] | None = None
+        self._pending_futures: list[Future[Any]] = []
+        self._quorum_future: ConcurrentFuture[None] | None = None
+        self._participating_replica_rank: int | None = None
+        self._participating_replica_world_size: int = 0
+        self._replica_rank: int | None = None
+        self._replica_world_size: int = 0
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
+        self._manager: Any = None
+        self._client: Any = None
+        self._shutdown = False
+
+        if hasattr(pg, "set_timeout"):
+            pg.set_timeout(timeout)
+
+        # ---- checkpoint transport ----
+        if checkpoint_transport is None:
+            from torchft.checkpointing import HTTPTransport
+
+            checkpoint_transport = HTTPTransport(
+                timeout=timeout, num_chunks=0, state_dict_lock=self._state_dict_lock.read
+            )
+        self._checkpoint_transport: CheckpointTransport[dict[str, Any]] = checkpoint_transport
+
+        # ---- store, manager server, client ----
+        self._store_addr = store_addr
+        self._store_port = store_port
+        self._store = TCPStore(
+            host_name=store_addr,
+            port=store_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=connect_timeout,
+        )
+        base_id = replica_id if replica_id is not None else ""
+        key = f"torchft/manager/{base_id}/addr"
+        try:
+            if self._group_rank == 0:
+                full_id = f"{base_id}:{uuid.uuid4()}" if base_id else str(uuid.uuid4())
+                self._manager = _torchft.ManagerServer(
+                    replica_id=full_id,
+                    lighthouse_addr=lighthouse_addr,
+                    hostname=hostname,
+                    bind=f"[::]:{port}",
+                    store_addr=f"{store_addr}:{store_port}",
+                    world_size=world_size,
+                    heartbeat_interval=heartbeat_interval,
+                    connect_timeout=connect_timeout,
+                    quorum_retries=quorum_retries,
+                )
+                published = json.dumps({"address": self._manager.address(), "replica_id": full_id})
+                self._store.set(key, published)
+            info = json.loads(self._store.get(key).decode())
+            self._replica_id: str = info["replica_id"]
+            manager_address: str = info["address"]
+            self._client = _torchft.ManagerClient(manager_address, connect_timeout=connect_timeout)
+        except BaseException:
+            self.shutdown(wait=False)
+            raise
+        self._log_info(
+            "manager ready: replica_id=%s group_rank=%d/%d manager=%s async_quorum=%s",
+            self._replica_id,
+            self._group_rank,
+            self._group_world_size,
+            manager_address,
+            use_async_quorum,
+        )
+
+    # ------------------------------------------------------------------ logging helpers
+
+    def _log_info(self, msg: str, *args: object) -> None:
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                f"[{getattr(self, '_replica_id', '?')}/{self._group_rank} step {self._step}] "
+                + msg,
+                *args,
+            )
+
+    def _record(self, target: logging.Logger, **fields: object) -> None:
+        """Emits a structured record (fields in ``extra``) on one of the torchft loggers."""
+        if not target.isEnabledFor(logging.INFO):
+            return
+        extra = {
+            "job_id": self._job_id,
+            "replica_id": self._replica_id,
+            "rank": self._group_rank,
+            "quorum_id": self._quorum_id,
+            "step": self._step,
+        }
+        extra.update(fields)
+        target.info(" ".join(f"{k}={v}" for k, v in extra.items()), extra=extra)
+
+    # ------------------------------------------------------------------ state dicts
+
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Registers one piece of user state that is sent to / loaded from healing peers.
+
+        Args:
+            key: unique name of the state (e.g. ``"model"``, ``"optim"``).
+            load_state_dict: loads a received state dict.
+            state_dict: returns the current state dict (tensors are serialised lazily, under
+                the read lock, when a peer fetches them).
+
+        Raises:
+            ValueError: if ``key`` is already registered.
+        """
+        if key in self._load_state_dict_fns:
+            raise ValueError(f"state dict key {key!r} is already registered")
+        self._load_state_dict_fns[key] = cast(Callable[[Any], None], load_state_dict)
+        self._user_state_dicts[key] = state_dict
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Sets (or replaces) the default state dict functions (legacy single-key API).
+
+        Args:
+            load_state_dict: loads a received state dict.
+            state_dict: returns the current state dict.
+        """
+        self._load_state_dict_fns[DEFAULT_STATE_DICT_KEY] = cast(
+            Callable[[Any], None], load_state_dict
+        )
+        self._user_state_dicts[DEFAULT_STATE_DICT_KEY] = state_dict
+
+    def state_dict(self) -> dict[str, int]:
+        """Returns the manager's own counters, to be saved with a regular checkpoint.
+
+        Returns:
+            ``{"step": int, "batches_committed": int}``.
+        """
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restores the manager's counters (e.g. after loading a regular checkpoint).
+
+        Args:
+            state_dict: a dict produced by :meth:`state_dict`.
+        """
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        """The full state served to healing peers: user state plus the manager counters."""
+        return {
+            "user": {key: fn() for key, fn in self._user_state_dicts.items()},
+            "torchft": self.state_dict(),
+        }
+
+    def allow_state_dict_read(self) -> None:
+        """Allows checkpoint transports to read the state dict again (after optimizer step)."""
+        if self._write_locked:
+            self._write_locked = False
+            self._state_dict_lock.release_write()
+
+    def disallow_state_dict_read(self) -> None:
+        """Blocks checkpoint reads while parameters change (around the optimizer step).
+
+        Waits for a serialisation in progress to finish first.
+        """
+        if not self._write_locked:
+            self._state_dict_lock.acquire_write()
+            self._write_locked = True
+
+    # ------------------------------------------------------------------ errors
+
+    def report_error(self, e: Exception) -> None:
+        """Records an error of the current step; the step will not commit.
+
+        Args:
+            e: the error (kept with its traceback; the first error of a step wins).
+        """
+        wrapped = e if isinstance(e, ExceptionWithTraceback) else ExceptionWithTraceback(e)
+        with self._error_lock:
+            first = self._errored is None
+            if first:
+                self._errored = wrapped
+        if first:
+            logger.warning(
+                "[%s/%d step %d] error reported, step will not commit: %s",
+                getattr(self, "_replica_id", "?"),
+                self._group_rank,
+                self._step,
+                wrapped,
+            )
+            self._record(_error_logger, error=str(wrapped))
+
+    def errored(self) -> ExceptionWithTraceback | None:
+        """Returns the error recorded for the current step, if any."""
+        return self._errored
+
+    def wrap_future(
+        self, fut: Future[T], default: T, timeout: timedelta | None = None
+    ) -> Future[T]:
+        """Returns a future that never fails: errors and timeouts become ``default``.
+
+        The error (or a ``TimeoutError``) is recorded with :meth:`report_error`.
+
+        Args:
+            fut: the future to wrap.
+            default: value of the returned future when ``fut`` fails or times out.
+            timeout: optional deadline for ``fut``.
+
+        Returns:
+            A torch future resolving to ``fut``'s value or ``default``.
+        """
+        source = future_timeout(fut, timeout) if timeout is not None else fut
+
+        def settle(f: Future[T]) -> T:
+            try:
+                return f.value()
+            except Exception as e:
+                self.report_error(e)
+                return default
+
+        return source.then(settle)
+
+    # ------------------------------------------------------------------ quorum
+
+    def start_quorum(
+        self,
+        allow_heal: bool = True,
+        shrink_only: bool = False,
+        timeout: timedelta | None = None,
+    ) -> None:
+        """Starts the quorum of a new step (call at the start of every step).
+
+        Clears the previous step's error state, then runs the quorum on the background thread
+        (or inline with ``use_async_quorum=False``; healing is then done before returning).
+
+        Args:
+            allow_heal: heal from / serve live checkpoints to peers if needed.
+            shrink_only: only allow the quorum to shrink (no new members).
+            timeout: quorum deadline (default: ``quorum_timeout``).
+        """
+        if self._shutdown:
+            raise RuntimeError("Manager is shut down")
+        if self._quorum_future is not None and not self._quorum_future.done():
+            # The single worker serialises quorums anyway; wait so state is not overwritten.
+            try:
+                self._quorum_future.result()
+            except Exception:
+                pass
+        with self._error_lock:
+            self._errored = None
+        self._healing = False
+        self._pending_futures = []
+        quorum_timeout = timeout if timeout is not None else self._quorum_timeout
+        if self._use_async_quorum:
+            self._quorum_future = self._executor.submit(
+                self._run_quorum, allow_heal, shrink_only, quorum_timeout
+            )
+        else:
+            fut: ConcurrentFuture[None] = ConcurrentFuture()
+            try:
+                self._run_quorum(allow_heal, shrink_only, quorum_timeout)
+                fut.set_result(None)
+            except BaseException as e:
+                fut.set_exception(e)
+            # A quorum timeout surfaces from wait_quorum()/should_commit(), as in async mode.
+            self._quorum_future = fut
+
+    def wait_quorum(self) -> None:
+        """Waits for the quorum started by :meth:`start_quorum`.
+
+        Raises:
+            TimeoutError: if the quorum request timed out.
+            RuntimeError: if no quorum was started.
+        """
+        fut = self._quorum_future
+        if fut is None:
+            raise RuntimeError("wait_quorum() called before start_quorum()")
+        # The quorum RPC and the heal each carry their own deadline; this bound is a backstop.
+        limit = (self._quorum_timeout + 2 * self._timeout + self._connect_timeout).total_seconds()
+        try:
+            fut.result(timeout=limit)
+        except FutureTimeoutError:
+            raise TimeoutError(f"quorum did not finish within {limit:.1f}s") from None
+
+    def _run_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
+        """Runs one quorum; errors other than the quorum deadline are recorded, not raised."""
+        try:
+            self._quorum_body(allow_heal, shrink_only, quorum_timeout)
+        except _QuorumTimeoutError as e:
+            self.report_error(e)
+            raise
+        except Exception as e:
+            self.report_error(e)
+
+    def _quorum_body(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
+        try:
+            quorum = self._client._quorum(
+                group_rank=self._group_rank,
+                step=self._step,
+                checkpoint_metadata=self._checkpoint_transport.metadata(),
+                shrink_only=shrink_only,
+                timeout=quorum_timeout,
+                commit_failures=self._commit_failures,
+                init_sync=self._init_sync,
+            )
+        except TimeoutError as e:
+            # Only the quorum deadline itself surfaces to the caller; timeouts while
+            # reconfiguring or healing are ordinary step errors (recorded, retried).
+            raise _QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
+        quorum_id: int = quorum.quorum_id
+        replica_rank: int = quorum.replica_rank
+        replica_world_size: int = quorum.replica_world_size
+        max_step: int = quorum.max_step
+        heal: bool = bool(quorum.heal) and allow_heal
+
+        # Who contributes gradients this step. A rank that heals in the background (async
+        # quorum), or that is behind and may not heal, has stale weights: it sits out and
+        # sends zeros. In sync mode a healing rank is up to date before the forward pass.
+        if self._use_async_quorum or not allow_heal:
+            participating_rank: int | None = quorum.max_replica_rank
+            participating_world: int = quorum.max_world_size
+        else:
+            participating_rank = replica_rank
+            participating_world = replica_world_size
+        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+            participating_world = min(participating_world, self._min_replica_size)
+            if participating_rank is not None and participating_rank >= self._min_replica_size:
+                participating_rank = None
+        self._replica_rank = replica_rank
+        self._replica_world_size = replica_world_size
+        self._participating_replica_rank = participating_rank
+        self._participating_replica_world_size = participating_world
+
+        if quorum_id != self._quorum_id:
+            store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}"
+            self._log_info(
+                "reconfiguring for quorum_id=%d replica_rank=%d/%d store=%s",
+                quorum_id,
+                replica_rank,
+                replica_world_size,
+                store_prefixed_addr,
+            )
+            # Mark the new id before configuring: if configure fails the step is errored, and
+            # the next quorum (new id or not) must not reuse a half-built group silently.
+            self._quorum_id = quorum_id
+            try:
+                self._pg.configure(
+                    store_prefixed_addr, self._replica_id, replica_rank, replica_world_size
+                )
+            except Exception:
+                self._quorum_id = -1
+                raise
+        self._record(
+            _quorum_logger,
+            replica_rank=replica_rank,
+            replica_world_size=replica_world_size,
+            participating_rank=participating_rank,
+            num_participants=participating_world,
+            max_step=max_step,
+            heal=heal,
+        )
+
+        if allow_heal:
+            dst_ranks = list(quorum.recover_dst_replica_ranks)
+            if dst_ranks:
+                self._log_info("serving checkpoint of step %d to replicas %s", max_step, dst_ranks)
+                self._checkpoint_transport.send_checkpoint(
+                    dst_ranks=dst_ranks,
+                    step=max_step,
+                    state_dict=self._manager_state_dict(),
+                    timeout=self._timeout,
+                )
+            if heal:
+                self._heal(quorum, max_step)
+
+    def _heal(self, quorum: Any, max_step: int) -> None:
+        """Fetches the live state of step ``max_step`` from the quorum's recovery source."""
+        self._healing = True
+        src_rank = quorum.recover_src_replica_rank
+        src_addr = quorum.recover_src_manager_address
+        if src_rank is None or not src_addr:
+            raise RuntimeError(f"told to heal without a recovery source: {quorum}")
+        self._log_info("healing from replica %d (%s) at step %d", src_rank, src_addr, max_step)
+        src_client = _torchft.ManagerClient(src_addr, connect_timeout=self._connect_timeout)
+        metadata = src_client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
+        received = self._checkpoint_transport.recv_checkpoint(
+            src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
+        )
+        if not isinstance(received, dict) or "torchft" not in received or "user" not in received:
+            raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
+        # The counters apply at once so the commit vote is for the healed step.
+        self.load_state_dict(received["torchft"])
+        self._pending_state_dict = received["user"]
+        if not self._use_async_quorum:
+            self._apply_pending_state_dict()
+
+    def _apply_pending_state_dict(self) -> None:
+        """Loads healed user state into the registered loaders."""
+        pending = self._pending_state_dict
+        if pending is None:
+            return
+        self._pending_state_dict = None
+        missing = set(self._load_state_dict_fns) - set(pending)
+        if missing:
+            raise RuntimeError(f"healed checkpoint lacks state for keys {sorted(missing)}")
+        for key, load_fn in self._load_state_dict_fns.items():
+            load_fn(pending[key])
+        self._log_info("applied healed state (%d keys)", len(pending))
+
+    # ------------------------------------------------------------------ collectives
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
+    ) -> Work:
+        """Allreduces ``tensor`` in place across the participating replica groups.
+
+        Never raises for communication errors: they are recorded with :meth:`report_error`,
+        the returned work still resolves to ``tensor``, and later collectives of the step
+        become no-ops. Non-participants (healing ranks, spares) contribute zeros.
+
+        Args:
+            tensor: the tensor to reduce in place.
+            should_quantize: request a quantized allreduce. Not implemented for this transport;
+                falls back to the full-precision path (logged at debug level).
+            reduce_op: ``ReduceOp.AVG`` (sum divided by the number of participants) or another
+                reduce op passed to the process group unchanged.
+
+        Returns:
+            A ``Work`` whose future resolves to ``tensor``.
+        """
+        if self._errored is not None:
+            return _DummyWork(tensor)
+        try:
+            self.wait_quorum()
+        except Exception as e:
+            self.report_error(e)
+            return _DummyWork(tensor)
+        if self._errored is not None:
+            return _DummyWork(tensor)
+
+        num_participants = self._participating_replica_world_size
+        if self._participating_replica_rank is None:
+            tensor.zero_()
+        if should_quantize:
+            logger.debug("quantized allreduce not available; using full precision")
+
+        try:
+            avg = reduce_op == ReduceOp.AVG
+            op = ReduceOp.SUM if avg else reduce_op
+            work = self._pg.allreduce([tensor], op)
+            fut = work.get_future()
+
+            if avg:
+                floating = tensor.is_floating_point() or tensor.is_complex()
+
+                def finish(f: Future[Any]) -> torch.Tensor:
+                    f.value()  # re-raises the collective's error, caught by wrap_future
+                    if num_participants > 0:
+                        if floating:
+                            tensor.div_(num_participants)
+                        else:
+                            tensor.floor_divide_(num_participants)
+                    return tensor
+
+            else:
+
+                def finish(f: Future[Any]) -> torch.Tensor:
+                    f.value()
+                    return tensor
+
+            chained = self.wrap_future(fut.then(finish), tensor)
+            self._pending_futures.append(chained)
+            return _FutureWork(chained)
+        except Exception as e:
+            self.report_error(e)
+            return _DummyWork(tensor)
+
+    # ------------------------------------------------------------------ commit
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """Votes on the step with the other ranks of the replica group; True = commit.
+
+        Waits for the quorum and outstanding allreduces, applies healed state (async mode),
+        then votes yes only if no error was recorded and enough replicas took part. On commit
+        the step counter advances.
+
+        Args:
+            timeout: deadline of the vote (default: ``timeout``).
+
+        Returns:
+            Whether every rank of the replica group voted to commit.
+
+        Raises:
+            TimeoutError: if the quorum or the vote timed out.
+            RuntimeError: if more than ``max_retries`` consecutive commits failed.
+        """
+        vote_timeout = timeout if timeout is not None else self._timeout
+        quorum_timed_out: TimeoutError | None = None
+        try:
+            self.wait_quorum()
+        except TimeoutError as e:
+            quorum_timed_out = e
+        except Exception as e:
+            self.report_error(e)
+
+        for fut in self._pending_futures:
+            fut.wait()  # wrapped futures never raise
+        self._pending_futures = []
+
+        pg_errored = getattr(self._pg, "errored", None)
+        if pg_errored is not None:
+            err = pg_errored()
+            if err is not None:
+                self.report_error(err)
+
+        if quorum_timed_out is None and self._errored is None:
+            try:
+                self._apply_pending_state_dict()
+            except Exception as e:
+                self.report_error(e)
+
+        enough_replicas = self._participating_replica_world_size >= self._min_replica_size
+        local_vote = quorum_timed_out is None and self._errored is None and enough_replicas
+        if quorum_timed_out is not None:
+            # The manager server did not answer the quorum; the vote would not find peers.
+            self._commit_failures += 1
+            self._checkpoint_transport.disallow_checkpoint()
+            raise quorum_timed_out
+
+        should_commit = bool(
+            self._client.should_commit(
+                self._group_rank, self._step, local_vote, timeout=vote_timeout
+            )
+        )
+        self._checkpoint_transport.disallow_checkpoint()
+        self._record(
+            _commit_logger,
+            commit=should_commit,
+            local_vote=local_vote,
+            num_participants=self._participating_replica_world_size,
+            enough_replicas=enough_replicas,
+            errored=str(self._errored) if self._errored is not None else None,
+        )
+        if not enough_replicas:
+            logger.debug(
+                "not enough replicas to commit: %d < %d",
+                self._participating_replica_world_size,
+                self._min_replica_size,
+            )
+        if should_commit:
+            self._step += 1
+            self._batches_committed += self._participating_replica_world_size
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                msg = (
+                    f"exceeded max_retries={self._max_retries}: "
+                    f"{self._commit_failures} consecutive failed commits"
+                )
+                self._record(_error_logger, error=msg)
+                raise RuntimeError(msg)
+        return should_commit
+
+    # ------------------------------------------------------------------ accessors
+
+    def current_step(self) -> int:
+        """Returns the number of committed steps."""
+        return self._step
+
+    def batches_committed(self) -> int:
+        """Returns the total number of replica-batches committed (sum of participants)."""
+        return self._batches_committed
+
+    def participating_rank(self) -> int | None:
+        """Returns this replica group's rank among the step's participants, None if sitting out.
+
+        Waits for the quorum.
+        """
+        self.wait_quorum()
+        return self._participating_replica_rank
+
+    def num_participants(self) -> int:
+        """Returns the number of replica groups contributing to this step (waits for quorum)."""
+        self.wait_quorum()
+        return self._participating_replica_world_size
+
+    def is_participating(self) -> bool:
+        """Returns whether this replica group contributes to this step (waits for quorum)."""
+        return self.participating_rank() is not None
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Releases the quorum thread, manager server and client, transport and process group.
+
+        Args:
+            wait: wait for the quorum thread and transport to finish.
+        """
+        if self._shutdown:
+            return
+        self._shutdown = True
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=wait, cancel_futures=True)
+        transport = getattr(self, "_checkpoint_transport", None)
+        if transport is not None:
+            try:
+                transport.shutdown(wait=wait)
+            except Exception:
+                logger.exception("checkpoint transport shutdown failed")
+        if self._manager is not None:
+            try:
+                self._manager.shutdown()
+            except Exception:
+                logger.exception("manager server shutdown failed")
+            self._manager = None
+        self._client = None
+        pg_shutdown = getattr(self._pg, "shutdown", None)
+        if pg_shutdown is not None:
+            try:
+                pg_shutdown()
+            except Exception:
+                logger.exception("process group shutdown failed")

@@ -1,0 +1,181 @@
+"""One rank of a replica group for the fault-tolerance tests (run as a subprocess).
+
+Trains a small MLP with the Manager, torchft DDP and the optimizer wrapper (AdamW) on Gloo.
+Group rank, group size, store and lighthouse come from the environment exactly as under
+torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHFT_LIGHTHOUSE).
+
+The test drives it through files:
+- ``--progress``: rewritten after every step with the committed step (atomic rename).
+- ``--stop``: when this file exists it holds the target step; the worker exits once its
+  committed step reaches it (so every replica group stops at the same step).
+- ``--result``: written at exit with the step, hashes of parameters and optimizer state, and
+  the commit result of every attempted step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft.process_group import FakeProcessGroupWrapper
+
+logger = logging.getLogger("ft_worker")
+
+
+def hash_state(obj: Any, h: Any | None = None) -> str:
+    """Hashes nested dicts/lists of tensors and scalars deterministically (sorted keys)."""
+    top = h is None
+    if h is None:
+        h = hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=repr):
+            h.update(f"K{k!r}".encode())
+            hash_state(obj[k], h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"L{len(obj)}".encode())
+        for v in obj:
+            hash_state(v, h)
+    else:
+        h.update(f"V{obj!r}".encode())
+    return h.hexdigest() if top else ""
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Writes JSON atomically (readers never see a partial file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def read_stop(path: str) -> int | None:
+    """Returns the target step from the stop file, if it exists."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--progress", required=True)
+    parser.add_argument("--stop", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fail-steps", default="", help="steps whose first attempt fails")
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--quorum-timeout", type=float, default=30.0)
+    parser.add_argument("--hidden", type=int, default=32)
+    args = parser.parse_args()
+
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {args.replica_id}/r{os.environ.get('RANK')} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    torch.set_num_threads(1)
+    group_rank = int(os.environ["RANK"])
+    # Different initial weights per replica group: init_sync must make them identical.
+    torch.manual_seed(1000 + args.seed)
+    model = nn.Sequential(
+        nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU()
+    )
+    model.append(nn.Linear(args.hidden, 4))
+
+    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)))
+    manager = Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        use_async_quorum=not args.sync,
+        timeout=timedelta(seconds=args.timeout),
+        quorum_timeout=timedelta(seconds=args.quorum_timeout),
+        connect_timeout=timedelta(seconds=30),
+        replica_id=args.replica_id,
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-2))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+
+    if os.environ.get("FT_DEBUG"):
+
+        def pre_hook(opt: Any, *a: Any) -> None:
+            grads = {i: p.grad for i, p in enumerate(model.parameters())}
+            logger.info(
+                "DEBUG step %d params %s grads %s optim %s",
+                manager.current_step(),
+                hash_state(model.state_dict())[:10],
+                hash_state(grads)[:10],
+                hash_state(optim.state_dict())[:10],
+            )
+
+        optim.register_step_pre_hook(pre_hook)
+
+    fail_steps = {int(s) for s in args.fail_steps.split(",") if s}
+    injected: set[int] = set()
+    attempts: list[list[Any]] = []
+    data_gen = torch.Generator().manual_seed(7 * args.seed + group_rank)
+    try:
+        while True:
+            target = read_stop(args.stop)
+            step = manager.current_step()
+            if (target is not None and step >= target) or step >= args.max_steps:
+                break
+            optim.zero_grad()
+            if step in fail_steps and step not in injected:
+                injected.add(step)
+                pg.report_future_error(RuntimeError(f"injected allreduce failure at step {step}"))
+            x = torch.randn(32, 16, generator=data_gen)
+            y = torch.randint(0, 4, (32,), generator=data_gen)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            # The quorum finished inside backward (allreduce waits for it): healed counters
+            # are in place, so this is the step being voted on.
+            before = manager.current_step()
+            optim.step()
+            committed = manager.current_step() == before + 1
+            attempts.append([before, committed, hash_state(model.state_dict())[:12]])
+            write_json(args.progress, {"step": manager.current_step(), "pid": os.getpid()})
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        write_json(
+            args.result,
+            {
+                "replica_id": args.replica_id,
+                "group_rank": group_rank,
+                "step": manager.current_step(),
+                "batches_committed": manager.batches_committed(),
+                "param_hash": hash_state(model.state_dict()),
+                "optim_hash": hash_state(optim.state_dict()),
+                "attempts": attempts,
+            },
+        )
+    finally:
+        manager.shutdown(wait=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""End-to-end fault tolerance: real lighthouse, real replica-group processes, real SIGKILL.
+
+Each replica group is one or two worker processes (tests/_ft_worker.py) with their own
+TCPStore (created here, as torchrun would), a Manager, torchft DDP and AdamW on Gloo. The
+lighthouse runs in the test process. The invariant checked everywhere: replica groups that
+reach the same committed step hold bit-identical parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed import TCPStore
+
+from torchft._torchft import LighthouseServer
+
+WORKER = str(Path(__file__).with_name("_ft_worker.py"))
+REPO_PYTHON = str(Path(__file__).resolve().parent.parent / "python")
+
+
+@dataclass
+class Group:
+    """One incarnation of a replica group: its store and its rank processes."""
+
+    name: str
+    incarnation: int
+    store: TCPStore
+    procs: list[subprocess.Popen[bytes]]
+    progress: list[Path]
+    results: list[Path]
+    logs: list[Path]
+
+    def steps(self) -> list[int]:
+        """Committed step reported by each rank (-1 before the first report)."""
+        out = []
+        for p in self.progress:
+            try:
+                out.append(json.loads(p.read_text())["step"])
+            except (FileNotFoundError, json.JSONDecodeError):
+                out.append(-1)
+        return out
+
+
+@dataclass
+class Cluster:
+    """Starts, kills and watches replica-group processes; kills everything on teardown."""
+
+    tmp: Path
+    lighthouse_addr: str
+    groups: list[Group] = field(default_factory=list)
+
+    @property
+    def stop_file(self) -> Path:
+        return self.tmp / "stop"
+
+    def start(
+        self,
+        name: str,
+        *,
+        ranks: int = 1,
+        sync: bool = False,
+        seed: int = 0,
+        extra: list[str] | None = None,
+    ) -> Group:
+        """Starts an incarnation of replica group ``name`` with ``ranks`` processes."""
+        incarnation = sum(1 for g in self.groups if g.name == name)
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        procs, progress, results, logs = [], [], [], []
+        for rank in range(ranks):
+            tag = f"{name}_{incarnation}_r{rank}"
+            env = dict(os.environ)
+            env.update(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(ranks),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(store.port),
+                    "TORCHFT_LIGHTHOUSE": self.lighthouse_addr,
+                    "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
+                    "OMP_NUM_THREADS": "1",
+                }
+            )
+            cmd = [
+                sys.executable,
+                WORKER,
+                "--replica-id",
+                name,
+                "--progress",
+                str(self.tmp / f"{tag}.progress"),
+                "--stop",
+                str(self.stop_file),
+                "--result",
+                str(self.tmp / f"{tag}.result"),
+                "--seed",
+                str(seed),
+            ]
+            if sync:
+                cmd.append("--sync")
+            cmd += extra or []
+            log = self.tmp / f"{tag}.log"
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+            progress.append(self.tmp / f"{tag}.progress")
+            results.append(self.tmp / f"{tag}.result")
+            logs.append(log)
+        group = Group(name, incarnation, store, procs, progress, results, logs)
+        self.groups.append(group)
+        return group
+
+    def kill(self, group: Group) -> None:
+        """SIGKILLs every process of ``group`` and reaps them."""
+        for p in group.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in group.procs:
+            p.wait(timeout=10)
+
+    def wait_until(self, cond: Any, timeout: float, what: str) -> None:
+        """Polls ``cond()`` until true; fails (with logs) on timeout or a crashed worker."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            for g in self.live():
+                for p in g.procs:
+                    if p.poll() not in (None, 0):
+                        self.fail(f"worker of {g.name} exited with {p.returncode} ({what})")
+            time.sleep(0.05)
+        self.fail(f"timed out after {timeout}s waiting for {what}")
+
+    def live(self) -> list[Group]:
+        """Groups that were not killed (their latest incarnation)."""
+        latest: dict[str, Group] = {}
+        for g in self.groups:
+            latest[g.name] = g
+        return [g for g in latest.values() if all(p.returncode != -signal.SIGKILL for p in g.procs)]
+
+    def stop_at(self, target: int) -> None:
+        """Tells every worker to exit once it committed ``target`` steps."""
+        tmp = self.stop_file.with_suffix(".tmp")
+        tmp.write_text(str(target))
+        os.replace(tmp, self.stop_file)
+
+    def finish(self, timeout: float) -> list[dict[str, Any]]:
+        """Waits for the live groups to exit cleanly and returns their result files."""
+        deadline = time.monotonic() + timeout
+        for g in self.live():
+            for p in g.procs:
+                left = max(0.1, deadline - time.monotonic())
+                try:
+                    rc = p.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    self.fail(f"{g.name} did not stop in time")
+                if rc != 0:
+                    self.fail(f"{g.name} exited with {rc}")
+        return [json.loads(r.read_text()) for g in self.live() for r in g.results]
+
+    def fail(self, msg: str) -> None:
+        tails = []
+        for g in self.groups:
+            for log in g.logs:
+                text = log.read_text(errors="replace") if log.exists() else ""
+                tails.append(f"--- {log.name} ---\n" + "\n".join(text.splitlines()[-25:]))
+        pytest.fail(msg + "\n" + "\n".join(tails), pytrace=False)
+
+    def close(self) -> None:
+        for g in self.groups:
+            for p in g.procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in g.procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A lighthouse (min_replicas=1, short join timeout) plus a process launcher."""
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=300,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=1500,
+    )
+    c = Cluster(tmp_path, lighthouse.address())
+    try:
+        yield c
+    finally:
+        c.close()
+        lighthouse.shutdown()
+
+
+def assert_identical(results: list[dict[str, Any]], target: int) -> None:
+    """Invariant 1: same step ⇒ identical parameters and optimizer state (per group rank)."""
+    assert results, "no results"
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for r in results:
+        assert r["step"] == target, f"{r['replica_id']} stopped at {r['step']} != {target}"
+        by_rank.setdefault(r["group_rank"], []).append(r)
+    for rank, rs in by_rank.items():
+        assert len({r["param_hash"] for r in rs}) == 1, f"params differ on group rank {rank}"
+        assert len({r["optim_hash"] for r in rs}) == 1, f"optimizer differs on rank {rank}"
+
+
+def assert_same_trajectory(results: list[dict[str, Any]]) -> None:
+    """Every step committed by several groups left identical parameters in all of them."""
+    by_step: dict[tuple[int, int], set[str]] = {}
+    for r in results:
+        for step, committed, param_hash in r["attempts"]:
+            if committed:
+                by_step.setdefault((r["group_rank"], step), set()).add(param_hash)
+    diverged = sorted(k for k, v in by_step.items() if len(v) > 1)
+    assert not diverged, f"parameters diverged after (group rank, step) {diverged[:5]}"
+
+
+def run_kill_restart(
+    cluster: Cluster, n_groups: int, ranks: int, sync: bool, kill_at: int = 25
+) -> None:
+    """Trains n_groups, SIGKILLs the last one mid-run, restarts it, checks it heals."""
+    extra = ["--step-sleep", "0.04"]
+    groups = [
+        cluster.start(f"rg{i}", ranks=ranks, sync=sync, seed=i, extra=extra)
+        for i in range(n_groups)
+    ]
+    victim = groups[-1]
+    cluster.wait_until(lambda: min(victim.steps()) >= kill_at, 90, f"{victim.name} at {kill_at}")
+    cluster.kill(victim)
+    killed_at = max(victim.steps())
+    survivors = groups[:-1]
+    # The survivors keep committing without the dead group.
+    cluster.wait_until(
+        lambda: min(s for g in survivors for s in g.steps()) >= killed_at + 5,
+        60,
+        "survivors to progress without the killed group",
+    )
+    reborn = cluster.start(victim.name, ranks=ranks, sync=sync, seed=99, extra=extra)
+    cluster.wait_until(lambda: min(reborn.steps()) > killed_at + 5, 90, "restarted group to heal")
+    current = max(s for g in cluster.live() for s in g.steps())
+    target = max(100, current + 15)
+    cluster.stop_at(target)
+    results = cluster.finish(90)
+    assert len(results) == n_groups * ranks
+    assert_identical(results, target)
+    assert_same_trajectory(results)
+    for r in results:
+        if r["replica_id"] == victim.name:
+            # It never trained from scratch: its first vote was already past the kill.
+            first_step = r["attempts"][0][0]
+            assert first_step > killed_at, f"restarted group started at step {first_step}"
+            assert r["attempts"][-1][1], "restarted group's last step did not commit"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_two_groups_kill_and_heal(cluster: Cluster, sync: bool) -> None:
+    """Two groups; one is SIGKILLed, restarted, heals from the live one and ends identical."""
+    run_kill_restart(cluster, n_groups=2, ranks=1, sync=sync)
+
+
+@pytest.mark.timeout(150)
+def test_three_groups_kill_and_heal(cluster: Cluster) -> None:
+    """Three groups; one SIGKILLed and restarted; all end at the same step, identical."""
+    run_kill_restart(cluster, n_groups=3, ranks=1, sync=False)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_hsdp_two_ranks_kill_and_heal(cluster: Cluster, sync: bool) -> None:
+    """Two groups of two ranks (one replica PG per group rank); kill, restart, heal."""
+    run_kill_restart(cluster, n_groups=2, ranks=2, sync=sync)
+
+
+@pytest.mark.timeout(120)
+def test_injected_allreduce_failure_commits_nowhere(cluster: Cluster) -> None:
+    """A failed allreduce at step 10 commits in no group; the retry commits everywhere."""
+    for i in range(2):
+        cluster.start(f"rg{i}", seed=i, extra=["--fail-steps", "10"])
+    cluster.stop_at(30)
+    results = cluster.finish(100)
+    assert_identical(results, 30)
+    for r in results:
+        votes = [(a[0], a[1]) for a in r["attempts"]]
+        assert (10, False) in votes, f"{r['replica_id']}: injected failure did commit"
+        assert votes.count((10, False)) == 1
+        assert (10, True) in votes, f"{r['replica_id']}: step 10 was never retried"
+        assert [v for v in votes if not v[1]] == [(10, False)], "unexpected failed commits"
+    assert len({r["batches_committed"] for r in results}) == 1
+    assert_same_trajectory(results)
+
+
+@pytest.mark.timeout(120)
+def test_one_sided_failure_heals_the_failed_group(cluster: Cluster) -> None:
+    """Only one group's allreduce fails: it does not commit, then heals back in step."""
+    cluster.start("rg0", seed=0, extra=["--fail-steps", "10"])
+    cluster.start("rg1", seed=1)
+    cluster.stop_at(30)
+    results = cluster.finish(100)
+    assert_identical(results, 30)
+    failed = next(r for r in results if r["replica_id"] == "rg0")
+    votes = [(a[0], a[1]) for a in failed["attempts"]]
+    assert (10, False) in votes
+    # It did not redo step 10 alone: it healed to the peer's step 11 and carried on.
+    assert (10, True) not in votes
+    assert (11, True) in votes
+    assert_same_trajectory(results)
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def _manager(store: TCPStore, lighthouse: str, **kwargs: Any) -> Any:
+    from torchft import Manager, ProcessGroupGloo
+
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        load_state_dict=None,
+        state_dict=None,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id="solo",
+        **kwargs,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use_async_quorum", [True, False], ids=["async", "sync"])
+def test_quorum_timeout_raises_within_twice_the_timeout(use_async_quorum: bool) -> None:
+    """No quorum can form (min_replicas=2, one group): TimeoutError within ~2x the timeout."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = _manager(
+        store,
+        lighthouse.address(),
+        min_replica_size=1,
+        use_async_quorum=use_async_quorum,
+        quorum_timeout=timedelta(seconds=1.5),
+        timeout=timedelta(seconds=1.5),
+    )
+    try:
+        start = time.monotonic()
+        manager.start_quorum()
+        with pytest.raises(TimeoutError):
+            manager.should_commit()
+        elapsed = time.monotonic() - start
+        assert elapsed < 3.0, f"TimeoutError after {elapsed:.2f}s"
+        assert manager.current_step() == 0
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_max_retries_exceeded_raises_runtime_error() -> None:
+    """min_replica_size=2 with one group never commits: RuntimeError after max_retries."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = _manager(
+        store,
+        lighthouse.address(),
+        min_replica_size=2,
+        max_retries=2,
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=10),
+    )
+    try:
+        for _ in range(2):
+            manager.start_quorum()
+            assert manager.num_participants() == 1
+            assert not manager.should_commit()
+        manager.start_quorum()
+        with pytest.raises(RuntimeError, match="max_retries"):
+            manager.should_commit()
+        assert manager.current_step() == 0
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
