@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -42,19 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns 0 when a group was killed, healed, and all ended identical."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument(
-        "--kill-at", type=int, default=None, help="step at which to kill (default: steps/3)"
+        "--kill-at", type=int, default=None, help="step at which to kill (default: steps/4)"
     )
     p.add_argument("--kill-group", type=int, default=1)
-    p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=270.0, help="give up after this many seconds")
     args = p.parse_args(argv)
     if args.replicas < 2:
         p.error("--replicas must be at least 2 (one is killed)")
     if not 0 <= args.kill_group < args.replicas:
         p.error("--kill-group must name one of the replica groups")
-    kill_at = args.kill_at if args.kill_at is not None else args.steps // 3
+    kill_at = args.kill_at if args.kill_at is not None else args.steps // 4
 
     views = [GroupView() for _ in range(args.replicas)]
     lock = threading.Lock()
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                 v.commits += 1
                 if group in restart_time and v.first_commit_after_restart is None:
                     v.first_commit_after_restart = time.monotonic() - restart_time[group]
+                    print(
+                        f"-> replica group {group} healed from a live peer and committed step "
+                        f"{v.step}, {v.first_commit_after_restart:.1f}s after the kill"
+                    )
             else:
                 v.failed_steps += 1
 
@@ -185,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"identical final state   : {'yes' if identical else 'NO'} ({len(hashes)} distinct hash(es) over {len(results)} groups)"
     )
-    print(f"wall time               : {time.monotonic() - t0:.1f}s; logs in {log_dir}")
     ok = bool(killed) and restarts >= 1 and healed is not None and identical
+    if ok:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        print(f"wall time               : {time.monotonic() - t0:.1f}s")
+    else:
+        print(f"wall time               : {time.monotonic() - t0:.1f}s; logs kept in {log_dir}")
     code = 0 if ok else 1
     print("RESULT: " + ("OK" if ok else "FAILED"))
     return code

@@ -93,7 +93,7 @@ def state_hash(state: Any) -> str:
             t = obj.detach().cpu().contiguous()
             h.update(str(t.dtype).encode())
             h.update(str(tuple(t.shape)).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 h.update(str(k).encode())
