@@ -175,6 +175,8 @@ async fn clients_get_compact_replies_over_many_rounds_and_see_full_quorums() {
             raw_known = Some(expanded);
         }
         assert_eq!(compact_seen, 11);
+        // The manager-like clients and the raw one got compact replies after round one.
+        assert_eq!(server.reply_counts(), (4, 44));
         server.shutdown().await;
     })
     .await;
@@ -197,6 +199,11 @@ async fn old_style_requests_keep_getting_full_quorums() {
             assert_eq!(old.participants.len(), 2, "round {round}: full form");
             assert_eq!(old, new, "round {round}");
         }
+        assert_eq!(
+            server.reply_counts(),
+            (6, 4),
+            "only the new client gets compact replies"
+        );
         server.shutdown().await;
     })
     .await;

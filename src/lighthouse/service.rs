@@ -11,6 +11,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -119,6 +120,10 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Wall-clock start, reported on the status page.
     pub(crate) started: SystemTime,
+    /// Quorum replies sent in full form.
+    replies_full: AtomicU64,
+    /// Quorum replies sent in compact form.
+    replies_compact: AtomicU64,
 }
 
 /// The id the first quorum of a lighthouse started now gets: the wall clock in microseconds,
@@ -153,7 +158,27 @@ impl Shared {
                 shutting_down: false,
             }),
             started: SystemTime::now(),
+            replies_full: AtomicU64::new(0),
+            replies_compact: AtomicU64::new(0),
         }
+    }
+
+    /// Counts one quorum reply to a requester holding `known`.
+    fn count_reply(&self, issued: &Issued, known: Known) {
+        let counter = if issued.compact_for(known) {
+            &self.replies_compact
+        } else {
+            &self.replies_full
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Quorum replies sent so far: `(full, compact)`.
+    pub(crate) fn reply_counts(&self) -> (u64, u64) {
+        (
+            self.replies_full.load(Ordering::Relaxed),
+            self.replies_compact.load(Ordering::Relaxed),
+        )
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -322,6 +347,7 @@ impl LighthouseService for Grpc {
         let req = request.into_inner();
         let known = (req.known_quorum_id, req.known_revision);
         let issued = wait_for_quorum(&self.shared, req.requester, timeout).await?;
+        self.shared.count_reply(&issued, known);
         Ok(Response::new(LighthouseQuorumResponse {
             quorum: Some(issued.message(known)),
         }))
@@ -421,6 +447,7 @@ impl QuorumRoute {
             .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
         let known = (msg.known_quorum_id, msg.known_revision);
         let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        shared.count_reply(&issued, known);
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = SharedBody {
@@ -579,6 +606,12 @@ impl LighthouseServer {
     /// Id of the last issued quorum, if any (for tests and tooling).
     pub fn quorum_id(&self) -> Option<i64> {
         self.shared.snapshot().quorum_id
+    }
+
+    /// Quorum replies sent so far as `(full, compact)` (for tests and tooling): in the steady
+    /// state every requester that holds the previous quorum gets the compact form.
+    pub fn reply_counts(&self) -> (u64, u64) {
+        self.shared.reply_counts()
     }
 
     /// Graceful stop: pending long-polls end with UNAVAILABLE, then the listener and the tick
