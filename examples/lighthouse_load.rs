@@ -121,13 +121,15 @@ fn replica_id(i: usize) -> String {
     format!("rg{i:05}:3f1c9a")
 }
 
-fn member(i: usize, step: i64) -> QuorumMember {
+/// Group `i` at `step`; `failing` groups report a failed commit (forces a new quorum_id).
+fn member(i: usize, step: i64, failing: Option<usize>) -> QuorumMember {
     QuorumMember {
         replica_id: replica_id(i),
         address: format!("http://node{i:05}:29512"),
         store_address: format!("node{i:05}:29500"),
         step,
         world_size: 8,
+        commit_failures: i64::from(failing == Some(i)),
         ..Default::default()
     }
 }
@@ -168,6 +170,7 @@ async fn round(
     groups: &mut Groups,
     step: i64,
     send_known: bool,
+    failing: Option<usize>,
 ) -> anyhow::Result<RoundStats> {
     let timeout = Duration::from_secs(300);
     let cpu0 = process_cpu();
@@ -190,7 +193,7 @@ async fn round(
                     };
                     let req = torchft::net::with_timeout(
                         LighthouseQuorumRequest {
-                            requester: Some(member(i, step)),
+                            requester: Some(member(i, step, failing)),
                             known_quorum_id,
                             known_revision,
                         },
@@ -211,7 +214,7 @@ async fn round(
                     if !send_known {
                         c.forget_known_quorum();
                     }
-                    let q = c.quorum(member(i, step), timeout).await?;
+                    let q = c.quorum(member(i, step, failing), timeout).await?;
                     anyhow::Ok((Instant::now(), q.participants.len(), (0, 0)))
                 })
             })
@@ -325,9 +328,25 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
         Mode::Baseline => Groups::Baseline(clients()),
     };
     let mut rounds = Vec::new();
-    for r in 0..args.rounds.max(2) {
-        rounds.push(round(&channels, &mut groups, 100 + r as i64, !args.no_known).await?);
+    let count = args.rounds.max(2);
+    for r in 0..count {
+        rounds.push(round(&channels, &mut groups, 100 + r as i64, !args.no_known, None).await?);
     }
+    // One more round in which group 0 reports a failed commit: a new quorum_id, so holders
+    // of the previous quorum get a delta (one changed member) instead of the steps only.
+    let failure = match mode {
+        Mode::Baseline => None,
+        _ => Some(
+            round(
+                &channels,
+                &mut groups,
+                100 + count as i64,
+                !args.no_known,
+                Some(0),
+            )
+            .await?,
+        ),
+    };
     let first = &rounds[0];
     let mut fast: Vec<Duration> = rounds[1..].iter().map(|r| r.total).collect();
     fast.sort();
@@ -397,6 +416,13 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
         },
         ms(issued[issued.len() / 2]),
     );
+    if let Some(f) = failure {
+        println!(
+            "    round with a commit failure (new quorum_id): {:.1} ms; {}",
+            ms(f.total),
+            volume(f.volume)
+        );
+    }
     if let Some(s) = server {
         s.shutdown().await;
     }

@@ -175,6 +175,8 @@ async fn clients_get_compact_replies_over_many_rounds_and_see_full_quorums() {
             raw_known = Some(expanded);
         }
         assert_eq!(compact_seen, 11);
+        // The manager-like clients and the raw one got compact replies after round one.
+        assert_eq!(server.reply_counts(), (4, 44));
         server.shutdown().await;
     })
     .await;
@@ -197,6 +199,11 @@ async fn old_style_requests_keep_getting_full_quorums() {
             assert_eq!(old.participants.len(), 2, "round {round}: full form");
             assert_eq!(old, new, "round {round}");
         }
+        assert_eq!(
+            server.reply_counts(),
+            (6, 4),
+            "only the new client gets compact replies"
+        );
         server.shutdown().await;
     })
     .await;
@@ -333,6 +340,58 @@ async fn unexpandable_compact_reply_falls_back_to_the_full_form() {
             let _ = stop_tx.send(true);
             serve.abort();
         }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_leaving_is_sent_as_a_delta() {
+    bounded(async {
+        let opts = LighthouseOptions {
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(200),
+            quorum_tick: Duration::from_millis(10),
+            heartbeat_timeout: Duration::from_secs(5),
+        };
+        let server = LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap();
+        let addr = server.address();
+        let (a, c) = (
+            LighthouseClient::connect(&addr, ASK).await.unwrap(),
+            LighthouseClient::connect(&addr, ASK).await.unwrap(),
+        );
+        let raw = raw_client(&addr).await;
+        // Heartbeat all three first so the first round waits for everyone.
+        for id in ["a", "b", "c"] {
+            a.heartbeat(id, ASK).await.unwrap();
+        }
+        let (qa, qb, qc) = tokio::join!(
+            a.quorum(member("a", 1), ASK),
+            raw_quorum(&raw, member("b", 1), (0, 0)),
+            c.quorum(member("c", 1), ASK),
+        );
+        let (qa, qc) = (qa.unwrap(), qc.unwrap());
+        assert_eq!(qa, qb);
+        assert_eq!(qa, qc);
+        assert_eq!(qa.participants.len(), 3);
+        // c is gone; a and b form a quorum after the join timeout.
+        let (qa2, qb2) = tokio::join!(
+            a.quorum(member("a", 2), ASK),
+            raw_quorum(&raw, member("b", 2), (qb.quorum_id, qb.revision)),
+        );
+        let qa2 = qa2.unwrap();
+        assert_ne!(qa2.quorum_id, qa.quorum_id);
+        assert_eq!(qa2.participants, vec![member("a", 2), member("b", 2)]);
+        assert!(qb2.participants.is_empty(), "a delta, not the member list");
+        let delta = qb2.compact.clone().unwrap();
+        assert_eq!(delta.removed, vec!["c".to_string()]);
+        assert!(delta.upserts.is_empty());
+        assert_eq!(
+            torchft::lighthouse::compact::expand(Some(&qb), qb2).unwrap(),
+            qa2
+        );
+        // First round: 3 full replies; second: a and b get deltas.
+        assert_eq!(server.reply_counts(), (3, 2));
+        server.shutdown().await;
     })
     .await;
 }

@@ -2,7 +2,8 @@
 //!
 //! The client keeps the last full quorum it received and tells the lighthouse which one it
 //! holds (`known_quorum_id`, `known_revision`), so in the steady state the lighthouse answers
-//! with the compact form (steps only, O(1) bytes when every member is at the same step). The
+//! with the compact form (steps only, O(1) bytes when every member is at the same step; a
+//! delta of the changed members when the membership or a member's fields changed). The
 //! client expands compact replies back into full quorums: callers always see a full
 //! [`Quorum`]. A compact reply that cannot be expanded is never guessed at: the client asks
 //! again without `known_*` and gets the full form.

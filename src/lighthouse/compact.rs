@@ -8,9 +8,12 @@
 //!
 //! The lighthouse sends it only when the requester can rebuild the full quorum exactly: the
 //! requester's known quorum has the same quorum_id and its revision is not older than the
-//! last revision at which any field other than `step` changed ([`compact_applies`]). The
-//! client rebuilds the full quorum with [`expand`], which refuses anything inconsistent
-//! instead of guessing.
+//! last revision at which any field other than `step` changed ([`compact_applies`]). When
+//! the membership or a member field did change (a group failed or joined, commit failures),
+//! holders of exactly the previous quorum get a delta instead ([`delta_form`]): the steps
+//! plus the members that left and the complete members that are new or changed. Anyone else
+//! gets the full form. The client rebuilds the full quorum with [`expand`], which refuses
+//! anything inconsistent instead of guessing.
 
 use std::collections::HashMap;
 
@@ -77,7 +80,60 @@ pub fn compact_steps(full: &Quorum) -> CompactSteps {
         base_step,
         indices,
         steps,
+        ..Default::default()
     }
+}
+
+/// The delta reply for `full` to a requester holding exactly `base`: the steps as in
+/// [`compact_form`], plus the members of `base` that left and the members of `full` that
+/// are new or changed other fields. O(n) in the two member counts.
+///
+/// Used when the membership (or a member field) changed, e.g. one group out of thousands
+/// failed: the requesters then need O(changes) new information, not the whole member list.
+pub fn delta_form(base: &Quorum, full: &Quorum) -> Quorum {
+    let held: HashMap<&str, &QuorumMember> = base
+        .participants
+        .iter()
+        .map(|m| (m.replica_id.as_str(), m))
+        .collect();
+    let current: std::collections::HashSet<&str> = full
+        .participants
+        .iter()
+        .map(|m| m.replica_id.as_str())
+        .collect();
+    let removed = base
+        .participants
+        .iter()
+        .filter(|m| !current.contains(m.replica_id.as_str()))
+        .map(|m| m.replica_id.clone())
+        .collect();
+    let upserts = full
+        .participants
+        .iter()
+        .filter(|m| {
+            held.get(m.replica_id.as_str())
+                .is_none_or(|h| !same_except_step(h, m))
+        })
+        .cloned()
+        .collect();
+    let mut compact = compact_steps(full);
+    compact.base_quorum_id = base.quorum_id;
+    compact.base_revision = base.revision;
+    compact.removed = removed;
+    compact.upserts = upserts;
+    Quorum {
+        quorum_id: full.quorum_id,
+        participants: Vec::new(),
+        created: full.created,
+        revision: full.revision,
+        compact: Some(compact),
+    }
+}
+
+/// Whether a requester holding (`known_id`, `known_revision`) gets the delta reply built
+/// against `base` (it must hold exactly that quorum).
+pub fn delta_applies(base: &Quorum, known_id: i64, known_revision: u64) -> bool {
+    known_revision != 0 && known_id == base.quorum_id && known_revision == base.revision
 }
 
 /// The compact reply for `full`: same id, revision and timestamp, no participants.
@@ -125,6 +181,20 @@ pub fn expand(known: Option<&Quorum>, reply: Quorum) -> Result<Quorum> {
     let known = known.ok_or_else(|| {
         Error::FailedPrecondition("compact quorum received without a known quorum".into())
     })?;
+    if compact.base_revision != 0 {
+        return expand_delta(
+            known,
+            reply.quorum_id,
+            reply.revision,
+            reply.created,
+            compact,
+        );
+    }
+    if !compact.removed.is_empty() || !compact.upserts.is_empty() {
+        return Err(Error::FailedPrecondition(
+            "compact quorum carries member changes without a base".into(),
+        ));
+    }
     if known.quorum_id != reply.quorum_id || known.revision > reply.revision {
         return Err(Error::FailedPrecondition(format!(
             "compact quorum {} (revision {}) does not extend the known quorum {} (revision {})",
@@ -144,7 +214,25 @@ pub fn expand(known: Option<&Quorum>, reply: Quorum) -> Result<Quorum> {
         ));
     }
     let mut participants = known.participants.clone();
-    for m in &mut participants {
+    apply_steps(&mut participants, &compact)?;
+    Ok(Quorum {
+        quorum_id: reply.quorum_id,
+        participants,
+        created: reply.created,
+        revision: reply.revision,
+        compact: None,
+    })
+}
+
+/// Sets every member's step from `compact` (base step + overrides), checking the overrides.
+fn apply_steps(participants: &mut [QuorumMember], compact: &CompactSteps) -> Result<()> {
+    let count = participants.len();
+    if compact.indices.len() != compact.steps.len() {
+        return Err(Error::FailedPrecondition(
+            "compact quorum has mismatched step overrides".into(),
+        ));
+    }
+    for m in participants.iter_mut() {
         m.step = compact.base_step;
     }
     let mut last: Option<usize> = None;
@@ -158,11 +246,72 @@ pub fn expand(known: Option<&Quorum>, reply: Quorum) -> Result<Quorum> {
         last = Some(i);
         participants[i].step = step;
     }
+    Ok(())
+}
+
+/// Rebuilds a quorum from a delta against exactly the held quorum `known`.
+fn expand_delta(
+    known: &Quorum,
+    quorum_id: i64,
+    revision: u64,
+    created: Option<prost_types::Timestamp>,
+    compact: CompactSteps,
+) -> Result<Quorum> {
+    if known.quorum_id != compact.base_quorum_id || known.revision != compact.base_revision {
+        return Err(Error::FailedPrecondition(format!(
+            "quorum delta applies to quorum {} (revision {}), the known one is {} (revision {})",
+            compact.base_quorum_id, compact.base_revision, known.quorum_id, known.revision
+        )));
+    }
+    let removed: std::collections::HashSet<&str> =
+        compact.removed.iter().map(String::as_str).collect();
+    let replaced: std::collections::HashSet<&str> = compact
+        .upserts
+        .iter()
+        .map(|m| m.replica_id.as_str())
+        .collect();
+    let held = known.participants.iter().filter(|m| {
+        !removed.contains(m.replica_id.as_str()) && !replaced.contains(m.replica_id.as_str())
+    });
+    let removed_held = known
+        .participants
+        .iter()
+        .filter(|m| removed.contains(m.replica_id.as_str()))
+        .count();
+    if removed.len() != compact.removed.len()
+        || removed_held != removed.len()
+        || removed.iter().any(|id| replaced.contains(id))
+    {
+        return Err(Error::FailedPrecondition(
+            "quorum delta removes members the known quorum does not have".into(),
+        ));
+    }
+    let mut participants: Vec<QuorumMember> = held
+        .cloned()
+        .chain(compact.upserts.iter().cloned())
+        .collect();
+    participants.sort_unstable_by(|a, b| a.replica_id.cmp(&b.replica_id));
+    if participants
+        .windows(2)
+        .any(|w| w[0].replica_id == w[1].replica_id)
+    {
+        return Err(Error::FailedPrecondition(
+            "quorum delta lists a member twice".into(),
+        ));
+    }
+    if usize::try_from(compact.count).ok() != Some(participants.len()) {
+        return Err(Error::FailedPrecondition(format!(
+            "quorum delta has {} members, the rebuilt quorum {}",
+            compact.count,
+            participants.len()
+        )));
+    }
+    apply_steps(&mut participants, &compact)?;
     Ok(Quorum {
-        quorum_id: reply.quorum_id,
+        quorum_id,
         participants,
-        created: reply.created,
-        revision: reply.revision,
+        created,
+        revision,
         compact: None,
     })
 }
@@ -263,6 +412,43 @@ mod tests {
             let err = expand(known.as_ref(), reply).expect_err(name);
             assert!(matches!(err, Error::FailedPrecondition(_)), "{name}: {err}");
         }
+    }
+
+    #[test]
+    fn delta_rebuilds_membership_and_field_changes() {
+        let known = quorum(4, 2, &[1, 1, 1, 1]);
+        let mut next = quorum(5, 3, &[2, 2, 2, 2]);
+        // r1 leaves, r2 changes its address, "r9" joins (sorted last), r0 lags.
+        next.participants.remove(1);
+        next.participants[1].address = "http://moved:1".into();
+        next.participants.push(member("r9", 0));
+        next.participants[0].step = 1;
+        let reply = delta_form(&known, &next);
+        let c = reply.compact.as_ref().unwrap();
+        assert_eq!((c.base_quorum_id, c.base_revision), (4, 2));
+        assert_eq!(c.removed, vec!["r1".to_string()]);
+        let upserts: Vec<&str> = c.upserts.iter().map(|m| m.replica_id.as_str()).collect();
+        assert_eq!(upserts, ["r2", "r9"]);
+        assert!(reply.participants.is_empty());
+        assert!(delta_applies(&known, 4, 2));
+        assert!(!delta_applies(&known, 4, 1));
+        assert!(!delta_applies(&known, 0, 0));
+        assert_eq!(expand(Some(&known), reply.clone()).unwrap(), next);
+        // Only against exactly the base it was built for.
+        for other in [quorum(4, 1, &[1, 1, 1, 1]), quorum(5, 2, &[1, 1, 1, 1])] {
+            let err = expand(Some(&other), reply.clone()).unwrap_err();
+            assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+        }
+        // Malformed deltas are refused.
+        let mut bad = reply.clone();
+        bad.compact.as_mut().unwrap().removed.push("nobody".into());
+        assert!(expand(Some(&known), bad).is_err());
+        let mut bad = reply.clone();
+        bad.compact.as_mut().unwrap().upserts.push(member("r9", 0));
+        assert!(expand(Some(&known), bad).is_err());
+        let mut bad = reply;
+        bad.compact.as_mut().unwrap().count = 9;
+        assert!(expand(Some(&known), bad).is_err());
     }
 
     #[test]

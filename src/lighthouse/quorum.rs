@@ -1346,7 +1346,7 @@ mod tests {
 
     #[test]
     fn randomized_expanded_quorum_equals_the_full_one() {
-        let mut compact_used = 0;
+        let (mut compact_used, mut delta_used) = (0, 0);
         for seed in 1..=150u64 {
             let mut rng = XorShift(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
             let o = LighthouseOptions {
@@ -1399,11 +1399,19 @@ mod tests {
                 assert_eq!(q.revision, history.len() as u64 + 1, "seed {seed}");
                 let stable = e.stable_since();
                 // Every holder: nothing, or any earlier quorum.
+                // The service's choice: steps only, else a delta against the previous
+                // quorum when only that holder is not covered, else the full form.
+                let previous = history.last().filter(|_| stable == q.revision);
                 for known in std::iter::once(None).chain(history.iter().map(Some)) {
                     let (kid, krev) = known.map_or((0, 0), |k| (k.quorum_id, k.revision));
                     let reply = if compact::compact_applies(&q, stable, kid, krev) {
                         compact_used += 1;
                         compact::compact_form(&q)
+                    } else if let Some(prev) =
+                        previous.filter(|p| compact::delta_applies(p, kid, krev))
+                    {
+                        delta_used += 1;
+                        compact::delta_form(prev, &q)
                     } else {
                         q.clone()
                     };
@@ -1414,7 +1422,8 @@ mod tests {
                 history.push(q);
             }
         }
-        eprintln!("compact form used {compact_used} times");
+        eprintln!("compact form used {compact_used} times, delta {delta_used} times");
+        assert!(delta_used > 100, "delta form exercised {delta_used} times");
         assert!(
             compact_used > 100,
             "compact form exercised {compact_used} times"

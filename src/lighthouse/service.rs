@@ -11,6 +11,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -51,6 +52,10 @@ pub(crate) struct Issued {
     stable_since: u64,
     full: OnceLock<Bytes>,
     compact: OnceLock<Bytes>,
+    /// The delta reply against the previous quorum, when steps-only compact replies do not
+    /// cover holders of that quorum (membership or member fields changed).
+    delta: Option<(Quorum, Quorum)>,
+    delta_framed: OnceLock<Bytes>,
 }
 
 /// What a requester already holds: `(known_quorum_id, known_revision)`, zeros for nothing.
@@ -66,12 +71,27 @@ fn frame(quorum: &Quorum) -> Bytes {
 }
 
 impl Issued {
-    fn new(quorum: Quorum, stable_since: u64) -> Self {
+    /// `previous` is the quorum issued before this one (revision - 1), if any.
+    fn new(quorum: Quorum, stable_since: u64, previous: Option<&Quorum>) -> Self {
+        // Holders of the previous quorum get the steps-only form unless something else
+        // changed; then they get a delta against it (built here, in O(n), once).
+        let delta = previous
+            .filter(|_| stable_since == quorum.revision)
+            .map(|prev| {
+                let base = Quorum {
+                    quorum_id: prev.quorum_id,
+                    revision: prev.revision,
+                    ..Default::default()
+                };
+                (base, compact::delta_form(prev, &quorum))
+            });
         Self {
             quorum,
             stable_since,
             full: OnceLock::new(),
             compact: OnceLock::new(),
+            delta,
+            delta_framed: OnceLock::new(),
         }
     }
 
@@ -80,12 +100,27 @@ impl Issued {
         compact::compact_applies(&self.quorum, self.stable_since, known.0, known.1)
     }
 
+    /// The delta reply if a requester holding `known` can rebuild this quorum from it.
+    fn delta_for(&self, known: Known) -> Option<&Quorum> {
+        self.delta
+            .as_ref()
+            .filter(|(base, _)| compact::delta_applies(base, known.0, known.1))
+            .map(|(_, delta)| delta)
+    }
+
+    /// True if the reply to a requester holding `known` is not the full form.
+    fn abridged_for(&self, known: Known) -> bool {
+        self.compact_for(known) || self.delta_for(known).is_some()
+    }
+
     /// The framed response for a requester holding `known` (shared bytes, encoded once).
     fn framed(&self, known: Known) -> Bytes {
         if self.compact_for(known) {
             self.compact
                 .get_or_init(|| frame(&compact::compact_form(&self.quorum)))
                 .clone()
+        } else if let Some(delta) = self.delta_for(known) {
+            self.delta_framed.get_or_init(|| frame(delta)).clone()
         } else {
             self.full.get_or_init(|| frame(&self.quorum)).clone()
         }
@@ -95,6 +130,8 @@ impl Issued {
     fn message(&self, known: Known) -> Quorum {
         if self.compact_for(known) {
             compact::compact_form(&self.quorum)
+        } else if let Some(delta) = self.delta_for(known) {
+            delta.clone()
         } else {
             self.quorum.clone()
         }
@@ -112,6 +149,8 @@ struct State {
     engine: QuorumEngine,
     waiters: HashMap<String, Waiter>,
     shutting_down: bool,
+    /// The last issued quorum (the base of the next one's delta reply).
+    last: Option<Arc<Issued>>,
 }
 
 /// State shared by the gRPC handlers, the tick task and the HTTP pages.
@@ -119,6 +158,10 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Wall-clock start, reported on the status page.
     pub(crate) started: SystemTime,
+    /// Quorum replies sent in full form.
+    replies_full: AtomicU64,
+    /// Quorum replies sent in compact form (steps only, or a delta).
+    replies_compact: AtomicU64,
 }
 
 /// The id the first quorum of a lighthouse started now gets: the wall clock in microseconds,
@@ -151,9 +194,30 @@ impl Shared {
                 engine: QuorumEngine::new(opts, initial_id),
                 waiters: HashMap::new(),
                 shutting_down: false,
+                last: None,
             }),
             started: SystemTime::now(),
+            replies_full: AtomicU64::new(0),
+            replies_compact: AtomicU64::new(0),
         }
+    }
+
+    /// Counts one quorum reply to a requester holding `known`.
+    fn count_reply(&self, issued: &Issued, known: Known) {
+        let counter = if issued.abridged_for(known) {
+            &self.replies_compact
+        } else {
+            &self.replies_full
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Quorum replies sent so far: `(full, compact)`.
+    pub(crate) fn reply_counts(&self) -> (u64, u64) {
+        (
+            self.replies_full.load(Ordering::Relaxed),
+            self.replies_compact.load(Ordering::Relaxed),
+        )
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -172,7 +236,9 @@ impl Shared {
             members = quorum.participants.len(),
             "quorum issued"
         );
-        let issued = Arc::new(Issued::new(quorum, stable_since));
+        let previous = state.last.as_ref().map(|l| &l.quorum);
+        let issued = Arc::new(Issued::new(quorum, stable_since, previous));
+        state.last = Some(issued.clone());
         for m in &issued.quorum.participants {
             if let Some(w) = state.waiters.remove(&m.replica_id) {
                 // The receiver may be gone if the handler is just being cancelled.
@@ -322,6 +388,7 @@ impl LighthouseService for Grpc {
         let req = request.into_inner();
         let known = (req.known_quorum_id, req.known_revision);
         let issued = wait_for_quorum(&self.shared, req.requester, timeout).await?;
+        self.shared.count_reply(&issued, known);
         Ok(Response::new(LighthouseQuorumResponse {
             quorum: Some(issued.message(known)),
         }))
@@ -421,6 +488,7 @@ impl QuorumRoute {
             .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
         let known = (msg.known_quorum_id, msg.known_revision);
         let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        shared.count_reply(&issued, known);
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = SharedBody {
@@ -581,6 +649,13 @@ impl LighthouseServer {
         self.shared.snapshot().quorum_id
     }
 
+    /// Quorum replies sent so far as `(full, compact)` (for tests and tooling; compact counts
+    /// steps-only and delta replies): every requester that holds the previous quorum gets a
+    /// compact reply.
+    pub fn reply_counts(&self) -> (u64, u64) {
+        self.shared.reply_counts()
+    }
+
     /// Graceful stop: pending long-polls end with UNAVAILABLE, then the listener and the tick
     /// task are joined (connections still open after a grace period are cut).
     pub async fn shutdown(&self) {
@@ -683,19 +758,37 @@ mod tests {
         );
         assert!(issued.framed(known).len() * 2 < issued.framed((0, 0)).len());
 
-        // Membership change: a holder of the old quorum gets the full form.
+        // Membership change: the holder of the previous quorum gets a delta (the newcomer in
+        // full), the holder of an older one the full form.
         let q2 = issued.quorum.clone();
         let grown = round(&shared, &[member("c", 3), member("a", 3), member("b", 3)]);
         let grown = &grown[0];
         assert_ne!(grown.quorum.quorum_id, q2.quorum_id);
         let reply = decode(&grown.framed((q2.quorum_id, q2.revision)));
-        assert_eq!(reply.participants.len(), 3);
+        assert!(reply.participants.is_empty());
+        let delta = reply.compact.clone().unwrap();
+        assert_eq!(delta.upserts, vec![member("c", 3)]);
+        assert!(delta.removed.is_empty());
+        assert_eq!(compact::expand(Some(&q2), reply).unwrap(), grown.quorum);
+        let reply = decode(&grown.framed((q1.quorum_id, q1.revision)));
+        assert_eq!(reply, grown.quorum, "older holder: full form");
 
-        // Commit failures: new id, full form; the next steady round is compact again.
+        // Commit failures: new id, a delta with the failing member; the next steady round is
+        // compact again.
         let mut failing = member("a", 4);
         failing.commit_failures = 1;
-        let failed = round(&shared, &[failing, member("b", 4), member("c", 4)]);
+        let failed = round(&shared, &[failing.clone(), member("b", 4), member("c", 4)]);
+        let failed_reply =
+            decode(&failed[0].framed((grown.quorum.quorum_id, grown.quorum.revision)));
+        assert_eq!(
+            failed_reply.compact.as_ref().unwrap().upserts,
+            vec![failing]
+        );
         let failed = failed[0].quorum.clone();
+        assert_eq!(
+            compact::expand(Some(&grown.quorum), failed_reply).unwrap(),
+            failed
+        );
         assert_ne!(failed.quorum_id, grown.quorum.quorum_id);
         let healed = round(&shared, &[member("a", 5), member("b", 5), member("c", 5)]);
         let healed = &healed[0];
@@ -703,9 +796,13 @@ mod tests {
             healed.quorum.quorum_id, failed.quorum_id,
             "same members, same id"
         );
-        // commit_failures went back to 0: not rebuildable from the failed round's quorum.
+        // commit_failures went back to 0: not steps only, a delta for the failed round's holders.
         let reply = decode(&healed.framed((failed.quorum_id, failed.revision)));
-        assert_eq!(reply.participants.len(), 3);
+        assert_eq!(reply.compact.as_ref().unwrap().upserts.len(), 1);
+        assert_eq!(
+            compact::expand(Some(&failed), reply).unwrap(),
+            healed.quorum
+        );
         let steady = round(&shared, &[member("a", 6), member("b", 6), member("c", 6)]);
         let reply = decode(&steady[0].framed((healed.quorum.quorum_id, healed.quorum.revision)));
         assert!(reply.participants.is_empty());
