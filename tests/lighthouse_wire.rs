@@ -265,7 +265,10 @@ async fn invalid_input_refused_state_unchanged() {
         let mut raw =
             torchft::proto::lighthouse_service_client::LighthouseServiceClient::new(channel);
         let status = raw
-            .quorum(torchft::proto::LighthouseQuorumRequest { requester: None })
+            .quorum(torchft::proto::LighthouseQuorumRequest {
+                requester: None,
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument);

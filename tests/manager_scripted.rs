@@ -138,7 +138,7 @@ impl LighthouseService for RecordingLighthouse {
             quorum: Some(Quorum {
                 quorum_id: 42,
                 participants: vec![member],
-                created: None,
+                ..Default::default()
             }),
         }))
     }

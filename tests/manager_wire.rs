@@ -181,6 +181,8 @@ async fn many_steps_with_commit_votes() {
                 assert_eq!(decision.unwrap(), expected, "group {gi} step {step}");
             }
         }
+        // After the first round each manager holds the previous quorum: compact replies.
+        assert_eq!(lh.reply_counts(), (2, 18));
         lh.shutdown().await;
         a.server.shutdown().await;
         b.server.shutdown().await;

@@ -1,18 +1,34 @@
 //! A client of the lighthouse gRPC service (used by manager servers, tools and tests).
+//!
+//! The client keeps the last full quorum it received and tells the lighthouse which one it
+//! holds (`known_quorum_id`, `known_revision`), so in the steady state the lighthouse answers
+//! with the compact form (steps only, O(1) bytes when every member is at the same step; a
+//! delta of the changed members when the membership or a member's fields changed). The
+//! client expands compact replies back into full quorums: callers always see a full
+//! [`Quorum`]. A compact reply that cannot be expanded is never guessed at: the client asks
+//! again without `known_*` and gets the full form.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::time::Instant;
 use tonic::transport::Channel;
+use tonic::Status;
+use tracing::warn;
 
+use super::compact;
 use crate::error::{Error, Result};
 use crate::net::{connect, with_timeout};
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
 use crate::proto::{LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember};
 
 /// A cheap-to-clone handle on one lighthouse connection (HTTP/2 multiplexes the calls).
+///
+/// Clones share the cache of the last full quorum received.
 #[derive(Debug, Clone)]
 pub struct LighthouseClient {
     client: LighthouseServiceClient<Channel>,
+    known: Arc<Mutex<Option<Arc<Quorum>>>>,
 }
 
 impl LighthouseClient {
@@ -22,37 +38,124 @@ impl LighthouseClient {
         Ok(Self::from_channel(channel))
     }
 
-    /// Wraps an existing channel (e.g. one shared by many clients).
+    /// Wraps an existing channel (e.g. one shared by many clients, or a lazy one).
     pub fn from_channel(channel: Channel) -> Self {
         Self {
             client: LighthouseServiceClient::new(channel)
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(usize::MAX),
+            known: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The last full quorum this client received (expanded if it came compact), if any.
+    pub fn known_quorum(&self) -> Option<Arc<Quorum>> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Forgets the cached quorum: the next request asks for the full form.
+    pub fn forget_known_quorum(&self) {
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn remember(&self, quorum: &Quorum) {
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(quorum.clone()));
+    }
+
+    /// One Quorum call telling the lighthouse it holds `known`; the raw (possibly compact)
+    /// reply.
+    async fn call(
+        &self,
+        requester: QuorumMember,
+        known: Option<&Quorum>,
+        timeout: Duration,
+    ) -> std::result::Result<Quorum, Status> {
+        let mut client = self.client.clone();
+        let req = with_timeout(
+            LighthouseQuorumRequest {
+                requester: Some(requester),
+                known_quorum_id: known.map_or(0, |q| q.quorum_id),
+                known_revision: known.map_or(0, |q| q.revision),
+            },
+            timeout,
+        );
+        let resp = match tokio::time::timeout(timeout, client.quorum(req)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Status::deadline_exceeded(format!(
+                    "lighthouse quorum did not complete within {timeout:?}"
+                )))
+            }
+        };
+        resp.into_inner()
+            .quorum
+            .ok_or_else(|| Status::internal("lighthouse answered without a quorum"))
+    }
+
+    /// Like [`LighthouseClient::quorum`], but a failed call reports its gRPC status (for
+    /// callers that classify failures themselves, e.g. to retry).
+    pub async fn quorum_status(
+        &self,
+        requester: QuorumMember,
+        timeout: Duration,
+    ) -> std::result::Result<Quorum, Status> {
+        let deadline = Instant::now() + timeout;
+        let known = self.known_quorum();
+        let reply = self
+            .call(requester.clone(), known.as_deref(), timeout)
+            .await?;
+        let err = match compact::expand(known.as_deref(), reply) {
+            Ok(q) => {
+                self.remember(&q);
+                return Ok(q);
+            }
+            Err(e) => e,
+        };
+        // Never guess: drop the cache and ask for the full form (this joins the next round).
+        warn!(error = %err, "cannot expand the compact quorum; asking again for the full form");
+        self.forget_known_quorum();
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(Status::deadline_exceeded(format!(
+                "lighthouse quorum did not complete within {timeout:?}"
+            )));
+        }
+        let reply = self.call(requester, None, remaining).await?;
+        match compact::expand(None, reply) {
+            Ok(q) => {
+                self.remember(&q);
+                Ok(q)
+            }
+            Err(e) => Err(Status::internal(format!(
+                "lighthouse sent a compact quorum to a request that holds none: {e}"
+            ))),
         }
     }
 
     /// Joins the current round and waits until `requester` is in an issued quorum.
     ///
-    /// Fails with [`Error::Timeout`] when `timeout` passes first (the request then leaves the
-    /// round on the server), [`Error::InvalidArgument`] for a malformed member.
+    /// Always returns the full quorum. Fails with [`Error::Timeout`] when `timeout` passes
+    /// first (the request then leaves the round on the server), [`Error::InvalidArgument`] for
+    /// a malformed member.
     pub async fn quorum(&self, requester: QuorumMember, timeout: Duration) -> Result<Quorum> {
-        let mut client = self.client.clone();
-        let req = with_timeout(
-            LighthouseQuorumRequest {
-                requester: Some(requester),
-            },
-            timeout,
-        );
-        let resp = tokio::time::timeout(timeout, client.quorum(req))
+        self.quorum_status(requester, timeout)
             .await
-            .map_err(|_| Error::timeout("lighthouse quorum", timeout))??;
-        resp.into_inner()
-            .quorum
-            .ok_or_else(|| Error::Remote("lighthouse answered without a quorum".into()))
+            .map_err(Error::from)
     }
 
     /// Tells the lighthouse `replica_id` is alive.
     pub async fn heartbeat(&self, replica_id: &str, timeout: Duration) -> Result<()> {
+        self.heartbeat_status(replica_id, timeout)
+            .await
+            .map_err(Error::from)
+    }
+
+    /// Like [`LighthouseClient::heartbeat`], but a failed call reports its gRPC status.
+    pub async fn heartbeat_status(
+        &self,
+        replica_id: &str,
+        timeout: Duration,
+    ) -> std::result::Result<(), Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
@@ -60,9 +163,11 @@ impl LighthouseClient {
             },
             timeout,
         );
-        tokio::time::timeout(timeout, client.heartbeat(req))
-            .await
-            .map_err(|_| Error::timeout("lighthouse heartbeat", timeout))??;
-        Ok(())
+        match tokio::time::timeout(timeout, client.heartbeat(req)).await {
+            Ok(r) => r.map(|_| ()),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "lighthouse heartbeat did not complete within {timeout:?}"
+            ))),
+        }
     }
 }

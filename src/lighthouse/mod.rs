@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 pub mod client;
+pub mod compact;
 pub mod daemon;
 pub mod http;
 pub mod quorum;

@@ -21,7 +21,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use super::LighthouseOptions;
+use super::{compact, LighthouseOptions};
 use crate::error::{Error, Result};
 use crate::proto::{Quorum, QuorumMember};
 
@@ -167,6 +167,11 @@ pub struct QuorumEngine {
     heartbeats: HashMap<String, HeartbeatRecord>,
     /// Records with `counted`: a superset of the healthy replicas (exact after a prune).
     healthy: usize,
+    /// Revision of the last issued quorum (a counter of issued quorums, 0 before the first).
+    revision: u64,
+    /// Revision since which every issued quorum had the last one's id and member fields
+    /// except steps (0 before the first quorum).
+    stable_since: u64,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -223,6 +228,8 @@ impl QuorumEngine {
             shrink_only: 0,
             heartbeats: HashMap::new(),
             healthy: 0,
+            revision: 0,
+            stable_since: 0,
         }
     }
 
@@ -234,6 +241,20 @@ impl QuorumEngine {
     /// The last issued quorum, if any.
     pub fn previous(&self) -> Option<&Quorum> {
         self.previous.as_ref()
+    }
+
+    /// Revision of the last issued quorum (0 before the first): counts issued quorums.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// The revision since which every issued quorum had the same quorum_id and the same
+    /// members with the same fields except `step` as the last one (0 before the first).
+    ///
+    /// A requester that holds any quorum of revision ≥ this (and the same id) can rebuild the
+    /// last quorum from its compact form. Maintained in O(n) per issued quorum, O(1) state.
+    pub fn stable_since(&self) -> u64 {
+        self.stable_since
     }
 
     /// Number of replica groups asking in the current round.
@@ -465,12 +486,24 @@ impl QuorumEngine {
             }
         };
 
-        self.previous_ids = members.iter().map(|m| m.replica_id.clone()).collect();
+        if !same_members {
+            self.previous_ids = members.iter().map(|m| m.replica_id.clone()).collect();
+        }
+        self.revision += 1;
         let quorum = Quorum {
             quorum_id,
             participants: members,
             created: None,
+            revision: self.revision,
+            compact: None,
         };
+        let steps_only = self
+            .previous
+            .as_ref()
+            .is_some_and(|prev| compact::only_steps_changed(prev, &quorum));
+        if !steps_only {
+            self.stable_since = self.revision;
+        }
         self.previous = Some(quorum.clone());
 
         // Whoever was not selected (newcomers under shrink_only) waits for the next round.
@@ -1140,5 +1173,260 @@ mod tests {
                 last_id = q.quorum_id;
             }
         }
+    }
+
+    /// Heartbeats `members`, then has them all ask (in order) and returns the quorum.
+    fn full_round(e: &mut QuorumEngine, members: &[QuorumMember], now: Instant) -> Quorum {
+        for m in members {
+            e.heartbeat(&m.replica_id, now).unwrap();
+        }
+        let mut issued = None;
+        for m in members {
+            e.join(m.clone(), now).unwrap();
+            if let Some(q) = e.poll(now) {
+                assert!(issued.is_none(), "two quorums in one round");
+                issued = Some(q);
+            }
+        }
+        // A member that left is still healthy: the round then waits for the join timeout.
+        let later = now + e.options().join_timeout;
+        let q = issued.or_else(|| e.tick(later)).expect("a quorum");
+        assert_eq!(q.participants.len(), members.len());
+        q
+    }
+
+    fn at_step(ids: &[&str], step: i64) -> Vec<QuorumMember> {
+        ids.iter()
+            .map(|id| QuorumMember { step, ..member(id) })
+            .collect()
+    }
+
+    #[test]
+    fn revision_counts_quorums_and_stable_since_marks_non_step_changes() {
+        type Edit = fn(&mut Vec<QuorumMember>);
+        // (what changes, edit of the previous round's members, expect the same id,
+        //  expect only steps changed)
+        let cases: Vec<(&str, Edit, bool, bool)> = vec![
+            ("steps advance", |_| {}, true, true),
+            ("one member lags", |ms| ms[1].step -= 1, true, true),
+            (
+                "data changes",
+                |ms| ms[0].data = "{\"k\":1}".into(),
+                true,
+                false,
+            ),
+            (
+                "address changes",
+                |ms| ms[2].address = "http://moved:1".into(),
+                true,
+                false,
+            ),
+            (
+                "store changes",
+                |ms| ms[2].store_address = "moved:2".into(),
+                true,
+                false,
+            ),
+            ("world size changes", |ms| ms[1].world_size = 3, true, false),
+            (
+                "commit failures",
+                |ms| ms[0].commit_failures = 2,
+                false,
+                false,
+            ),
+            (
+                "shrink_only asked",
+                |ms| ms[0].shrink_only = true,
+                true,
+                false,
+            ),
+            (
+                "a member joins",
+                |ms| ms.insert(0, member("a0")),
+                false,
+                false,
+            ),
+            (
+                "a member leaves",
+                |ms| {
+                    ms.pop();
+                },
+                false,
+                false,
+            ),
+        ];
+        for (name, edit, same_id, steps_only) in cases {
+            let mut e = QuorumEngine::new(opts(1), 100);
+            let t0 = Instant::now();
+            let mut ms = at_step(&["b", "c", "d"], 1);
+            let q1 = full_round(&mut e, &ms, t0);
+            assert_eq!(
+                (q1.revision, e.revision(), e.stable_since()),
+                (1, 1, 1),
+                "{name}"
+            );
+            for m in &mut ms {
+                m.step += 1;
+            }
+            let q2 = full_round(&mut e, &ms, t0);
+            assert_eq!(
+                (q2.revision, e.stable_since()),
+                (2, 1),
+                "{name}: steps only"
+            );
+            for m in &mut ms {
+                m.step += 1;
+                m.shrink_only = false;
+            }
+            edit(&mut ms);
+            // Newcomers ask first so the fast path does not leave them out.
+            ms.sort_by_key(|m| q2.participants.iter().any(|p| p.replica_id == m.replica_id));
+            let q3 = full_round(&mut e, &ms, t0);
+            assert_eq!(q3.revision, 3, "{name}");
+            assert_eq!(q3.quorum_id == q2.quorum_id, same_id, "{name}: id");
+            let expected = if steps_only { 1 } else { 3 };
+            assert_eq!(e.stable_since(), expected, "{name}: stable_since");
+            // What each holder gets: compact exactly when it rebuilds the quorum.
+            for known in [&q1, &q2] {
+                let applies = compact::compact_applies(
+                    &q3,
+                    e.stable_since(),
+                    known.quorum_id,
+                    known.revision,
+                );
+                assert_eq!(
+                    applies, steps_only,
+                    "{name}: compact for revision {}",
+                    known.revision
+                );
+                if applies {
+                    let rebuilt = compact::expand(Some(known), compact::compact_form(&q3));
+                    assert_eq!(rebuilt.unwrap(), q3, "{name}");
+                }
+            }
+            // A requester without a cache, or an old-style request, gets the full form.
+            assert!(
+                !compact::compact_applies(&q3, e.stable_since(), 0, 0),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn shrink_only_round_with_unchanged_members_is_not_compact_for_older_holders() {
+        let mut e = QuorumEngine::new(opts(1), 1);
+        let t0 = Instant::now();
+        let q1 = full_round(&mut e, &at_step(&["a", "b"], 1), t0);
+        let mut ms = at_step(&["a", "b"], 2);
+        ms[1].shrink_only = true;
+        let q2 = full_round(&mut e, &ms, t0);
+        assert_eq!(q2.quorum_id, q1.quorum_id);
+        assert!(!compact::compact_applies(
+            &q2,
+            e.stable_since(),
+            q1.quorum_id,
+            q1.revision
+        ));
+        // The next steady round is compact for a holder of q2, not of q1.
+        let q3 = full_round(&mut e, &at_step(&["a", "b"], 3), t0);
+        assert!(!compact::compact_applies(
+            &q3,
+            e.stable_since(),
+            q1.quorum_id,
+            q1.revision
+        ));
+        let q4 = full_round(&mut e, &at_step(&["a", "b"], 4), t0);
+        assert!(compact::compact_applies(
+            &q4,
+            e.stable_since(),
+            q3.quorum_id,
+            q3.revision
+        ));
+    }
+
+    #[test]
+    fn randomized_expanded_quorum_equals_the_full_one() {
+        let (mut compact_used, mut delta_used) = (0, 0);
+        for seed in 1..=150u64 {
+            let mut rng = XorShift(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
+            let o = LighthouseOptions {
+                min_replicas: 1 + rng.below(2),
+                join_timeout: Duration::from_millis(300),
+                quorum_tick: Duration::from_millis(100),
+                heartbeat_timeout: Duration::from_millis(1000),
+            };
+            let mut e = QuorumEngine::new(o, 1 + rng.below(100) as i64);
+            let mut now = Instant::now();
+            let mut steps: HashMap<String, i64> = HashMap::new();
+            let mut history: Vec<Quorum> = Vec::new();
+            for _ in 0..300 {
+                let id = format!("r{}", rng.below(6));
+                let step = steps.entry(id.clone()).or_insert(0);
+                if rng.below(3) > 0 {
+                    *step += 1;
+                }
+                let issued = match rng.below(10) {
+                    0..=5 => {
+                        let m = QuorumMember {
+                            step: *step,
+                            data: match rng.below(40) {
+                                0 => "{\"x\":1}".into(),
+                                _ => String::new(),
+                            },
+                            address: match rng.below(40) {
+                                0 => format!("http://{id}:9"),
+                                _ => format!("http://{id}:1"),
+                            },
+                            world_size: if rng.below(40) == 0 { 2 } else { 1 },
+                            shrink_only: rng.below(30) == 0,
+                            commit_failures: if rng.below(30) == 0 { 1 } else { 0 },
+                            ..member(&id)
+                        };
+                        e.join(m, now).unwrap();
+                        e.poll(now)
+                    }
+                    6 => {
+                        e.heartbeat(&id, now).unwrap();
+                        None
+                    }
+                    7 | 8 => {
+                        now += Duration::from_millis(rng.below(700));
+                        None
+                    }
+                    _ => e.tick(now),
+                };
+                let Some(q) = issued else { continue };
+                assert_eq!(q.revision, history.len() as u64 + 1, "seed {seed}");
+                let stable = e.stable_since();
+                // Every holder: nothing, or any earlier quorum.
+                // The service's choice: steps only, else a delta against the previous
+                // quorum when only that holder is not covered, else the full form.
+                let previous = history.last().filter(|_| stable == q.revision);
+                for known in std::iter::once(None).chain(history.iter().map(Some)) {
+                    let (kid, krev) = known.map_or((0, 0), |k| (k.quorum_id, k.revision));
+                    let reply = if compact::compact_applies(&q, stable, kid, krev) {
+                        compact_used += 1;
+                        compact::compact_form(&q)
+                    } else if let Some(prev) =
+                        previous.filter(|p| compact::delta_applies(p, kid, krev))
+                    {
+                        delta_used += 1;
+                        compact::delta_form(prev, &q)
+                    } else {
+                        q.clone()
+                    };
+                    let rebuilt = compact::expand(known, reply)
+                        .unwrap_or_else(|err| panic!("seed {seed}: {err}"));
+                    assert_eq!(rebuilt, q, "seed {seed}: known revision {krev}");
+                }
+                history.push(q);
+            }
+        }
+        eprintln!("compact form used {compact_used} times, delta {delta_used} times");
+        assert!(delta_used > 100, "delta form exercised {delta_used} times");
+        assert!(
+            compact_used > 100,
+            "compact form exercised {compact_used} times"
+        );
     }
 }

@@ -11,7 +11,8 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -24,6 +25,7 @@ use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
+use super::compact;
 use super::quorum::{QuorumEngine, Snapshot};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
@@ -40,24 +42,98 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
 const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
-/// A quorum as handed to its members: the message, and the gRPC response framed once
-/// (5-byte prefix + encoded `LighthouseQuorumResponse`) so every member's reply shares the
-/// same bytes instead of cloning and encoding the quorum once per member.
+/// A quorum as handed to its members: the full message, and its two gRPC responses (full
+/// and compact, see [`compact`]) each framed at most once (5-byte prefix + encoded
+/// `LighthouseQuorumResponse`) so every member's reply shares the same bytes instead of
+/// cloning and encoding the quorum once per member.
 pub(crate) struct Issued {
     quorum: Quorum,
-    framed: Bytes,
+    /// Revision since which only steps changed (see `QuorumEngine::stable_since`).
+    stable_since: u64,
+    full: OnceLock<Bytes>,
+    compact: OnceLock<Bytes>,
+    /// The delta reply against the previous quorum, when steps-only compact replies do not
+    /// cover holders of that quorum (membership or member fields changed).
+    delta: Option<(Quorum, Quorum)>,
+    delta_framed: OnceLock<Bytes>,
+}
+
+/// What a requester already holds: `(known_quorum_id, known_revision)`, zeros for nothing.
+type Known = (i64, u64);
+
+fn frame(quorum: &Quorum) -> Bytes {
+    let len = prost::encoding::message::encoded_len(1, quorum);
+    let mut buf = Vec::with_capacity(len + 5);
+    buf.push(0u8);
+    buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    prost::encoding::message::encode(1, quorum, &mut buf);
+    Bytes::from(buf)
 }
 
 impl Issued {
-    fn new(quorum: Quorum) -> Self {
-        let len = prost::encoding::message::encoded_len(1, &quorum);
-        let mut buf = Vec::with_capacity(len + 5);
-        buf.push(0u8);
-        buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        prost::encoding::message::encode(1, &quorum, &mut buf);
+    /// `previous` is the quorum issued before this one (revision - 1), if any.
+    fn new(quorum: Quorum, stable_since: u64, previous: Option<&Quorum>) -> Self {
+        // Holders of the previous quorum get the steps-only form unless something else
+        // changed; then they get a delta against it (built here, in O(n), once).
+        let delta = previous
+            .filter(|_| stable_since == quorum.revision)
+            .map(|prev| {
+                let base = Quorum {
+                    quorum_id: prev.quorum_id,
+                    revision: prev.revision,
+                    ..Default::default()
+                };
+                (base, compact::delta_form(prev, &quorum))
+            });
         Self {
             quorum,
-            framed: Bytes::from(buf),
+            stable_since,
+            full: OnceLock::new(),
+            compact: OnceLock::new(),
+            delta,
+            delta_framed: OnceLock::new(),
+        }
+    }
+
+    /// True if a requester holding `known` can rebuild this quorum from the compact form.
+    fn compact_for(&self, known: Known) -> bool {
+        compact::compact_applies(&self.quorum, self.stable_since, known.0, known.1)
+    }
+
+    /// The delta reply if a requester holding `known` can rebuild this quorum from it.
+    fn delta_for(&self, known: Known) -> Option<&Quorum> {
+        self.delta
+            .as_ref()
+            .filter(|(base, _)| compact::delta_applies(base, known.0, known.1))
+            .map(|(_, delta)| delta)
+    }
+
+    /// True if the reply to a requester holding `known` is not the full form.
+    fn abridged_for(&self, known: Known) -> bool {
+        self.compact_for(known) || self.delta_for(known).is_some()
+    }
+
+    /// The framed response for a requester holding `known` (shared bytes, encoded once).
+    fn framed(&self, known: Known) -> Bytes {
+        if self.compact_for(known) {
+            self.compact
+                .get_or_init(|| frame(&compact::compact_form(&self.quorum)))
+                .clone()
+        } else if let Some(delta) = self.delta_for(known) {
+            self.delta_framed.get_or_init(|| frame(delta)).clone()
+        } else {
+            self.full.get_or_init(|| frame(&self.quorum)).clone()
+        }
+    }
+
+    /// The response message for a requester holding `known`.
+    fn message(&self, known: Known) -> Quorum {
+        if self.compact_for(known) {
+            compact::compact_form(&self.quorum)
+        } else if let Some(delta) = self.delta_for(known) {
+            delta.clone()
+        } else {
+            self.quorum.clone()
         }
     }
 }
@@ -73,6 +149,8 @@ struct State {
     engine: QuorumEngine,
     waiters: HashMap<String, Waiter>,
     shutting_down: bool,
+    /// The last issued quorum (the base of the next one's delta reply).
+    last: Option<Arc<Issued>>,
 }
 
 /// State shared by the gRPC handlers, the tick task and the HTTP pages.
@@ -80,6 +158,10 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Wall-clock start, reported on the status page.
     pub(crate) started: SystemTime,
+    /// Quorum replies sent in full form.
+    replies_full: AtomicU64,
+    /// Quorum replies sent in compact form (steps only, or a delta).
+    replies_compact: AtomicU64,
 }
 
 /// The id the first quorum of a lighthouse started now gets: the wall clock in microseconds,
@@ -112,9 +194,30 @@ impl Shared {
                 engine: QuorumEngine::new(opts, initial_id),
                 waiters: HashMap::new(),
                 shutting_down: false,
+                last: None,
             }),
             started: SystemTime::now(),
+            replies_full: AtomicU64::new(0),
+            replies_compact: AtomicU64::new(0),
         }
+    }
+
+    /// Counts one quorum reply to a requester holding `known`.
+    fn count_reply(&self, issued: &Issued, known: Known) {
+        let counter = if issued.abridged_for(known) {
+            &self.replies_compact
+        } else {
+            &self.replies_full
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Quorum replies sent so far: `(full, compact)`.
+    pub(crate) fn reply_counts(&self) -> (u64, u64) {
+        (
+            self.replies_full.load(Ordering::Relaxed),
+            self.replies_compact.load(Ordering::Relaxed),
+        )
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -126,12 +229,16 @@ impl Shared {
     /// Hands an issued quorum to each of its members' waiters.
     fn deliver(state: &mut State, mut quorum: Quorum) {
         quorum.created = Some(timestamp(SystemTime::now()));
+        let stable_since = state.engine.stable_since();
         info!(
             quorum_id = quorum.quorum_id,
+            revision = quorum.revision,
             members = quorum.participants.len(),
             "quorum issued"
         );
-        let issued = Arc::new(Issued::new(quorum));
+        let previous = state.last.as_ref().map(|l| &l.quorum);
+        let issued = Arc::new(Issued::new(quorum, stable_since, previous));
+        state.last = Some(issued.clone());
         for m in &issued.quorum.participants {
             if let Some(w) = state.waiters.remove(&m.replica_id) {
                 // The receiver may be gone if the handler is just being cancelled.
@@ -278,9 +385,12 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseQuorumRequest>,
     ) -> std::result::Result<Response<LighthouseQuorumResponse>, Status> {
         let timeout = request_timeout(&request);
-        let issued = wait_for_quorum(&self.shared, request.into_inner().requester, timeout).await?;
+        let req = request.into_inner();
+        let known = (req.known_quorum_id, req.known_revision);
+        let issued = wait_for_quorum(&self.shared, req.requester, timeout).await?;
+        self.shared.count_reply(&issued, known);
         Ok(Response::new(LighthouseQuorumResponse {
-            quorum: Some(issued.quorum.clone()),
+            quorum: Some(issued.message(known)),
         }))
     }
 
@@ -376,11 +486,13 @@ impl QuorumRoute {
         }
         let msg = LighthouseQuorumRequest::decode(&body[5..])
             .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
+        let known = (msg.known_quorum_id, msg.known_revision);
         let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        shared.count_reply(&issued, known);
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = SharedBody {
-            data: Some(issued.framed.clone()),
+            data: Some(issued.framed(known)),
             trailers: Some(trailers),
         };
         let mut resp = http::Response::new(axum::body::Body::new(body));
@@ -537,6 +649,13 @@ impl LighthouseServer {
         self.shared.snapshot().quorum_id
     }
 
+    /// Quorum replies sent so far as `(full, compact)` (for tests and tooling; compact counts
+    /// steps-only and delta replies): every requester that holds the previous quorum gets a
+    /// compact reply.
+    pub fn reply_counts(&self) -> (u64, u64) {
+        self.shared.reply_counts()
+    }
+
     /// Graceful stop: pending long-polls end with UNAVAILABLE, then the listener and the tick
     /// task are joined (connections still open after a grace period are cut).
     pub async fn shutdown(&self) {
@@ -557,5 +676,139 @@ impl Drop for LighthouseServer {
         // Dropping without `shutdown()` still stops serving (without waiting).
         self.shared.begin_shutdown();
         let _ = self.stop.send(true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> LighthouseOptions {
+        LighthouseOptions {
+            min_replicas: 2,
+            ..Default::default()
+        }
+    }
+
+    fn member(id: &str, step: i64) -> QuorumMember {
+        QuorumMember {
+            replica_id: id.into(),
+            address: format!("http://{id}:1"),
+            store_address: format!("{id}:2"),
+            step,
+            world_size: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Every member asks; returns what each one's waiter received.
+    fn round(shared: &Shared, members: &[QuorumMember]) -> Vec<Arc<Issued>> {
+        let rxs: Vec<_> = members
+            .iter()
+            .map(|m| shared.join(m.clone()).unwrap().1)
+            .collect();
+        rxs.into_iter()
+            .map(|mut rx| rx.try_recv().unwrap().unwrap())
+            .collect()
+    }
+
+    fn decode(framed: &Bytes) -> Quorum {
+        assert_eq!(framed[0], 0);
+        let len = u32::from_be_bytes([framed[1], framed[2], framed[3], framed[4]]) as usize;
+        assert_eq!(framed.len(), 5 + len);
+        LighthouseQuorumResponse::decode(&framed[5..])
+            .unwrap()
+            .quorum
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn replies_are_compact_only_for_holders_of_a_rebuildable_quorum() {
+        let shared = Shared::new(opts(), 10);
+        let q1 = round(&shared, &[member("a", 1), member("b", 1)]);
+        let q1 = q1[0].quorum.clone();
+        let issued = round(&shared, &[member("a", 2), member("b", 2)]);
+        assert!(
+            Arc::ptr_eq(&issued[0], &issued[1]),
+            "one issued quorum per round"
+        );
+        let issued = &issued[0];
+
+        // Holder of the previous quorum: compact, and it rebuilds the full quorum.
+        let known = (q1.quorum_id, q1.revision);
+        let compact_reply = decode(&issued.framed(known));
+        assert!(compact_reply.participants.is_empty());
+        assert_eq!(compact_reply.compact.as_ref().unwrap().base_step, 2);
+        assert_eq!(issued.message(known), compact_reply);
+        assert_eq!(
+            compact::expand(Some(&q1), compact_reply).unwrap(),
+            issued.quorum
+        );
+        // Nothing known (old-style request), another id, a future revision: full form.
+        for known in [(0, 0), (q1.quorum_id + 1, q1.revision), (q1.quorum_id, 99)] {
+            let reply = decode(&issued.framed(known));
+            assert_eq!(reply, issued.quorum, "known {known:?}");
+            assert_eq!(issued.message(known), issued.quorum, "known {known:?}");
+        }
+        // Each form is encoded once and its bytes are shared by every reply.
+        assert_eq!(issued.framed(known).as_ptr(), issued.framed(known).as_ptr());
+        assert_eq!(
+            issued.framed((0, 0)).as_ptr(),
+            issued.framed((0, 0)).as_ptr()
+        );
+        assert!(issued.framed(known).len() * 2 < issued.framed((0, 0)).len());
+
+        // Membership change: the holder of the previous quorum gets a delta (the newcomer in
+        // full), the holder of an older one the full form.
+        let q2 = issued.quorum.clone();
+        let grown = round(&shared, &[member("c", 3), member("a", 3), member("b", 3)]);
+        let grown = &grown[0];
+        assert_ne!(grown.quorum.quorum_id, q2.quorum_id);
+        let reply = decode(&grown.framed((q2.quorum_id, q2.revision)));
+        assert!(reply.participants.is_empty());
+        let delta = reply.compact.clone().unwrap();
+        assert_eq!(delta.upserts, vec![member("c", 3)]);
+        assert!(delta.removed.is_empty());
+        assert_eq!(compact::expand(Some(&q2), reply).unwrap(), grown.quorum);
+        let reply = decode(&grown.framed((q1.quorum_id, q1.revision)));
+        assert_eq!(reply, grown.quorum, "older holder: full form");
+
+        // Commit failures: new id, a delta with the failing member; the next steady round is
+        // compact again.
+        let mut failing = member("a", 4);
+        failing.commit_failures = 1;
+        let failed = round(&shared, &[failing.clone(), member("b", 4), member("c", 4)]);
+        let failed_reply =
+            decode(&failed[0].framed((grown.quorum.quorum_id, grown.quorum.revision)));
+        assert_eq!(
+            failed_reply.compact.as_ref().unwrap().upserts,
+            vec![failing]
+        );
+        let failed = failed[0].quorum.clone();
+        assert_eq!(
+            compact::expand(Some(&grown.quorum), failed_reply).unwrap(),
+            failed
+        );
+        assert_ne!(failed.quorum_id, grown.quorum.quorum_id);
+        let healed = round(&shared, &[member("a", 5), member("b", 5), member("c", 5)]);
+        let healed = &healed[0];
+        assert_eq!(
+            healed.quorum.quorum_id, failed.quorum_id,
+            "same members, same id"
+        );
+        // commit_failures went back to 0: not steps only, a delta for the failed round's holders.
+        let reply = decode(&healed.framed((failed.quorum_id, failed.revision)));
+        assert_eq!(reply.compact.as_ref().unwrap().upserts.len(), 1);
+        assert_eq!(
+            compact::expand(Some(&failed), reply).unwrap(),
+            healed.quorum
+        );
+        let steady = round(&shared, &[member("a", 6), member("b", 6), member("c", 6)]);
+        let reply = decode(&steady[0].framed((healed.quorum.quorum_id, healed.quorum.revision)));
+        assert!(reply.participants.is_empty());
+        assert_eq!(
+            compact::expand(Some(&healed.quorum), reply).unwrap(),
+            steady[0].quorum
+        );
     }
 }

@@ -145,7 +145,7 @@ mod tests {
         Quorum {
             quorum_id: 7,
             participants: members,
-            created: None,
+            ..Default::default()
         }
     }
 

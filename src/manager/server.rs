@@ -16,7 +16,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
@@ -25,13 +25,13 @@ use super::compute::compute_quorum_results;
 use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::net::{normalize_addr, request_timeout, with_timeout, Backoff};
-use crate::proto::lighthouse_service_client::LighthouseServiceClient;
+use crate::lighthouse::LighthouseClient;
+use crate::net::{normalize_addr, request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
 use crate::proto::{
     CheckpointMetadataRequest, CheckpointMetadataResponse, KillRequest, KillResponse,
-    LighthouseHeartbeatRequest, LighthouseQuorumRequest, ManagerQuorumRequest,
-    ManagerQuorumResponse, Quorum, QuorumMember, ShouldCommitRequest, ShouldCommitResponse,
+    ManagerQuorumRequest, ManagerQuorumResponse, Quorum, QuorumMember, ShouldCommitRequest,
+    ShouldCommitResponse,
 };
 
 /// How long a graceful shutdown waits for open connections before closing them.
@@ -53,7 +53,8 @@ struct Inner {
     opts: ManagerOptions,
     address: String,
     lighthouse_addr: String,
-    lighthouse: LighthouseServiceClient<Channel>,
+    /// Keeps the last quorum received, so the lighthouse can answer in compact form.
+    lighthouse: LighthouseClient,
     gather: QuorumGather,
     barrier: CommitBarrier,
     shutdown: watch::Receiver<bool>,
@@ -141,7 +142,7 @@ impl ManagerServer {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(20));
-        let lighthouse = LighthouseServiceClient::new(endpoint.connect_lazy());
+        let lighthouse = LighthouseClient::from_channel(endpoint.connect_lazy());
 
         let listener = tokio::net::TcpListener::bind(&opts.bind)
             .await
@@ -240,20 +241,18 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
             _ = ticker.tick() => {}
             _ = shutdown.wait_for(|down| *down) => return,
         }
-        let req = LighthouseHeartbeatRequest {
-            replica_id: inner.opts.replica_id.clone(),
-        };
-        let mut client = inner.lighthouse.clone();
-        let result =
-            tokio::time::timeout(period, client.heartbeat(with_timeout(req, period))).await;
+        let result = inner
+            .lighthouse
+            .heartbeat_status(&inner.opts.replica_id, period)
+            .await;
         match result {
-            Ok(Ok(_)) => {
+            Ok(()) => {
                 if failing {
                     info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
                     failing = false;
                 }
             }
-            Ok(Err(status)) => {
+            Err(status) if status.code() != tonic::Code::DeadlineExceeded => {
                 if !failing {
                     warn!(lighthouse = %inner.lighthouse_addr, error = %status.message(),
                         "lighthouse heartbeat failed; retrying every {period:?}");
@@ -294,22 +293,14 @@ impl Inner {
                     self.lighthouse_addr
                 )));
             }
-            let req = with_timeout(
-                LighthouseQuorumRequest {
-                    requester: Some(member.clone()),
-                },
-                remaining,
-            );
-            let mut client = self.lighthouse.clone();
             let started = Instant::now();
-            let err = match tokio::time::timeout(remaining, client.quorum(req)).await {
-                Ok(Ok(resp)) => {
-                    return resp.into_inner().quorum.ok_or_else(|| {
-                        Error::Remote("the lighthouse answered without a quorum".into())
-                    });
-                }
-                Ok(Err(status)) => rpc_error(status, started, remaining),
-                Err(_) => Error::timeout("lighthouse quorum", remaining),
+            let err = match self
+                .lighthouse
+                .quorum_status(member.clone(), remaining)
+                .await
+            {
+                Ok(quorum) => return Ok(quorum),
+                Err(status) => rpc_error(status, started, remaining),
             };
             match err {
                 Error::Timeout(_) | Error::InvalidArgument(_) | Error::FailedPrecondition(_) => {
