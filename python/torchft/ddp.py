@@ -75,11 +75,20 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         # torch re-buckets after the first backward (in gradient-ready order). A replica that
         # joins later would then reduce its first step with a different bucket layout than
         # its peers and mix up gradients, so fix the final layout now, identically everywhere.
+        # The reducer's parameters are in reverse definition order (see
+        # _build_params_for_reducer), which approximates the order gradients become ready, so
+        # the early buckets can be reduced while backward is still running.
         reducer = getattr(self, "reducer", None)
         if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
             reducer._push_all_rebuilt_params()
             reducer._rebuild_buckets()
         self.register_comm_hook(manager, _manager_comm_hook)
+
+
+    def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """The reducer's parameters, last-defined first (roughly gradient-ready order)."""
+        parameters, expect_sparse_gradient = super()._build_params_for_reducer()
+        return list(reversed(parameters)), list(reversed(expect_sparse_gradient))
 
 
 def _manager_comm_hook(state: Manager, bucket: dist.GradBucket) -> Future[torch.Tensor]:
