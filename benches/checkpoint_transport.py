@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
 from torchft.checkpointing import HTTPTransport
 from torchft.checkpointing._serialization import tensor_bytes
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from torchft.checkpointing import CheckpointTransport, HTTPTransport, PGTransport
 from torchft.checkpointing import _serialization as ser
 from torchft.checkpointing._serialization import CheckpointFormatError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils.data import TensorDataset
+
 from torchft.data import DistributedSampler
 
 

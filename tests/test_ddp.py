@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed import ReduceOp, TCPStore
+
 from torchft.ddp import DistributedDataParallel, PureDistributedDataParallel
 from torchft.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 from torchft.work import _DummyWork, _FutureWork

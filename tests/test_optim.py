@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, StepLR
+
 from torchft.optim import OptimizerWrapper
 
 

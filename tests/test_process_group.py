@@ -22,6 +22,7 @@ from torch.distributed import (
     ReduceScatterOptions,
     TCPStore,
 )
+
 from torchft.process_group import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 from torch.futures import Future
+
 from torchft.work import (
     _TIMER,
     _DummyWork,

@@ -84,7 +84,6 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             reducer._rebuild_buckets()
         self.register_comm_hook(manager, _manager_comm_hook)
 
-
     def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The reducer's parameters, last-defined first (roughly gradient-ready order)."""
         parameters, expect_sparse_gradient = super()._build_params_for_reducer()
