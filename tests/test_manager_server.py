@@ -181,6 +181,36 @@ def test_quorum_timeout_when_a_rank_never_arrives(
     assert all(isinstance(r, QuorumResult) for r in results), results
 
 
+def test_quorum_start_answers_like_quorum(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """A started request is answered once, with the same result and errors as ``_quorum``."""
+    g = groups("a", lighthouse.address(), 2)
+    c0, c1 = g.clients
+    pending = c0._quorum_start(0, 0, "meta-0", False, LONG, 0)
+    # Rank 1 has not asked yet, so the group's round cannot be answered.
+    time.sleep(0.1)
+    assert not pending.done()
+    blocking = c1._quorum(1, 0, "meta-1", False, LONG, 0)
+    started = pending.wait()
+    assert isinstance(started, QuorumResult)
+    assert pending.done()
+    assert (started.quorum_id, started.replica_world_size) == (
+        blocking.quorum_id,
+        blocking.replica_world_size,
+    )
+    with pytest.raises(RuntimeError, match="already waited"):
+        pending.wait()
+    # The deadline is carried by the request: a lone rank gets TimeoutError from wait().
+    start = time.monotonic()
+    lone = c0._quorum_start(0, 1, "meta-0", False, timedelta(milliseconds=300), 0)
+    with pytest.raises(TimeoutError):
+        lone.wait()
+    assert time.monotonic() - start < 1.5
+    with pytest.raises(ValueError):
+        c0._quorum_start(0, 0, "m", False, timedelta(0), 0)
+
+
 def test_lighthouse_down_fails_promptly(groups: Callable[[str, str, int], Group]) -> None:
     """With no lighthouse, every rank gets a TorchFTError well before its deadline."""
     g = groups("a", _dead_addr(), 2)

@@ -152,6 +152,17 @@ class ManagerClient:
         rank outside the group or a negative step, and TorchFTError when the lighthouse cannot be
         reached or the group's ranks disagree on the step (every waiting rank gets it at once).
         """
+    def _quorum_start(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: timedelta,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+    ) -> PendingQuorum:
+        """Sends the ``_quorum`` request without waiting; collect it with ``PendingQuorum.wait``."""
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its latest quorum request."""
     def should_commit(
@@ -165,6 +176,14 @@ class ManagerClient:
         """
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
+
+class PendingQuorum:
+    """A quorum request in flight (from ``ManagerClient._quorum_start``), answered once."""
+
+    def done(self) -> bool:
+        """Whether the answer (or error) has arrived."""
+    def wait(self) -> QuorumResult:
+        """Waits (GIL released) for the answer; same errors as ``ManagerClient._quorum``."""
 
 class QuorumResult:
     """One rank's role in a quorum (constructible by hand for tests)."""

@@ -162,6 +162,75 @@ class _ReadWriteLock:
             self.release_read()
 
 
+class _PendingQuorumFuture:
+    """The quorum of an async step whose request is in flight in the native client.
+
+    Quacks like the ``concurrent.futures.Future`` of the worker-thread path (``done``,
+    ``result``). The first ``result`` waits for the answer (the request carries the quorum
+    deadline) and adopts it: inline when only the step's roles change, on the worker thread
+    (bounded by ``result``'s timeout) when the process group must be rebuilt or live state
+    moves. Errors follow ``Manager._run_quorum``: the quorum deadline is recorded and raised,
+    anything else only recorded.
+    """
+
+    def __init__(
+        self, manager: Manager, pending: Any, allow_heal: bool, quorum_timeout: timedelta
+    ) -> None:
+        self._manager = manager
+        self._pending = pending
+        self._allow_heal = allow_heal
+        self._quorum_timeout = quorum_timeout
+        self._lock = threading.Lock()
+        self._outcome: ConcurrentFuture[None] | None = None
+
+    def done(self) -> bool:
+        """Whether ``result`` would return without waiting for the network."""
+        outcome = self._outcome
+        if outcome is not None:
+            return outcome.done()
+        return bool(self._pending.done())
+
+    def result(self, timeout: float | None = None) -> None:
+        """Waits for the quorum to be adopted.
+
+        Args:
+            timeout: bound (seconds) on the wait for the worker thread, if one is used.
+
+        Raises:
+            TimeoutError: the quorum deadline passed.
+            concurrent.futures.TimeoutError: the worker thread did not finish in ``timeout``.
+        """
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._adopt()
+            outcome = self._outcome
+        outcome.result(timeout=timeout)
+
+    def _adopt(self) -> ConcurrentFuture[None]:
+        m = self._manager
+        done: ConcurrentFuture[None] = ConcurrentFuture()
+        try:
+            quorum = self._pending.wait()
+        except TimeoutError as e:
+            err = _QuorumTimeoutError(f"quorum not reached within {self._quorum_timeout}: {e}")
+            err.__cause__ = e
+            m.report_error(err)
+            done.set_exception(err)
+            return done
+        except Exception as e:
+            m.report_error(e)
+            done.set_result(None)
+            return done
+        heavy = quorum.quorum_id != m._quorum_id or (
+            self._allow_heal and (bool(quorum.heal) or bool(quorum.recover_dst_replica_ranks))
+        )
+        if heavy:
+            return m._executor.submit(m._adopt_quorum, quorum, self._allow_heal)
+        m._adopt_quorum(quorum, self._allow_heal)
+        done.set_result(None)
+        return done
+
+
 def _env_seconds(name: str, default: timedelta) -> timedelta:
     """Returns the timeout from env ``name`` (seconds, float) if set, else ``default``."""
     raw = os.environ.get(name)
@@ -352,7 +421,7 @@ class Manager:
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
         self._pending_futures: list[Future[Any]] = []
-        self._quorum_future: ConcurrentFuture[None] | None = None
+        self._quorum_future: ConcurrentFuture[None] | _PendingQuorumFuture | None = None
         self._participating_replica_rank: int | None = None
         self._participating_replica_world_size: int = 0
         self._replica_rank: int | None = None
@@ -602,9 +671,7 @@ class Manager:
         self._pending_futures = []
         quorum_timeout = timeout if timeout is not None else self._quorum_timeout
         if self._use_async_quorum:
-            self._quorum_future = self._executor.submit(
-                self._run_quorum, allow_heal, shrink_only, quorum_timeout
-            )
+            self._quorum_future = self._start_async_quorum(allow_heal, shrink_only, quorum_timeout)
         else:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
             try:
@@ -642,21 +709,59 @@ class Manager:
         except Exception as e:
             self.report_error(e)
 
+    def _adopt_quorum(self, quorum: Any, allow_heal: bool) -> None:
+        """Adopts an answer of an async quorum; errors are recorded, not raised."""
+        try:
+            self._apply_quorum(quorum, allow_heal)
+        except Exception as e:
+            self.report_error(e)
+
+    def _start_async_quorum(
+        self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta
+    ) -> ConcurrentFuture[None] | _PendingQuorumFuture:
+        """Starts the quorum of an async step.
+
+        The request is sent by the native client without waiting, and the answer is handled
+        by the first :meth:`wait_quorum` (usually from the first allreduce): a helper thread
+        woken at every step would fight the training thread for the GIL during the forward
+        pass. Clients without ``_quorum_start`` use the worker thread.
+        """
+        start = getattr(self._client, "_quorum_start", None)
+        if start is None:
+            return self._executor.submit(self._run_quorum, allow_heal, shrink_only, quorum_timeout)
+        try:
+            pending = start(**self._quorum_request(shrink_only, quorum_timeout))
+        except Exception as e:
+            # Same contract as _run_quorum: recorded, the step does not commit.
+            self.report_error(e)
+            done: ConcurrentFuture[None] = ConcurrentFuture()
+            done.set_result(None)
+            return done
+        return _PendingQuorumFuture(self, pending, allow_heal, quorum_timeout)
+
+    def _quorum_request(self, shrink_only: bool, quorum_timeout: timedelta) -> dict[str, Any]:
+        """Keyword arguments of this rank's quorum request."""
+        return {
+            "group_rank": self._group_rank,
+            "step": self._step,
+            "checkpoint_metadata": self._checkpoint_transport.metadata(),
+            "shrink_only": shrink_only,
+            "timeout": quorum_timeout,
+            "commit_failures": self._commit_failures,
+            "init_sync": self._init_sync,
+        }
+
     def _quorum_body(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         try:
-            quorum = self._client._quorum(
-                group_rank=self._group_rank,
-                step=self._step,
-                checkpoint_metadata=self._checkpoint_transport.metadata(),
-                shrink_only=shrink_only,
-                timeout=quorum_timeout,
-                commit_failures=self._commit_failures,
-                init_sync=self._init_sync,
-            )
+            quorum = self._client._quorum(**self._quorum_request(shrink_only, quorum_timeout))
         except TimeoutError as e:
             # Only the quorum deadline itself surfaces to the caller; timeouts while
             # reconfiguring or healing are ordinary step errors (recorded, retried).
             raise _QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
+        self._apply_quorum(quorum, allow_heal)
+
+    def _apply_quorum(self, quorum: Any, allow_heal: bool) -> None:
+        """Adopts a quorum answer: roles, process group, serving and fetching live state."""
         quorum_id: int = quorum.quorum_id
         replica_rank: int = quorum.replica_rank
         replica_world_size: int = quorum.replica_world_size

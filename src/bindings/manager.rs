@@ -4,12 +4,14 @@
 //! Thin: convert arguments, release the GIL, run the core on the process-wide runtime, convert
 //! the result. Deadline expiry raises `TimeoutError`, bad arguments `ValueError`.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use tokio::task::JoinHandle;
 
-use super::{block_on, check_duration};
+use super::{block_on, check_duration, TorchFTError};
 use crate::manager::{ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer};
 use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
 
@@ -140,6 +142,47 @@ impl PyManagerClient {
         Ok(QuorumResult::from(resp))
     }
 
+    /// Sends the same request as `_quorum` without waiting for the answer.
+    ///
+    /// The request runs on the shared runtime, so the training thread can overlap it with the
+    /// forward pass without a Python helper thread (which would contend for the GIL); the
+    /// answer is collected with `PendingQuorum.wait`.
+    #[pyo3(signature = (
+        group_rank,
+        step,
+        checkpoint_metadata,
+        shrink_only,
+        timeout,
+        commit_failures = 0,
+        init_sync = true,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn _quorum_start(
+        &self,
+        group_rank: i64,
+        step: i64,
+        checkpoint_metadata: String,
+        shrink_only: bool,
+        timeout: Duration,
+        commit_failures: i64,
+        init_sync: bool,
+    ) -> PyResult<PendingQuorum> {
+        let timeout = check_duration("timeout", timeout)?;
+        let req = ManagerQuorumRequest {
+            group_rank,
+            step,
+            checkpoint_metadata,
+            shrink_only,
+            init_sync,
+            commit_failures,
+        };
+        let client = self.client.clone();
+        let handle = crate::runtime::get().spawn(async move { client.quorum(req, timeout).await });
+        Ok(PendingQuorum {
+            handle: Mutex::new(Some(handle)),
+        })
+    }
+
     /// The checkpoint metadata group rank `rank` of that manager's group last reported.
     fn _checkpoint_metadata(
         &self,
@@ -180,6 +223,42 @@ impl PyManagerClient {
 
     fn __repr__(&self) -> String {
         format!("ManagerClient(addr={:?})", self.addr)
+    }
+}
+
+/// A quorum request started by `ManagerClient._quorum_start`, answered once.
+#[pyclass(module = "torchft._torchft", frozen)]
+pub struct PendingQuorum {
+    handle: Mutex<Option<JoinHandle<crate::error::Result<ManagerQuorumResponse>>>>,
+}
+
+#[pymethods]
+impl PendingQuorum {
+    /// Whether the answer (or error) has arrived, so `wait` would not block.
+    fn done(&self) -> bool {
+        match self.handle.lock() {
+            Ok(guard) => guard.as_ref().is_none_or(|h| h.is_finished()),
+            Err(_) => true,
+        }
+    }
+
+    /// Waits for the answer with the GIL released; same errors as `_quorum`.
+    ///
+    /// The request carries its own deadline, so this never blocks past it. May be called
+    /// only once.
+    fn wait(&self, py: Python<'_>) -> PyResult<QuorumResult> {
+        let handle = self
+            .handle
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("pending quorum lock poisoned"))?
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("pending quorum was already waited for"))?;
+        match block_on(py, handle) {
+            Ok(resp) => Ok(QuorumResult::from(resp?)),
+            Err(e) => Err(TorchFTError::new_err(format!(
+                "quorum request task failed: {e}"
+            ))),
+        }
     }
 }
 
@@ -309,5 +388,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyManagerServer>()?;
     m.add_class::<PyManagerClient>()?;
     m.add_class::<QuorumResult>()?;
+    m.add_class::<PendingQuorum>()?;
     Ok(())
 }
