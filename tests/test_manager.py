@@ -220,53 +220,10 @@ def store(master_store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[T
     yield s
 
 
-class FakePending:
-    """Stands in for the native PendingQuorum: the request runs on its own thread."""
-
-    def __init__(self, call: Any) -> None:
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._result = call()
-            except BaseException as e:  # noqa: BLE001 - handed to wait()
-                self._error = e
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-        self.waited = False
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> Any:
-        if self.waited:
-            raise RuntimeError("pending quorum was already waited for")
-        self.waited = True
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-@pytest.fixture(params=["worker_thread", "pending_request"])
-def native(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> FakeNative:
-    """Replaces the native bindings used by the manager module with FakeNative.
-
-    Runs every test twice: with a client that only has the blocking ``_quorum`` (the quorum
-    runs on the manager's worker thread) and with one that also sends it without waiting
-    (``_quorum_start``, answer adopted by the first ``wait_quorum``).
-    """
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> FakeNative:
+    """Replaces the native bindings used by the manager module with FakeNative."""
     fake = FakeNative()
-    if request.param == "pending_request":
-        base = fake.ManagerClient
-
-        class StartingClient(base):  # type: ignore[misc, valid-type]
-            def _quorum_start(self, **kwargs: Any) -> FakePending:
-                return FakePending(lambda: self._quorum(**kwargs))
-
-        fake.ManagerClient = StartingClient
     monkeypatch.setattr(manager_mod, "_torchft", fake)
     return fake
 

@@ -1,0 +1,77 @@
+"""Manager quorum tests rerun with a client that sends the request without waiting.
+
+The native ``ManagerClient`` has ``_quorum_start``: the Manager then sends the quorum request
+at ``start_quorum`` and adopts the answer at the first ``wait_quorum`` instead of running the
+quorum on its worker thread. The fake client here adds that method to the fakes of
+``test_manager`` and the quorum-related tests of that module run again against it (in their
+own module, so they get their own store).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_manager import (  # noqa: F401 - fixtures and tests collected again here
+    FakeNative,
+    harness,
+    master_store,
+    store,
+    test_allreduce_avg_divides_by_participants,
+    test_async_quorum_overlaps_caller,
+    test_configure_only_on_new_quorum_id,
+    test_happy_path_commits_and_advances,
+    test_heal_async_applies_in_should_commit,
+    test_heal_failure_blocks_commit,
+    test_heal_timeout_is_recorded_not_raised,
+    test_non_participant_sends_zeros_async,
+    test_quorum_other_error_is_recorded,
+    test_quorum_timeout_surfaces_as_timeout_error,
+    test_sends_checkpoint_to_recovering_peers,
+)
+
+import torchft.manager as manager_mod
+
+
+class FakePending:
+    """Stands in for the native PendingQuorum: the request is answered when waited for."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self.waited = False
+
+    def done(self) -> bool:
+        return self.waited
+
+    def wait(self) -> Any:
+        if self.waited:
+            raise RuntimeError("pending quorum was already waited for")
+        self.waited = True
+        return self._call()
+
+
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> FakeNative:
+    """FakeNative whose client also has ``_quorum_start``."""
+    fake = FakeNative()
+    base = fake.ManagerClient
+
+    class StartingClient(base):  # type: ignore[misc, valid-type]
+        def _quorum_start(self, **kwargs: Any) -> FakePending:
+            return FakePending(lambda: self._quorum(**kwargs))
+
+    fake.ManagerClient = StartingClient
+    monkeypatch.setattr(manager_mod, "_torchft", fake)
+    return fake
+
+
+def test_pending_path_is_used(harness: Any) -> None:  # noqa: F811 - the imported fixture
+    """With ``_quorum_start`` the request is sent at start_quorum, answered at wait_quorum."""
+    h = harness()
+    m = h.manager
+    m.start_quorum()
+    assert len(h.native.quorum_calls) == 0  # FakePending answers only when waited for
+    m.wait_quorum()
+    assert len(h.native.quorum_calls) == 1
+    assert m.should_commit()
+    assert m.current_step() == 1
