@@ -206,7 +206,8 @@ def store(master_store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[T
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(s.port))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    # Two group ranks so the commit vote goes through the (fake) manager server.
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://fake-lighthouse:1")
     for name in (
         "TORCHFT_TIMEOUT_SEC",
@@ -890,3 +891,16 @@ def test_heal_timeout_is_recorded_not_raised(harness: Any) -> None:
     m.wait_quorum()
     assert "checkpoint fetch deadline" in str(m.errored())
     assert not m.should_commit()
+
+
+def test_single_rank_group_votes_locally(harness: Any) -> None:
+    """With one group rank the commit decision is the local vote (no server round trip)."""
+    h = harness(world_size=1)
+    m = h.manager
+    m.start_quorum()
+    assert m.should_commit()
+    m.start_quorum()
+    m.report_error(RuntimeError("boom"))
+    assert not m.should_commit()
+    assert h.native.commit_calls == []
+    assert m.current_step() == 1

@@ -182,7 +182,10 @@ class _TimerThread:
                     target=self._run, name="torchft_timeouts", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0][1] == handle:
+                # Only an earlier deadline needs the thread awake; a later one is found when
+                # the current earliest fires. Saves a thread wake-up per collective.
+                self._cond.notify()
             return handle
 
     def cancel(self, handle: int) -> None:
