@@ -163,6 +163,11 @@ class ManagerClient:
         outside the group or a negative step, and TorchFTError for every waiting rank when ranks
         vote for different steps.
         """
+    def _watch_events(
+        self, after_seq: int, timeout: timedelta
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """Waits for lost-member events after ``after_seq``: ``(last_seq, [(replica_id,
+        quorum_id)])``, empty when none arrived within ``timeout``."""
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
 

@@ -171,6 +171,27 @@ impl PyManagerClient {
         )?)
     }
 
+    /// Waits up to `timeout` for lost-member events after `after_seq` (GIL released).
+    ///
+    /// Returns `(last_seq, [(replica_id, quorum_id), ...])`; the list is empty when nothing
+    /// arrived in time, and `last_seq` is what to pass as `after_seq` next.
+    fn _watch_events(
+        &self,
+        py: Python<'_>,
+        after_seq: u64,
+        timeout: Duration,
+    ) -> PyResult<(u64, Vec<(String, i64)>)> {
+        let timeout = check_duration("timeout", timeout)?;
+        let (events, last) = block_on(py, self.client.watch_events(after_seq, timeout))?;
+        Ok((
+            last,
+            events
+                .into_iter()
+                .map(|e| (e.replica_id, e.quorum_id))
+                .collect(),
+        ))
+    }
+
     /// Asks the manager server to end its hosting process (logged with `msg`).
     #[pyo3(signature = (msg, timeout = Duration::from_secs(5)))]
     fn kill(&self, py: Python<'_>, msg: String, timeout: Duration) -> PyResult<()> {
