@@ -144,6 +144,15 @@ async fn dropped_session_is_lost_at_once_and_announced() {
         assert_eq!(lost.replica_id, "b");
         assert_eq!(lost.quorum_id, q1.quorum_id);
         assert_eq!(server.num_sessions(), 1);
+        // The status page shows the loss.
+        let status: serde_json::Value = reqwest::get(format!("{}/status", server.address()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(status["lost"][0]["replica_id"], "b");
+        assert_eq!(status["lost"][0]["quorum_id"], q1.quorum_id);
         server.shutdown().await;
     })
     .await;

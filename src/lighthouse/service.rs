@@ -155,6 +155,17 @@ struct Waiter {
 /// read is broken anyway; events are rare: one per lost member).
 const SESSION_BUFFER: usize = 64;
 
+/// Losses kept for the status pages (most recent last).
+const LOST_HISTORY: usize = 32;
+
+/// A replica group declared lost, as shown on the status pages.
+#[derive(Debug, Clone)]
+pub(crate) struct LostRecord {
+    pub(crate) replica_id: String,
+    pub(crate) quorum_id: i64,
+    pub(crate) at: SystemTime,
+}
+
 /// The open session of one replica group.
 struct Session {
     /// Identifies this session; a replaced session's end must not declare the group lost.
@@ -167,6 +178,8 @@ struct State {
     waiters: HashMap<String, Waiter>,
     sessions: HashMap<String, Session>,
     next_session: u64,
+    /// Recent losses of quorum members (bounded), for the status pages.
+    lost: std::collections::VecDeque<LostRecord>,
     shutting_down: bool,
     /// The last issued quorum (the base of the next one's delta reply).
     last: Option<Arc<Issued>>,
@@ -214,6 +227,7 @@ impl Shared {
                 waiters: HashMap::new(),
                 sessions: HashMap::new(),
                 next_session: 1,
+                lost: std::collections::VecDeque::new(),
                 shutting_down: false,
                 last: None,
             }),
@@ -344,6 +358,14 @@ impl Shared {
         } in state.engine.take_lost()
         {
             warn!(replica_id = %replica_id, quorum_id, "replica group lost");
+            state.lost.push_back(LostRecord {
+                replica_id: replica_id.clone(),
+                quorum_id,
+                at: SystemTime::now(),
+            });
+            while state.lost.len() > LOST_HISTORY {
+                state.lost.pop_front();
+            }
             let Some(last) = &before else { continue };
             if last.quorum.quorum_id != quorum_id {
                 continue;
@@ -414,6 +436,11 @@ impl Shared {
             Self::deliver(state, q);
         }
         Self::announce_lost(state, before);
+    }
+
+    /// Recent losses of quorum members, oldest first.
+    pub(crate) fn recent_lost(&self) -> Vec<LostRecord> {
+        self.lock().lost.iter().cloned().collect()
     }
 
     /// Number of open sessions.
