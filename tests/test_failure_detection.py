@@ -76,38 +76,55 @@ def make_cluster(tmp_path: Path) -> Iterator[Any]:
             lighthouse.shutdown()
 
 
-def start_two(cluster: Cluster) -> tuple[Group, Group]:
-    """Starts two one-rank groups and waits until both committed 15 steps together."""
+def start_groups(cluster: Cluster, n: int) -> list[Group]:
+    """Starts ``n`` one-rank groups and waits until all committed 15 steps together.
+
+    Args:
+        cluster: the launcher.
+        n: number of replica groups (named rg0, rg1, ...).
+
+    Returns:
+        The groups, in name order.
+    """
     extra = ["--step-sleep", "0.02", "--timeout", "10"]
-    a = cluster.start("rg0", seed=0, extra=extra)
-    b = cluster.start("rg1", seed=1, extra=extra)
-    cluster.wait_until(lambda: min(a.steps() + b.steps()) >= 15, 90, "both groups at step 15")
+    groups = [cluster.start(f"rg{i}", seed=i, extra=extra) for i in range(n)]
+    cluster.wait_until(
+        lambda: min(s for g in groups for s in g.steps()) >= 15, 90, "all groups at step 15"
+    )
     # A random point of the step: quorum, allreduce, should_commit or between steps.
     time.sleep(random.uniform(0.0, 0.15))
-    return a, b
+    return groups
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_survivor_resumes_within_a_second(make_cluster: Any) -> None:
-    """SIGKILL one of two groups at a random point: the survivor's gap is ≤ 1 s (5 s timeout);
-    the killed group restarts, heals and ends identical."""
+@pytest.mark.parametrize("n_groups", [2, 3])
+def test_sigkill_survivor_resumes_within_a_second(make_cluster: Any, n_groups: int) -> None:
+    """SIGKILL one of two/three groups at a random point: every survivor's gap is ≤ 1 s (5 s
+    heartbeat timeout); the killed group restarts, heals and ends identical."""
     cluster = make_cluster(DEFAULT_HEARTBEAT_TIMEOUT_S)
-    survivor, victim = start_two(cluster)
+    *survivors, victim = start_groups(cluster, n_groups)
     fault = time.time()
     cluster.kill(victim)
     killed_at = max(victim.steps())
-    cluster.wait_until(lambda: min(survivor.steps()) >= killed_at + 10, 60, "survivor to go on")
-    reborn = cluster.start("rg1", seed=99, extra=["--step-sleep", "0.02"])
+    cluster.wait_until(
+        lambda: min(s for g in survivors for s in g.steps()) >= killed_at + 10,
+        60,
+        "survivors to go on",
+    )
+    reborn = cluster.start(victim.name, seed=99, extra=["--step-sleep", "0.02"])
     cluster.wait_until(lambda: min(reborn.steps()) > killed_at + 10, 90, "restarted group to heal")
     target = max(s for g in cluster.live() for s in g.steps()) + 10
     cluster.stop_at(target)
     results = cluster.finish(90)
-    assert len(results) == 2
+    assert len(results) == n_groups
     assert_identical(results, target)
     assert_same_trajectory(results)
-    gap = commit_gap(next(r for r in results if r["replica_id"] == "rg0"), fault)
-    print(f"survivor gap after SIGKILL: {gap:.3f}s")
-    assert gap <= 1.0, f"survivor stopped committing for {gap:.2f}s after SIGKILL"
+    for r in results:
+        if r["replica_id"] == victim.name:
+            continue
+        gap = commit_gap(r, fault)
+        print(f"{r['replica_id']} gap after SIGKILL: {gap:.3f}s")
+        assert gap <= 1.0, f"{r['replica_id']} stopped committing for {gap:.2f}s after SIGKILL"
 
 
 @pytest.mark.timeout(180)
@@ -117,7 +134,7 @@ def test_sigstop_survivor_resumes_after_heartbeat_timeout_and_frozen_group_heals
     """SIGSTOP one of two groups: the survivor's gap is ≤ heartbeat timeout + 1 s; after
     SIGCONT the frozen group rejoins, heals and ends identical."""
     cluster = make_cluster(HANG_HEARTBEAT_TIMEOUT_S)
-    survivor, frozen = start_two(cluster)
+    survivor, frozen = start_groups(cluster, 2)
     fault = time.time()
     signal_group(frozen, signal.SIGSTOP)
     try:
@@ -145,3 +162,53 @@ def test_sigstop_survivor_resumes_after_heartbeat_timeout_and_frozen_group_heals
     assert any(b - a > 1 for a, b in zip(steps_done, steps_done[1:], strict=False)), (
         "frozen group did not heal"
     )
+
+
+class _FakeWatchClient:
+    """Serves scripted ``_watch_events`` answers, then idles like an empty long-poll."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.calls: list[int] = []
+
+    def _watch_events(self, after_seq: int, timeout: Any) -> tuple[int, list[tuple[str, int]]]:
+        self.calls.append(after_seq)
+        if self.answers:
+            a = self.answers.pop(0)
+            if isinstance(a, BaseException):
+                raise a
+            return a
+        time.sleep(0.01)
+        return after_seq, []
+
+
+@pytest.mark.timeout(30)
+def test_watcher_delivers_events_in_order_and_survives_errors() -> None:
+    """The watcher passes every event on, resumes after the last seen sequence number, keeps
+    going after a failed poll and a failing handler, and stops promptly."""
+    from torchft.manager import _LostWatcher
+
+    client = _FakeWatchClient(
+        [
+            (2, [("b", 7), ("c", 7)]),
+            RuntimeError("manager server unreachable"),
+            (3, [("d", 8)]),
+        ]
+    )
+    seen: list[tuple[str, int]] = []
+
+    def on_lost(replica_id: str, quorum_id: int) -> None:
+        seen.append((replica_id, quorum_id))
+        if replica_id == "c":
+            raise ValueError("handler failure must not stop the watcher")
+
+    watcher = _LostWatcher(client, on_lost)
+    deadline = time.monotonic() + 10
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watcher.stop(wait=5)
+    assert seen == [("b", 7), ("c", 7), ("d", 8)]
+    assert client.calls[:3] == [0, 2, 2], "resumes after the last sequence number"
+    assert client.calls[3] == 3
+    assert not watcher._thread.is_alive()
+    assert watcher not in _LostWatcher._live
