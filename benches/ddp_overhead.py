@@ -11,6 +11,9 @@ It prints the median step time of each and their ratio (torchft / plain) per hid
 the recovery time: from the start of a killed group's replacement process to its first
 committed step (which includes healing from the live group).
 
+Plain and torchft runs alternate ``--rounds`` times and the best median of each side is
+compared, so a burst of load from other processes on the machine does not decide the ratio.
+
 Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]``.
 """
 
@@ -288,7 +291,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--rounds", type=int, default=1, help="alternate plain/torchft runs")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternate plain/torchft runs; best of each"
+    )
     parser.add_argument("--no-recovery", action="store_true")
     args = parser.parse_args()
 

@@ -9,7 +9,10 @@ The test drives it through files:
 - ``--stop``: when this file exists it holds the target step; the worker exits once its
   committed step reaches it (so every replica group stops at the same step).
 - ``--result``: written at exit with the step, hashes of parameters and optimizer state, and
-  the commit result of every attempted step.
+  the commit result and parameter hash of every attempted step.
+
+With env ``FT_DEBUG=1`` every committed optimizer step logs hashes of parameters, gradients
+and optimizer state, which pinpoints the first step where replica groups diverge.
 """
 
 from __future__ import annotations
