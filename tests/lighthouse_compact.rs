@@ -279,7 +279,7 @@ impl LighthouseService for Scripted {
         &self,
         _request: Request<LighthouseHeartbeatRequest>,
     ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
     }
 
     type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;

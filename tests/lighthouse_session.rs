@@ -297,6 +297,11 @@ async fn hang_is_lost_after_heartbeat_timeout_and_slow_is_not() {
         let mut sa = ca.session("a", CONNECT).await.unwrap();
         let _sb = cb.session("b", CONNECT).await.unwrap();
         let q1 = quorum_ab(&ca, &cb).await;
+        // Heartbeat acknowledgements state the timeout (the managers' commit lease).
+        assert_eq!(
+            ca.heartbeat_lease("a", CONNECT).await.unwrap(),
+            Some(timeout)
+        );
 
         // Slow: both heartbeat for 3 heartbeat timeouts without asking; nobody is lost.
         let slow_until = Instant::now() + 3 * timeout;

@@ -48,7 +48,7 @@ impl LighthouseService for HangingLighthouse {
             .unwrap()
             .push((Instant::now(), request.into_inner().replica_id));
         tokio::time::sleep(Duration::from_secs(20)).await;
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
     }
     type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
 
@@ -156,7 +156,7 @@ impl LighthouseService for RecordingLighthouse {
         &self,
         _request: Request<LighthouseHeartbeatRequest>,
     ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
     }
     type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
 

@@ -127,6 +127,9 @@ class ManagerServer:
         connect_timeout: timedelta = ...,
         quorum_retries: int = 0,
     ) -> None: ...
+    def lease_held(self) -> bool:
+        """False if this group's heartbeats lapsed during the current step (it may have been
+        declared lost): the step must not commit."""
     def address(self) -> str:
         """``http://{hostname}:{port}``: what ranks and other groups dial."""
     def shutdown(self) -> None:

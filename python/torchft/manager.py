@@ -1006,7 +1006,9 @@ class Manager:
         if self._group_world_size == 1:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
             # it is the local vote, so the round trip is skipped (hot path of plain DDP).
-            should_commit = local_vote
+            # A group frozen past its lease may have been declared lost: never commit then.
+            lease_held = getattr(self._manager, "lease_held", None)
+            should_commit = local_vote and (lease_held is None or lease_held())
         else:
             should_commit = bool(
                 self._client.should_commit(

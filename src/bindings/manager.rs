@@ -77,6 +77,12 @@ impl PyManagerServer {
         self.server.address()
     }
 
+    /// False if this group's heartbeats lapsed during the current step (it may have been
+    /// declared lost): the step must not commit.
+    fn lease_held(&self) -> bool {
+        self.server.lease_held()
+    }
+
     /// Stops the server (pending calls end with an error). Safe to call twice.
     fn shutdown(&self, py: Python<'_>) {
         block_on(py, self.server.shutdown());

@@ -159,6 +159,17 @@ impl LighthouseClient {
         replica_id: &str,
         timeout: Duration,
     ) -> std::result::Result<(), Status> {
+        self.heartbeat_lease(replica_id, timeout).await.map(|_| ())
+    }
+
+    /// Heartbeats and returns the lighthouse's heartbeat timeout (None if it does not say):
+    /// the group cannot be declared lost by heartbeat expiry sooner than that after this
+    /// call was sent.
+    pub async fn heartbeat_lease(
+        &self,
+        replica_id: &str,
+        timeout: Duration,
+    ) -> std::result::Result<Option<Duration>, Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
@@ -167,7 +178,10 @@ impl LighthouseClient {
             timeout,
         );
         match tokio::time::timeout(timeout, client.heartbeat(req)).await {
-            Ok(r) => r.map(|_| ()),
+            Ok(r) => r.map(|resp| {
+                let ms = resp.into_inner().heartbeat_timeout_ms;
+                (ms > 0).then(|| Duration::from_millis(ms))
+            }),
             Err(_) => Err(Status::deadline_exceeded(format!(
                 "lighthouse heartbeat did not complete within {timeout:?}"
             ))),

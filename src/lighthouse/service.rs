@@ -325,13 +325,15 @@ impl Shared {
         }
     }
 
-    fn heartbeat(&self, replica_id: &str) -> Result<()> {
+    /// Records a heartbeat; returns the heartbeat timeout (the caller's lease).
+    fn heartbeat(&self, replica_id: &str) -> Result<Duration> {
         let now = now_instant();
         let mut state = self.lock();
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        state.engine.heartbeat(replica_id, now)
+        state.engine.heartbeat(replica_id, now)?;
+        Ok(state.engine.options().heartbeat_timeout)
     }
 
     fn tick(&self) {
@@ -567,8 +569,10 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
-        self.shared.heartbeat(&request.into_inner().replica_id)?;
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        let timeout = self.shared.heartbeat(&request.into_inner().replica_id)?;
+        Ok(Response::new(LighthouseHeartbeatResponse {
+            heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        }))
     }
 
     type SessionStream = SessionStream;

@@ -94,6 +94,66 @@ impl EventLog {
     }
 }
 
+/// Whether this group may still count itself a live member of its quorum (a fence against
+/// committing a step the other members abandoned).
+///
+/// A group frozen (e.g. SIGSTOP) for the lighthouse's heartbeat timeout is declared lost and
+/// the others abort the step; when it resumes it may still complete that step's collectives
+/// from data already buffered, so it must not commit it. The lease is held while heartbeat
+/// acknowledgements arrive without a gap longer than half the lighthouse's heartbeat timeout
+/// (measured from when each acknowledged heartbeat was sent, on the monotonic clock, which a
+/// frozen process does not stop).
+#[derive(Debug, Default)]
+struct Lease {
+    /// The lighthouse's heartbeat timeout (None until a lighthouse said it).
+    timeout: Option<Duration>,
+    /// When the last acknowledged heartbeat was sent.
+    last_ack_sent: Option<Instant>,
+    /// When a gap longer than the lease was last seen.
+    broken_at: Option<Instant>,
+    /// When the last quorum was received (the start of the current step's membership).
+    quorum_at: Option<Instant>,
+}
+
+impl Lease {
+    fn lease(timeout: Duration) -> Duration {
+        timeout / 2
+    }
+
+    /// A heartbeat sent at `sent` was acknowledged by a lighthouse with `timeout`.
+    fn on_ack(&mut self, sent: Instant, timeout: Option<Duration>) {
+        if timeout.is_some() {
+            self.timeout = timeout;
+        }
+        if let (Some(prev), Some(t)) = (self.last_ack_sent, self.timeout) {
+            if sent.saturating_duration_since(prev) > Self::lease(t) {
+                self.broken_at = Some(sent);
+            }
+        }
+        if self.last_ack_sent.is_none_or(|prev| sent > prev) {
+            self.last_ack_sent = Some(sent);
+        }
+    }
+
+    /// True unless the lease lapsed since the last quorum (or is lapsing now).
+    fn held(&self, now: Instant) -> bool {
+        let Some(t) = self.timeout else {
+            return true; // a lighthouse that does not state its timeout: no fence
+        };
+        let Some(last) = self.last_ack_sent else {
+            return true;
+        };
+        if now.saturating_duration_since(last) > Self::lease(t) {
+            return false;
+        }
+        match (self.broken_at, self.quorum_at) {
+            (Some(broken), Some(quorum)) => broken < quorum,
+            (Some(_), None) => false,
+            (None, _) => true,
+        }
+    }
+}
+
 /// A running manager server (spawned on the current tokio runtime).
 ///
 /// Dropping it signals shutdown; [`ManagerServer::shutdown`] also waits for it to finish.
@@ -115,6 +175,7 @@ struct Inner {
     gather: QuorumGather,
     barrier: CommitBarrier,
     events: EventLog,
+    lease: Mutex<Lease>,
     shutdown: watch::Receiver<bool>,
 }
 
@@ -216,6 +277,7 @@ impl ManagerServer {
             gather: QuorumGather::new(opts.world_size)?,
             barrier: CommitBarrier::new(opts.world_size)?,
             events: EventLog::new(),
+            lease: Mutex::new(Lease::default()),
             address: address.clone(),
             lighthouse_addr,
             lighthouse,
@@ -252,6 +314,13 @@ impl ManagerServer {
             shutdown_tx,
             tasks: Mutex::new(vec![serve, heartbeat, session]),
         })
+    }
+
+    /// False if this group may have been declared lost during the current step (its
+    /// heartbeats lapsed for half the lighthouse's heartbeat timeout since the last quorum):
+    /// the step must then not commit. Single-rank groups that vote locally ask this.
+    pub fn lease_held(&self) -> bool {
+        self.inner.lease_held()
     }
 
     /// The address other groups and this group's ranks dial: `http://{hostname}:{port}`.
@@ -301,12 +370,18 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
             _ = ticker.tick() => {}
             _ = shutdown.wait_for(|down| *down) => return,
         }
+        let sent = Instant::now();
         let result = inner
             .lighthouse
-            .heartbeat_status(&inner.opts.replica_id, period)
+            .heartbeat_lease(&inner.opts.replica_id, period)
             .await;
         match result {
-            Ok(()) => {
+            Ok(timeout) => {
+                inner
+                    .lease
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .on_ack(sent, timeout);
                 if failing {
                     info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
                     failing = false;
@@ -382,6 +457,20 @@ async fn session_loop(inner: Arc<Inner>) {
 }
 
 impl Inner {
+    fn lease_held(&self) -> bool {
+        let held = self
+            .lease
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .held(Instant::now());
+        if !held {
+            warn!(replica_id = %self.opts.replica_id,
+                "heartbeats lapsed during this step (the group may have been declared lost); \
+                 voting not to commit");
+        }
+        held
+    }
+
     /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
     async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<Quorum> {
         let member = QuorumMember {
@@ -446,6 +535,10 @@ impl Inner {
         };
         match result {
             Ok(quorum) => {
+                self.lease
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .quorum_at = Some(Instant::now());
                 debug!(
                     quorum_id = quorum.quorum_id,
                     step = round.step,
@@ -553,10 +646,11 @@ impl ManagerService for Service {
     ) -> Result<Response<ShouldCommitResponse>, Status> {
         let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
+        let local = req.should_commit && self.inner.lease_held();
         let vote = self
             .inner
             .barrier
-            .vote(req.group_rank, req.step, req.should_commit, timeout);
+            .vote(req.group_rank, req.step, local, timeout);
         let should_commit = tokio::select! {
             r = vote => r?,
             _ = shutting_down(self.inner.shutdown.clone()) => return Err(Error::Shutdown.into()),
@@ -644,6 +738,35 @@ mod tests {
         let (kept, last) = log.after(0);
         assert_eq!(kept.len(), EVENT_HISTORY);
         assert_eq!(last, 2 + 2 * EVENT_HISTORY as u64);
+    }
+
+    #[test]
+    fn lease_lapses_with_a_heartbeat_gap_during_the_step() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut l = Lease::default();
+        // No lighthouse timeout known: no fence.
+        assert!(l.held(t0));
+        l.on_ack(t0, Some(ms(2000)));
+        l.quorum_at = Some(t0 + ms(10));
+        // Regular acks every 100 ms: held.
+        for i in 1..=20 {
+            l.on_ack(t0 + ms(100 * i), None);
+            assert!(l.held(t0 + ms(100 * i + 50)));
+        }
+        let last = t0 + ms(2000);
+        // Frozen: no ack for more than half the timeout → not held while it lasts ...
+        assert!(l.held(last + ms(900)));
+        assert!(!l.held(last + ms(1100)));
+        // ... nor after a fresh ack, for the rest of this step ...
+        l.on_ack(last + ms(3000), None);
+        assert!(!l.held(last + ms(3010)));
+        // ... until the next quorum.
+        l.quorum_at = Some(last + ms(3100));
+        assert!(l.held(last + ms(3150)));
+        // An ack older than the newest does not move it back.
+        l.on_ack(last + ms(2500), None);
+        assert_eq!(l.last_ack_sent, Some(last + ms(3000)));
     }
 
     #[test]
