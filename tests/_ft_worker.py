@@ -139,6 +139,7 @@ def main() -> int:
     fail_steps = {int(s) for s in args.fail_steps.split(",") if s}
     injected: set[int] = set()
     attempts: list[list[Any]] = []
+    commit_times: list[list[float]] = []  # [step, wall time] of every committed step
     data_gen = torch.Generator().manual_seed(7 * args.seed + group_rank)
     try:
         while True:
@@ -160,6 +161,8 @@ def main() -> int:
             optim.step()
             committed = manager.current_step() == before + 1
             attempts.append([before, committed, hash_state(model.state_dict())[:12]])
+            if committed:
+                commit_times.append([before, time.time()])
             write_json(args.progress, {"step": manager.current_step(), "pid": os.getpid()})
             if args.step_sleep:
                 time.sleep(args.step_sleep)
@@ -173,6 +176,7 @@ def main() -> int:
                 "param_hash": hash_state(model.state_dict()),
                 "optim_hash": hash_state(optim.state_dict()),
                 "attempts": attempts,
+                "commit_times": commit_times,
             },
         )
     finally:

@@ -15,7 +15,7 @@ use torchft::proto::lighthouse_service_client::LighthouseServiceClient;
 use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, Quorum, QuorumMember,
+    LighthouseQuorumResponse, Quorum, QuorumMember, SessionEvent, SessionRequest,
 };
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -279,7 +279,16 @@ impl LighthouseService for Scripted {
         &self,
         _request: Request<LighthouseHeartbeatRequest>,
     ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
+    }
+
+    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
+
+    async fn session(
+        &self,
+        _request: Request<SessionRequest>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        Err(Status::unimplemented("no sessions here"))
     }
 }
 

@@ -12,7 +12,8 @@ use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
 use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember,
+    LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, SessionEvent,
+    SessionRequest,
 };
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -47,7 +48,15 @@ impl LighthouseService for HangingLighthouse {
             .unwrap()
             .push((Instant::now(), request.into_inner().replica_id));
         tokio::time::sleep(Duration::from_secs(20)).await;
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
+    }
+    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
+
+    async fn session(
+        &self,
+        _request: Request<SessionRequest>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        Err(Status::unimplemented("no sessions here"))
     }
 }
 
@@ -147,7 +156,15 @@ impl LighthouseService for RecordingLighthouse {
         &self,
         _request: Request<LighthouseHeartbeatRequest>,
     ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
+    }
+    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
+
+    async fn session(
+        &self,
+        _request: Request<SessionRequest>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        Err(Status::unimplemented("no sessions here"))
     }
 }
 

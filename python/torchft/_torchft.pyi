@@ -127,6 +127,9 @@ class ManagerServer:
         connect_timeout: timedelta = ...,
         quorum_retries: int = 0,
     ) -> None: ...
+    def lease_held(self) -> bool:
+        """False if this group's heartbeats lapsed during the current step (it may have been
+        declared lost): the step must not commit."""
     def address(self) -> str:
         """``http://{hostname}:{port}``: what ranks and other groups dial."""
     def shutdown(self) -> None:
@@ -174,6 +177,11 @@ class ManagerClient:
         outside the group or a negative step, and TorchFTError for every waiting rank when ranks
         vote for different steps.
         """
+    def _watch_events(
+        self, after_seq: int, timeout: timedelta
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """Waits for lost-member events after ``after_seq``: ``(last_seq, [(replica_id,
+        quorum_id)])``, empty when none arrived within ``timeout``."""
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
 

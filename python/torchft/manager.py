@@ -27,6 +27,7 @@ read the address published by the previous incarnation before rank 0 overwrites 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -106,6 +107,78 @@ class ExceptionWithTraceback(Exception):
 
     def __str__(self) -> str:
         return f"{type(self.original_exception).__name__}: {self.original_exception}"
+
+
+class _LostWatcher:
+    """A daemon thread long-polling the group's manager server for lost replica groups.
+
+    Every live watcher is stopped and joined at interpreter exit (before daemon threads are
+    torn down), so a poll in flight in native code never meets interpreter finalization.
+    """
+
+    POLL = timedelta(milliseconds=500)
+    _live: set[_LostWatcher] = set()
+    _live_lock = threading.Lock()
+
+    def __init__(self, client: Any, on_lost: Callable[[str, int], None]) -> None:
+        """Starts watching.
+
+        Args:
+            client: the rank's manager client (``_watch_events`` releases the GIL).
+            on_lost: called with ``(replica_id, quorum_id)`` for every lost-member event.
+        """
+        self._client = client
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchft_watch", daemon=True)
+        with _LostWatcher._live_lock:
+            _LostWatcher._live.add(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        after = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    after, events = self._client._watch_events(after, self.POLL)
+                except Exception as e:
+                    # The group's manager server is unreachable (e.g. shutting down): retry.
+                    logger.debug("watching for lost replica groups failed: %s", e)
+                    self._stop.wait(self.POLL.total_seconds())
+                    continue
+                for replica_id, quorum_id in events:
+                    if self._stop.is_set():
+                        break
+                    try:
+                        self._on_lost(replica_id, quorum_id)
+                    except Exception:
+                        logger.exception("handling the loss of %s failed", replica_id)
+        finally:
+            with _LostWatcher._live_lock:
+                _LostWatcher._live.discard(self)
+
+    def stop(self, wait: float = 0.0) -> None:
+        """Stops watching.
+
+        Args:
+            wait: seconds to wait for the thread to end (0: do not wait).
+        """
+        self._stop.set()
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
+    @staticmethod
+    def stop_all() -> None:
+        """Stops and joins every live watcher (registered with ``atexit``)."""
+        with _LostWatcher._live_lock:
+            live = list(_LostWatcher._live)
+        for w in live:
+            w.stop()
+        for w in live:
+            w.stop(wait=2 * w.POLL.total_seconds() + 1.0)
+
+
+atexit.register(_LostWatcher.stop_all)
 
 
 class _QuorumTimeoutError(TimeoutError):
@@ -426,6 +499,12 @@ class Manager:
         self._participating_replica_world_size: int = 0
         self._replica_rank: int | None = None
         self._replica_world_size: int = 0
+        # Failure detection: the lighthouse's lost-member events abort the current quorum's
+        # process group. `_reconfig_lock` orders that abort with switching to a new quorum.
+        self._reconfig_lock = threading.Lock()
+        self._pg_aborted = False
+        self._quorum_in_progress = False
+        self._watcher: _LostWatcher | None = None
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._manager: Any = None
@@ -476,6 +555,7 @@ class Manager:
             self._replica_id: str = info["replica_id"]
             manager_address: str = info["address"]
             self._client = _torchft.ManagerClient(manager_address, connect_timeout=connect_timeout)
+            self._watcher = _LostWatcher(self._client, self._on_lost)
         except BaseException:
             self.shutdown(wait=False)
             raise
@@ -701,6 +781,7 @@ class Manager:
 
     def _run_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         """Runs one quorum; errors other than the quorum deadline are recorded, not raised."""
+        self._quorum_in_progress = True
         try:
             self._quorum_body(allow_heal, shrink_only, quorum_timeout)
         except _QuorumTimeoutError as e:
@@ -708,6 +789,43 @@ class Manager:
             raise
         except Exception as e:
             self.report_error(e)
+        finally:
+            self._quorum_in_progress = False
+
+    # ------------------------------------------------------------------ failure detection
+
+    def _on_lost(self, replica_id: str, quorum_id: int) -> None:
+        """Aborts the current quorum's process group when one of its members is lost.
+
+        The in-flight collectives fail at once instead of at their timeout, the step is not
+        committed, and the next quorum (without the lost group) reconfigures the group.
+
+        Args:
+            replica_id: the lost replica group.
+            quorum_id: the quorum it was lost from (events of older quorums are ignored).
+        """
+        with self._reconfig_lock:
+            if self._shutdown or quorum_id != self._quorum_id or replica_id == self._replica_id:
+                return
+            self._pg_aborted = True
+            logger.warning(
+                "[%s/%d step %d] replica group %s of quorum %d lost; aborting its collectives",
+                self._replica_id,
+                self._group_rank,
+                self._step,
+                replica_id,
+                quorum_id,
+            )
+            if not self._quorum_in_progress:
+                # The step runs on this quorum: it must not commit. (While a quorum request
+                # is in flight the step has not used the group yet; it is rebuilt instead.)
+                self.report_error(
+                    RuntimeError(f"replica group {replica_id} of quorum {quorum_id} was lost")
+                )
+            try:
+                self._pg.abort()
+            except Exception:
+                logger.exception("aborting the process group failed")
 
     def _adopt_quorum(self, quorum: Any, allow_heal: bool) -> None:
         """Adopts an answer of an async quorum; errors are recorded, not raised."""
@@ -786,7 +904,15 @@ class Manager:
         self._participating_replica_rank = participating_rank
         self._participating_replica_world_size = participating_world
 
-        if quorum_id != self._quorum_id:
+        with self._reconfig_lock:
+            # An aborted group (a member was lost) is rebuilt even if the id did not change.
+            reconfigure = quorum_id != self._quorum_id or self._pg_aborted
+            if reconfigure:
+                # Mark the new id before configuring: if configure fails the step is errored,
+                # and the next quorum must not reuse a half-built group silently.
+                self._quorum_id = quorum_id
+                self._pg_aborted = False
+        if reconfigure:
             store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}"
             self._log_info(
                 "reconfiguring for quorum_id=%d replica_rank=%d/%d store=%s",
@@ -795,9 +921,6 @@ class Manager:
                 replica_world_size,
                 store_prefixed_addr,
             )
-            # Mark the new id before configuring: if configure fails the step is errored, and
-            # the next quorum (new id or not) must not reuse a half-built group silently.
-            self._quorum_id = quorum_id
             try:
                 self._pg.configure(
                     store_prefixed_addr, self._replica_id, replica_rank, replica_world_size
@@ -988,7 +1111,9 @@ class Manager:
         if self._group_world_size == 1:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
             # it is the local vote, so the round trip is skipped (hot path of plain DDP).
-            should_commit = local_vote
+            # A group frozen past its lease may have been declared lost: never commit then.
+            lease_held = getattr(self._manager, "lease_held", None)
+            should_commit = local_vote and (lease_held is None or lease_held())
         else:
             should_commit = bool(
                 self._client.should_commit(
@@ -1063,6 +1188,9 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.stop(wait=2 * _LostWatcher.POLL.total_seconds() if wait else 0.0)
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown(wait=wait, cancel_futures=True)

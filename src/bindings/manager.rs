@@ -79,6 +79,12 @@ impl PyManagerServer {
         self.server.address()
     }
 
+    /// False if this group's heartbeats lapsed during the current step (it may have been
+    /// declared lost): the step must not commit.
+    fn lease_held(&self) -> bool {
+        self.server.lease_held()
+    }
+
     /// Stops the server (pending calls end with an error). Safe to call twice.
     fn shutdown(&self, py: Python<'_>) {
         block_on(py, self.server.shutdown());
@@ -212,6 +218,27 @@ impl PyManagerClient {
             self.client
                 .should_commit(group_rank, step, should_commit, timeout),
         )?)
+    }
+
+    /// Waits up to `timeout` for lost-member events after `after_seq` (GIL released).
+    ///
+    /// Returns `(last_seq, [(replica_id, quorum_id), ...])`; the list is empty when nothing
+    /// arrived in time, and `last_seq` is what to pass as `after_seq` next.
+    fn _watch_events(
+        &self,
+        py: Python<'_>,
+        after_seq: u64,
+        timeout: Duration,
+    ) -> PyResult<(u64, Vec<(String, i64)>)> {
+        let timeout = check_duration("timeout", timeout)?;
+        let (events, last) = block_on(py, self.client.watch_events(after_seq, timeout))?;
+        Ok((
+            last,
+            events
+                .into_iter()
+                .map(|e| (e.replica_id, e.quorum_id))
+                .collect(),
+        ))
     }
 
     /// Asks the manager server to end its hosting process (logged with `msg`).

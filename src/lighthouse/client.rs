@@ -20,7 +20,10 @@ use super::compact;
 use crate::error::{Error, Result};
 use crate::net::{connect, with_timeout};
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
-use crate::proto::{LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember};
+use crate::proto::{
+    LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember, SessionEvent,
+    SessionRequest,
+};
 
 /// A cheap-to-clone handle on one lighthouse connection (HTTP/2 multiplexes the calls).
 ///
@@ -156,6 +159,17 @@ impl LighthouseClient {
         replica_id: &str,
         timeout: Duration,
     ) -> std::result::Result<(), Status> {
+        self.heartbeat_lease(replica_id, timeout).await.map(|_| ())
+    }
+
+    /// Heartbeats and returns the lighthouse's heartbeat timeout (None if it does not say):
+    /// the group cannot be declared lost by heartbeat expiry sooner than that after this
+    /// call was sent.
+    pub async fn heartbeat_lease(
+        &self,
+        replica_id: &str,
+        timeout: Duration,
+    ) -> std::result::Result<Option<Duration>, Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
@@ -164,9 +178,46 @@ impl LighthouseClient {
             timeout,
         );
         match tokio::time::timeout(timeout, client.heartbeat(req)).await {
-            Ok(r) => r.map(|_| ()),
+            Ok(r) => r.map(|resp| {
+                let ms = resp.into_inner().heartbeat_timeout_ms;
+                (ms > 0).then(|| Duration::from_millis(ms))
+            }),
             Err(_) => Err(Status::deadline_exceeded(format!(
                 "lighthouse heartbeat did not complete within {timeout:?}"
+            ))),
+        }
+    }
+
+    /// Opens the session of `replica_id`: a stream the lighthouse keeps open for the life of
+    /// the caller and on which it announces lost members of the caller's quorum. Dropping
+    /// the stream (or the process dying) ends the session, which declares the group lost.
+    ///
+    /// `timeout` bounds opening the stream only (the first message is the lighthouse's
+    /// acknowledgement, consumed here).
+    pub async fn session(
+        &self,
+        replica_id: &str,
+        timeout: Duration,
+    ) -> std::result::Result<tonic::Streaming<SessionEvent>, Status> {
+        let mut client = self.client.clone();
+        let open = async {
+            let mut stream = client
+                .session(SessionRequest {
+                    replica_id: replica_id.to_string(),
+                })
+                .await?
+                .into_inner();
+            match stream.message().await? {
+                Some(_) => Ok(stream),
+                None => Err(Status::unavailable(
+                    "the lighthouse closed the session at once",
+                )),
+            }
+        };
+        match tokio::time::timeout(timeout, open).await {
+            Ok(r) => r,
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "lighthouse session did not open within {timeout:?}"
             ))),
         }
     }

@@ -44,6 +44,17 @@ pub struct HeartbeatStatus {
     pub healthy: bool,
 }
 
+/// A member of a quorum declared lost (its process died, or it stopped heartbeating).
+#[derive(Debug, Serialize)]
+pub struct LostStatus {
+    /// The lost replica group.
+    pub replica_id: String,
+    /// The quorum it was lost from.
+    pub quorum_id: i64,
+    /// Unix time (seconds) it was declared lost.
+    pub at_unix_s: f64,
+}
+
 /// The body of `GET /status`.
 #[derive(Debug, Serialize)]
 pub struct StatusBody {
@@ -57,6 +68,8 @@ pub struct StatusBody {
     pub heartbeats: Vec<HeartbeatStatus>,
     /// Replica ids waiting in the current round.
     pub participants: Vec<String>,
+    /// Recent losses of quorum members (bounded history, oldest first).
+    pub lost: Vec<LostStatus>,
     /// Whether the next quorum would be issued now.
     pub ready: bool,
     /// Why the next quorum is, or is not yet, ready.
@@ -91,6 +104,7 @@ impl StatusBody {
                 })
                 .collect(),
             participants: s.participants,
+            lost: Vec::new(),
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),
             started_unix_s,
@@ -131,7 +145,21 @@ fn status_body(shared: &Shared) -> StatusBody {
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs_f64();
-    StatusBody::from_snapshot(shared.snapshot(), started)
+    let mut body = StatusBody::from_snapshot(shared.snapshot(), started);
+    body.lost = shared
+        .recent_lost()
+        .into_iter()
+        .map(|l| LostStatus {
+            replica_id: l.replica_id,
+            quorum_id: l.quorum_id,
+            at_unix_s: l
+                .at
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+        })
+        .collect();
+    body
 }
 
 async fn status(State(shared): State<Arc<Shared>>) -> Json<StatusBody> {
@@ -201,6 +229,20 @@ pub fn render_html(body: &StatusBody) -> String {
             if b.healthy { "yes" } else { "no" }
         );
     }
+    let _ = write!(
+        h,
+        "</table><h2>Lost ({})</h2><table><tr><th>replica_id</th><th>quorum_id</th><th>at (unix s)</th></tr>",
+        body.lost.len()
+    );
+    for l in &body.lost {
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{:.3}</td></tr>",
+            escape_html(&l.replica_id),
+            l.quorum_id,
+            l.at_unix_s
+        );
+    }
     h.push_str("</table></body></html>\n");
     h
 }
@@ -251,6 +293,11 @@ mod tests {
             }],
             heartbeats: vec![],
             participants: vec!["p<1>".into()],
+            lost: vec![LostStatus {
+                replica_id: "<lost>".into(),
+                quorum_id: 6,
+                at_unix_s: 1.0,
+            }],
             ready: false,
             reason: "waiting".into(),
             started_unix_s: 0.0,
@@ -259,6 +306,7 @@ mod tests {
         assert!(page.contains("&lt;script&gt;"));
         assert!(!page.contains("<script>"));
         assert!(page.contains("p&lt;1&gt;"));
+        assert!(page.contains("&lt;lost&gt;"));
         assert!(page.contains("<b>7</b>"));
     }
 }

@@ -16,6 +16,12 @@
 //!   first joiner;
 //! - `shrink_only` (any participant) keeps only members of the previous quorum;
 //! - the id changes when the member set changes or a member reports commit failures.
+//!
+//! Loss (see the design notes, "Failure detection"): [`QuorumEngine::lost`] records that a
+//! replica group died (its session with the lighthouse ended): it stops counting as healthy
+//! at once, so the next round does not wait `heartbeat_timeout` for it. At tick time a member
+//! of the last quorum whose heartbeat expired (a hang) is declared lost too. Each loss of a
+//! member of the last quorum is reported once through [`QuorumEngine::take_lost`].
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -52,6 +58,15 @@ pub struct Joined {
     /// The generation of an earlier, still waiting request of the same replica that this one
     /// replaced (that waiter should be told it was superseded).
     pub replaced: Option<u64>,
+}
+
+/// A member of an issued quorum that was declared lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostMember {
+    /// The lost replica group.
+    pub replica_id: String,
+    /// The quorum it was a member of (the last issued one when it was declared lost).
+    pub quorum_id: i64,
 }
 
 /// Why the next quorum is, or is not yet, ready.
@@ -172,6 +187,10 @@ pub struct QuorumEngine {
     /// Revision since which every issued quorum had the last one's id and member fields
     /// except steps (0 before the first quorum).
     stable_since: u64,
+    /// Members of the last quorum already declared lost (each is reported once).
+    lost_reported: HashSet<String>,
+    /// Losses not yet collected by [`QuorumEngine::take_lost`].
+    pending_lost: Vec<LostMember>,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -230,6 +249,8 @@ impl QuorumEngine {
             healthy: 0,
             revision: 0,
             stable_since: 0,
+            lost_reported: HashSet::new(),
+            pending_lost: Vec::new(),
         }
     }
 
@@ -368,6 +389,52 @@ impl QuorumEngine {
         true
     }
 
+    /// Records that `replica_id` is gone (its process died: its session ended).
+    ///
+    /// It stops counting as healthy at once (its heartbeat record is dropped) and a request it
+    /// still had in the round is withdrawn. If it is a member of the last quorum, the loss is
+    /// queued for [`QuorumEngine::take_lost`] (once). Returns true if it was such a member.
+    /// A heartbeat or request arriving later makes it healthy again. Call
+    /// [`QuorumEngine::poll`] afterwards: the round may now be ready.
+    pub fn lost(&mut self, replica_id: &str, now: Instant) -> bool {
+        if let Some(rec) = self.heartbeats.remove(replica_id) {
+            if rec.counted {
+                self.healthy = self.healthy.saturating_sub(1);
+            }
+        }
+        if let Some(p) = self.participants.get(replica_id) {
+            let generation = p.generation;
+            self.leave(replica_id, generation);
+        }
+        if self.participants.is_empty() {
+            self.round_started = None;
+        } else if self.round_started.is_none() {
+            self.round_started = Some(now);
+        }
+        self.report_lost(replica_id)
+    }
+
+    /// Queues the loss of `replica_id` if it is a member of the last quorum not yet reported.
+    fn report_lost(&mut self, replica_id: &str) -> bool {
+        let Some(prev) = &self.previous else {
+            return false;
+        };
+        if !self.previous_ids.contains(replica_id) || self.lost_reported.contains(replica_id) {
+            return false;
+        }
+        self.lost_reported.insert(replica_id.to_string());
+        self.pending_lost.push(LostMember {
+            replica_id: replica_id.to_string(),
+            quorum_id: prev.quorum_id,
+        });
+        true
+    }
+
+    /// Takes the losses of last-quorum members declared since the previous call.
+    pub fn take_lost(&mut self) -> Vec<LostMember> {
+        std::mem::take(&mut self.pending_lost)
+    }
+
     fn shrinking(&self) -> bool {
         self.shrink_only > 0 && self.previous.is_some()
     }
@@ -428,10 +495,28 @@ impl QuorumEngine {
         }
     }
 
-    /// Expires heartbeats, forgets long-gone replicas, then decides like [`QuorumEngine::poll`].
+    /// Expires heartbeats, forgets long-gone replicas, declares members of the last quorum
+    /// whose heartbeat expired lost (see [`QuorumEngine::take_lost`]), then decides like
+    /// [`QuorumEngine::poll`].
     pub fn tick(&mut self, now: Instant) -> Option<Quorum> {
         self.prune(now);
+        self.expire_members();
         self.poll(now)
+    }
+
+    /// Declares lost the members of the last quorum that are not healthy as of the last prune
+    /// (O(members of the last quorum)).
+    fn expire_members(&mut self) {
+        let expired: Vec<String> = self
+            .previous_ids
+            .iter()
+            .filter(|id| !self.lost_reported.contains(*id))
+            .filter(|id| !self.heartbeats.get(*id).is_some_and(|rec| rec.counted))
+            .cloned()
+            .collect();
+        for id in expired {
+            self.report_lost(&id);
+        }
     }
 
     /// Recounts the healthy replicas and drops records older than
@@ -489,6 +574,8 @@ impl QuorumEngine {
         if !same_members {
             self.previous_ids = members.iter().map(|m| m.replica_id.clone()).collect();
         }
+        // Every member of a new quorum is alive as it is issued.
+        self.lost_reported.clear();
         self.revision += 1;
         let quorum = Quorum {
             quorum_id,
@@ -732,6 +819,116 @@ mod tests {
                 Issued(&["a", "b"]),
             ],
         );
+    }
+
+    /// Issues a quorum of `members` (each joins at `t`) and returns it.
+    fn quorum_of(e: &mut QuorumEngine, members: &[&str], t: Instant) -> Quorum {
+        let mut last = None;
+        for id in members {
+            e.heartbeat(id, t).unwrap();
+        }
+        for id in members {
+            e.join(member(id), t).unwrap();
+            last = e.poll(t);
+        }
+        let q = last.expect("a quorum of every healthy replica is issued");
+        assert_eq!(ids(&q), members);
+        q
+    }
+
+    #[test]
+    fn lost_member_is_excluded_without_waiting_for_its_heartbeat() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 100);
+        let q1 = quorum_of(&mut e, &["a", "b"], t);
+        assert!(e.take_lost().is_empty());
+        // "a" asks again; "b" is still healthy, so the round waits for it.
+        e.join(member("a"), t).unwrap();
+        assert!(e.poll(t).is_none());
+        // "b" dies: reported once, and the round is ready at once (no heartbeat timeout).
+        assert!(e.lost("b", t));
+        assert_eq!(
+            e.take_lost(),
+            vec![LostMember {
+                replica_id: "b".into(),
+                quorum_id: q1.quorum_id
+            }]
+        );
+        assert!(!e.lost("b", t), "a loss is reported once");
+        assert!(e.take_lost().is_empty());
+        let q2 = e.poll(t).expect("ready once the lost member is gone");
+        assert_eq!(ids(&q2), ["a"]);
+        assert!(q2.quorum_id > q1.quorum_id);
+        assert_eq!(e.num_heartbeat_records(), 1);
+    }
+
+    #[test]
+    fn lost_withdraws_a_waiting_request_and_ignores_non_members() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 100);
+        // Before any quorum nothing is reported, but the replica stops counting.
+        e.heartbeat("x", t).unwrap();
+        e.join(member("y"), t).unwrap();
+        assert!(e.poll(t).is_none(), "waits for healthy x");
+        assert!(!e.lost("x", t));
+        assert!(e.take_lost().is_empty());
+        assert_eq!(ids(&e.poll(t).unwrap()), ["y"]);
+        // A waiting request of a lost replica leaves the round.
+        e.join(member("z"), t).unwrap();
+        assert_eq!(e.num_participants(), 1);
+        e.lost("z", t);
+        assert_eq!(e.num_participants(), 0);
+        assert_eq!(e.verdict(t), Verdict::NoParticipants);
+        // Unknown ids are harmless.
+        assert!(!e.lost("nobody", t));
+        assert!(e.take_lost().is_empty());
+    }
+
+    #[test]
+    fn hung_member_is_declared_lost_at_heartbeat_expiry_only() {
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 100);
+        let q1 = quorum_of(&mut e, &["a", "b"], t0);
+        // Slow but heartbeating (every 100 ms for 20 s): never lost.
+        let mut t = t0;
+        for _ in 0..200 {
+            t += Duration::from_millis(100);
+            e.heartbeat("a", t).unwrap();
+            e.heartbeat("b", t).unwrap();
+            assert!(e.tick(t).is_none());
+            assert!(e.take_lost().is_empty());
+        }
+        // "b" hangs: nothing until heartbeat_timeout, then one loss of quorum q1.
+        let hung_at = t;
+        while t < hung_at + Duration::from_millis(4_900) {
+            t += Duration::from_millis(100);
+            e.heartbeat("a", t).unwrap();
+            e.tick(t);
+            assert!(
+                e.take_lost().is_empty(),
+                "declared lost too early at {:?}",
+                t - hung_at
+            );
+        }
+        t += Duration::from_millis(200);
+        e.heartbeat("a", t).unwrap();
+        e.tick(t);
+        assert_eq!(
+            e.take_lost(),
+            vec![LostMember {
+                replica_id: "b".into(),
+                quorum_id: q1.quorum_id
+            }]
+        );
+        t += Duration::from_millis(100);
+        e.tick(t);
+        assert!(e.take_lost().is_empty(), "reported once");
+        // It comes back: the next quorum has it again and it can be lost again.
+        e.join(member("a"), t).unwrap();
+        e.join(member("b"), t).unwrap();
+        assert_eq!(ids(&e.poll(t).unwrap()), ["a", "b"]);
+        assert!(e.lost("b", t));
+        assert_eq!(e.take_lost().len(), 1);
     }
 
     #[test]

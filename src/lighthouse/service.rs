@@ -5,6 +5,12 @@
 //! removes a cancelled or timed-out request from the round. A tick task re-evaluates the round
 //! every `quorum_tick` (join timeout, heartbeat expiry). gRPC and the HTTP status pages share
 //! one listener, served by axum (HTTP/1 and h2c on the same port).
+//!
+//! Sessions: each manager server holds a `Session` stream open for its life. When the stream
+//! ends without the lighthouse shutting down (the manager's process died or its connection
+//! broke), the replica group is declared lost at once; a member of the last quorum declared
+//! lost (that way, or by heartbeat expiry at tick) is announced on the other members'
+//! sessions, so they abort that quorum's collectives instead of waiting for a timeout.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -20,20 +26,20 @@ use axum::body::Bytes;
 use axum::http::{self, HeaderMap};
 use axum::response::IntoResponse;
 use prost::Message;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
 use super::compact;
-use super::quorum::{QuorumEngine, Snapshot};
+use super::quorum::{LostMember, QuorumEngine, Snapshot};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::net::request_timeout;
 use crate::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use crate::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, Quorum, QuorumMember,
+    LighthouseQuorumResponse, LostEvent, Quorum, QuorumMember, SessionEvent, SessionRequest,
 };
 
 /// How long [`LighthouseServer::shutdown`] waits for connections to drain before aborting.
@@ -145,9 +151,35 @@ struct Waiter {
     tx: oneshot::Sender<Delivery>,
 }
 
+/// Events buffered per session before the lighthouse drops them (a session that does not
+/// read is broken anyway; events are rare: one per lost member).
+const SESSION_BUFFER: usize = 64;
+
+/// Losses kept for the status pages (most recent last).
+const LOST_HISTORY: usize = 32;
+
+/// A replica group declared lost, as shown on the status pages.
+#[derive(Debug, Clone)]
+pub(crate) struct LostRecord {
+    pub(crate) replica_id: String,
+    pub(crate) quorum_id: i64,
+    pub(crate) at: SystemTime,
+}
+
+/// The open session of one replica group.
+struct Session {
+    /// Identifies this session; a replaced session's end must not declare the group lost.
+    id: u64,
+    tx: mpsc::Sender<std::result::Result<SessionEvent, Status>>,
+}
+
 struct State {
     engine: QuorumEngine,
     waiters: HashMap<String, Waiter>,
+    sessions: HashMap<String, Session>,
+    next_session: u64,
+    /// Recent losses of quorum members (bounded), for the status pages.
+    lost: std::collections::VecDeque<LostRecord>,
     shutting_down: bool,
     /// The last issued quorum (the base of the next one's delta reply).
     last: Option<Arc<Issued>>,
@@ -193,6 +225,9 @@ impl Shared {
             state: Mutex::new(State {
                 engine: QuorumEngine::new(opts, initial_id),
                 waiters: HashMap::new(),
+                sessions: HashMap::new(),
+                next_session: 1,
+                lost: std::collections::VecDeque::new(),
                 shutting_down: false,
                 last: None,
             }),
@@ -290,13 +325,15 @@ impl Shared {
         }
     }
 
-    fn heartbeat(&self, replica_id: &str) -> Result<()> {
+    /// Records a heartbeat; returns the heartbeat timeout (the caller's lease).
+    fn heartbeat(&self, replica_id: &str) -> Result<Duration> {
         let now = now_instant();
         let mut state = self.lock();
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        state.engine.heartbeat(replica_id, now)
+        state.engine.heartbeat(replica_id, now)?;
+        Ok(state.engine.options().heartbeat_timeout)
     }
 
     fn tick(&self) {
@@ -306,9 +343,111 @@ impl Shared {
         if state.shutting_down {
             return;
         }
+        let before = state.last.clone();
         if let Some(q) = state.engine.tick(now) {
             Self::deliver(state, q);
         }
+        Self::announce_lost(state, before);
+    }
+
+    /// Sends each loss the engine declared to the other members of the quorum it was in.
+    /// `before` is the last issued quorum before the engine call that declared the losses
+    /// (a quorum issued by that same call no longer has the lost member).
+    fn announce_lost(state: &mut State, before: Option<Arc<Issued>>) {
+        for LostMember {
+            replica_id,
+            quorum_id,
+        } in state.engine.take_lost()
+        {
+            warn!(replica_id = %replica_id, quorum_id, "replica group lost");
+            state.lost.push_back(LostRecord {
+                replica_id: replica_id.clone(),
+                quorum_id,
+                at: SystemTime::now(),
+            });
+            while state.lost.len() > LOST_HISTORY {
+                state.lost.pop_front();
+            }
+            let Some(last) = &before else { continue };
+            if last.quorum.quorum_id != quorum_id {
+                continue;
+            }
+            let event = SessionEvent {
+                lost: Some(LostEvent {
+                    replica_id: replica_id.clone(),
+                    quorum_id,
+                }),
+            };
+            for m in &last.quorum.participants {
+                if m.replica_id == replica_id {
+                    continue;
+                }
+                if let Some(session) = state.sessions.get(&m.replica_id) {
+                    if session.tx.try_send(Ok(event.clone())).is_err() {
+                        debug!(replica_id = %m.replica_id, "session not reading; event dropped");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens the session of `replica_id` (replacing an older one) and counts as a heartbeat.
+    fn open_session(&self, replica_id: &str) -> Result<(u64, SessionStream)> {
+        if replica_id.trim().is_empty() {
+            return Err(Error::InvalidArgument(
+                "replica_id must not be empty".into(),
+            ));
+        }
+        let now = now_instant();
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if state.shutting_down {
+            return Err(Error::Shutdown);
+        }
+        state.engine.heartbeat(replica_id, now)?;
+        let (tx, rx) = mpsc::channel(SESSION_BUFFER);
+        // The first message tells the manager its session is established.
+        let _ = tx.try_send(Ok(SessionEvent { lost: None }));
+        let id = state.next_session;
+        state.next_session += 1;
+        if state
+            .sessions
+            .insert(replica_id.to_string(), Session { id, tx })
+            .is_some()
+        {
+            debug!(replica_id = %replica_id, "session replaced by a newer one");
+        }
+        debug!(replica_id = %replica_id, "session opened");
+        Ok((id, SessionStream { rx, _guard: None }))
+    }
+
+    /// Called when a session stream ends: unless the lighthouse is shutting down or the
+    /// session was replaced, the replica group is lost now.
+    fn session_ended(&self, replica_id: &str, id: u64) {
+        let now = now_instant();
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if state.shutting_down || state.sessions.get(replica_id).is_none_or(|s| s.id != id) {
+            return;
+        }
+        state.sessions.remove(replica_id);
+        info!(replica_id = %replica_id, "session ended; replica group lost");
+        let before = state.last.clone();
+        state.engine.lost(replica_id, now);
+        if let Some(q) = state.engine.poll(now) {
+            Self::deliver(state, q);
+        }
+        Self::announce_lost(state, before);
+    }
+
+    /// Recent losses of quorum members, oldest first.
+    pub(crate) fn recent_lost(&self) -> Vec<LostRecord> {
+        self.lock().lost.iter().cloned().collect()
+    }
+
+    /// Number of open sessions.
+    pub(crate) fn num_sessions(&self) -> usize {
+        self.lock().sessions.len()
     }
 
     /// Stops accepting requests and ends every pending long-poll with `Error::Shutdown`.
@@ -318,6 +457,9 @@ impl Shared {
         for (_, w) in state.waiters.drain() {
             let _ = w.tx.send(Err(Error::Shutdown));
         }
+        // Ends every session stream (managers reconnect to the next lighthouse); a shutdown
+        // is not a death of every group.
+        state.sessions.clear();
     }
 
     /// A view of the engine for the status pages.
@@ -372,6 +514,35 @@ async fn wait_for_quorum(
     delivered.unwrap_or(Err(Error::Shutdown))
 }
 
+/// Declares the session's replica group lost when the stream is dropped (the client went
+/// away), unless the session was replaced or the lighthouse is shutting down.
+struct SessionGuard {
+    shared: Arc<Shared>,
+    replica_id: String,
+    id: u64,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.shared.session_ended(&self.replica_id, self.id);
+    }
+}
+
+/// The response stream of a session: the events queued for it, and the guard that notices
+/// its end.
+pub(crate) struct SessionStream {
+    rx: mpsc::Receiver<std::result::Result<SessionEvent, Status>>,
+    _guard: Option<SessionGuard>,
+}
+
+impl futures::Stream for SessionStream {
+    type Item = std::result::Result<SessionEvent, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
 /// The tonic service implementation (the Quorum method is normally served by
 /// [`QuorumRoute`]; this one is the reference path and serves Heartbeat).
 struct Grpc {
@@ -398,8 +569,26 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
-        self.shared.heartbeat(&request.into_inner().replica_id)?;
-        Ok(Response::new(LighthouseHeartbeatResponse {}))
+        let timeout = self.shared.heartbeat(&request.into_inner().replica_id)?;
+        Ok(Response::new(LighthouseHeartbeatResponse {
+            heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        }))
+    }
+
+    type SessionStream = SessionStream;
+
+    async fn session(
+        &self,
+        request: Request<SessionRequest>,
+    ) -> std::result::Result<Response<SessionStream>, Status> {
+        let replica_id = request.into_inner().replica_id;
+        let (id, mut stream) = self.shared.open_session(&replica_id)?;
+        stream._guard = Some(SessionGuard {
+            shared: self.shared.clone(),
+            replica_id,
+            id,
+        });
+        Ok(Response::new(stream))
     }
 }
 
@@ -627,6 +816,11 @@ impl LighthouseServer {
             stop,
             tasks: tokio::sync::Mutex::new(vec![server, ticker]),
         })
+    }
+
+    /// Number of replica groups whose session is open (each manager server holds one).
+    pub fn num_sessions(&self) -> usize {
+        self.shared.num_sessions()
     }
 
     /// The socket address actually bound (useful with port 0).

@@ -14,8 +14,8 @@ use crate::error::{Error, Result};
 use crate::net::{connect, with_timeout};
 use crate::proto::manager_service_client::ManagerServiceClient;
 use crate::proto::{
-    CheckpointMetadataRequest, KillRequest, ManagerQuorumRequest, ManagerQuorumResponse,
-    ShouldCommitRequest,
+    CheckpointMetadataRequest, KillRequest, LostEvent, ManagerQuorumRequest, ManagerQuorumResponse,
+    ShouldCommitRequest, WatchEventsRequest,
 };
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
@@ -109,5 +109,30 @@ impl ManagerClient {
         bounded("kill", timeout, client.kill(with_timeout(req, timeout)))
             .await
             .map(|_| ())
+    }
+
+    /// Waits up to `timeout` for lost-member events numbered after `after_seq`.
+    ///
+    /// Returns the events (oldest first; empty when none arrived in time) and the number to
+    /// pass as `after_seq` next time.
+    pub async fn watch_events(
+        &self,
+        after_seq: u64,
+        timeout: Duration,
+    ) -> Result<(Vec<LostEvent>, u64)> {
+        let mut client = self.client.clone();
+        let req = WatchEventsRequest { after_seq };
+        match bounded(
+            "watch_events",
+            timeout,
+            client.watch_events(with_timeout(req, timeout)),
+        )
+        .await
+        {
+            Ok(r) => Ok((r.events, r.last_seq)),
+            // No event in time is the ordinary outcome of a long-poll, not a failure.
+            Err(e) if e.is_timeout() => Ok((Vec::new(), after_seq)),
+            Err(e) => Err(e),
+        }
     }
 }

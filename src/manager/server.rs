@@ -8,7 +8,12 @@
 //!
 //! The lighthouse channel is lazy and reconnects by itself, so the server starts while the
 //! lighthouse is down and recovers when it comes back on the same address.
+//!
+//! The server also holds a session with the lighthouse for its life (reopened with backoff
+//! when the lighthouse restarts): its end tells the lighthouse this group died, and it brings
+//! the lighthouse's lost-member events, which ranks collect with the `WatchEvents` long-poll.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,13 +34,125 @@ use crate::lighthouse::LighthouseClient;
 use crate::net::{normalize_addr, request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
 use crate::proto::{
-    CheckpointMetadataRequest, CheckpointMetadataResponse, KillRequest, KillResponse,
+    CheckpointMetadataRequest, CheckpointMetadataResponse, KillRequest, KillResponse, LostEvent,
     ManagerQuorumRequest, ManagerQuorumResponse, Quorum, QuorumMember, ShouldCommitRequest,
-    ShouldCommitResponse,
+    ShouldCommitResponse, WatchEventsRequest, WatchEventsResponse,
 };
 
 /// How long a graceful shutdown waits for open connections before closing them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Lost-member events kept for ranks that poll late (events are rare: one per lost peer).
+const EVENT_HISTORY: usize = 64;
+
+/// The lost-member events received from the lighthouse, numbered from 1, with a watch of the
+/// last number so long-polls wake up when one arrives.
+#[derive(Debug)]
+struct EventLog {
+    events: Mutex<VecDeque<(u64, LostEvent)>>,
+    last: watch::Sender<u64>,
+}
+
+impl EventLog {
+    fn new() -> Self {
+        Self {
+            events: Mutex::new(VecDeque::new()),
+            last: watch::channel(0).0,
+        }
+    }
+
+    fn push(&self, event: LostEvent) {
+        let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let seq = *self.last.borrow() + 1;
+        events.push_back((seq, event));
+        while events.len() > EVENT_HISTORY {
+            events.pop_front();
+        }
+        self.last.send_replace(seq);
+    }
+
+    /// Buffered events after `after` and the number of the last one (`after` if none).
+    fn after(&self, after: u64) -> (Vec<LostEvent>, u64) {
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = after;
+        let found = events
+            .iter()
+            .filter(|(seq, _)| *seq > after)
+            .map(|(seq, e)| {
+                last = *seq;
+                e.clone()
+            })
+            .collect();
+        (found, last)
+    }
+
+    /// Waits until there are events after `after` or `deadline` passes.
+    async fn wait(&self, after: u64, deadline: Instant) -> (Vec<LostEvent>, u64) {
+        let mut rx = self.last.subscribe();
+        let _ = tokio::time::timeout_at(deadline, rx.wait_for(|last| *last > after)).await;
+        self.after(after)
+    }
+}
+
+/// Whether this group may still count itself a live member of its quorum (a fence against
+/// committing a step the other members abandoned).
+///
+/// A group frozen (e.g. SIGSTOP) for the lighthouse's heartbeat timeout is declared lost and
+/// the others abort the step; when it resumes it may still complete that step's collectives
+/// from data already buffered, so it must not commit it. The lease is held while heartbeat
+/// acknowledgements arrive without a gap longer than half the lighthouse's heartbeat timeout
+/// (measured from when each acknowledged heartbeat was sent, on the monotonic clock, which a
+/// frozen process does not stop).
+#[derive(Debug, Default)]
+struct Lease {
+    /// The lighthouse's heartbeat timeout (None until a lighthouse said it).
+    timeout: Option<Duration>,
+    /// When the last acknowledged heartbeat was sent.
+    last_ack_sent: Option<Instant>,
+    /// When a gap longer than the lease was last seen.
+    broken_at: Option<Instant>,
+    /// When the last quorum was received (the start of the current step's membership).
+    quorum_at: Option<Instant>,
+}
+
+impl Lease {
+    fn lease(timeout: Duration) -> Duration {
+        timeout / 2
+    }
+
+    /// A heartbeat sent at `sent` was acknowledged by a lighthouse with `timeout`.
+    fn on_ack(&mut self, sent: Instant, timeout: Option<Duration>) {
+        if timeout.is_some() {
+            self.timeout = timeout;
+        }
+        if let (Some(prev), Some(t)) = (self.last_ack_sent, self.timeout) {
+            if sent.saturating_duration_since(prev) > Self::lease(t) {
+                self.broken_at = Some(sent);
+            }
+        }
+        if self.last_ack_sent.is_none_or(|prev| sent > prev) {
+            self.last_ack_sent = Some(sent);
+        }
+    }
+
+    /// True unless the lease lapsed since the last quorum (or is lapsing now).
+    fn held(&self, now: Instant) -> bool {
+        let Some(t) = self.timeout else {
+            return true; // a lighthouse that does not state its timeout: no fence
+        };
+        let Some(last) = self.last_ack_sent else {
+            return true;
+        };
+        if now.saturating_duration_since(last) > Self::lease(t) {
+            return false;
+        }
+        match (self.broken_at, self.quorum_at) {
+            (Some(broken), Some(quorum)) => broken < quorum,
+            (Some(_), None) => false,
+            (None, _) => true,
+        }
+    }
+}
 
 /// A running manager server (spawned on the current tokio runtime).
 ///
@@ -57,6 +174,8 @@ struct Inner {
     lighthouse: LighthouseClient,
     gather: QuorumGather,
     barrier: CommitBarrier,
+    events: EventLog,
+    lease: Mutex<Lease>,
     shutdown: watch::Receiver<bool>,
 }
 
@@ -157,6 +276,8 @@ impl ManagerServer {
         let inner = Arc::new(Inner {
             gather: QuorumGather::new(opts.world_size)?,
             barrier: CommitBarrier::new(opts.world_size)?,
+            events: EventLog::new(),
+            lease: Mutex::new(Lease::default()),
             address: address.clone(),
             lighthouse_addr,
             lighthouse,
@@ -179,6 +300,7 @@ impl ManagerServer {
             }
         });
         let heartbeat = tokio::spawn(heartbeat_loop(inner.clone()));
+        let session = tokio::spawn(session_loop(inner.clone()));
         info!(
             replica_id = %inner.opts.replica_id,
             address = %address,
@@ -190,8 +312,15 @@ impl ManagerServer {
             address,
             inner,
             shutdown_tx,
-            tasks: Mutex::new(vec![serve, heartbeat]),
+            tasks: Mutex::new(vec![serve, heartbeat, session]),
         })
+    }
+
+    /// False if this group may have been declared lost during the current step (its
+    /// heartbeats lapsed for half the lighthouse's heartbeat timeout since the last quorum):
+    /// the step must then not commit. Single-rank groups that vote locally ask this.
+    pub fn lease_held(&self) -> bool {
+        self.inner.lease_held()
     }
 
     /// The address other groups and this group's ranks dial: `http://{hostname}:{port}`.
@@ -241,12 +370,18 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
             _ = ticker.tick() => {}
             _ = shutdown.wait_for(|down| *down) => return,
         }
+        let sent = Instant::now();
         let result = inner
             .lighthouse
-            .heartbeat_status(&inner.opts.replica_id, period)
+            .heartbeat_lease(&inner.opts.replica_id, period)
             .await;
         match result {
-            Ok(()) => {
+            Ok(timeout) => {
+                inner
+                    .lease
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .on_ack(sent, timeout);
                 if failing {
                     info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
                     failing = false;
@@ -270,7 +405,72 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
     }
 }
 
+/// Holds the session with the lighthouse open for the server's life, reopening it with
+/// backoff (a lighthouse restart is not a death), and records the lost-member events it
+/// brings. The session ends with the process, which tells the lighthouse at once.
+async fn session_loop(inner: Arc<Inner>) {
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    let mut shutdown = inner.shutdown.clone();
+    let open_timeout = inner.opts.connect_timeout.min(Duration::from_secs(5));
+    let mut failing = false;
+    loop {
+        let opened = tokio::select! {
+            r = inner.lighthouse.session(&inner.opts.replica_id, open_timeout) => r,
+            _ = shutdown.wait_for(|down| *down) => return,
+        };
+        let ended = match opened {
+            Ok(mut stream) => {
+                info!(lighthouse = %inner.lighthouse_addr, "lighthouse session open");
+                failing = false;
+                backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+                loop {
+                    let next = tokio::select! {
+                        m = stream.message() => m,
+                        _ = shutdown.wait_for(|down| *down) => return,
+                    };
+                    match next {
+                        Ok(Some(event)) => {
+                            if let Some(lost) = event.lost {
+                                warn!(lost = %lost.replica_id, quorum_id = lost.quorum_id,
+                                    "lighthouse reports a lost replica group");
+                                inner.events.push(lost);
+                            }
+                        }
+                        Ok(None) => break "the lighthouse closed it".to_string(),
+                        Err(status) => break status.message().to_string(),
+                    }
+                }
+            }
+            Err(status) => status.message().to_string(),
+        };
+        if !failing {
+            warn!(lighthouse = %inner.lighthouse_addr, reason = %ended,
+                "lighthouse session ended; reopening");
+            failing = true;
+        }
+        let delay = backoff.next_delay();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.wait_for(|down| *down) => return,
+        }
+    }
+}
+
 impl Inner {
+    fn lease_held(&self) -> bool {
+        let held = self
+            .lease
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .held(Instant::now());
+        if !held {
+            warn!(replica_id = %self.opts.replica_id,
+                "heartbeats lapsed during this step (the group may have been declared lost); \
+                 voting not to commit");
+        }
+        held
+    }
+
     /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
     async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<Quorum> {
         let member = QuorumMember {
@@ -335,6 +535,10 @@ impl Inner {
         };
         match result {
             Ok(quorum) => {
+                self.lease
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .quorum_at = Some(Instant::now());
                 debug!(
                     quorum_id = quorum.quorum_id,
                     step = round.step,
@@ -442,15 +646,30 @@ impl ManagerService for Service {
     ) -> Result<Response<ShouldCommitResponse>, Status> {
         let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
+        let local = req.should_commit && self.inner.lease_held();
         let vote = self
             .inner
             .barrier
-            .vote(req.group_rank, req.step, req.should_commit, timeout);
+            .vote(req.group_rank, req.step, local, timeout);
         let should_commit = tokio::select! {
             r = vote => r?,
             _ = shutting_down(self.inner.shutdown.clone()) => return Err(Error::Shutdown.into()),
         };
         Ok(Response::new(ShouldCommitResponse { should_commit }))
+    }
+
+    async fn watch_events(
+        &self,
+        request: Request<WatchEventsRequest>,
+    ) -> Result<Response<WatchEventsResponse>, Status> {
+        let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
+        let after = request.into_inner().after_seq;
+        let deadline = Instant::now() + timeout;
+        let (events, last_seq) = tokio::select! {
+            r = self.inner.events.wait(after, deadline) => r,
+            _ = shutting_down(self.inner.shutdown.clone()) => return Err(Error::Shutdown.into()),
+        };
+        Ok(Response::new(WatchEventsResponse { events, last_seq }))
     }
 
     async fn kill(&self, request: Request<KillRequest>) -> Result<Response<KillResponse>, Status> {
@@ -480,6 +699,74 @@ mod tests {
         assert_eq!(http_address("host", 5), "http://host:5");
         assert_eq!(http_address("::1", 5), "http://[::1]:5");
         assert_eq!(http_address("[::1]", 5), "http://[::1]:5");
+    }
+
+    #[tokio::test]
+    async fn event_log_numbers_keeps_and_wakes() {
+        let log = Arc::new(EventLog::new());
+        let ev = |id: &str| LostEvent {
+            replica_id: id.into(),
+            quorum_id: 7,
+        };
+        // Nothing yet: the wait ends at its deadline with nothing.
+        let (none, last) = log
+            .wait(0, Instant::now() + Duration::from_millis(20))
+            .await;
+        assert!(none.is_empty());
+        assert_eq!(last, 0);
+        // A waiter wakes when an event arrives.
+        let waiter = {
+            let log = log.clone();
+            tokio::spawn(async move { log.wait(0, Instant::now() + Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        log.push(ev("a"));
+        let (got, last) = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, vec![ev("a")]);
+        assert_eq!(last, 1);
+        log.push(ev("b"));
+        assert_eq!(log.after(0), (vec![ev("a"), ev("b")], 2));
+        assert_eq!(log.after(1), (vec![ev("b")], 2));
+        assert_eq!(log.after(2), (vec![], 2));
+        // The history is bounded.
+        for _ in 0..2 * EVENT_HISTORY {
+            log.push(ev("c"));
+        }
+        let (kept, last) = log.after(0);
+        assert_eq!(kept.len(), EVENT_HISTORY);
+        assert_eq!(last, 2 + 2 * EVENT_HISTORY as u64);
+    }
+
+    #[test]
+    fn lease_lapses_with_a_heartbeat_gap_during_the_step() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut l = Lease::default();
+        // No lighthouse timeout known: no fence.
+        assert!(l.held(t0));
+        l.on_ack(t0, Some(ms(2000)));
+        l.quorum_at = Some(t0 + ms(10));
+        // Regular acks every 100 ms: held.
+        for i in 1..=20 {
+            l.on_ack(t0 + ms(100 * i), None);
+            assert!(l.held(t0 + ms(100 * i + 50)));
+        }
+        let last = t0 + ms(2000);
+        // Frozen: no ack for more than half the timeout → not held while it lasts ...
+        assert!(l.held(last + ms(900)));
+        assert!(!l.held(last + ms(1100)));
+        // ... nor after a fresh ack, for the rest of this step ...
+        l.on_ack(last + ms(3000), None);
+        assert!(!l.held(last + ms(3010)));
+        // ... until the next quorum.
+        l.quorum_at = Some(last + ms(3100));
+        assert!(l.held(last + ms(3150)));
+        // An ack older than the newest does not move it back.
+        l.on_ack(last + ms(2500), None);
+        assert_eq!(l.last_ack_sent, Some(last + ms(3000)));
     }
 
     #[test]
