@@ -136,14 +136,14 @@ impl PyManagerClient {
         init_sync: bool,
     ) -> PyResult<QuorumResult> {
         let timeout = check_duration("timeout", timeout)?;
-        let req = ManagerQuorumRequest {
+        let req = quorum_request(
             group_rank,
             step,
             checkpoint_metadata,
             shrink_only,
-            init_sync,
             commit_failures,
-        };
+            init_sync,
+        );
         let resp = block_on(py, self.client.quorum(req, timeout))?;
         Ok(QuorumResult::from(resp))
     }
@@ -174,14 +174,14 @@ impl PyManagerClient {
         init_sync: bool,
     ) -> PyResult<PendingQuorum> {
         let timeout = check_duration("timeout", timeout)?;
-        let req = ManagerQuorumRequest {
+        let req = quorum_request(
             group_rank,
             step,
             checkpoint_metadata,
             shrink_only,
-            init_sync,
             commit_failures,
-        };
+            init_sync,
+        );
         let client = self.client.clone();
         let handle = crate::runtime::get().spawn(async move { client.quorum(req, timeout).await });
         Ok(PendingQuorum {
@@ -417,4 +417,23 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<QuorumResult>()?;
     m.add_class::<PendingQuorum>()?;
     Ok(())
+}
+
+/// The request one rank sends for a quorum (shared by `_quorum` and `_quorum_start`).
+fn quorum_request(
+    group_rank: i64,
+    step: i64,
+    checkpoint_metadata: String,
+    shrink_only: bool,
+    commit_failures: i64,
+    init_sync: bool,
+) -> ManagerQuorumRequest {
+    ManagerQuorumRequest {
+        group_rank,
+        step,
+        checkpoint_metadata,
+        shrink_only,
+        init_sync,
+        commit_failures,
+    }
 }
