@@ -8,12 +8,12 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client
 # The extension is rebuilt whenever Rust sources, the proto or the manifests change.
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop demo test test-rust test-python lint fmt bench clean
+.PHONY: all venv develop browser demo test test-rust test-python lint fmt bench clean
 
 all: develop
 
@@ -39,7 +39,19 @@ test: test-rust test-python
 test-rust:
 	cargo test --all-targets -q
 
-test-python: develop
+# The dashboard tests drive Debian's chromium through its chromedriver. Installed here when
+# missing and the machine allows it (root with apt-get); otherwise those tests skip and say why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver for the dashboard tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q chromium chromium-driver >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; } \
+		|| echo "warning: could not install chromium; the dashboard tests will skip"; \
+	else echo "note: chromium/chromedriver missing; the dashboard tests will skip"; fi
+
+test-python: develop browser
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 lint: venv

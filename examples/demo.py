@@ -18,9 +18,11 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchft.eventlog import read_events, summarize
 from torchft.launch import Launcher, LighthouseProcess
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +39,15 @@ class GroupView:
     commits: int = 0
     failed_steps: int = 0
     first_commit_after_restart: float | None = None
+
+
+def _replica_health(address: str) -> list[dict[str, object]] | None:
+    """The lighthouse's per-replica view from /status (None if it did not answer)."""
+    try:
+        with urllib.request.urlopen(address + "/status", timeout=0.5) as r:
+            return list(json.loads(r.read())["replicas"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"torchft demo: {args.replicas} replica groups, {args.steps} steps, CPU/Gloo")
     t0 = time.monotonic()
-    lighthouse = LighthouseProcess(min_replicas=2, join_timeout_ms=3000)
+    event_log = log_dir / "events.jsonl"
+    lighthouse = LighthouseProcess(min_replicas=2, join_timeout_ms=3000, event_log=str(event_log))
     print(
-        f"lighthouse at {lighthouse.address} (status page: {lighthouse.address}/ , JSON: /status)"
+        f"lighthouse at {lighthouse.address} "
+        f"(dashboard: {lighthouse.address}/ , JSON: /status, metrics: /metrics)"
     )
+    health: list[dict[str, object]] = []
     result_file = str(log_dir / "result_{replica_group}_{rank}.json")
     launcher = Launcher(
         str(HERE / "train_ddp.py"),
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             if now - last_print >= 2.0 or done:
                 last_print = now
+                health = _replica_health(lighthouse.address) or health
                 state = "  ".join(f"g{i}:{s}" for i, s in enumerate(steps))
                 print(
                     f"[{now - t0:5.1f}s] steps {state}  restarts={launcher.groups[args.kill_group].restarts}"
@@ -190,6 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"identical final state   : {'yes' if identical else 'NO'} ({len(hashes)} distinct hash(es) over {len(results)} groups)"
     )
+    print("lighthouse's view (last /status before the end):")
+    for r in health:
+        c = r.get("counters", {})
+        assert isinstance(c, dict)
+        print(
+            f"  {r['replica_id']}: {r['state']} at step {r['step']}, "
+            f"incarnations {c.get('incarnations')}, lost {c.get('lost')}, heals {c.get('heals')}"
+        )
+    if event_log.exists():
+        events, _ = read_events(event_log)
+        summary = summarize(events)
+        victim = summary["replicas"].get(f"train_ddp_{args.kill_group}") or {}
+        walk = " -> ".join(t["to"] for t in victim.get("transitions", []))
+        print(f"event log               : {len(events)} events; group {args.kill_group}: {walk}")
     ok = bool(killed) and restarts >= 1 and healed is not None and identical
     if ok:
         shutil.rmtree(log_dir, ignore_errors=True)

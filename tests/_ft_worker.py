@@ -8,6 +8,8 @@ The test drives it through files:
 - ``--progress``: rewritten after every step with the committed step (atomic rename).
 - ``--stop``: when this file exists it holds the target step; the worker exits once its
   committed step reaches it (so every replica group stops at the same step).
+- ``--sleep-file``: while it exists, the worker sleeps the seconds it holds after every step
+  (a straggler on demand).
 - ``--result``: written at exit with the step, hashes of parameters and optimizer state, and
   the commit result and parameter hash of every attempted step.
 
@@ -75,6 +77,15 @@ def read_stop(path: str) -> int | None:
         return None
 
 
+def read_seconds(path: str) -> float:
+    """Seconds written in ``path`` (0 if the file is missing or unreadable)."""
+    try:
+        with open(path) as f:
+            return float(f.read().strip())
+    except (FileNotFoundError, ValueError):
+        return 0.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--replica-id", required=True)
@@ -85,6 +96,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fail-steps", default="", help="steps whose first attempt fails")
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument(
+        "--sleep-file", default="", help="while this file exists, sleep its seconds per step"
+    )
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--quorum-timeout", type=float, default=30.0)
@@ -166,6 +180,10 @@ def main() -> int:
             write_json(args.progress, {"step": manager.current_step(), "pid": os.getpid()})
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if args.sleep_file:
+                extra = read_seconds(args.sleep_file)
+                if extra:
+                    time.sleep(extra)
         write_json(
             args.result,
             {

@@ -290,6 +290,13 @@ impl LighthouseService for Scripted {
     ) -> Result<Response<Self::SessionStream>, Status> {
         Err(Status::unimplemented("no sessions here"))
     }
+
+    async fn report(
+        &self,
+        _request: Request<torchft::proto::TelemetryBatch>,
+    ) -> Result<Response<torchft::proto::TelemetryAck>, Status> {
+        Err(Status::unimplemented("no telemetry here"))
+    }
 }
 
 fn quorum(id: i64, revision: u64, steps: &[i64]) -> Quorum {

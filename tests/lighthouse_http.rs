@@ -1,4 +1,5 @@
-//! HTTP pages of a real lighthouse: health, readiness, status JSON, HTML, and bad requests.
+//! HTTP pages of a real lighthouse: health, readiness, status JSON, metrics, events, the
+//! dashboard, and bad requests.
 
 use std::future::Future;
 use std::time::Duration;
@@ -119,10 +120,50 @@ async fn health_ready_status_and_index() {
 
         let page = http.get(format!("{base}/")).send().await.unwrap();
         assert_eq!(page.status(), 200);
+        let csp = page.headers()["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(csp.contains("connect-src 'self'"), "{csp}");
         let html = page.text().await.unwrap();
         assert!(html.contains("torchft lighthouse"));
-        assert!(html.contains("a&lt;b&gt;"), "replica id not escaped");
-        assert!(html.contains(&q.quorum_id.to_string()));
+        // Self-contained: nothing is loaded from elsewhere.
+        for external in ["src=\"http", "href=\"http", "src=\"//", "@import"] {
+            assert!(!html.contains(external), "external asset: {external}");
+        }
+        // The data behind it: ids untouched in JSON (the page inserts them as text).
+        let replicas = s["replicas"].as_array().unwrap();
+        let ids: Vec<&str> = replicas
+            .iter()
+            .map(|r| r["replica_id"].as_str().unwrap())
+            .collect();
+        assert!(ids.contains(&"a<b>") && ids.contains(&"z"), "{ids:?}");
+        assert!(
+            replicas.iter().all(|r| r["state"] == "joining"),
+            "{replicas:?}"
+        );
+        assert_eq!(s["allow_kill"], false);
+        assert_eq!(s["events"][0]["kind"], "lighthouse_started");
+
+        let metrics = http.get(format!("{base}/metrics")).send().await.unwrap();
+        assert_eq!(metrics.status(), 200);
+        assert!(metrics.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4"));
+        let text = metrics.text().await.unwrap();
+        assert!(text.contains(&format!("torchft_quorum_id {}\n", q.quorum_id)));
+        assert!(text.contains("torchft_replica_state{replica_id=\"a<b>\",state=\"joining\"} 1"));
+        assert!(text.contains("torchft_quorum_changes_total 1\n"), "{text}");
+
+        // The kill action is refused unless enabled.
+        let kill = http
+            .post(format!("{base}/replicas/z/kill"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(kill.status(), 403);
+        assert!(kill.text().await.unwrap().contains("--allow_kill"));
 
         assert_eq!(
             http.get(format!("{base}/nope"))
@@ -197,6 +238,69 @@ async fn readyz_ok_then_closed_after_shutdown() {
         assert!(reqwest::get(format!("{}/readyz", server.address()))
             .await
             .is_err());
+    })
+    .await;
+}
+
+/// Reads from `s` until the text seen contains `needle` (at most 10 s).
+async fn read_until(s: &mut tokio::net::TcpStream, needle: &str) -> String {
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while !seen.contains(needle) {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("no {needle:?} within 10s: {seen}"))
+            .unwrap();
+        assert!(n > 0, "stream closed: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_stream_live_and_replay_after_last_event_id() {
+    bounded(async {
+        let server = start(1).await;
+        let base = server.address();
+        let addr = server.local_addr();
+        // A live subscriber sees the quorum of a new member as it happens.
+        let mut live = tokio::net::TcpStream::connect(addr).await.unwrap();
+        live.write_all(b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let c = LighthouseClient::connect(&base, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let m = QuorumMember {
+            replica_id: "solo".into(),
+            world_size: 1,
+            address: "http://solo:1".into(),
+            ..Default::default()
+        };
+        c.quorum(m, Duration::from_secs(5)).await.unwrap();
+        let seen = read_until(&mut live, "quorum_changed").await;
+        assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+        assert!(seen.contains("text/event-stream"), "{seen}");
+        assert!(seen.contains("\"kind\":\"replica_joined\""), "{seen}");
+        // Reconnecting after event 1 replays the buffered events after it (not event 1).
+        let mut again = tokio::net::TcpStream::connect(addr).await.unwrap();
+        again
+            .write_all(b"GET /events HTTP/1.1\r\nHost: x\r\nLast-Event-ID: 1\r\n\r\n")
+            .await
+            .unwrap();
+        let replay = read_until(&mut again, "quorum_changed").await;
+        assert!(replay.contains("\nid: 2\n"), "{replay}");
+        assert!(!replay.contains("\nid: 1\n"), "{replay}");
+        assert!(!replay.contains("lighthouse_started"), "{replay}");
+        // Shutdown ends the streams (the server does not hang on them).
+        let started = std::time::Instant::now();
+        server.shutdown().await;
+        assert!(started.elapsed() < Duration::from_secs(4));
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), live.read_to_end(&mut rest))
+            .await
+            .expect("stream not ended by shutdown")
+            .ok();
     })
     .await;
 }

@@ -13,7 +13,7 @@ use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseSer
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
     LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, SessionEvent,
-    SessionRequest,
+    SessionRequest, TelemetryAck, TelemetryBatch, TelemetryReport,
 };
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,6 +57,13 @@ impl LighthouseService for HangingLighthouse {
         _request: Request<SessionRequest>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         Err(Status::unimplemented("no sessions here"))
+    }
+
+    async fn report(
+        &self,
+        _request: Request<TelemetryBatch>,
+    ) -> Result<Response<TelemetryAck>, Status> {
+        Err(Status::unimplemented("no telemetry here"))
     }
 }
 
@@ -123,6 +130,7 @@ async fn heartbeat_keeps_its_period_while_the_lighthouse_hangs() {
 struct RecordingLighthouse {
     requests: Arc<Mutex<Vec<QuorumMember>>>,
     fail_first: usize,
+    reports: Arc<Mutex<Vec<TelemetryBatch>>>,
 }
 
 #[tonic::async_trait]
@@ -165,6 +173,16 @@ impl LighthouseService for RecordingLighthouse {
         _request: Request<SessionRequest>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         Err(Status::unimplemented("no sessions here"))
+    }
+
+    async fn report(
+        &self,
+        request: Request<TelemetryBatch>,
+    ) -> Result<Response<TelemetryAck>, Status> {
+        let batch = request.into_inner();
+        let accepted = batch.reports.len() as u32;
+        self.reports.lock().unwrap().push(batch);
+        Ok(Response::new(TelemetryAck { accepted }))
     }
 }
 
@@ -323,6 +341,86 @@ async fn failed_lighthouse_requests_are_retried_up_to_quorum_retries() {
         server.shutdown().await;
         let _ = stop.send(true);
         handle.await.unwrap();
+    })
+    .await;
+}
+
+fn telemetry(incarnation: &str, step: i64) -> TelemetryReport {
+    TelemetryReport {
+        replica_id: "grp".into(),
+        incarnation: incarnation.into(),
+        group_rank: 0,
+        group_world_size: 1,
+        step,
+        committed: true,
+        busy_s: 0.01,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_reports_are_forwarded_in_batches_and_garbage_is_refused() {
+    bounded(async {
+        let fake = RecordingLighthouse::default();
+        let (addr, stop, handle) = serve_fake(fake.clone()).await;
+        let server = ManagerServer::start(manager_opts(&addr, 1, 0))
+            .await
+            .unwrap();
+        let client = ManagerClient::connect(&server.address(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let t = Duration::from_secs(5);
+        for step in 0..3 {
+            let batch = TelemetryBatch {
+                reports: vec![telemetry("grp", step)],
+                dropped: 2,
+            };
+            assert_eq!(client.report(batch, t).await.unwrap(), 1);
+        }
+        // Malformed reports, and reports about another group, are refused whole.
+        let mut nan = telemetry("grp", 3);
+        nan.busy_s = f64::NAN;
+        let mut no_id = telemetry("", 3);
+        no_id.replica_id.clear();
+        for bad in [nan, no_id, telemetry("other", 3)] {
+            let batch = TelemetryBatch {
+                reports: vec![telemetry("grp", 3), bad],
+                dropped: 0,
+            };
+            let err = client.report(batch, t).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+        // Forwarded within a few intervals, in one or more batches, drops carried along.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let (steps, dropped): (Vec<i64>, u64) = {
+                let got = fake.reports.lock().unwrap();
+                (
+                    got.iter()
+                        .flat_map(|b| b.reports.iter().map(|r| r.step))
+                        .collect(),
+                    got.iter().map(|b| b.dropped).sum(),
+                )
+            };
+            if steps.len() == 3 {
+                assert_eq!(steps, vec![0, 1, 2]);
+                assert_eq!(dropped, 6);
+                break;
+            }
+            assert!(Instant::now() < deadline, "forwarded only {steps:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Reports queued just before shutdown still go out (flushed before the session ends).
+        let batch = TelemetryBatch {
+            reports: vec![telemetry("grp", 9)],
+            dropped: 0,
+        };
+        client.report(batch, t).await.unwrap();
+        server.shutdown().await;
+        let last = fake.reports.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(last.reports[0].step, 9);
+        let _ = stop.send(true);
+        let _ = handle.await;
     })
     .await;
 }

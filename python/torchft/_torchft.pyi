@@ -75,6 +75,11 @@ class LighthouseServer:
         join_timeout_ms: int | None = None,
         quorum_tick_ms: int | None = None,
         heartbeat_timeout_ms: int | None = None,
+        *,
+        event_log: str | None = None,
+        allow_kill: bool = False,
+        straggler_skew_pct: float | None = None,
+        straggler_min_ms: int | None = None,
     ) -> None: ...
     def address(self) -> str:
         """``http://host:port`` to dial (the host name when bound to a wildcard address)."""
@@ -139,6 +144,41 @@ class ManagerClient:
     """A client of one manager server (one channel, shared by all calls)."""
 
     def __init__(self, addr: str, connect_timeout: timedelta = ...) -> None: ...
+    def report(
+        self,
+        *,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        step: int,
+        phase: str = "step",
+        incarnation: str = "",
+        rank: int = -1,
+        hostname: str = "",
+        pid: int = 0,
+        quorum_id: int = 0,
+        participants: int = 0,
+        committed: bool = False,
+        healed: bool = False,
+        step_s: float = 0.0,
+        quorum_wait_s: float = 0.0,
+        collective_s: float = 0.0,
+        should_commit_s: float = 0.0,
+        busy_s: float = 0.0,
+        heal_s: float = 0.0,
+        heal_bytes: int = 0,
+        error: str = "",
+        unix_s: float = 0.0,
+    ) -> bool:
+        """Queues a telemetry report (never waits); False if the queue was full.
+
+        ``phase`` is one of step, heal_started, finished, failed. Raises ValueError on a
+        malformed report.
+        """
+    def _telemetry_flush(self, timeout: timedelta = ...) -> None:
+        """Sends the queued telemetry reports now, waiting at most ``timeout``."""
+    def _telemetry_dropped(self) -> int:
+        """Telemetry reports dropped so far."""
     def _quorum(
         self,
         group_rank: int,

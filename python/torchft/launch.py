@@ -89,6 +89,7 @@ class LighthouseProcess:
         heartbeat_timeout_ms: int | None = None,
         bind: str = "127.0.0.1:0",
         start_timeout: float = 60.0,
+        event_log: str | None = None,
     ) -> None:
         """Starts the daemon and waits until it reports its address.
 
@@ -98,6 +99,7 @@ class LighthouseProcess:
             heartbeat_timeout_ms: the lighthouse's heartbeat timeout (its default when None).
             bind: listen address; port 0 picks a free port.
             start_timeout: seconds to wait for the daemon to come up.
+            event_log: file the daemon appends replica health events to (``--event_log``).
         """
         cmd = _find_lighthouse_cmd() + [
             "--min_replicas",
@@ -109,6 +111,8 @@ class LighthouseProcess:
         ]
         if heartbeat_timeout_ms is not None:
             cmd += ["--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
+        if event_log is not None:
+            cmd += ["--event_log", event_log]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,

@@ -32,14 +32,16 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -49,6 +51,7 @@ from torch.distributed import ReduceOp, TCPStore, Work
 from torch.futures import Future
 
 from torchft import _torchft
+from torchft.telemetry import RankTelemetry, enabled_from_env
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
 if TYPE_CHECKING:
@@ -368,6 +371,7 @@ class Manager:
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
+        telemetry: bool | None = None,
     ) -> None:
         """Creates the manager, connects to the replica group's store and manager server.
 
@@ -400,6 +404,8 @@ class Manager:
             max_retries: raise ``RuntimeError`` after more than this many consecutive failed
                 commits (None = retry forever).
             quorum_retries: how often the manager server retries a failed lighthouse quorum.
+            telemetry: report per-step timings and health to the lighthouse (fail-open; default
+                env ``TORCHFT_TELEMETRY``, else on). See :mod:`torchft.telemetry`.
 
         Raises:
             ValueError: on invalid arguments or missing configuration.
@@ -425,6 +431,10 @@ class Manager:
             raise ValueError(f"quorum_retries must be >= 0, got {quorum_retries}")
         if max_retries is not None and max_retries < 0:
             raise ValueError(f"max_retries must be None or >= 0, got {max_retries}")
+        if telemetry is None:
+            telemetry = enabled_from_env()
+        if not isinstance(telemetry, bool):
+            raise TypeError(f"telemetry must be a bool or None, got {telemetry!r}")
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
 
@@ -509,6 +519,7 @@ class Manager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._manager: Any = None
         self._client: Any = None
+        self._telemetry: RankTelemetry | None = None
         self._shutdown = False
 
         if hasattr(pg, "set_timeout"):
@@ -555,6 +566,15 @@ class Manager:
             self._replica_id: str = info["replica_id"]
             manager_address: str = info["address"]
             self._client = _torchft.ManagerClient(manager_address, connect_timeout=connect_timeout)
+            self._telemetry = RankTelemetry(
+                self._client,
+                replica_id=base_id or self._replica_id,
+                incarnation=self._replica_id,
+                group_rank=self._group_rank,
+                group_world_size=self._group_world_size,
+                hostname=hostname,
+                enabled=telemetry,
+            )
             self._watcher = _LostWatcher(self._client, self._on_lost)
         except BaseException:
             self.shutdown(wait=False)
@@ -755,7 +775,8 @@ class Manager:
         else:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
             try:
-                self._run_quorum(allow_heal, shrink_only, quorum_timeout)
+                with self._timing_quorum():
+                    self._run_quorum(allow_heal, shrink_only, quorum_timeout)
                 fut.set_result(None)
             except BaseException as e:
                 fut.set_exception(e)
@@ -775,9 +796,15 @@ class Manager:
         # The quorum RPC and the heal each carry their own deadline; this bound is a backstop.
         limit = (self._quorum_timeout + 2 * self._timeout + self._connect_timeout).total_seconds()
         try:
-            fut.result(timeout=limit)
+            with self._timing_quorum():
+                fut.result(timeout=limit)
         except FutureTimeoutError:
             raise TimeoutError(f"quorum did not finish within {limit:.1f}s") from None
+
+    def _timing_quorum(self) -> Any:
+        """Context counting the time inside it as blocked on the quorum (telemetry)."""
+        tel = self._telemetry
+        return tel.quorum_wait() if tel is not None and tel.enabled else nullcontext()
 
     def _run_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         """Runs one quorum; errors other than the quorum deadline are recorded, not raised."""
@@ -959,6 +986,10 @@ class Manager:
         if src_rank is None or not src_addr:
             raise RuntimeError(f"told to heal without a recovery source: {quorum}")
         self._log_info("healing from replica %d (%s) at step %d", src_rank, src_addr, max_step)
+        tel = self._telemetry
+        if tel is not None:
+            tel.heal_started(self._step, quorum.quorum_id)
+        heal_t0 = time.perf_counter()
         src_client = _torchft.ManagerClient(src_addr, connect_timeout=self._connect_timeout)
         metadata = src_client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
         received = self._checkpoint_transport.recv_checkpoint(
@@ -966,6 +997,8 @@ class Manager:
         )
         if not isinstance(received, dict) or "torchft" not in received or "user" not in received:
             raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
+        if tel is not None and tel.enabled:
+            tel.heal_done(time.perf_counter() - heal_t0, received)
         # The counters apply at once so the commit vote is for the healed step.
         self.load_state_dict(received["torchft"])
         self._pending_state_dict = received["user"]
@@ -1025,6 +1058,8 @@ class Manager:
         if should_quantize:
             logger.debug("quantized allreduce not available; using full precision")
 
+        tel = self._telemetry
+        token = tel.collective_started() if tel is not None else None
         try:
             avg = reduce_op == ReduceOp.AVG
             op = ReduceOp.SUM if avg else reduce_op
@@ -1037,6 +1072,8 @@ class Manager:
             # One callback does the averaging and the error swallowing (one GIL acquisition
             # on the backend thread per bucket instead of two).
             def finish(f: Future[Any]) -> torch.Tensor:
+                if tel is not None:
+                    tel.collective_finished(token)
                 try:
                     f.value()
                 except Exception as e:
@@ -1106,7 +1143,9 @@ class Manager:
             # The manager server did not answer the quorum; the vote would not find peers.
             self._commit_failures += 1
             self._checkpoint_transport.disallow_checkpoint()
+            self._report_step(False, 0.0, str(quorum_timed_out))
             raise quorum_timed_out
+        vote_t0 = time.perf_counter()
 
         if self._group_world_size == 1:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
@@ -1120,7 +1159,11 @@ class Manager:
                     self._group_rank, self._step, local_vote, timeout=vote_timeout
                 )
             )
+        vote_s = time.perf_counter() - vote_t0
         self._checkpoint_transport.disallow_checkpoint()
+        self._report_step(
+            should_commit, vote_s, str(self._errored) if self._errored is not None else None
+        )
         self._record(
             _commit_logger,
             commit=should_commit,
@@ -1149,6 +1192,27 @@ class Manager:
                 self._record(_error_logger, error=msg)
                 raise RuntimeError(msg)
         return should_commit
+
+    def _report_step(self, committed: bool, vote_s: float, error: str | None) -> None:
+        """Queues this step's telemetry report (never raises, never waits)."""
+        tel = self._telemetry
+        if tel is None:
+            return
+        replica_rank = self._replica_rank
+        tel.step_ended(
+            step=self._step,
+            quorum_id=max(self._quorum_id, 0),
+            participants=self._participating_replica_world_size,
+            committed=committed,
+            healed=self._healing,
+            should_commit_s=vote_s,
+            error=error,
+            rank=(
+                replica_rank * self._group_world_size + self._group_rank
+                if replica_rank is not None
+                else -1
+            ),
+        )
 
     # ------------------------------------------------------------------ accessors
 
@@ -1188,6 +1252,10 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
+        tel = getattr(self, "_telemetry", None)
+        if tel is not None:
+            # Called while an exception propagates (e.g. from a `finally:`): the rank failed.
+            tel.finish(sys.exc_info()[1], step=self._step)
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
             watcher.stop(wait=2 * _LostWatcher.POLL.total_seconds() if wait else 0.0)

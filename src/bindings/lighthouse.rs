@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::{block_on, check_duration};
-use crate::lighthouse::{self as core, daemon, LighthouseOptions};
+use crate::lighthouse::{self as core, daemon, LighthouseOptions, ObservabilityOptions};
 use crate::proto;
 
 fn dict_to_json(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
@@ -241,7 +241,9 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     #[new]
     #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
-        heartbeat_timeout_ms = None))]
+        heartbeat_timeout_ms = None, *, event_log = None, allow_kill = false,
+        straggler_skew_pct = None, straggler_min_ms = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         bind: String,
@@ -249,6 +251,10 @@ impl LighthouseServer {
         join_timeout_ms: Option<i64>,
         quorum_tick_ms: Option<i64>,
         heartbeat_timeout_ms: Option<i64>,
+        event_log: Option<std::path::PathBuf>,
+        allow_kill: bool,
+        straggler_skew_pct: Option<f64>,
+        straggler_min_ms: Option<i64>,
     ) -> PyResult<Self> {
         if min_replicas < 1 {
             return Err(PyValueError::new_err(format!(
@@ -267,7 +273,14 @@ impl LighthouseServer {
                 false,
             )?,
         };
-        let inner = block_on(py, core::LighthouseServer::bind(&bind, opts))?;
+        let od = ObservabilityOptions::default();
+        let obs = ObservabilityOptions {
+            event_log,
+            allow_kill,
+            straggler_skew_pct: straggler_skew_pct.unwrap_or(od.straggler_skew_pct),
+            straggler_min: ms_arg("straggler_min_ms", straggler_min_ms, od.straggler_min, true)?,
+        };
+        let inner = block_on(py, core::LighthouseServer::bind_with(&bind, opts, obs))?;
         Ok(Self { inner })
     }
 

@@ -4,16 +4,20 @@
 //! Thin: convert arguments, release the GIL, run the core on the process-wide runtime, convert
 //! the result. Deadline expiry raises `TimeoutError`, bad arguments `ValueError`.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::{block_on, check_duration, TorchFTError};
+use crate::lighthouse::telemetry::validate_report;
+use crate::manager::reports::ReportQueue;
 use crate::manager::{ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer};
-use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
+use crate::proto::telemetry_report::Phase;
+use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
 
 /// The manager server of one replica group (hosted by group rank 0).
 #[pyclass(module = "torchft._torchft", name = "ManagerServer", frozen)]
@@ -95,11 +99,53 @@ impl PyManagerServer {
     }
 }
 
+/// How often a rank's telemetry reports go to its manager server.
+const RANK_REPORT_INTERVAL: Duration = Duration::from_millis(200);
+/// Bound on one telemetry send to the manager server.
+const RANK_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A rank's telemetry queue and the switch that stops its forwarder.
+struct Reporter {
+    queue: ReportQueue,
+    _stop: watch::Sender<bool>,
+}
+
 /// A client of one manager server.
 #[pyclass(module = "torchft._torchft", name = "ManagerClient", frozen)]
 pub struct PyManagerClient {
     client: CoreClient,
     addr: String,
+    /// Started by the first telemetry report.
+    reporter: OnceLock<Reporter>,
+}
+
+impl PyManagerClient {
+    fn reporter(&self) -> &Reporter {
+        self.reporter.get_or_init(|| {
+            let queue = ReportQueue::default();
+            let (stop, stop_rx) = watch::channel(false);
+            let client = self.client.clone();
+            queue.spawn_forwarder(RANK_REPORT_INTERVAL, stop_rx, move |batch| {
+                let client = client.clone();
+                async move { client.report(batch, RANK_REPORT_TIMEOUT).await.map(|_| ()) }
+            });
+            Reporter { queue, _stop: stop }
+        })
+    }
+}
+
+fn parse_phase(phase: &str) -> PyResult<Phase> {
+    Ok(match phase {
+        "step" => Phase::Step,
+        "heal_started" => Phase::HealStarted,
+        "finished" => Phase::Finished,
+        "failed" => Phase::Failed,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "phase must be one of step, heal_started, finished, failed; got {other:?}"
+            )))
+        }
+    })
 }
 
 #[pymethods]
@@ -110,7 +156,115 @@ impl PyManagerClient {
     fn new(py: Python<'_>, addr: String, connect_timeout: Duration) -> PyResult<Self> {
         let connect_timeout = check_duration("connect_timeout", connect_timeout)?;
         let client = block_on(py, CoreClient::connect(&addr, connect_timeout))?;
-        Ok(Self { client, addr })
+        Ok(Self {
+            client,
+            addr,
+            reporter: OnceLock::new(),
+        })
+    }
+
+    /// Queues one telemetry report for the manager server; never waits for the network.
+    ///
+    /// Returns False if the queue was full (the report is dropped and counted). Raises
+    /// ValueError on a malformed report.
+    #[pyo3(signature = (
+        *,
+        replica_id,
+        group_rank,
+        group_world_size,
+        step,
+        phase = "step",
+        incarnation = String::new(),
+        rank = -1,
+        hostname = String::new(),
+        pid = 0,
+        quorum_id = 0,
+        participants = 0,
+        committed = false,
+        healed = false,
+        step_s = 0.0,
+        quorum_wait_s = 0.0,
+        collective_s = 0.0,
+        should_commit_s = 0.0,
+        busy_s = 0.0,
+        heal_s = 0.0,
+        heal_bytes = 0,
+        error = String::new(),
+        unix_s = 0.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        &self,
+        replica_id: String,
+        group_rank: i64,
+        group_world_size: i64,
+        step: i64,
+        phase: &str,
+        incarnation: String,
+        rank: i64,
+        hostname: String,
+        pid: u32,
+        quorum_id: i64,
+        participants: i64,
+        committed: bool,
+        healed: bool,
+        step_s: f64,
+        quorum_wait_s: f64,
+        collective_s: f64,
+        should_commit_s: f64,
+        busy_s: f64,
+        heal_s: f64,
+        heal_bytes: u64,
+        error: String,
+        unix_s: f64,
+    ) -> PyResult<bool> {
+        let report = TelemetryReport {
+            replica_id,
+            incarnation,
+            group_rank,
+            group_world_size,
+            rank,
+            hostname,
+            pid,
+            step,
+            quorum_id,
+            participants,
+            committed,
+            healed,
+            step_s,
+            quorum_wait_s,
+            collective_s,
+            should_commit_s,
+            busy_s,
+            heal_s,
+            heal_bytes,
+            error,
+            phase: parse_phase(phase)? as i32,
+            unix_s,
+        };
+        validate_report(&report)?;
+        Ok(self.reporter().queue.push(report))
+    }
+
+    /// Sends the queued telemetry reports now, waiting at most `timeout`.
+    #[pyo3(signature = (timeout = Duration::from_secs(1)))]
+    fn _telemetry_flush(&self, py: Python<'_>, timeout: Duration) {
+        let Some(reporter) = self.reporter.get() else {
+            return;
+        };
+        let client = self.client.clone();
+        let send = move |batch| {
+            let client = client.clone();
+            async move { client.report(batch, timeout).await.map(|_| ()) }
+        };
+        block_on(py, async {
+            let _ = tokio::time::timeout(timeout, reporter.queue.send_pending(&send)).await;
+        });
+    }
+
+    /// Telemetry reports this client dropped so far (queue full or send failed).
+    fn _telemetry_dropped(&self) -> u64 {
+        self.reporter.get().map_or(0, |r| r.queue.dropped_total())
     }
 
     /// Asks for this rank's part of the next quorum (waits for the whole group).

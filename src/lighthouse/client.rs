@@ -22,7 +22,7 @@ use crate::net::{connect, with_timeout};
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
 use crate::proto::{
     LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember, SessionEvent,
-    SessionRequest,
+    SessionRequest, TelemetryBatch,
 };
 
 /// A cheap-to-clone handle on one lighthouse connection (HTTP/2 multiplexes the calls).
@@ -35,6 +35,16 @@ pub struct LighthouseClient {
 }
 
 impl LighthouseClient {
+    /// Sends a batch of telemetry reports; returns how many the lighthouse accepted.
+    pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
+        let mut client = self.client.clone();
+        match tokio::time::timeout(timeout, client.report(with_timeout(batch, timeout))).await {
+            Ok(Ok(r)) => Ok(r.into_inner().accepted),
+            Ok(Err(status)) => Err(status.into()),
+            Err(_) => Err(Error::timeout("lighthouse report", timeout)),
+        }
+    }
+
     /// Dials `addr` (`http://host:port` or `host:port`), retrying until `connect_timeout`.
     pub async fn connect(addr: &str, connect_timeout: Duration) -> Result<Self> {
         let channel = connect(addr, connect_timeout).await?;

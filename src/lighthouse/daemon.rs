@@ -8,12 +8,13 @@ use std::time::Duration;
 use clap::Parser;
 use tracing::info;
 
-use super::{LighthouseOptions, LighthouseServer};
+use super::{LighthouseOptions, LighthouseServer, ObservabilityOptions};
 use crate::error::{Error, Result};
 
 /// torchft lighthouse: decides, per step, which replica groups take part in training.
 ///
-/// Serves gRPC (quorum, heartbeat) and HTTP (/healthz, /readyz, /status, /) on one port.
+/// Serves gRPC (quorum, heartbeat, telemetry) and HTTP (/healthz, /readyz, /status, /metrics,
+/// /events, and the dashboard at /) on one port.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "torchft_lighthouse", version, about, long_about = None)]
 pub struct Args {
@@ -58,6 +59,34 @@ pub struct Args {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub heartbeat_timeout_ms: u64,
+
+    /// Append replica health events (JSON lines) to this file, for post-mortems
+    /// (`python -m torchft.eventlog PATH` summarises one).
+    #[arg(long = "event_log", alias = "event-log", env = "TORCHFT_EVENT_LOG")]
+    pub event_log: Option<std::path::PathBuf>,
+
+    /// Enable the dashboard's kill action (POST /replicas/{id}/kill ends a group's manager).
+    #[arg(long = "allow_kill", alias = "allow-kill", env = "TORCHFT_ALLOW_KILL")]
+    pub allow_kill: bool,
+
+    /// A group whose median busy time is this many percent above the median is a straggler.
+    #[arg(
+        long = "straggler_skew_pct",
+        alias = "straggler-skew-pct",
+        env = "TORCHFT_STRAGGLER_SKEW_PCT",
+        default_value_t = 50,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub straggler_skew_pct: u64,
+
+    /// ... and at least this many milliseconds above it.
+    #[arg(
+        long = "straggler_min_ms",
+        alias = "straggler-min-ms",
+        env = "TORCHFT_STRAGGLER_MIN_MS",
+        default_value_t = 50
+    )]
+    pub straggler_min_ms: u64,
 }
 
 impl Args {
@@ -68,6 +97,16 @@ impl Args {
             join_timeout: Duration::from_millis(self.join_timeout_ms),
             quorum_tick: Duration::from_millis(self.quorum_tick_ms),
             heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
+        }
+    }
+
+    /// The observability settings these flags describe.
+    pub fn observability(&self) -> ObservabilityOptions {
+        ObservabilityOptions {
+            event_log: self.event_log.clone(),
+            allow_kill: self.allow_kill,
+            straggler_skew_pct: self.straggler_skew_pct as f64,
+            straggler_min: Duration::from_millis(self.straggler_min_ms),
         }
     }
 }
@@ -123,13 +162,16 @@ pub fn run(args: Args) -> Result<()> {
     crate::runtime::get().block_on(async move {
         let opts = args.options();
         let signal = shutdown_signal()?;
-        let server = LighthouseServer::bind(&args.bind, opts.clone()).await?;
+        let server =
+            LighthouseServer::bind_with(&args.bind, opts.clone(), args.observability()).await?;
         info!(
             min_replicas = opts.min_replicas,
             join_timeout_ms = args.join_timeout_ms,
             quorum_tick_ms = args.quorum_tick_ms,
             heartbeat_timeout_ms = args.heartbeat_timeout_ms,
-            "lighthouse listening on {}",
+            event_log = ?args.event_log,
+            allow_kill = args.allow_kill,
+            "lighthouse listening on {} (dashboard at /, metrics at /metrics)",
             server.address()
         );
         let name = signal.await;

@@ -1,22 +1,31 @@
 //! HTTP pages served next to gRPC on the lighthouse port.
 //!
 //! `GET /healthz` (liveness), `GET /readyz` (503 while shutting down), `GET /status` (JSON:
-//! current quorum, heartbeats, waiting participants and why the next quorum is or is not
-//! ready) and `GET /` (the same as a small self-contained HTML page). Anything else is 404.
+//! current quorum, heartbeats, waiting participants, why the next quorum is or is not ready,
+//! and the health of every replica group), `GET /metrics` (Prometheus), `GET /events`
+//! (server-sent events), `POST /replicas/{id}/kill` (only with `--allow_kill`) and `GET /`
+//! (the live dashboard). Anything else is 404. The schema is in docs/telemetry.md.
 
-use std::fmt::Write as _;
+use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::broadcast;
 
+use super::metrics::JobMetrics;
 use super::quorum::Snapshot;
 use super::service::Shared;
+use super::telemetry::{GlobalCounters, ReplicaStatus};
+use crate::manager::ManagerClient;
 
 /// One member of the current quorum, as shown on the status page.
 #[derive(Debug, Serialize)]
@@ -76,6 +85,18 @@ pub struct StatusBody {
     pub reason: String,
     /// Unix time (seconds) the lighthouse started.
     pub started_unix_s: f64,
+    /// The lighthouse's heartbeat timeout in seconds.
+    pub heartbeat_timeout_s: f64,
+    /// Whether the kill action is enabled.
+    pub allow_kill: bool,
+    /// One entry per replica group, sorted by replica_id (see docs/telemetry.md).
+    pub replicas: Vec<ReplicaStatus>,
+    /// Replica groups currently flagged as stragglers.
+    pub stragglers: Vec<String>,
+    /// Job-wide telemetry counters.
+    pub counters: GlobalCounters,
+    /// The most recent events, oldest first.
+    pub events: Vec<Value>,
 }
 
 impl StatusBody {
@@ -108,6 +129,12 @@ impl StatusBody {
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),
             started_unix_s,
+            heartbeat_timeout_s: 0.0,
+            allow_kill: false,
+            replicas: Vec::new(),
+            stragglers: Vec::new(),
+            counters: GlobalCounters::default(),
+            events: Vec::new(),
         }
     }
 }
@@ -118,6 +145,9 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .route("/events", get(events))
+        .route("/replicas/{replica_id}/kill", post(kill))
         .route("/", get(index))
         .with_state(shared)
 }
@@ -159,6 +189,20 @@ fn status_body(shared: &Shared) -> StatusBody {
                 .as_secs_f64(),
         })
         .collect();
+    let now = Instant::now();
+    shared.hub.read(|t| {
+        body.heartbeat_timeout_s = t.options().heartbeat_timeout.as_secs_f64();
+        body.replicas = t.replicas(now);
+        body.counters = t.counters().clone();
+        body.events = t.recent_events().map(|e| e.to_json()).collect();
+    });
+    body.allow_kill = shared.hub.opts.allow_kill;
+    body.stragglers = body
+        .replicas
+        .iter()
+        .filter(|r| r.straggler)
+        .map(|r| r.replica_id.clone())
+        .collect();
     body
 }
 
@@ -166,91 +210,152 @@ async fn status(State(shared): State<Arc<Shared>>) -> Json<StatusBody> {
     Json(status_body(&shared))
 }
 
-/// Escapes text for HTML (replica ids and addresses come from clients).
-pub fn escape_html(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
+/// The live dashboard: one self-contained page (inline script and style, no external assets).
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+async fn index() -> Response {
+    (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 img-src 'self' data:; connect-src 'self'",
+            ),
+        ],
+        Html(DASHBOARD),
+    )
+        .into_response()
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let snapshot = shared.snapshot();
+    let (replicas, counters) = shared
+        .hub
+        .read(|t| (t.replicas(Instant::now()), t.counters().clone()));
+    let job = JobMetrics {
+        quorum_id: snapshot.quorum_id,
+        quorum_participants: snapshot.members.len(),
+        min_replicas: snapshot.min_replicas,
+        counters,
+        event_log_dropped: shared.hub.log_dropped(),
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        super::metrics::render(&job, &replicas),
+    )
+        .into_response()
+}
+
+/// `GET /events`: server-sent events, replaying the buffered events after `Last-Event-ID`.
+async fn events(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    let Some(rx) = shared.hub.subscribe() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response();
+    };
+    let after: Option<u64> = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
+    let replay: Vec<(u64, String)> = match after {
+        Some(after) => shared.hub.read(|t| {
+            // An id ahead of this lighthouse's events comes from a previous lighthouse on
+            // the same address (restart): send everything buffered.
+            let newest = t.recent_events().last().map_or(0, |e| e.seq);
+            let after = if after > newest { 0 } else { after };
+            t.recent_events()
+                .filter(|e| e.seq > after)
+                .map(|e| (e.seq, e.to_json().to_string()))
+                .collect()
+        }),
+        None => Vec::new(),
+    };
+    let last = replay.last().map_or(0, |(s, _)| *s);
+    let first = futures::stream::iter(replay);
+    let live = futures::stream::unfold((rx, last), |(mut rx, last)| async move {
+        loop {
+            match rx.recv().await {
+                Ok(item) if item.0 <= last => continue,
+                Ok(item) => {
+                    let (seq, text) = (item.0, item.1.clone());
+                    return Some(((seq, text), (rx, seq)));
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    let text = json!({"seq": 0, "kind": "feed_lagged", "skipped": n}).to_string();
+                    return Some(((0, text), (rx, last)));
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
         }
-    }
-    out
+    });
+    let stream = first.chain(live).map(|(seq, text)| {
+        let ev = SseEvent::default().data(text);
+        Ok::<_, Infallible>(if seq > 0 { ev.id(seq.to_string()) } else { ev })
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
 }
 
-/// Renders the status as a minimal HTML page (no scripts, no external resources).
-pub fn render_html(body: &StatusBody) -> String {
-    let mut h = String::new();
-    let qid = body
-        .quorum_id
-        .map_or_else(|| "none yet".to_string(), |q| q.to_string());
-    let _ = write!(
-        h,
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>torchft lighthouse</title>\
-         <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}\
-         td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}</style></head><body>\
-         <h1>torchft lighthouse</h1><p>quorum_id: <b>{}</b> &middot; min_replicas: {} &middot; \
-         next quorum: {}</p>",
-        escape_html(&qid),
-        body.min_replicas,
-        escape_html(&body.reason)
-    );
-    let _ = write!(h, "<h2>Current quorum ({} members)</h2><table><tr><th>replica_id</th><th>step</th><th>world_size</th><th>address</th><th>store_address</th></tr>", body.members.len());
-    for m in &body.members {
-        let _ = write!(
-            h,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            escape_html(&m.replica_id),
-            m.step,
-            m.world_size,
-            escape_html(&m.address),
-            escape_html(&m.store_address)
-        );
-    }
-    let _ = write!(
-        h,
-        "</table><h2>Waiting this round ({})</h2><ul>",
-        body.participants.len()
-    );
-    for p in &body.participants {
-        let _ = write!(h, "<li>{}</li>", escape_html(p));
-    }
-    let _ = write!(h, "</ul><h2>Heartbeats</h2><table><tr><th>replica_id</th><th>age (s)</th><th>healthy</th></tr>");
-    for b in &body.heartbeats {
-        let _ = write!(
-            h,
-            "<tr><td>{}</td><td>{:.1}</td><td>{}</td></tr>",
-            escape_html(&b.replica_id),
-            b.age_s,
-            if b.healthy { "yes" } else { "no" }
-        );
-    }
-    let _ = write!(
-        h,
-        "</table><h2>Lost ({})</h2><table><tr><th>replica_id</th><th>quorum_id</th><th>at (unix s)</th></tr>",
-        body.lost.len()
-    );
-    for l in &body.lost {
-        let _ = write!(
-            h,
-            "<tr><td>{}</td><td>{}</td><td>{:.3}</td></tr>",
-            escape_html(&l.replica_id),
-            l.quorum_id,
-            l.at_unix_s
-        );
-    }
-    h.push_str("</table></body></html>\n");
-    h
+#[derive(Debug, Serialize)]
+struct ActionReply {
+    ok: bool,
+    message: String,
 }
 
-async fn index(State(shared): State<Arc<Shared>>) -> Response {
-    let page = render_html(&status_body(&shared));
-    ([(header::CACHE_CONTROL, "no-store")], Html(page)).into_response()
+fn reply(code: StatusCode, ok: bool, message: String) -> Response {
+    (code, Json(ActionReply { ok, message })).into_response()
 }
+
+/// `POST /replicas/{replica_id}/kill`: ends the group's manager process (only with
+/// `--allow_kill`).
+async fn kill(State(shared): State<Arc<Shared>>, Path(replica_id): Path<String>) -> Response {
+    if !shared.hub.opts.allow_kill {
+        return reply(
+            StatusCode::FORBIDDEN,
+            false,
+            "the kill action is disabled; start the lighthouse with --allow_kill".into(),
+        );
+    }
+    let Some((incarnation, address)) = shared.hub.read(|t| t.manager_address(&replica_id)) else {
+        return reply(
+            StatusCode::NOT_FOUND,
+            false,
+            format!("no replica group {replica_id:?} with a known manager address"),
+        );
+    };
+    let now = Instant::now();
+    shared.hub.with(|t| {
+        t.emit(
+            now,
+            "kill_requested",
+            json!({"replica_id": replica_id, "incarnation": incarnation}),
+        )
+    });
+    let sent = async {
+        let client = ManagerClient::connect(&address, KILL_TIMEOUT).await?;
+        client
+            .kill("killed from the lighthouse dashboard", KILL_TIMEOUT)
+            .await
+    };
+    match sent.await {
+        Ok(()) => reply(
+            StatusCode::OK,
+            true,
+            format!("kill sent to {incarnation} ({address})"),
+        ),
+        Err(e) => reply(
+            StatusCode::BAD_GATEWAY,
+            false,
+            format!("kill of {incarnation} ({address}) failed: {e}"),
+        ),
+    }
+}
+
+/// Bound on reaching a manager server for the kill action.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {
@@ -269,44 +374,5 @@ mod tests {
         );
         // Liveness is unaffected.
         assert_eq!(healthz().await, "ok");
-    }
-
-    #[test]
-    fn escapes_markup() {
-        assert_eq!(
-            escape_html("<a href=\"x\">&'"),
-            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
-        );
-    }
-
-    #[test]
-    fn page_escapes_replica_ids() {
-        let body = StatusBody {
-            quorum_id: Some(7),
-            min_replicas: 2,
-            members: vec![MemberStatus {
-                replica_id: "<script>".into(),
-                step: 3,
-                address: "http://h:1".into(),
-                store_address: "h:2".into(),
-                world_size: 1,
-            }],
-            heartbeats: vec![],
-            participants: vec!["p<1>".into()],
-            lost: vec![LostStatus {
-                replica_id: "<lost>".into(),
-                quorum_id: 6,
-                at_unix_s: 1.0,
-            }],
-            ready: false,
-            reason: "waiting".into(),
-            started_unix_s: 0.0,
-        };
-        let page = render_html(&body);
-        assert!(page.contains("&lt;script&gt;"));
-        assert!(!page.contains("<script>"));
-        assert!(page.contains("p&lt;1&gt;"));
-        assert!(page.contains("&lt;lost&gt;"));
-        assert!(page.contains("<b>7</b>"));
     }
 }

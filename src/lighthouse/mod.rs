@@ -11,10 +11,14 @@ pub mod client;
 pub mod compact;
 pub mod daemon;
 pub mod http;
+pub mod hub;
+pub mod metrics;
 pub mod quorum;
 pub mod service;
+pub mod telemetry;
 
 pub use client::LighthouseClient;
+pub use hub::ObservabilityOptions;
 pub use service::LighthouseServer;
 
 /// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.

@@ -612,6 +612,14 @@ impl QuorumEngine {
         quorum
     }
 
+    /// Every known replica id with the time since it was last seen (O(n)).
+    pub fn heartbeat_ages(&self, now: Instant) -> Vec<(String, Duration)> {
+        self.heartbeats
+            .iter()
+            .map(|(id, rec)| (id.clone(), now.saturating_duration_since(rec.last_seen)))
+            .collect()
+    }
+
     /// A read-only view for status pages (O(n)).
     pub fn snapshot(&self, now: Instant) -> Snapshot {
         let timeout = self.opts.heartbeat_timeout;

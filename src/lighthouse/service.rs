@@ -32,7 +32,9 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
 use super::compact;
+use super::hub::{Hub, ObservabilityOptions};
 use super::quorum::{LostMember, QuorumEngine, Snapshot};
+use super::telemetry::validate_batch;
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::net::request_timeout;
@@ -40,7 +42,11 @@ use crate::proto::lighthouse_service_server::{LighthouseService, LighthouseServi
 use crate::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
     LighthouseQuorumResponse, LostEvent, Quorum, QuorumMember, SessionEvent, SessionRequest,
+    TelemetryAck, TelemetryBatch,
 };
+
+/// How often replica health is re-derived (heartbeat ages, straggler verdicts).
+const TELEMETRY_TICK: Duration = Duration::from_millis(250);
 
 /// How long [`LighthouseServer::shutdown`] waits for connections to drain before aborting.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -194,6 +200,8 @@ pub(crate) struct Shared {
     replies_full: AtomicU64,
     /// Quorum replies sent in compact form (steps only, or a delta).
     replies_compact: AtomicU64,
+    /// Replica health, the event feed and the event log (own lock, taken after `state`).
+    pub(crate) hub: Hub,
 }
 
 /// The id the first quorum of a lighthouse started now gets: the wall clock in microseconds,
@@ -219,8 +227,20 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
 }
 
 impl Shared {
-    /// Fresh state around a new engine.
+    /// Fresh state around a new engine, without event log or kill action.
+    #[cfg(test)]
     pub(crate) fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
+        let hub = Hub::new(
+            ObservabilityOptions::default(),
+            opts.heartbeat_timeout,
+            opts.min_replicas,
+        )
+        .expect("default observability options are valid");
+        Self::with_hub(opts, initial_id, hub)
+    }
+
+    /// Fresh state around a new engine and the given telemetry hub.
+    pub(crate) fn with_hub(opts: LighthouseOptions, initial_id: i64, hub: Hub) -> Self {
         Self {
             state: Mutex::new(State {
                 engine: QuorumEngine::new(opts, initial_id),
@@ -234,6 +254,7 @@ impl Shared {
             started: SystemTime::now(),
             replies_full: AtomicU64::new(0),
             replies_compact: AtomicU64::new(0),
+            hub,
         }
     }
 
@@ -262,7 +283,7 @@ impl Shared {
     }
 
     /// Hands an issued quorum to each of its members' waiters.
-    fn deliver(state: &mut State, mut quorum: Quorum) {
+    fn deliver(&self, state: &mut State, mut quorum: Quorum) {
         quorum.created = Some(timestamp(SystemTime::now()));
         let stable_since = state.engine.stable_since();
         info!(
@@ -271,6 +292,14 @@ impl Shared {
             members = quorum.participants.len(),
             "quorum issued"
         );
+        let members: Vec<(String, i64, String)> = quorum
+            .participants
+            .iter()
+            .map(|m| (m.replica_id.clone(), m.step, m.address.clone()))
+            .collect();
+        let now = now_instant();
+        self.hub
+            .with(|t| t.on_quorum(quorum.quorum_id, &members, now));
         let previous = state.last.as_ref().map(|l| &l.quorum);
         let issued = Arc::new(Issued::new(quorum, stable_since, previous));
         state.last = Some(issued.clone());
@@ -290,7 +319,10 @@ impl Shared {
             return Err(Error::Shutdown);
         }
         let replica_id = member.replica_id.clone();
+        let (address, step) = (member.address.clone(), member.step);
         let joined = state.engine.join(member, now)?;
+        self.hub
+            .with(|t| t.on_seen(&replica_id, &address, step, now));
         let (tx, rx) = oneshot::channel();
         let old = state.waiters.insert(
             replica_id.clone(),
@@ -306,7 +338,7 @@ impl Shared {
             ))));
         }
         if let Some(q) = state.engine.poll(now) {
-            Self::deliver(state, q);
+            self.deliver(state, q);
         }
         Ok((joined.generation, rx))
     }
@@ -345,7 +377,7 @@ impl Shared {
         }
         let before = state.last.clone();
         if let Some(q) = state.engine.tick(now) {
-            Self::deliver(state, q);
+            self.deliver(state, q);
         }
         Self::announce_lost(state, before);
     }
@@ -418,6 +450,7 @@ impl Shared {
             debug!(replica_id = %replica_id, "session replaced by a newer one");
         }
         debug!(replica_id = %replica_id, "session opened");
+        self.hub.with(|t| t.on_session(replica_id, true, now));
         Ok((id, SessionStream { rx, _guard: None }))
     }
 
@@ -432,12 +465,49 @@ impl Shared {
         }
         state.sessions.remove(replica_id);
         info!(replica_id = %replica_id, "session ended; replica group lost");
+        self.hub.with(|t| t.on_session(replica_id, false, now));
         let before = state.last.clone();
         state.engine.lost(replica_id, now);
         if let Some(q) = state.engine.poll(now) {
-            Self::deliver(state, q);
+            self.deliver(state, q);
         }
         Self::announce_lost(state, before);
+    }
+
+    /// Applies a batch of telemetry reports from a manager server (refused whole if any
+    /// report is malformed).
+    fn report(&self, batch: &TelemetryBatch) -> Result<u32> {
+        if !self.serving() {
+            return Err(Error::Shutdown);
+        }
+        if let Err(e) = validate_batch(batch) {
+            let n = batch.reports.len() as u64;
+            self.hub.with(|t| t.rejected(n.max(1)));
+            return Err(e);
+        }
+        let now = now_instant();
+        self.hub.with(|t| {
+            for r in &batch.reports {
+                t.on_report(r, now);
+            }
+            if let Some(first) = batch.reports.first() {
+                t.on_dropped(&first.replica_id, batch.dropped);
+            }
+        });
+        Ok(u32::try_from(batch.reports.len()).unwrap_or(u32::MAX))
+    }
+
+    /// Re-derives replica health from the heartbeat ages (periodic).
+    fn telemetry_tick(&self) {
+        let now = now_instant();
+        let ages = {
+            let state = self.lock();
+            if state.shutting_down {
+                return;
+            }
+            state.engine.heartbeat_ages(now)
+        };
+        self.hub.with(|t| t.evaluate(now, &ages));
     }
 
     /// Recent losses of quorum members, oldest first.
@@ -460,6 +530,9 @@ impl Shared {
         // Ends every session stream (managers reconnect to the next lighthouse); a shutdown
         // is not a death of every group.
         state.sessions.clear();
+        drop(state);
+        // Ends the SSE streams and flushes the event log.
+        self.hub.close();
     }
 
     /// A view of the engine for the status pages.
@@ -573,6 +646,14 @@ impl LighthouseService for Grpc {
         Ok(Response::new(LighthouseHeartbeatResponse {
             heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }))
+    }
+
+    async fn report(
+        &self,
+        request: Request<TelemetryBatch>,
+    ) -> std::result::Result<Response<TelemetryAck>, Status> {
+        let accepted = self.shared.report(request.get_ref())?;
+        Ok(Response::new(TelemetryAck { accepted }))
     }
 
     type SessionStream = SessionStream;
@@ -735,7 +816,18 @@ pub fn hostname() -> String {
 impl LighthouseServer {
     /// Binds `bind` (e.g. `"[::]:0"`, `"127.0.0.1:0"`) and starts serving.
     pub async fn bind(bind: &str, opts: LighthouseOptions) -> Result<Self> {
+        Self::bind_with(bind, opts, ObservabilityOptions::default()).await
+    }
+
+    /// Binds `bind` and starts serving, with an event log, kill action and straggler
+    /// thresholds as `obs` says. Nothing is left behind on error.
+    pub async fn bind_with(
+        bind: &str,
+        opts: LighthouseOptions,
+        obs: ObservabilityOptions,
+    ) -> Result<Self> {
         opts.validate()?;
+        obs.validate()?;
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(bind)
             .await
             .map_err(|e| Error::InvalidArgument(format!("invalid bind address {bind:?}: {e}")))?
@@ -762,7 +854,8 @@ impl LighthouseServer {
             .map_err(|e| Error::Unavailable(format!("cannot read bound address: {e}")))?;
 
         let tick = opts.quorum_tick;
-        let shared = Arc::new(Shared::new(opts, initial_quorum_id()));
+        let hub = Hub::new(obs, opts.heartbeat_timeout, opts.min_replicas)?;
+        let shared = Arc::new(Shared::with_hub(opts, initial_quorum_id(), hub));
         let (stop, stop_rx) = watch::channel(false);
 
         let grpc = LighthouseServiceServer::new(Grpc {
@@ -797,6 +890,19 @@ impl LighthouseServer {
             }
         });
 
+        let tele_shared = shared.clone();
+        let mut tele_stop = stop_rx.clone();
+        let telemetry = tokio::spawn(async move {
+            let mut interval = tokio::time::interval(TELEMETRY_TICK);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = interval.tick() => tele_shared.telemetry_tick(),
+                    _ = tele_stop.wait_for(|s| *s) => break,
+                }
+            }
+        });
+
         let tick_shared = shared.clone();
         let mut tick_stop = stop_rx;
         let ticker = tokio::spawn(async move {
@@ -814,7 +920,7 @@ impl LighthouseServer {
             local_addr,
             shared,
             stop,
-            tasks: tokio::sync::Mutex::new(vec![server, ticker]),
+            tasks: tokio::sync::Mutex::new(vec![server, ticker, telemetry]),
         })
     }
 

@@ -15,7 +15,7 @@ use crate::net::{connect, with_timeout};
 use crate::proto::manager_service_client::ManagerServiceClient;
 use crate::proto::{
     CheckpointMetadataRequest, KillRequest, LostEvent, ManagerQuorumRequest, ManagerQuorumResponse,
-    ShouldCommitRequest, WatchEventsRequest,
+    ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
 };
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
@@ -98,6 +98,18 @@ impl ManagerClient {
         )
         .await
         .map(|r| r.should_commit)
+    }
+
+    /// Sends a batch of this rank's telemetry reports; returns how many were accepted.
+    pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
+        let mut client = self.client.clone();
+        bounded(
+            "report",
+            timeout,
+            client.report(with_timeout(batch, timeout)),
+        )
+        .await
+        .map(|r| r.accepted)
     }
 
     /// Asks the manager server to end its hosting process (logged with `msg`).

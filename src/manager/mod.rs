@@ -15,6 +15,7 @@ pub mod client;
 pub mod commit;
 pub mod compute;
 pub mod gather;
+pub mod reports;
 pub mod server;
 
 pub use client::ManagerClient;

@@ -28,16 +28,26 @@ use tracing::{debug, info, warn};
 use super::commit::CommitBarrier;
 use super::compute::compute_quorum_results;
 use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
+use super::reports::ReportQueue;
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
+use crate::lighthouse::telemetry::{base_id, validate_batch};
 use crate::lighthouse::LighthouseClient;
 use crate::net::{normalize_addr, request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
 use crate::proto::{
     CheckpointMetadataRequest, CheckpointMetadataResponse, KillRequest, KillResponse, LostEvent,
     ManagerQuorumRequest, ManagerQuorumResponse, Quorum, QuorumMember, ShouldCommitRequest,
-    ShouldCommitResponse, WatchEventsRequest, WatchEventsResponse,
+    ShouldCommitResponse, TelemetryAck, TelemetryBatch, TelemetryReport, WatchEventsRequest,
+    WatchEventsResponse,
 };
+
+/// How often the ranks' telemetry reports are forwarded to the lighthouse.
+const REPORT_INTERVAL: Duration = Duration::from_millis(250);
+/// Bound on one telemetry send to the lighthouse.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bound on the last telemetry flush at shutdown or kill.
+const REPORT_FLUSH: Duration = Duration::from_secs(1);
 
 /// How long a graceful shutdown waits for open connections before closing them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -177,6 +187,8 @@ struct Inner {
     events: EventLog,
     lease: Mutex<Lease>,
     shutdown: watch::Receiver<bool>,
+    /// The ranks' telemetry reports, waiting to be forwarded to the lighthouse.
+    reports: ReportQueue,
 }
 
 /// Formats `http://host:port`, bracketing IPv6 literals.
@@ -282,6 +294,7 @@ impl ManagerServer {
             lighthouse_addr,
             lighthouse,
             shutdown: shutdown_rx.clone(),
+            reports: ReportQueue::default(),
             opts,
         });
 
@@ -301,6 +314,14 @@ impl ManagerServer {
         });
         let heartbeat = tokio::spawn(heartbeat_loop(inner.clone()));
         let session = tokio::spawn(session_loop(inner.clone()));
+        let forward_to = inner.lighthouse.clone();
+        let forwarder =
+            inner
+                .reports
+                .spawn_forwarder(REPORT_INTERVAL, shutdown_rx.clone(), move |batch| {
+                    let client = forward_to.clone();
+                    async move { client.report(batch, REPORT_TIMEOUT).await.map(|_| ()) }
+                });
         info!(
             replica_id = %inner.opts.replica_id,
             address = %address,
@@ -312,7 +333,7 @@ impl ManagerServer {
             address,
             inner,
             shutdown_tx,
-            tasks: Mutex::new(vec![serve, heartbeat, session]),
+            tasks: Mutex::new(vec![serve, heartbeat, session, forwarder]),
         })
     }
 
@@ -331,6 +352,11 @@ impl ManagerServer {
     /// Stops serving: pending quorum and commit waits end with `Shutdown`, the heartbeat loop
     /// stops, open connections get a bounded grace period. Idempotent.
     pub async fn shutdown(&self) {
+        if !*self.shutdown_tx.borrow() {
+            // The ranks' last words (e.g. "finished") reach the lighthouse before the session
+            // ends.
+            self.inner.flush_reports().await;
+        }
         let _ = self.shutdown_tx.send(true);
         self.inner.gather.fail_all();
         self.inner.barrier.fail_all();
@@ -457,6 +483,36 @@ async fn session_loop(inner: Arc<Inner>) {
 }
 
 impl Inner {
+    /// Sends the queued telemetry reports now (bounded by [`REPORT_FLUSH`]).
+    async fn flush_reports(&self) {
+        let client = self.lighthouse.clone();
+        let send = move |batch: TelemetryBatch| {
+            let client = client.clone();
+            async move { client.report(batch, REPORT_FLUSH).await.map(|_| ()) }
+        };
+        let _ = tokio::time::timeout(REPORT_FLUSH, self.reports.send_pending(&send)).await;
+    }
+
+    /// A report about the whole group from the server itself (e.g. it is being killed).
+    fn group_report(&self, phase: crate::proto::telemetry_report::Phase, error: String) {
+        let id = &self.opts.replica_id;
+        self.reports.push(TelemetryReport {
+            replica_id: base_id(id).to_string(),
+            incarnation: id.clone(),
+            group_rank: 0,
+            group_world_size: i64::try_from(self.opts.world_size).unwrap_or(i64::MAX),
+            rank: -1,
+            hostname: self.opts.hostname.clone(),
+            pid: std::process::id(),
+            phase: phase as i32,
+            error,
+            unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            ..Default::default()
+        });
+    }
+
     fn lease_held(&self) -> bool {
         let held = self
             .lease
@@ -672,6 +728,34 @@ impl ManagerService for Service {
         Ok(Response::new(WatchEventsResponse { events, last_seq }))
     }
 
+    async fn report(
+        &self,
+        request: Request<TelemetryBatch>,
+    ) -> Result<Response<TelemetryAck>, Status> {
+        let batch = request.into_inner();
+        validate_batch(&batch)?;
+        let own = &self.inner.opts.replica_id;
+        if let Some(r) = batch
+            .reports
+            .iter()
+            .find(|r| !r.incarnation.is_empty() && r.incarnation != *own)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "telemetry report for {:?} sent to the manager of {own:?}",
+                r.incarnation
+            ))
+            .into());
+        }
+        let mut accepted = 0u32;
+        for r in batch.reports {
+            if self.inner.reports.push(r) {
+                accepted += 1;
+            }
+        }
+        self.inner.reports.count_dropped(batch.dropped);
+        Ok(Response::new(TelemetryAck { accepted }))
+    }
+
     async fn kill(&self, request: Request<KillRequest>) -> Result<Response<KillResponse>, Status> {
         let msg = request.into_inner().msg;
         warn!(replica_id = %self.inner.opts.replica_id, reason = %msg,
@@ -681,9 +765,16 @@ impl ManagerService for Service {
             "torchft manager {}: kill requested: {msg}",
             self.inner.opts.replica_id
         );
-        // Give the response a moment to reach the caller, then end the process.
-        tokio::spawn(async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        // Tell the lighthouse why this group is about to vanish, give the response a moment
+        // to reach the caller, then end the process.
+        self.inner.group_report(
+            crate::proto::telemetry_report::Phase::Failed,
+            format!("killed: {msg}"),
+        );
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let flushed = inner.flush_reports();
+            let _ = tokio::join!(flushed, tokio::time::sleep(Duration::from_millis(50)));
             std::process::exit(1);
         });
         Ok(Response::new(KillResponse {}))

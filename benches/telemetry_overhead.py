@@ -1,0 +1,229 @@
+"""Step time with telemetry on vs off, measured in one run (target: at most 1% apart).
+
+Two replica groups (one process each) train an MLP (256 -> H -> H -> 10, batch 32, AdamW)
+with Manager + torchft DDP on Gloo against an in-process lighthouse. Every ``--block`` steps
+both groups switch their telemetry reporting on or off together (by step number), so the
+"on" and "off" steps are interleaved over the whole run and share the machine's background
+load. The median step time of each side is compared per group, and the slower group's
+ratio is reported.
+
+It also times the rank-side telemetry work of one step in isolation (the report call, the
+timing bookkeeping) as a second, noise-free view of the cost.
+
+Usage: ``python benches/telemetry_overhead.py [--steps N] [--block N] [--hidden H]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+REPO_PYTHON = str(HERE.parent.parent / "python")
+TARGET = 1.01
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One replica group: trains, toggling telemetry every ``block`` steps."""
+    import torch
+    from torch import nn
+
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, 10),
+    )
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=2,
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=60),
+        replica_id=args.replica_id,
+        telemetry=True,
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    gen = torch.Generator().manual_seed(int(os.environ["RANK_SEED"]))
+    tel = manager._telemetry
+    assert tel is not None
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    total = args.warmup + args.steps
+    try:
+        while manager.current_step() < total:
+            step = manager.current_step()
+            on = (step // args.block) % 2 == 0
+            tel.enabled = on
+            x = torch.randn(32, 256, generator=gen)
+            y = torch.randint(0, 10, (32,), generator=gen)
+            start = time.perf_counter()
+            optim.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optim.step()
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup and manager.current_step() == step + 1:
+                times["on" if on else "off"].append(elapsed)
+    finally:
+        manager.shutdown(wait=False)
+    Path(args.result).write_text(json.dumps(times))
+
+
+def isolated_cost(n: int = 20000) -> float:
+    """Seconds of rank-side telemetry work per step (report queued, bookkeeping), alone."""
+    from torchft.telemetry import RankTelemetry
+
+    class Sink:
+        def report(self, **kwargs: Any) -> bool:
+            return True
+
+    tel = RankTelemetry(Sink(), "g", "g", 0, 1, "host", enabled=True)
+    start = time.perf_counter()
+    for i in range(n):
+        with tel.quorum_wait():
+            pass
+        tok = tel.collective_started()
+        tel.collective_finished(tok)
+        tel.step_ended(
+            step=i,
+            quorum_id=1,
+            participants=2,
+            committed=True,
+            healed=False,
+            should_commit_s=0.0,
+            error=None,
+            rank=0,
+        )
+    python_side = (time.perf_counter() - start) / n
+
+    # The native report call itself (queue push, validation) against a real manager server.
+    from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
+
+    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=1)
+    server = ManagerServer(
+        replica_id="g",
+        lighthouse_addr=lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:1",
+        world_size=1,
+    )
+    try:
+        client = ManagerClient(server.address(), connect_timeout=timedelta(seconds=10))
+        start = time.perf_counter()
+        for i in range(n):
+            client.report(
+                replica_id="g",
+                group_rank=0,
+                group_world_size=1,
+                step=i,
+                committed=True,
+                step_s=0.01,
+                busy_s=0.009,
+                hostname="host",
+                unix_s=time.time(),
+            )
+        native = (time.perf_counter() - start) / n
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()
+    return python_side + native
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=512)
+    sub = parser.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--replica-id", required=True)
+    w.add_argument("--result", required=True)
+    w.add_argument("--steps", type=int, required=True)
+    w.add_argument("--warmup", type=int, required=True)
+    w.add_argument("--block", type=int, required=True)
+    w.add_argument("--hidden", type=int, required=True)
+    args = parser.parse_args()
+    if args.cmd == "worker":
+        worker(args)
+        return 0
+    if args.steps < 2 * args.block or args.block < 1:
+        parser.error("--steps must cover at least two blocks and --block must be >= 1")
+
+    from torch.distributed import TCPStore
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as d:
+        results = [Path(d) / f"g{i}.json" for i in range(2)]
+        stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "ab"]
+        try:
+            for i in range(2):
+                env = dict(os.environ)
+                env.update(
+                    {
+                        "RANK": "0",
+                        "WORLD_SIZE": "1",
+                        "RANK_SEED": str(i),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(stores[i].port),
+                        "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+                        "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
+                        "OMP_NUM_THREADS": "1",
+                    }
+                )
+                cmd = [sys.executable, str(HERE), "worker", "--replica-id", f"g{i}"]
+                cmd += ["--result", str(results[i]), "--steps", str(args.steps)]
+                cmd += ["--warmup", str(args.warmup), "--block", str(args.block)]
+                cmd += ["--hidden", str(args.hidden)]
+                procs.append(subprocess.Popen(cmd, env=env))
+            for p in procs:
+                if p.wait(timeout=900) != 0:
+                    print(f"worker exited with {p.returncode}")
+                    return 1
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            lighthouse.shutdown()
+        ratios = []
+        print(f"hidden={args.hidden}, {args.steps} steps, telemetry toggled every {args.block}")
+        print(f"{'group':>6} {'on (ms)':>9} {'off (ms)':>9} {'on/off':>7} {'steps on/off':>13}")
+        for i, r in enumerate(results):
+            t = json.loads(r.read_text())
+            on, off = statistics.median(t["on"]), statistics.median(t["off"])
+            ratios.append(on / off)
+            print(
+                f"{'g' + str(i):>6} {on * 1e3:9.3f} {off * 1e3:9.3f} {on / off:7.4f} "
+                f"{len(t['on']):>6}/{len(t['off'])}"
+            )
+    cost = isolated_cost()
+    worst = max(ratios)
+    print(f"rank-side telemetry work per step, in isolation: {cost * 1e6:.1f} us")
+    print(f"step time, telemetry on / off: {worst:.4f} (target <= {TARGET})")
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

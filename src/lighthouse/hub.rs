@@ -1,0 +1,303 @@
+//! Where telemetry meets its readers: the derived state behind its own lock (never the quorum
+//! engine's), the live event feed for `/events`, and the append-only event log file.
+//!
+//! Publishing never blocks: SSE subscribers that fall behind skip events (and are told so),
+//! and the event log is written by its own thread from a bounded queue whose overflow is
+//! counted.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::json;
+use tokio::sync::broadcast;
+use tracing::warn;
+
+use super::telemetry::{Event, Telemetry, TelemetryOptions};
+use crate::error::{Error, Result};
+
+/// Events buffered for each SSE subscriber before it starts skipping.
+const FEED_CAPACITY: usize = 1024;
+/// Lines queued for the event log writer before they are dropped (and counted).
+const LOG_QUEUE: usize = 16 * 1024;
+
+/// Settings of the lighthouse's observability features.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObservabilityOptions {
+    /// Append events as JSON lines to this file.
+    pub event_log: Option<PathBuf>,
+    /// Serve `POST /replicas/{id}/kill`.
+    pub allow_kill: bool,
+    /// Straggler thresholds: percent above the median busy time...
+    pub straggler_skew_pct: f64,
+    /// ... and at least this much above it.
+    pub straggler_min: Duration,
+}
+
+impl Default for ObservabilityOptions {
+    fn default() -> Self {
+        let t = TelemetryOptions::default();
+        Self {
+            event_log: None,
+            allow_kill: false,
+            straggler_skew_pct: t.straggler_skew_pct,
+            straggler_min: t.straggler_min,
+        }
+    }
+}
+
+impl ObservabilityOptions {
+    /// Checks the thresholds.
+    pub fn validate(&self) -> Result<()> {
+        if !self.straggler_skew_pct.is_finite() || self.straggler_skew_pct <= 0.0 {
+            return Err(Error::InvalidArgument(format!(
+                "straggler_skew_pct must be a positive number, got {}",
+                self.straggler_skew_pct
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One published event: its number and its JSON text.
+pub type FeedItem = Arc<(u64, String)>;
+
+struct EventLog {
+    tx: SyncSender<String>,
+    thread: JoinHandle<()>,
+}
+
+fn write_lines(rx: Receiver<String>, file: File, path: PathBuf) {
+    let mut out = BufWriter::new(file);
+    let mut failed = false;
+    while let Ok(line) = rx.recv() {
+        let mut res = writeln!(out, "{line}");
+        // Write what is queued, then flush, so a crash loses at most the current burst.
+        while let Ok(line) = rx.try_recv() {
+            res = res.and_then(|_| writeln!(out, "{line}"));
+        }
+        res = res.and_then(|_| out.flush());
+        if let Err(e) = res {
+            if !failed {
+                warn!(path = %path.display(), error = %e, "cannot write the event log");
+                failed = true;
+            }
+        } else {
+            failed = false;
+        }
+    }
+    let _ = out.flush();
+}
+
+/// The telemetry state and its outlets.
+pub(crate) struct Hub {
+    telemetry: Mutex<Telemetry>,
+    feed: Mutex<Option<broadcast::Sender<FeedItem>>>,
+    log: Mutex<Option<EventLog>>,
+    log_dropped: AtomicU64,
+    pub(crate) opts: ObservabilityOptions,
+}
+
+/// Opens (creating, appending) the event log; a clear error if it cannot be written.
+fn open_log(path: &Path) -> Result<File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| {
+            Error::InvalidArgument(format!("cannot open event log {}: {e}", path.display()))
+        })
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+impl Hub {
+    /// A hub whose groups are lost after `heartbeat_timeout`; opens the event log if set.
+    pub(crate) fn new(
+        opts: ObservabilityOptions,
+        heartbeat_timeout: Duration,
+        min_replicas: u64,
+    ) -> Result<Self> {
+        opts.validate()?;
+        let log = match &opts.event_log {
+            Some(path) => {
+                let file = open_log(path)?;
+                let (tx, rx) = sync_channel(LOG_QUEUE);
+                let p = path.clone();
+                let thread = std::thread::Builder::new()
+                    .name("torchft-event-log".into())
+                    .spawn(move || write_lines(rx, file, p))
+                    .map_err(|e| Error::Unavailable(format!("cannot start log writer: {e}")))?;
+                Some(EventLog { tx, thread })
+            }
+            None => None,
+        };
+        let topts = TelemetryOptions {
+            heartbeat_timeout,
+            straggler_skew_pct: opts.straggler_skew_pct,
+            straggler_min: opts.straggler_min,
+        };
+        let hub = Self {
+            telemetry: Mutex::new(Telemetry::new(topts, Instant::now(), unix_now())),
+            feed: Mutex::new(Some(broadcast::channel(FEED_CAPACITY).0)),
+            log: Mutex::new(log),
+            log_dropped: AtomicU64::new(0),
+            opts,
+        };
+        hub.with(|t| {
+            t.emit(
+                Instant::now(),
+                "lighthouse_started",
+                json!({"min_replicas": min_replicas, "pid": std::process::id()}),
+            )
+        });
+        Ok(hub)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Telemetry> {
+        self.telemetry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the telemetry state, then publishes the events it emitted.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Telemetry) -> R) -> R {
+        let (r, events) = {
+            let mut t = self.lock();
+            let r = f(&mut t);
+            (r, t.take_events())
+        };
+        self.publish(events);
+        r
+    }
+
+    /// Reads the telemetry state.
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&Telemetry) -> R) -> R {
+        f(&self.lock())
+    }
+
+    fn publish(&self, events: Vec<Event>) {
+        if events.is_empty() {
+            return;
+        }
+        let feed = self.feed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        for e in events {
+            let line = e.to_json().to_string();
+            if let Some(log) = log.as_ref() {
+                match log.tx.try_send(line.clone()) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                        self.log_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            if let Some(feed) = &feed {
+                // No subscribers is fine.
+                let _ = feed.send(Arc::new((e.seq, line)));
+            }
+        }
+    }
+
+    /// A live feed of the events published from now on (None once shut down).
+    pub(crate) fn subscribe(&self) -> Option<broadcast::Receiver<FeedItem>> {
+        self.feed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|f| f.subscribe())
+    }
+
+    /// Event log lines dropped because the writer fell behind.
+    pub(crate) fn log_dropped(&self) -> u64 {
+        self.log_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Ends every feed (SSE streams finish) and flushes and closes the event log.
+    pub(crate) fn close(&self) {
+        self.feed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(EventLog { tx, thread }) = log {
+            drop(tx);
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_log_appends_json_lines_and_refuses_bad_paths() {
+        let dir = std::env::temp_dir().join(format!("torchft-hub-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("events.jsonl");
+        for _ in 0..2 {
+            let hub = Hub::new(
+                ObservabilityOptions {
+                    event_log: Some(path.clone()),
+                    ..Default::default()
+                },
+                Duration::from_secs(5),
+                2,
+            )
+            .unwrap();
+            hub.with(|t| t.emit(Instant::now(), "x", json!({"replica_id": "a"})));
+            hub.close();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let kinds: Vec<String> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["kind"].to_string())
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "\"lighthouse_started\"",
+                "\"x\"",
+                "\"lighthouse_started\"",
+                "\"x\""
+            ],
+            "appended, not truncated"
+        );
+        let err = Hub::new(
+            ObservabilityOptions {
+                event_log: Some(dir.join("missing-dir").join("e.jsonl")),
+                ..Default::default()
+            },
+            Duration::from_secs(5),
+            1,
+        )
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("cannot open event log"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn feed_delivers_and_ends_on_close() {
+        let hub = Hub::new(ObservabilityOptions::default(), Duration::from_secs(5), 1).unwrap();
+        let mut rx = hub.subscribe().unwrap();
+        hub.with(|t| t.emit(Instant::now(), "y", json!({})));
+        let item = rx.recv().await.unwrap();
+        assert!(item.1.contains("\"kind\":\"y\""));
+        hub.close();
+        assert!(rx.recv().await.is_err());
+        assert!(hub.subscribe().is_none());
+    }
+}

@@ -1,0 +1,284 @@
+//! `GET /metrics`: the lighthouse's state in the Prometheus text exposition format (0.0.4).
+//!
+//! Names carry the `torchft_` prefix and base units (seconds, bytes); counters end in
+//! `_total`; the only per-replica label is `replica_id` (bounded by the number of groups),
+//! plus `state` on the one-hot state gauge. Never a step or a quorum id as a label.
+
+use std::fmt::Write as _;
+
+use super::telemetry::{GlobalCounters, GroupState, ReplicaStatus};
+
+/// Escapes a label value (backslash, double quote, newline).
+fn label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Formats a sample value (Prometheus accepts Go float syntax; NaN/Inf spelled out).
+fn value(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        format!("{v}")
+    }
+}
+
+struct Writer {
+    out: String,
+}
+
+impl Writer {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}");
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: f64) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, val)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", label(val));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {}", value(v));
+    }
+
+    /// One family with one sample per replica (skipping replicas without a value).
+    fn per_replica(
+        &mut self,
+        replicas: &[ReplicaStatus],
+        name: &str,
+        kind: &str,
+        help: &str,
+        f: impl Fn(&ReplicaStatus) -> Option<f64>,
+    ) {
+        self.family(name, kind, help);
+        for r in replicas {
+            if let Some(v) = f(r) {
+                self.sample(name, &[("replica_id", &r.replica_id)], v);
+            }
+        }
+    }
+}
+
+/// What `/metrics` shows besides the replicas.
+pub struct JobMetrics {
+    /// Id of the last issued quorum.
+    pub quorum_id: Option<i64>,
+    /// Members of the last issued quorum.
+    pub quorum_participants: usize,
+    /// Configured minimum number of replica groups.
+    pub min_replicas: u64,
+    /// Telemetry counters.
+    pub counters: GlobalCounters,
+    /// Event log lines dropped.
+    pub event_log_dropped: u64,
+}
+
+/// Renders the exposition text.
+pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
+    let mut w = Writer { out: String::new() };
+    if let Some(q) = job.quorum_id {
+        w.family(
+            "torchft_quorum_id",
+            "gauge",
+            "Id of the last issued quorum.",
+        );
+        w.sample("torchft_quorum_id", &[], q as f64);
+    }
+    w.family(
+        "torchft_quorum_participants",
+        "gauge",
+        "Replica groups in the last issued quorum.",
+    );
+    w.sample(
+        "torchft_quorum_participants",
+        &[],
+        job.quorum_participants as f64,
+    );
+    w.family(
+        "torchft_min_replicas",
+        "gauge",
+        "Fewest replica groups a quorum may have.",
+    );
+    w.sample("torchft_min_replicas", &[], job.min_replicas as f64);
+    for (name, help, v) in [
+        (
+            "torchft_quorum_changes_total",
+            "Quorums issued with a new quorum_id.",
+            job.counters.quorum_changes,
+        ),
+        (
+            "torchft_telemetry_reports_total",
+            "Telemetry reports accepted.",
+            job.counters.reports,
+        ),
+        (
+            "torchft_telemetry_rejected_total",
+            "Telemetry reports refused as malformed.",
+            job.counters.reports_rejected,
+        ),
+        (
+            "torchft_events_total",
+            "Replica health events emitted.",
+            job.counters.events,
+        ),
+        (
+            "torchft_event_log_dropped_total",
+            "Event log lines dropped because the writer fell behind.",
+            job.event_log_dropped,
+        ),
+    ] {
+        w.family(name, "counter", help);
+        w.sample(name, &[], v as f64);
+    }
+    w.family("torchft_replicas", "gauge", "Replica groups known.");
+    w.sample("torchft_replicas", &[], replicas.len() as f64);
+
+    w.family(
+        "torchft_replica_state",
+        "gauge",
+        "1 for the replica group's current state, 0 for the others.",
+    );
+    for r in replicas {
+        for s in GroupState::ALL {
+            let v = if r.state == s { 1.0 } else { 0.0 };
+            w.sample(
+                "torchft_replica_state",
+                &[("replica_id", &r.replica_id), ("state", s.as_str())],
+                v,
+            );
+        }
+    }
+    type Get = fn(&ReplicaStatus) -> Option<f64>;
+    let gauges: [(&str, &str, Get); 8] = [
+        ("torchft_replica_step", "Last committed step.", |r| {
+            Some(r.step as f64)
+        }),
+        (
+            "torchft_replica_heartbeat_age_seconds",
+            "Seconds since the replica group's last heartbeat.",
+            |r| r.last_heartbeat_age_s,
+        ),
+        (
+            "torchft_replica_busy_seconds",
+            "Median busy time per step (step time minus waits).",
+            |r| r.timings.busy_s,
+        ),
+        (
+            "torchft_replica_step_seconds",
+            "Median wall time per step.",
+            |r| r.timings.step_s,
+        ),
+        (
+            "torchft_replica_quorum_wait_seconds",
+            "Median time per step blocked on the quorum (healing included).",
+            |r| r.timings.quorum_wait_s,
+        ),
+        (
+            "torchft_replica_collective_seconds",
+            "Median time per step with a collective in flight.",
+            |r| r.timings.collective_s,
+        ),
+        (
+            "torchft_replica_should_commit_seconds",
+            "Median time per step in the commit vote.",
+            |r| r.timings.should_commit_s,
+        ),
+        (
+            "torchft_replica_skew_ratio",
+            "Busy time relative to the median of the healthy groups, minus 1.",
+            |r| Some(r.skew_pct / 100.0),
+        ),
+    ];
+    for (name, help, f) in gauges {
+        w.per_replica(replicas, name, "gauge", help, f);
+    }
+    let counters: [(&str, &str, Get); 6] = [
+        (
+            "torchft_replica_steps_committed_total",
+            "Steps the replica group committed.",
+            |r| Some(r.counters.steps_committed as f64),
+        ),
+        (
+            "torchft_replica_commit_failures_total",
+            "Steps the replica group did not commit.",
+            |r| Some(r.counters.commit_failures as f64),
+        ),
+        (
+            "torchft_replica_heals_total",
+            "Heals from a live peer.",
+            |r| Some(r.counters.heals as f64),
+        ),
+        (
+            "torchft_replica_heal_bytes_total",
+            "Bytes fetched by heals.",
+            |r| Some(r.counters.heal_bytes as f64),
+        ),
+        (
+            "torchft_replica_lost_total",
+            "Times the replica group was declared lost.",
+            |r| Some(r.counters.lost as f64),
+        ),
+        (
+            "torchft_replica_reports_dropped_total",
+            "Telemetry reports its ranks and manager server dropped.",
+            |r| Some(r.counters.reports_dropped as f64),
+        ),
+    ];
+    for (name, help, f) in counters {
+        w.per_replica(replicas, name, "counter", help, f);
+    }
+    w.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+        assert_eq!(value(f64::NAN), "NaN");
+        assert_eq!(value(1.5), "1.5");
+        assert_eq!(value(3.0), "3");
+    }
+
+    #[test]
+    fn every_family_has_help_and_type_and_counters_end_in_total() {
+        let job = JobMetrics {
+            quorum_id: Some(9),
+            quorum_participants: 2,
+            min_replicas: 2,
+            counters: GlobalCounters::default(),
+            event_log_dropped: 0,
+        };
+        let text = render(&job, &[]);
+        let mut families = 0;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                families += 1;
+                let (name, kind) = rest.split_once(' ').unwrap();
+                assert!(name.starts_with("torchft_"), "{name}");
+                assert_eq!(kind == "counter", name.ends_with("_total"), "{name}");
+            }
+        }
+        assert!(families > 10);
+        assert!(text.contains("torchft_quorum_id 9\n"));
+    }
+}
