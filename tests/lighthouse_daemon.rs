@@ -123,6 +123,21 @@ fn bad_flags_exit_nonzero_with_message() {
             &["--min_replicas", "1", "--bind", "no port here"],
             "invalid bind address",
         ),
+        (
+            &[
+                "--min_replicas",
+                "1",
+                "--bind",
+                "127.0.0.1:0",
+                "--event_log",
+                "/nonexistent-dir/events.jsonl",
+            ],
+            "cannot open event log",
+        ),
+        (
+            &["--min_replicas", "1", "--straggler_skew_pct", "0"],
+            "straggler_skew_pct",
+        ),
     ];
     for (args, message) in cases {
         let out = Command::new(BIN)
@@ -160,4 +175,35 @@ fn env_variables_configure_the_daemon() {
     assert!(line.contains("http://127.0.0.1:"), "{line}");
     signal(&d, "-TERM");
     assert_eq!(wait_exit(&mut d, Duration::from_secs(15)), Some(0));
+}
+
+#[test]
+fn event_log_records_the_start_and_survives_restarts() {
+    let dir = std::env::temp_dir().join(format!("torchft-daemon-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("events.jsonl");
+    let log_arg = log.to_str().unwrap();
+    for _ in 0..2 {
+        let (mut d, _addr) = spawn(&[
+            "--min_replicas",
+            "2",
+            "--bind",
+            "127.0.0.1:0",
+            "--event_log",
+            log_arg,
+            "--allow_kill",
+        ]);
+        signal(&d, "-TERM");
+        assert_eq!(wait_exit(&mut d, Duration::from_secs(10)), Some(0));
+    }
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines
+        .iter()
+        .all(|e| e["kind"] == "lighthouse_started" && e["min_replicas"] == 2));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -47,6 +47,14 @@ def test_lighthouse_deployment_and_service() -> None:
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
     assert [p["port"] for p in svc["spec"]["ports"]] == [29510]
+    # Metrics are scraped from the same port; the event log lives on a writable volume
+    # (the root filesystem is read-only).
+    notes = dep["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/path"] == "/metrics" and notes["prometheus.io/port"] == "29510"
+    log = c["args"][c["args"].index("--event_log") + 1]
+    mount = next(v for v in c["volumeMounts"] if log.startswith(v["mountPath"] + "/"))
+    volumes = {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert mount["name"] in volumes
 
 
 def test_replica_groups_statefulset() -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_fault_tolerance import Cluster, Group, assert_identical, assert_same_trajectory
+from _cluster import Cluster, Group
+from test_fault_tolerance import assert_identical, assert_same_trajectory
 
 from torchft._torchft import LighthouseServer
 
