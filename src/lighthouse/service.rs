@@ -292,14 +292,14 @@ impl Shared {
             members = quorum.participants.len(),
             "quorum issued"
         );
-        let members: Vec<(String, i64, String)> = quorum
-            .participants
-            .iter()
-            .map(|m| (m.replica_id.clone(), m.step, m.address.clone()))
-            .collect();
-        let now = now_instant();
-        self.hub
-            .with(|t| t.on_quorum(quorum.quorum_id, &members, now));
+        if state.last.as_ref().map(|l| l.quorum.quorum_id) != Some(quorum.quorum_id) {
+            // A membership change is an event now; steps-only rounds (every step) are
+            // synced by the telemetry tick, off the quorum path.
+            let members = telemetry_members(&quorum);
+            let now = now_instant();
+            self.hub
+                .with(|t| t.on_quorum(quorum.quorum_id, &members, now));
+        }
         let previous = state.last.as_ref().map(|l| &l.quorum);
         let issued = Arc::new(Issued::new(quorum, stable_since, previous));
         state.last = Some(issued.clone());
@@ -319,10 +319,7 @@ impl Shared {
             return Err(Error::Shutdown);
         }
         let replica_id = member.replica_id.clone();
-        let (address, step) = (member.address.clone(), member.step);
         let joined = state.engine.join(member, now)?;
-        self.hub
-            .with(|t| t.on_seen(&replica_id, &address, step, now));
         let (tx, rx) = oneshot::channel();
         let old = state.waiters.insert(
             replica_id.clone(),
@@ -500,14 +497,20 @@ impl Shared {
     /// Re-derives replica health from the heartbeat ages (periodic).
     fn telemetry_tick(&self) {
         let now = now_instant();
-        let ages = {
+        let (ages, last) = {
             let state = self.lock();
             if state.shutting_down {
                 return;
             }
-            state.engine.heartbeat_ages(now)
+            (state.engine.heartbeat_ages(now), state.last.clone())
         };
-        self.hub.with(|t| t.evaluate(now, &ages));
+        let members = last.as_ref().map(|l| telemetry_members(&l.quorum));
+        self.hub.with(|t| {
+            if let (Some(last), Some(members)) = (&last, &members) {
+                t.on_quorum(last.quorum.quorum_id, members, now);
+            }
+            t.evaluate(now, &ages);
+        });
     }
 
     /// Recent losses of quorum members, oldest first.
@@ -545,6 +548,15 @@ impl Shared {
     pub(crate) fn serving(&self) -> bool {
         !self.lock().shutting_down
     }
+}
+
+/// A quorum's members as telemetry sees them: `(lighthouse id, step, manager address)`.
+fn telemetry_members(quorum: &Quorum) -> Vec<(String, i64, String)> {
+    quorum
+        .participants
+        .iter()
+        .map(|m| (m.replica_id.clone(), m.step, m.address.clone()))
+        .collect()
 }
 
 /// Removes a waiting request from the round when its handler future ends for any reason
