@@ -284,7 +284,8 @@ struct Group {
     committed: bool,
     lifecycle: Lifecycle,
     session_closed: bool,
-    hb_age: Option<Duration>,
+    /// When the current incarnation last heartbeated, as of the last evaluation.
+    hb_at: Option<Instant>,
     in_quorum: bool,
     straggler: bool,
     skew_pct: f64,
@@ -315,7 +316,7 @@ impl Group {
             committed: false,
             lifecycle: Lifecycle::Running,
             session_closed: false,
-            hb_age: None,
+            hb_at: None,
             in_quorum: false,
             straggler: false,
             skew_pct: 0.0,
@@ -351,9 +352,7 @@ impl Group {
         if self.session_closed {
             return true;
         }
-        let age = self
-            .hb_age
-            .unwrap_or_else(|| now.saturating_duration_since(self.last_seen));
+        let age = now.saturating_duration_since(self.hb_at.unwrap_or(self.last_seen));
         age > timeout
     }
 
@@ -563,7 +562,7 @@ impl Telemetry {
             g.committed = false;
             g.lifecycle = Lifecycle::Running;
             g.session_closed = false;
-            g.hb_age = None;
+            g.hb_at = None;
             g.in_quorum = self.quorum_members.contains(incarnation);
             g.straggler = false;
             g.skew_pct = 0.0;
@@ -822,7 +821,7 @@ impl Telemetry {
         for (id, age) in ages {
             if let Some(name) = self.current(id) {
                 if let Some(g) = self.groups.get_mut(&name) {
-                    g.hb_age = Some(*age);
+                    g.hb_at = Some(now.checked_sub(*age).unwrap_or(now));
                     if *age <= timeout {
                         g.last_seen = g.last_seen.max(now - (*age).min(now - self.epoch.0));
                     }
@@ -956,7 +955,9 @@ impl Telemetry {
                 pids: g.ranks.values().map(|r| r.pid).collect(),
                 ranks_reporting: g.ranks.len(),
                 world_size: g.world_size,
-                last_heartbeat_age_s: g.hb_age.map(|a| a.as_secs_f64()),
+                last_heartbeat_age_s: g
+                    .hb_at
+                    .map(|t| now.saturating_duration_since(t).as_secs_f64()),
                 last_report_age_s: g
                     .ranks
                     .values()
@@ -1238,6 +1239,11 @@ mod tests {
             ],
         );
         assert_eq!(j.state("g0"), GroupState::Lost);
+        // Its heartbeat record may be gone from the engine: the age keeps growing anyway.
+        j.now += Duration::from_secs(2);
+        j.t.evaluate(j.now, &[(j.ids[1].clone(), Duration::ZERO)]);
+        let age = j.t.replicas(j.now)[0].last_heartbeat_age_s.unwrap();
+        assert!((age - 8.0).abs() < 1e-6, "{age}");
         j.t.evaluate(
             j.now,
             &[(id, Duration::ZERO), (j.ids[1].clone(), Duration::ZERO)],
