@@ -1090,6 +1090,8 @@ class Manager:
             self._pending_futures.append(chained)
             return _FutureWork(chained)
         except Exception as e:
+            if tel is not None:
+                tel.collective_finished(token)  # never started: not in flight
             self.report_error(e)
             return _DummyWork(tensor)
 
