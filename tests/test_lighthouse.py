@@ -128,9 +128,13 @@ def test_gil_released_during_quorum() -> None:
         {"min_replicas": 1, "join_timeout_ms": -1},
         {"min_replicas": 1, "quorum_tick_ms": 0},
         {"min_replicas": 1, "heartbeat_timeout_ms": -5},
+        {"min_replicas": 1, "straggler_skew_pct": 0},
+        {"min_replicas": 1, "straggler_skew_pct": float("nan")},
+        {"min_replicas": 1, "straggler_min_ms": -1},
+        {"min_replicas": 1, "event_log": "/nonexistent-dir/events.jsonl"},
     ],
 )
-def test_server_rejects_bad_args(kwargs: dict[str, int]) -> None:
+def test_server_rejects_bad_args(kwargs: dict[str, Any]) -> None:
     """Bad server arguments raise ValueError before anything is bound."""
     with pytest.raises(ValueError):
         LighthouseServer("127.0.0.1:0", **kwargs)

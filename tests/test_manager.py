@@ -825,6 +825,7 @@ def test_non_zero_rank_reads_published_address(
         ({"world_size": 0}, ValueError, "world_size"),
         ({"port": 70000}, ValueError, "port"),
         ({"world_size_mode": "dynamic"}, TypeError, "world_size_mode"),
+        ({"telemetry": "yes"}, TypeError, "telemetry"),
     ],
 )
 def test_bad_arguments(harness: Any, kwargs: dict[str, Any], exc: type, match: str) -> None:
@@ -851,6 +852,10 @@ def test_bad_env_override(harness: Any, monkeypatch: pytest.MonkeyPatch) -> None
     """A non-numeric timeout override is rejected clearly."""
     monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", "soon")
     with pytest.raises(ValueError, match="TORCHFT_TIMEOUT_SEC"):
+        harness()
+    monkeypatch.delenv("TORCHFT_TIMEOUT_SEC")
+    monkeypatch.setenv("TORCHFT_TELEMETRY", "perhaps")
+    with pytest.raises(ValueError, match="TORCHFT_TELEMETRY"):
         harness()
 
 

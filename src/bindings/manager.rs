@@ -124,11 +124,12 @@ impl PyManagerClient {
         self.reporter.get_or_init(|| {
             let queue = ReportQueue::default();
             let (stop, stop_rx) = watch::channel(false);
-            let client = self.client.clone();
-            queue.spawn_forwarder(RANK_REPORT_INTERVAL, stop_rx, move |batch| {
-                let client = client.clone();
-                async move { client.report(batch, RANK_REPORT_TIMEOUT).await.map(|_| ()) }
-            });
+            queue.spawn_forwarder(
+                RANK_REPORT_INTERVAL,
+                stop_rx,
+                self.client.clone(),
+                RANK_REPORT_TIMEOUT,
+            );
             Reporter { queue, _stop: stop }
         })
     }
@@ -252,14 +253,7 @@ impl PyManagerClient {
         let Some(reporter) = self.reporter.get() else {
             return;
         };
-        let client = self.client.clone();
-        let send = move |batch| {
-            let client = client.clone();
-            async move { client.report(batch, timeout).await.map(|_| ()) }
-        };
-        block_on(py, async {
-            let _ = tokio::time::timeout(timeout, reporter.queue.send_pending(&send)).await;
-        });
+        block_on(py, reporter.queue.flush(&self.client, timeout));
     }
 
     /// Telemetry reports this client dropped so far (queue full or send failed).

@@ -610,9 +610,9 @@ impl Telemetry {
         }
     }
 
-    /// A sign of life of `incarnation` (quorum request, session opened): creates or switches
-    /// its group. `address` is its manager server (for the kill action), `step` its step.
-    pub fn on_seen(&mut self, incarnation: &str, address: &str, step: i64, now: Instant) {
+    /// A quorum member: creates or switches its group; `address` is its manager server (for
+    /// the kill action), `step` its step. The caller refreshes the group's state.
+    fn note_member(&mut self, incarnation: &str, address: &str, step: i64, now: Instant) {
         let Some(name) = self.group_for(incarnation, now) else {
             return;
         };
@@ -625,7 +625,6 @@ impl Telemetry {
                 g.step = step;
             }
         }
-        self.refresh(&name, now);
     }
 
     /// The group's session opened (`open`) or ended.
@@ -671,7 +670,7 @@ impl Telemetry {
             );
         }
         for (id, step, address) in members {
-            self.on_seen(id, address, *step, now);
+            self.note_member(id, address, *step, now);
         }
         let names: Vec<String> = self.groups.keys().cloned().collect();
         for name in names {
@@ -743,7 +742,7 @@ impl Telemetry {
                 }
             }
             Phase::Step => {
-                g.heal_bytes_add(r.heal_bytes);
+                g.counters.heal_bytes = g.counters.heal_bytes.saturating_add(r.heal_bytes);
                 if r.healed {
                     g.last_heal_s = r.heal_s;
                     if lead {
@@ -821,10 +820,9 @@ impl Telemetry {
         for (id, age) in ages {
             if let Some(name) = self.current(id) {
                 if let Some(g) = self.groups.get_mut(&name) {
-                    g.hb_at = Some(now.checked_sub(*age).unwrap_or(now));
-                    if *age <= timeout {
-                        g.last_seen = g.last_seen.max(now - (*age).min(now - self.epoch.0));
-                    }
+                    let at = now.checked_sub(*age).unwrap_or(now);
+                    g.hb_at = Some(at);
+                    g.last_seen = g.last_seen.max(at);
                 }
             } else if *age <= timeout && !self.by_incarnation.contains_key(id) {
                 fresh.push(id.clone());
@@ -985,12 +983,6 @@ impl Telemetry {
             .collect();
         out.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
         out
-    }
-}
-
-impl Group {
-    fn heal_bytes_add(&mut self, bytes: u64) {
-        self.counters.heal_bytes = self.counters.heal_bytes.saturating_add(bytes);
     }
 }
 

@@ -18,6 +18,29 @@ use tracing::debug;
 use crate::error::Result;
 use crate::proto::{TelemetryBatch, TelemetryReport};
 
+/// Where a queue's batches go: the manager server for a rank, the lighthouse for a manager
+/// server.
+pub trait ReportSink: Clone + Send + Sync + 'static {
+    /// Sends one batch, bounded by `timeout`.
+    fn send(
+        &self,
+        batch: TelemetryBatch,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<()>> + Send;
+}
+
+impl ReportSink for crate::manager::ManagerClient {
+    async fn send(&self, batch: TelemetryBatch, timeout: Duration) -> Result<()> {
+        self.report(batch, timeout).await.map(|_| ())
+    }
+}
+
+impl ReportSink for crate::lighthouse::LighthouseClient {
+    async fn send(&self, batch: TelemetryBatch, timeout: Duration) -> Result<()> {
+        self.report(batch, timeout).await.map(|_| ())
+    }
+}
+
 /// Reports queued per queue before new ones are dropped.
 pub const QUEUE_CAPACITY: usize = 4096;
 /// Reports per batch at most (the lighthouse's limit).
@@ -145,19 +168,27 @@ impl ReportQueue {
         }
     }
 
+    /// Sends everything queued now to `sink`, waiting at most `timeout` in all.
+    pub async fn flush<S: ReportSink>(&self, sink: &S, timeout: Duration) {
+        let send = |batch| sink.send(batch, timeout);
+        let _ = tokio::time::timeout(timeout, self.send_pending(&send)).await;
+    }
+
     /// Spawns the forwarder: every `interval` (or when the queue fills up) it sends what is
-    /// queued; it stops when `stop` turns true or its sender is dropped.
-    pub fn spawn_forwarder<S, F>(
+    /// queued to `sink` (each batch bounded by `timeout`); it stops when `stop` turns true or
+    /// its sender is dropped.
+    pub fn spawn_forwarder<S: ReportSink>(
         &self,
         interval: Duration,
         mut stop: watch::Receiver<bool>,
-        send: S,
-    ) -> JoinHandle<()>
-    where
-        S: Fn(TelemetryBatch) -> F + Send + Sync + 'static,
-        F: Future<Output = Result<()>> + Send,
-    {
+        sink: S,
+        timeout: Duration,
+    ) -> JoinHandle<()> {
         let queue = self.clone();
+        let send = move |batch| {
+            let sink = sink.clone();
+            async move { sink.send(batch, timeout).await }
+        };
         crate::runtime::get().spawn(async move {
             loop {
                 tokio::select! {

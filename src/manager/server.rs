@@ -314,14 +314,12 @@ impl ManagerServer {
         });
         let heartbeat = tokio::spawn(heartbeat_loop(inner.clone()));
         let session = tokio::spawn(session_loop(inner.clone()));
-        let forward_to = inner.lighthouse.clone();
-        let forwarder =
-            inner
-                .reports
-                .spawn_forwarder(REPORT_INTERVAL, shutdown_rx.clone(), move |batch| {
-                    let client = forward_to.clone();
-                    async move { client.report(batch, REPORT_TIMEOUT).await.map(|_| ()) }
-                });
+        let forwarder = inner.reports.spawn_forwarder(
+            REPORT_INTERVAL,
+            shutdown_rx.clone(),
+            inner.lighthouse.clone(),
+            REPORT_TIMEOUT,
+        );
         info!(
             replica_id = %inner.opts.replica_id,
             address = %address,
@@ -485,12 +483,7 @@ async fn session_loop(inner: Arc<Inner>) {
 impl Inner {
     /// Sends the queued telemetry reports now (bounded by [`REPORT_FLUSH`]).
     async fn flush_reports(&self) {
-        let client = self.lighthouse.clone();
-        let send = move |batch: TelemetryBatch| {
-            let client = client.clone();
-            async move { client.report(batch, REPORT_FLUSH).await.map(|_| ()) }
-        };
-        let _ = tokio::time::timeout(REPORT_FLUSH, self.reports.send_pending(&send)).await;
+        self.reports.flush(&self.lighthouse, REPORT_FLUSH).await;
     }
 
     /// A report about the whole group from the server itself (e.g. it is being killed).
