@@ -317,6 +317,31 @@ def test_configure_only_on_new_quorum_id(harness: Any) -> None:
     assert h.pg.configures[0][1].startswith("rg0:")  # fresh replica id with uuid suffix
 
 
+def test_quorum_answered_before_a_members_loss_is_not_rebuilt(harness: Any) -> None:
+    """A quorum answer that still lists a member already declared lost (issued just before it
+    died) fails the step at once instead of rendezvousing with the dead member."""
+    h = harness()
+    two = {"replica_rank": 0, "replica_world_size": 2, "max_world_size": 2}
+    h.native.quorums = [
+        make_quorum(quorum_id=7, replica_ids=["rg0", "dead"], **two),
+        make_quorum(quorum_id=7, replica_ids=["rg0", "dead"], **two),
+        make_quorum(quorum_id=9, replica_ids=["rg0"]),
+    ]
+    m = h.manager
+    m.start_quorum()
+    assert m.should_commit()
+    m._on_lost("dead", 7)  # the lighthouse's event, between two steps
+    m.start_quorum()
+    assert not m.should_commit()
+    assert "dead" in str(m.errored())
+    m.start_quorum()
+    assert m.should_commit()
+    assert [c[0] for c in h.pg.configures] == [
+        "storehost:1234/torchft/7/0",
+        "storehost:1234/torchft/9/0",
+    ]
+
+
 def test_min_replica_size_guard(harness: Any) -> None:
     """Fewer participants than min_replica_size → local vote is no, step does not advance."""
     h = harness(min_replica_size=2)

@@ -514,6 +514,9 @@ class Manager:
         self._reconfig_lock = threading.Lock()
         self._pg_aborted = False
         self._quorum_in_progress = False
+        # Members declared lost, per quorum id (a few recent quorums): a quorum answer that
+        # arrives after its member's loss must not rendezvous with the dead member.
+        self._lost_in: dict[int, set[str]] = {}
         self._watcher: _LostWatcher | None = None
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
@@ -832,7 +835,12 @@ class Manager:
             quorum_id: the quorum it was lost from (events of older quorums are ignored).
         """
         with self._reconfig_lock:
-            if self._shutdown or quorum_id != self._quorum_id or replica_id == self._replica_id:
+            if self._shutdown or replica_id == self._replica_id:
+                return
+            self._lost_in.setdefault(quorum_id, set()).add(replica_id)
+            while len(self._lost_in) > 8:
+                del self._lost_in[min(self._lost_in)]
+            if quorum_id != self._quorum_id:
                 return
             self._pg_aborted = True
             logger.warning(
@@ -932,6 +940,16 @@ class Manager:
         self._participating_replica_world_size = participating_world
 
         with self._reconfig_lock:
+            lost = self._lost_in.get(quorum_id, set()) & set(quorum.replica_ids)
+            if lost:
+                # The answer was issued before a member died: its group can never form (the
+                # rendezvous would wait for the dead member until the timeout). The step fails
+                # now; the next quorum, without that member, rebuilds the group.
+                self._pg_aborted = True
+                raise RuntimeError(
+                    f"replica group(s) {sorted(lost)} of quorum {quorum_id} were lost "
+                    "before this rank adopted it"
+                )
             # An aborted group (a member was lost) is rebuilt even if the id did not change.
             reconfigure = quorum_id != self._quorum_id or self._pg_aborted
             if reconfigure:
