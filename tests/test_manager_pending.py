@@ -15,6 +15,7 @@ import pytest
 from test_manager import (  # noqa: F401 - fixtures and tests collected again here
     FakeNative,
     harness,
+    make_quorum,
     master_store,
     store,
     test_allreduce_avg_divides_by_participants,
@@ -75,3 +76,26 @@ def test_pending_path_is_used(harness: Any) -> None:  # noqa: F811 - the importe
     assert len(h.native.quorum_calls) == 1
     assert m.should_commit()
     assert m.current_step() == 1
+
+
+def test_loss_while_the_request_is_in_flight_does_not_fail_the_step(harness: Any) -> None:  # noqa: F811
+    """A member of the previous quorum lost while the next request is in flight: the answer
+    (a new quorum without it) is used and the step commits; failing it would make this rank
+    skip collectives its new peers are already waiting in."""
+    h = harness()
+    two = {"replica_rank": 0, "replica_world_size": 2, "max_world_size": 2}
+    h.native.quorums = [
+        make_quorum(quorum_id=7, replica_ids=["rg0", "rg1", "dead"], **two),
+        make_quorum(quorum_id=8, replica_ids=["rg0", "rg1"], **two),
+    ]
+    m = h.manager
+    m.start_quorum()
+    assert m.should_commit()
+    m.start_quorum()  # the request for the next step is in flight...
+    m._on_lost("dead", 7)  # ...when the lighthouse reports the loss
+    assert m.errored() is None
+    assert m.should_commit()
+    assert [c[0] for c in h.pg.configures] == [
+        "storehost:1234/torchft/7/0",
+        "storehost:1234/torchft/8/0",
+    ]

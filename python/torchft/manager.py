@@ -288,12 +288,14 @@ class _PendingQuorumFuture:
         try:
             quorum = self._pending.wait()
         except TimeoutError as e:
+            m._quorum_in_progress = False
             err = _QuorumTimeoutError(f"quorum not reached within {self._quorum_timeout}: {e}")
             err.__cause__ = e
             m.report_error(err)
             done.set_exception(err)
             return done
         except Exception as e:
+            m._quorum_in_progress = False
             m.report_error(e)
             done.set_result(None)
             return done
@@ -301,10 +303,18 @@ class _PendingQuorumFuture:
             self._allow_heal and (bool(quorum.heal) or bool(quorum.recover_dst_replica_ranks))
         )
         if heavy:
-            return m._executor.submit(m._adopt_quorum, quorum, self._allow_heal)
-        m._adopt_quorum(quorum, self._allow_heal)
+            return m._executor.submit(self._adopt_and_settle, quorum)
+        self._adopt_and_settle(quorum)
         done.set_result(None)
         return done
+
+    def _adopt_and_settle(self, quorum: Any) -> None:
+        """Adopts the answer; from then on the step runs on its quorum (see ``_on_lost``)."""
+        m = self._manager
+        try:
+            m._adopt_quorum(quorum, self._allow_heal)
+        finally:
+            m._quorum_in_progress = False
 
 
 def _env_seconds(name: str, default: timedelta) -> timedelta:
@@ -882,9 +892,13 @@ class Manager:
         start = getattr(self._client, "_quorum_start", None)
         if start is None:
             return self._executor.submit(self._run_quorum, allow_heal, shrink_only, quorum_timeout)
+        # Until the answer is adopted the step has not used any process group: a loss
+        # reported meanwhile rebuilds the group instead of failing the step (`_on_lost`).
+        self._quorum_in_progress = True
         try:
             pending = start(**self._quorum_request(shrink_only, quorum_timeout))
         except Exception as e:
+            self._quorum_in_progress = False
             # Same contract as _run_quorum: recorded, the step does not commit.
             self.report_error(e)
             done: ConcurrentFuture[None] = ConcurrentFuture()
