@@ -35,6 +35,17 @@ fn json_to_dict(py: Python<'_>, data: &str) -> PyResult<Py<PyAny>> {
 }
 
 /// One replica group as presented to the lighthouse.
+///
+/// Args:
+///     replica_id: unique id of this incarnation of the replica group (not empty).
+///     address: manager server address of the group (`http://host:port`).
+///     store_address: rendezvous store address of the group (`host:port`).
+///     step: committed steps of the group (not negative).
+///     world_size: ranks in the group (at least 1).
+///     shrink_only: ask that the next quorum keep only members of the previous one.
+///     commit_failures: consecutive failed commits the group saw (a non-zero value forces
+///         a new quorum id).
+///     data: user metadata (a JSON-serialisable dict) carried along unchanged.
 #[pyclass(module = "torchft._torchft", frozen, eq)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuorumMember {
@@ -148,6 +159,11 @@ impl QuorumMember {
 }
 
 /// The set of replica groups taking part in a step.
+///
+/// Args:
+///     quorum_id: strictly increasing id; unchanged while membership is.
+///     participants: the members (`QuorumMember`), sorted by replica_id.
+///     created: when the quorum was issued (a datetime; default now).
 #[pyclass(module = "torchft._torchft", frozen)]
 #[derive(Debug, Clone)]
 pub struct Quorum {
@@ -231,7 +247,29 @@ fn ms_arg(
     }
 }
 
-/// A lighthouse running inside this process (tests, single-machine jobs).
+/// A lighthouse running inside this process (tests, single-machine jobs, Ray Train).
+///
+/// Serves gRPC and HTTP (dashboard, metrics) on one port from the shared runtime; the
+/// constructor returns once it is listening.
+///
+/// Args:
+///     bind: address to listen on, e.g. `"[::]:0"` (port 0 picks a free port; see
+///         `address()`).
+///     min_replicas: replica groups a quorum needs at least (>= 1).
+///     join_timeout_ms: how long a round waits for healthy stragglers after the first
+///         joiner (default 60000; 0 answers as soon as the rules allow).
+///     quorum_tick_ms: how often pending rounds are re-evaluated (default 100; > 0).
+///     heartbeat_timeout_ms: silence after which a replica group counts as lost
+///         (default 5000; > 0).
+///     event_log: append the event log as JSON lines to this file (default none).
+///     allow_kill: serve `POST /replicas/{id}/kill` (default off).
+///     straggler_skew_pct: a group is a straggler when its busy time is this many percent
+///         above the median...
+///     straggler_min_ms: ...and at least this many milliseconds above it.
+///
+/// Raises:
+///     ValueError: an argument is out of range.
+///     RuntimeError: the address cannot be bound.
 #[pyclass(module = "torchft._torchft", frozen)]
 pub struct LighthouseServer {
     inner: core::LighthouseServer,
@@ -300,6 +338,13 @@ impl LighthouseServer {
 }
 
 /// A client of a lighthouse (manager servers use the Rust one; this is for tools and tests).
+///
+/// Args:
+///     addr: the lighthouse address (`http://host:port`).
+///     connect_timeout: how long to keep retrying the connection (a `timedelta`).
+///
+/// Raises:
+///     TimeoutError: no connection within `connect_timeout`.
 #[pyclass(module = "torchft._torchft", frozen)]
 pub struct LighthouseClient {
     inner: core::LighthouseClient,
