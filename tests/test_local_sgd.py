@@ -68,6 +68,9 @@ class _FakeManager:
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.registered.append(key)
 
+    def allow_state_dict_read(self) -> None: ...
+    def disallow_state_dict_read(self) -> None: ...
+
 
 def _diloco(manager: Any = None, **kw: Any) -> DiLoCo:
     model = _model()
@@ -388,3 +391,58 @@ def test_set_state_dict_fns_warns_and_still_works(lighthouse: Any) -> None:
         assert len(loaded) == 1 and torch.equal(loaded[0]["w"], torch.zeros(2))
     finally:
         manager.shutdown(wait=False)
+
+
+def test_signatures_match_upstream() -> None:
+    """Argument names, order and defaults are upstream torchft's, so keyword and positional
+    calls written against it (torchtitan's included) run unchanged."""
+    import inspect
+
+    def params(f: Any) -> list[tuple[str, Any]]:
+        return [(p.name, p.default) for p in inspect.signature(f).parameters.values()][1:]
+
+    empty = inspect.Parameter.empty
+    assert params(LocalSGD.__init__) == [
+        ("manager", empty),
+        ("model", empty),
+        ("optimizer", empty),
+        ("sync_every", empty),
+    ]
+    assert params(DiLoCo.__init__) == [
+        ("manager", empty),
+        ("model_fragments", empty),
+        ("inner_optimizer", empty),
+        ("outer_optimizer", empty),
+        ("sync_every", empty),
+        ("backup_device", None),
+        ("pin_memory", True),
+        ("use_bucketization", False),
+        ("bucket_cap_mb", None),
+        ("should_quantize", False),
+        ("fragment_sync_delay", 0),
+        ("fragment_update_alpha", 0.0),
+    ]
+    # torchtitan's call, keywords only, with a list of Nesterov outer optimizers.
+    model = _model()
+    fragments = [model[0], model[2]]
+    diloco = DiLoCo(
+        manager=_FakeManager(),
+        model_fragments=fragments,
+        inner_optimizer=torch.optim.AdamW(model.parameters()),
+        outer_optimizer=[
+            torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments
+        ],
+        sync_every=4,
+        should_quantize=False,
+        fragment_sync_delay=1,
+        fragment_update_alpha=0.0,
+    )
+    with diloco as entered:
+        assert entered is diloco
+    with LocalSGD(
+        manager=_FakeManager(),
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sync_every=2,
+    ):
+        pass
