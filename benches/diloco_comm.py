@@ -1,6 +1,6 @@
 """Communication of DiLoCo against plain torch DDP for the same model, measured in one run.
 
-Two processes train the same MLP (256 -> H -> H -> 10, batch 32) on Gloo (CPU):
+Two processes train the same MLP (256 -> H -> H -> H -> 10, batch 32) on Gloo (CPU):
 
 - plain DDP: ``torch.nn.parallel.DistributedDataParallel`` over one Gloo group. Its
   allreduce per step is the median time of a step minus the median time of a step under
@@ -10,7 +10,7 @@ Two processes train the same MLP (256 -> H -> H -> 10, batch 32) on Gloo (CPU):
   of an ``optimizer.step()`` that syncs (quorum, allreduce of the pseudo-gradients, commit
   vote, outer step) minus the median of one that does not. Plain DiLoCo syncs the whole model
   every ``--sync-every`` steps; streaming DiLoCo with 2 fragments syncs half of it twice as
-  often.
+  often (fragments of about equal size: the first two and the last two linear layers).
 
 It prints each side's communication time per sync and per inner step, and the ratio of
 DiLoCo's per-inner-step communication to DDP's. Exit status 1 if DiLoCo's per-inner-step
@@ -42,9 +42,10 @@ def _model(hidden: int) -> Any:
     from torch import nn
 
     torch.manual_seed(0)
+    layers = [nn.Linear(256, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)]
     return nn.Sequential(
-        nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
-    ).append(nn.Linear(hidden, 10))
+        layers[0], nn.ReLU(), layers[1], nn.ReLU(), layers[2], nn.ReLU(), nn.Linear(hidden, 10)
+    )
 
 
 def _write(path: str, payload: dict[str, Any]) -> None:
@@ -245,9 +246,9 @@ def main() -> int:
         parser.error("--sync-every must be an even number >= 2")
 
     h = args.hidden
-    params = 256 * h + h + h * h + h + h * 10 + 10
+    params = 256 * h + h + 2 * (h * h + h) + h * 10 + 10
     print(
-        f"diloco_comm: MLP 256->{h}->{h}->10 ({params / 1e6:.2f} M params, "
+        f"diloco_comm: MLP 256->{h}->{h}->{h}->10 ({params / 1e6:.2f} M params, "
         f"{params * 4 / 2**20:.1f} MiB fp32), batch 32, 2 processes, Gloo"
     )
     with tempfile.TemporaryDirectory(prefix="diloco_comm") as d:
@@ -260,7 +261,7 @@ def main() -> int:
     rows = [
         ("plain DDP allreduce", "whole model", ddp, 1),
         ("DiLoCo sync", "whole model", plain, n),
-        ("streaming DiLoCo sync", "1 of 2 fragments", streaming, n),
+        ("streaming DiLoCo sync", "half (1 of 2 frags)", streaming, n),
     ]
     print(f"  {'':24s} {'payload':18s} {'per sync':>10s} {'every':>7s} {'per inner step':>15s}")
     for name, payload, t, every in rows:
