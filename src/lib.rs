@@ -9,6 +9,7 @@ pub mod lighthouse;
 pub mod manager;
 pub mod net;
 pub mod runtime;
+pub mod security;
 
 #[cfg(feature = "python")]
 pub mod bindings;

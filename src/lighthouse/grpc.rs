@@ -24,8 +24,8 @@ use crate::proto::{
     SessionRequest, TelemetryAck, TelemetryBatch,
 };
 
-/// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
-const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+/// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
+const MAX_RESPONSE_BYTES: usize = 256 * 1024 * 1024;
 
 /// The generated service for every lighthouse method but Quorum.
 struct Grpc {
@@ -63,23 +63,27 @@ impl LighthouseService for Grpc {
     }
 }
 
-/// The gRPC routes of the lighthouse: the generated service, and the Quorum route.
-pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
+/// The gRPC routes of the lighthouse: the generated service, and the Quorum route. Requests
+/// larger than `max_request_bytes` are refused.
+pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> axum::Router {
     let grpc = LighthouseServiceServer::new(Grpc {
         shared: shared.clone(),
     })
-    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    .max_decoding_message_size(max_request_bytes)
+    .max_encoding_message_size(MAX_RESPONSE_BYTES);
     tonic::service::Routes::new(grpc)
         .into_axum_router()
-        .route_service(QUORUM_PATH, QuorumRoute { shared })
+        .route_service(
+            QUORUM_PATH,
+            QuorumRoute {
+                shared,
+                max_request_bytes,
+            },
+        )
 }
 
 /// Path of the Quorum RPC.
 const QUORUM_PATH: &str = "/torchft.LighthouseService/Quorum";
-
-/// Largest Quorum request accepted (one member with its metadata).
-const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
 
 /// A unary gRPC response body: one shared data frame, then `grpc-status: 0` trailers.
 struct SharedBody {
@@ -115,11 +119,13 @@ impl http_body::Body for SharedBody {
 #[derive(Clone)]
 struct QuorumRoute {
     shared: Arc<Shared>,
+    max_request_bytes: usize,
 }
 
 impl QuorumRoute {
     async fn serve(
         shared: Arc<Shared>,
+        max_request_bytes: usize,
         req: http::Request<axum::body::Body>,
     ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
         let is_grpc = req
@@ -139,25 +145,19 @@ impl QuorumRoute {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(crate::net::parse_grpc_timeout);
-        let body = axum::body::to_bytes(req.into_body(), MAX_REQUEST_BYTES)
+        let body = axum::body::to_bytes(req.into_body(), max_request_bytes)
             .await
-            .map_err(|e| Status::invalid_argument(format!("cannot read request: {e}")))?;
-        if body.len() < 5 {
-            return Err(Status::invalid_argument("truncated gRPC message"));
-        }
-        if body[0] != 0 {
-            return Err(Status::unimplemented(
-                "compressed requests are not supported",
-            ));
-        }
-        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-        if body.len() != 5 + len {
-            return Err(Status::invalid_argument(
-                "gRPC message length does not match body",
-            ));
-        }
-        let msg = LighthouseQuorumRequest::decode(&body[5..])
-            .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
+            .map_err(|e| {
+                if crate::net::error_chain(&e).contains("length limit exceeded") {
+                    Status::resource_exhausted(format!(
+                        "request larger than the lighthouse's limit of {max_request_bytes} bytes \
+                         (--max_request_bytes)"
+                    ))
+                } else {
+                    Status::invalid_argument(format!("cannot read request: {e}"))
+                }
+            })?;
+        let msg = decode_quorum_request(&body)?;
         let known = (msg.known_quorum_id, msg.known_revision);
         let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
         shared.count_reply(&issued, known);
@@ -176,6 +176,29 @@ impl QuorumRoute {
     }
 }
 
+/// Decodes one uncompressed gRPC frame holding a `LighthouseQuorumRequest`; anything else is
+/// an `InvalidArgument` (or `Unimplemented` for compression) naming what is wrong.
+pub(crate) fn decode_quorum_request(
+    body: &[u8],
+) -> std::result::Result<LighthouseQuorumRequest, Status> {
+    if body.len() < 5 {
+        return Err(Status::invalid_argument("truncated gRPC message"));
+    }
+    if body[0] != 0 {
+        return Err(Status::unimplemented(
+            "compressed requests are not supported",
+        ));
+    }
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    if body.len() != 5 + len {
+        return Err(Status::invalid_argument(
+            "gRPC message length does not match body",
+        ));
+    }
+    LighthouseQuorumRequest::decode(&body[5..])
+        .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))
+}
+
 impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
     type Response = http::Response<axum::body::Body>;
     type Error = Infallible;
@@ -188,8 +211,9 @@ impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
 
     fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
         let shared = self.shared.clone();
+        let limit = self.max_request_bytes;
         Box::pin(async move {
-            Ok(Self::serve(shared, req)
+            Ok(Self::serve(shared, limit, req)
                 .await
                 .unwrap_or_else(|status| status.into_http()))
         })
