@@ -219,3 +219,132 @@ impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
         })
     }
 }
+
+/// Property tests of the request handlers: any bytes, any member, any batch. Bounded here
+/// (proptest's default case count); `make fuzz` runs them for much longer.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::error::Error;
+    use crate::lighthouse::quorum::validate_member;
+    use crate::lighthouse::LighthouseOptions;
+    use crate::proto::{QuorumMember, TelemetryReport};
+
+    fn frame(msg: &LighthouseQuorumRequest) -> Vec<u8> {
+        let body = msg.encode_to_vec();
+        let mut out = vec![0u8];
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    fn any_member() -> impl Strategy<Value = QuorumMember> {
+        (
+            prop_oneof!["", "[a-z]{1,8}", "\\PC{0,12}", " +"],
+            ".{0,16}",
+            ".{0,16}",
+            any::<i64>(),
+            any::<u64>(),
+            any::<bool>(),
+            any::<i64>(),
+            ".{0,32}",
+        )
+            .prop_map(
+                |(replica_id, address, store_address, step, world_size, shrink_only, cf, data)| {
+                    QuorumMember {
+                        replica_id,
+                        address,
+                        store_address,
+                        step,
+                        world_size,
+                        shrink_only,
+                        commit_failures: cf,
+                        data,
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic the Quorum route's decoder; they are refused with a
+        /// client-error status.
+        #[test]
+        fn quorum_route_decodes_any_bytes(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Err(status) = decode_quorum_request(&body) {
+                prop_assert!(matches!(
+                    status.code(),
+                    tonic::Code::InvalidArgument | tonic::Code::Unimplemented
+                ), "{status:?}");
+            }
+        }
+
+        /// A valid request survives a round trip through framing; any corruption of its
+        /// length prefix is refused.
+        #[test]
+        fn quorum_route_frames(member in any_member(), id in any::<i64>(), rev in any::<u64>(),
+                               bad_len in any::<u32>()) {
+            let msg = LighthouseQuorumRequest {
+                requester: Some(member),
+                known_quorum_id: id,
+                known_revision: rev,
+            };
+            let framed = frame(&msg);
+            prop_assert_eq!(decode_quorum_request(&framed).unwrap(), msg);
+            let mut wrong = framed.clone();
+            if bad_len as usize != framed.len() - 5 {
+                wrong[1..5].copy_from_slice(&bad_len.to_be_bytes());
+                prop_assert!(decode_quorum_request(&wrong).is_err());
+            }
+        }
+
+        /// Any member asking for a quorum: invalid ones are refused with InvalidArgument and
+        /// leave no trace; valid ones join the round. Heartbeats and telemetry batches with
+        /// arbitrary contents never panic, and refusals change nothing.
+        #[test]
+        fn handlers_accept_or_refuse_cleanly(
+            members in proptest::collection::vec(any_member(), 1..6),
+            beat in "\\PC{0,12}",
+            reports in proptest::collection::vec(
+                (".{0,12}", any::<i64>(), any::<i64>(), any::<f64>()), 0..4),
+        ) {
+            let shared = Shared::new(LighthouseOptions { min_replicas: 50, ..Default::default() }, 1);
+            let mut joined = std::collections::BTreeSet::new();
+            for m in members {
+                let valid = validate_member(&m).is_ok();
+                let id = m.replica_id.clone();
+                match shared.join(m) {
+                    Ok(_) => {
+                        prop_assert!(valid);
+                        joined.insert(id);
+                    }
+                    Err(Error::InvalidArgument(_)) => prop_assert!(!valid),
+                    Err(e) => prop_assert!(false, "unexpected error {e}"),
+                }
+            }
+            let waiting: std::collections::BTreeSet<String> =
+                shared.snapshot().participants.into_iter().collect();
+            prop_assert_eq!(waiting, joined);
+            let before = shared.snapshot().heartbeats.len();
+            match shared.heartbeat(&beat) {
+                Ok(_) => prop_assert!(!beat.trim().is_empty()),
+                Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
+            }
+            let batch = TelemetryBatch {
+                reports: reports
+                    .into_iter()
+                    .map(|(replica_id, step, group_rank, wait)| TelemetryReport {
+                        replica_id,
+                        step,
+                        group_rank,
+                        quorum_wait_s: wait,
+                        ..Default::default()
+                    })
+                    .collect(),
+                dropped: 0,
+            };
+            let _ = shared.report(&batch);
+        }
+    }
+}

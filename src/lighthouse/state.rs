@@ -201,7 +201,7 @@ impl Shared {
         }
     }
 
-    fn join(&self, member: QuorumMember) -> Result<(u64, oneshot::Receiver<Delivery>)> {
+    pub(crate) fn join(&self, member: QuorumMember) -> Result<(u64, oneshot::Receiver<Delivery>)> {
         let now = now_instant();
         let mut guard = self.lock();
         let state = &mut *guard;
