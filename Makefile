@@ -31,8 +31,9 @@ $(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
 
 develop: $(EXT_STAMP)
 
+# DEMO_SECURE=1 runs the same job with a token and mutual TLS everywhere.
 demo: develop
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py $(if $(filter-out 0,$(DEMO_SECURE)),--secure)
 
 test: test-rust test-python
 
