@@ -544,7 +544,10 @@ class Manager:
             from torchft.checkpointing import HTTPTransport
 
             checkpoint_transport = HTTPTransport(
-                timeout=timeout, num_chunks=0, state_dict_lock=self._state_dict_lock.read
+                timeout=timeout,
+                num_chunks=0,
+                state_dict_lock=self._state_dict_lock.read,
+                hostname=hostname,
             )
         self._checkpoint_transport: CheckpointTransport[dict[str, Any]] = checkpoint_transport
 

@@ -4,6 +4,7 @@
 //! core runs, results are turned back into Python objects. `QuorumMember.data` is a dict in
 //! Python and a JSON string on the wire.
 
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pyo3::exceptions::{PySystemExit, PyValueError};
@@ -11,8 +12,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::{block_on, check_duration};
-use crate::lighthouse::{self as core, daemon, LighthouseOptions, ObservabilityOptions};
+use crate::lighthouse::{
+    self as core, daemon, AccessOptions, LighthouseOptions, ObservabilityOptions,
+    DEFAULT_MAX_REQUEST_BYTES,
+};
 use crate::proto;
+use crate::security::{Security, TlsFiles};
 
 fn dict_to_json(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
     match data {
@@ -280,7 +285,9 @@ impl LighthouseServer {
     #[new]
     #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
         heartbeat_timeout_ms = None, *, event_log = None, allow_kill = false,
-        straggler_skew_pct = None, straggler_min_ms = None))]
+        straggler_skew_pct = None, straggler_min_ms = None, token_file = None, tls_cert = None,
+        tls_key = None, tls_ca = None, tls_client_ca = None, private_status = false,
+        max_request_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -293,6 +300,13 @@ impl LighthouseServer {
         allow_kill: bool,
         straggler_skew_pct: Option<f64>,
         straggler_min_ms: Option<i64>,
+        token_file: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+        tls_client_ca: Option<PathBuf>,
+        private_status: bool,
+        max_request_bytes: Option<usize>,
     ) -> PyResult<Self> {
         if min_replicas < 1 {
             return Err(PyValueError::new_err(format!(
@@ -318,11 +332,28 @@ impl LighthouseServer {
             straggler_skew_pct: straggler_skew_pct.unwrap_or(od.straggler_skew_pct),
             straggler_min: ms_arg("straggler_min_ms", straggler_min_ms, od.straggler_min, true)?,
         };
-        let inner = block_on(py, core::LighthouseServer::bind_with(&bind, opts, obs))?;
+        let security = Security::from_env_and(
+            token_file.as_deref(),
+            &TlsFiles {
+                cert: tls_cert,
+                key: tls_key,
+                ca: tls_ca,
+                client_ca: tls_client_ca,
+            },
+        )?;
+        let access = AccessOptions {
+            security,
+            private_status,
+            max_request_bytes: max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+        };
+        let inner = block_on(
+            py,
+            core::LighthouseServer::bind_secured(&bind, opts, obs, access),
+        )?;
         Ok(Self { inner })
     }
 
-    /// `http://host:port` clients should dial.
+    /// `http://host:port` clients should dial (`https://` when it serves TLS).
     fn address(&self) -> String {
         self.inner.address()
     }

@@ -15,9 +15,13 @@ use tokio::task::JoinHandle;
 use super::{block_on, check_duration, TorchFTError};
 use crate::lighthouse::telemetry::validate_report;
 use crate::manager::reports::ReportQueue;
-use crate::manager::{ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer};
+use crate::manager::{
+    ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer,
+    DEFAULT_MAX_REQUEST_BYTES,
+};
 use crate::proto::telemetry_report::Phase;
 use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
+use crate::security::Security;
 
 /// The manager server of one replica group (hosted by group rank 0).
 ///
@@ -91,6 +95,8 @@ impl PyManagerServer {
             heartbeat_interval: check_duration("heartbeat_interval", heartbeat_interval)?,
             connect_timeout: check_duration("connect_timeout", connect_timeout)?,
             quorum_retries: quorum_retries as u64,
+            security: Security::from_env()?,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         };
         let server = block_on(py, CoreServer::start(opts))?;
         Ok(Self { server })
