@@ -271,6 +271,14 @@ fn ms_arg(
 ///     straggler_skew_pct: a group is a straggler when its busy time is this many percent
 ///         above the median...
 ///     straggler_min_ms: ...and at least this many milliseconds above it.
+///     token_file: file holding the shared secret every RPC and state-changing HTTP route
+///         must carry (default: env TORCHFT_TOKEN_FILE, else TORCHFT_TOKEN; none: open).
+///     tls_cert: serve TLS with this PEM certificate chain.
+///     tls_key: PEM private key of `tls_cert`.
+///     tls_ca: PEM CA bundle to verify manager servers with when dialing them.
+///     tls_client_ca: require client certificates signed by this PEM CA bundle (mutual TLS).
+///     private_status: require the token on the read-only pages too.
+///     max_request_bytes: largest request message or HTTP body accepted (>= 4096).
 ///
 /// Raises:
 ///     ValueError: an argument is out of range.
