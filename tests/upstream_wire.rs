@@ -380,9 +380,14 @@ struct UpstreamClient {
 
 impl UpstreamClient {
     async fn connect(addr: &str) -> Self {
-        let channel = torchft::net::connect(addr, Duration::from_secs(5))
-            .await
-            .expect("connects");
+        // Upstream has no token or TLS: a plain channel, as an upstream manager dials.
+        let channel = torchft::net::connect(
+            addr,
+            Duration::from_secs(5),
+            &torchft::security::Security::none(),
+        )
+        .await
+        .expect("connects");
         Self {
             grpc: tonic::client::Grpc::new(channel),
         }
