@@ -147,3 +147,63 @@ def test_well_framed_hostile_headers_are_refused_cleanly(
         ser.decode_bytes(stream)
     except CheckpointFormatError:
         pass
+
+
+class _LyingPeer:
+    """A stream whose header prefix announces ``claimed`` bytes but which sends ``sent``."""
+
+    def __init__(self, claimed: int, sent: bytes) -> None:
+        prefix = struct.pack(ser._HEADER_PREFIX.format, ser.MAGIC_HEADER, claimed, 0)
+        self.data = memoryview(prefix + sent)
+        self.pos = 0
+        self.largest_read = 0
+
+    def readinto(self, buf: memoryview) -> int:
+        self.largest_read = max(self.largest_read, len(buf))
+        n = min(len(buf), len(self.data) - self.pos)
+        buf[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+@pytest.mark.timeout(60)
+def test_header_length_claim_does_not_allocate_what_was_not_sent() -> None:
+    """A peer announcing a maximal header and sending 100 bytes makes the reader allocate
+    about what arrived (one bounded read piece), not the announced length."""
+    import tracemalloc
+
+    peer = _LyingPeer(ser.MAX_HEADER_BYTES, b"{" * 100)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointFormatError, match=r"truncated while reading header \(100/"):
+            ser.read_header(peer.readinto)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peer.largest_read <= ser.HEADER_READ_BYTES
+    # One read piece plus bookkeeping; the claim was 256 MiB.
+    assert peak < ser.HEADER_READ_BYTES + (1 << 20), peak
+    # Just over the limit is refused before any body byte is read.
+    peer = _LyingPeer(ser.MAX_HEADER_BYTES + 1, b"")
+    with pytest.raises(CheckpointFormatError, match="too large"):
+        ser.read_header(peer.readinto)
+
+
+@settings(max_examples=20)
+@given(st.integers(0, 3 * 1024 * 1024 + 17), st.integers(1, 3 * 1024 * 1024))
+def test_header_read_in_pieces_round_trips(meta_len: int, max_read: int) -> None:
+    """Headers of any size, delivered in reads of any size, parse to what was sent."""
+    meta = {"step": 7, "gen": "g", "pad": "x" * meta_len}
+    enc = ser.encode({"w": torch.arange(3.0)}, meta=meta)
+    frame = memoryview(ser.header_frame(enc))
+    pos = 0
+
+    def readinto(buf: memoryview) -> int:
+        nonlocal pos
+        n = min(len(buf), max_read, len(frame) - pos)
+        buf[:n] = frame[pos : pos + n]
+        pos += n
+        return n
+
+    header = ser.read_header(readinto)
+    assert header.meta == meta and pos == len(frame)

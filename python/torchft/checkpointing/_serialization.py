@@ -60,6 +60,8 @@ _END = struct.Struct("<8sQI")
 CHUNK_BYTES = 4 << 20
 # Refuse absurd headers from a peer instead of allocating for them.
 MAX_HEADER_BYTES = 256 << 20
+# Header bytes read per call: the most a header read allocates beyond what the peer sent.
+HEADER_READ_BYTES = 1 << 20
 # Ranges with at least this many bytes hash on a worker thread, overlapping socket I/O.
 _OVERLAP_MIN_BYTES = 1 << 20
 # Nesting deeper than this is refused on both sides (it would exhaust the Python stack).
@@ -532,8 +534,18 @@ def read_header(readinto: ReadInto) -> Header:
         raise CheckpointFormatError("not a torchft checkpoint stream (bad header magic)")
     if length > MAX_HEADER_BYTES:
         raise CheckpointFormatError(f"checkpoint header too large ({length} bytes)")
-    data = bytearray(length)
-    read_exact(readinto, memoryview(data), "header")
+    # The length is the peer's claim: read it in bounded pieces so memory grows with what
+    # actually arrives, not with what was announced.
+    data = bytearray()
+    piece = bytearray(min(length, HEADER_READ_BYTES))
+    view = memoryview(piece)
+    while len(data) < length:
+        n = readinto(view[: min(len(piece), length - len(data))])
+        if not n:
+            raise CheckpointFormatError(
+                f"checkpoint stream truncated while reading header ({len(data)}/{length} bytes)"
+            )
+        data += view[:n]
     if zlib.crc32(data) != crc:
         raise CheckpointFormatError("checkpoint header checksum mismatch (corrupted stream)")
     return parse_header(bytes(data))
