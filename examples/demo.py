@@ -14,6 +14,7 @@ token and mutual TLS: the lighthouse, every manager server and every healing tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +83,51 @@ def _secure_job(log_dir: Path) -> ssl.SSLContext:
     return ctx
 
 
+_SECURITY_VARS = (
+    "TORCHFT_TOKEN_FILE",
+    "TORCHFT_TOKEN",
+    "TORCHFT_TLS_CERT",
+    "TORCHFT_TLS_KEY",
+    "TORCHFT_TLS_CA",
+    "TORCHFT_TLS_CLIENT_CA",
+)
+
+
+@contextlib.contextmanager
+def _only_security(**settings: str) -> Iterator[None]:
+    """Runs the body with exactly these token/TLS variables set (restored after)."""
+    saved = {k: os.environ.pop(k, None) for k in _SECURITY_VARS}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k in _SECURITY_VARS:
+            os.environ.pop(k, None)
+            if saved[k] is not None:
+                os.environ[k] = saved[k]  # type: ignore[assignment]
+
+
+def _grpc_answer(address: str, **settings: str) -> str:
+    """What a native lighthouse client with only ``settings`` gets from a heartbeat: the
+    error's first line, or "accepted"."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
+    try:
+        with _only_security(**settings):
+            client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+        client.heartbeat("demo-security-probe", timeout=timedelta(seconds=5))
+    except Exception as e:  # the refusal and its reason are the answer
+        return (str(e).splitlines() or [type(e).__name__])[0][:100]
+    return "accepted"
+
+
 def _check_refusals(address: str, tls: ssl.SSLContext | None) -> list[str]:
-    """Asks the secured lighthouse three things it must refuse; one line per answer."""
+    """Asks the secured lighthouse things it must refuse, over HTTP and gRPC; one line each.
+
+    Each line ends in "(refused)" or "(NOT refused)".
+    """
     import urllib.error
 
     def status_of(url: str, method: str, ctx: ssl.SSLContext | None) -> str:
@@ -95,25 +140,53 @@ def _check_refusals(address: str, tls: ssl.SSLContext | None) -> list[str]:
         except (OSError, ssl.SSLError) as e:
             return f"connection failed ({e.__class__.__name__})"
 
+    env = os.environ
     plain = address.replace("https://", "http://")
-    no_cert = ssl.create_default_context(cafile=os.environ["TORCHFT_TLS_CA"])
+    no_cert = ssl.create_default_context(cafile=env["TORCHFT_TLS_CA"])
+    client_tls = {
+        "TORCHFT_TLS_CA": env["TORCHFT_TLS_CA"],
+        "TORCHFT_TLS_CERT": env["TORCHFT_TLS_CERT"],
+        "TORCHFT_TLS_KEY": env["TORCHFT_TLS_KEY"],
+    }
+    token = {"TORCHFT_TOKEN_FILE": env["TORCHFT_TOKEN_FILE"]}
     checks = [
-        ("plain HTTP", status_of(plain + "/status", "GET", None), ("HTTP 400",)),
+        ("plain HTTP", status_of(plain + "/status", "GET", None), "HTTP 400"),
         (
             "kill without the token",
             status_of(address + "/replicas/x/kill", "POST", tls),
-            ("HTTP 401",),
+            "HTTP 401",
         ),
         (
             "TLS without a client certificate",
             status_of(address + "/status", "GET", no_cert),
-            ("connection failed",),
+            "connection failed",
+        ),
+        (
+            "gRPC over plain TCP",
+            _grpc_answer(plain, **token),
+            "unavailable: this server accepts TLS only",
+        ),
+        (
+            "gRPC without the token",
+            _grpc_answer(address, **client_tls),
+            "unauthenticated: missing token",
+        ),
+        (
+            "gRPC with a wrong token",
+            _grpc_answer(address, TORCHFT_TOKEN="not-the-job-token", **client_tls),
+            "unauthenticated: wrong token",
+        ),
+        (
+            "gRPC without a client certificate",
+            _grpc_answer(address, TORCHFT_TLS_CA=env["TORCHFT_TLS_CA"], **token),
+            "",  # the handshake is refused; the client's error text varies by timing
         ),
     ]
-    return [
-        f"{what}: {got} ({'refused' if got.startswith(expect) else 'NOT refused'})"
-        for what, got, expect in checks
-    ]
+    lines = []
+    for what, got, expect in checks:
+        refused = got != "accepted" and got.startswith(expect)
+        lines.append(f"{what}: {got} ({'refused' if refused else 'NOT refused'})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-group", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=270.0, help="give up after this many seconds")
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep the groups' logs, results and event log here (default: a temporary "
+        "directory, removed when the demo succeeds)",
+    )
     p.add_argument(
         "--secure",
         action="store_true",
@@ -143,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     views = [GroupView() for _ in range(args.replicas)]
     lock = threading.Lock()
     restart_time: dict[int, float] = {}
-    log_dir = Path(tempfile.mkdtemp(prefix="torchft-demo-"))
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = args.log_dir
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="torchft-demo-"))
     logs = {i: open(log_dir / f"group{i}.log", "a") for i in range(args.replicas)}
 
     def on_line(group: int, line: str) -> None:
@@ -304,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"event log               : {len(events)} events; group {args.kill_group}: {walk}")
     ok = bool(killed) and restarts >= 1 and healed is not None and identical
     if args.secure:
-        secured = len(refusals) == 3 and all("refused" in r for r in refusals)
+        secured = bool(refusals) and all(r.endswith("(refused)") for r in refusals)
         print(f"token + mutual TLS      : {'enforced' if secured else 'NOT ENFORCED'}")
         ok = ok and secured
-    if ok:
+    if ok and args.log_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)
         print(f"wall time               : {time.monotonic() - t0:.1f}s")
     else:
