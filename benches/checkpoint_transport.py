@@ -5,6 +5,8 @@ default). The baseline sends every tensor's memory with ``sendall`` and receives
 ``recv_into`` into preallocated buffers: the best a Python stream copy can do. The
 transport adds the HTTP exchange, framing, CRC32 on both sides and structure decoding.
 The printed ratio (transport time / raw time) is what matters, not absolute numbers.
+Each transport variant also runs secured (shared-secret token and mutual TLS, with the test
+certificates in ``tests/certs``), in the same run: the cost of encryption on a heal.
 
 Usage: ``python benches/checkpoint_transport.py [--mb 200] [--repeat 3] [--chunks 0 4]``
 """
@@ -17,11 +19,13 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from torchft.checkpointing import HTTPTransport
+from torchft.checkpointing._security import TransportSecurity
 from torchft.checkpointing._serialization import tensor_bytes
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -92,11 +96,28 @@ def raw_socket_copy(tensors: list[torch.Tensor]) -> float:
     return elapsed
 
 
-def http_copy(state: dict[str, Any], num_chunks: int) -> float:
+CERTS = Path(__file__).resolve().parent.parent / "tests" / "certs"
+
+
+def secured() -> TransportSecurity:
+    """Token and mutual TLS, as a secured job's ranks have them (both ends alike)."""
+    return TransportSecurity(
+        token="bench-secret",
+        tls_cert=str(CERTS / "server.pem"),
+        tls_key=str(CERTS / "server.key"),
+        tls_ca=str(CERTS / "ca.pem"),
+        tls_client_ca=str(CERTS / "ca.pem"),
+    )
+
+
+def http_copy(state: dict[str, Any], num_chunks: int, security: TransportSecurity) -> float:
     """Seconds for one HTTPTransport send/recv of ``state`` over loopback."""
     timeout = timedelta(seconds=120)
-    sender: HTTPTransport[Any] = HTTPTransport(timeout)
-    receiver: HTTPTransport[Any] = HTTPTransport(timeout, num_chunks=num_chunks)
+    # "localhost": the name the test certificate is issued for.
+    sender: HTTPTransport[Any] = HTTPTransport(timeout, hostname="localhost", security=security)
+    receiver: HTTPTransport[Any] = HTTPTransport(
+        timeout, num_chunks=num_chunks, hostname="localhost", security=security
+    )
     try:
         sender.send_checkpoint([1], 1, state, timeout)
         t0 = time.perf_counter()
@@ -126,12 +147,18 @@ def main() -> None:
     print(f"payload: {nbytes / 1e6:.1f} MB in {len(tensors)} tensors, best of {args.repeat}")
 
     raw = min(raw_socket_copy(tensors) for _ in range(args.repeat))
-    print(f"{'raw loopback socket':<28} {raw:7.3f}s {nbytes / raw / 1e6:9.1f} MB/s  ratio 1.00")
+    print(f"{'raw loopback socket':<44} {raw:7.3f}s {nbytes / raw / 1e6:9.1f} MB/s  ratio 1.00")
     for chunks in args.chunks:
-        t = min(http_copy(state, chunks) for _ in range(args.repeat))
+        plain = min(http_copy(state, chunks, TransportSecurity()) for _ in range(args.repeat))
         print(
-            f"{f'HTTPTransport num_chunks={chunks}':<28} {t:7.3f}s {nbytes / t / 1e6:9.1f} MB/s"
-            f"  ratio {t / raw:.2f}x raw time"
+            f"{f'HTTPTransport num_chunks={chunks}':<44} {plain:7.3f}s "
+            f"{nbytes / plain / 1e6:9.1f} MB/s  ratio {plain / raw:.2f}x raw time"
+        )
+        tls = min(http_copy(state, chunks, secured()) for _ in range(args.repeat))
+        print(
+            f"{f'HTTPTransport num_chunks={chunks}, token + mTLS':<44} {tls:7.3f}s "
+            f"{nbytes / tls / 1e6:9.1f} MB/s  ratio {tls / raw:.2f}x raw time, "
+            f"{tls / plain:.2f}x plain"
         )
 
 
