@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod lighthouse;
+pub mod logging;
 pub mod manager;
 pub mod net;
 pub mod runtime;

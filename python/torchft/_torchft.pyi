@@ -8,6 +8,9 @@ from typing import Any
 class TorchFTError(RuntimeError):
     """A torchft operation failed (not a timeout, not a bad argument)."""
 
+def set_log_context(replica_id: str, group_rank: int) -> None:
+    """Names this process on every following native log line: ``[replica_id/group_rank]``."""
+
 # --- lighthouse -----------------------------------------------------------------------------
 
 class QuorumMember:
