@@ -65,6 +65,7 @@ from torch.distributed import (
 from torch.distributed import ProcessGroup as BaseProcessGroup
 from torch.futures import Future
 
+from torchft.config import timeout_override
 from torchft.work import (
     _DummyWork,
     _FutureWork,
@@ -94,31 +95,14 @@ __all__ = [
     "create_store_client",
 ]
 
-_TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"
-
 
 def _env_timeout(timeout: timedelta) -> timedelta:
-    """Applies the ``TORCHFT_TIMEOUT_SEC`` override to ``timeout``.
-
-    Args:
-        timeout: the timeout given by the caller.
-
-    Returns:
-        The override when the variable is set, else ``timeout``.
+    """Applies the ``TORCHFT_TIMEOUT_SEC`` override to ``timeout`` (see torchft.config).
 
     Raises:
-        ValueError: the variable is set but is not a positive number.
+        ValueError: the variable is set but is not a positive number of seconds.
     """
-    raw = os.environ.get(_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return timeout
-    try:
-        seconds = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from e
-    if seconds <= 0:
-        raise ValueError(f"{_TIMEOUT_ENV} must be positive, got {raw!r}")
-    return timedelta(seconds=seconds)
+    return timeout_override(timeout)
 
 
 def _check_timeout(timeout: timedelta) -> timedelta:
