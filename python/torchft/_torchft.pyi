@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, final
+
+__all__ = [
+    "LighthouseClient",
+    "LighthouseServer",
+    "ManagerClient",
+    "ManagerServer",
+    "PendingQuorum",
+    "Quorum",
+    "QuorumMember",
+    "QuorumResult",
+    "TorchFTError",
+    "lighthouse_main",
+    "set_log_context",
+]
 
 class TorchFTError(RuntimeError):
     """A torchft operation failed (not a timeout, not a bad argument)."""
@@ -13,20 +27,21 @@ def set_log_context(replica_id: str, group_rank: int) -> None:
 
 # --- lighthouse -----------------------------------------------------------------------------
 
+@final
 class QuorumMember:
     """One replica group as presented to the lighthouse."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         replica_id: str,
-        address: str = "",
-        store_address: str = "",
+        address: str = ...,
+        store_address: str = ...,
         step: int = 0,
         world_size: int = 1,
         shrink_only: bool = False,
         commit_failures: int = 0,
         data: dict[str, Any] | None = None,
-    ) -> None: ...
+    ) -> QuorumMember: ...
     @property
     def replica_id(self) -> str: ...
     @property
@@ -44,17 +59,18 @@ class QuorumMember:
     @property
     def data(self) -> dict[str, Any]:
         """User metadata (JSON round-tripped); ``{}`` when none was given."""
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
 
+@final
 class Quorum:
     """The set of replica groups taking part in a step."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         quorum_id: int,
         participants: list[QuorumMember],
         created: datetime | None = None,
-    ) -> None: ...
+    ) -> Quorum: ...
     @property
     def quorum_id(self) -> int: ...
     @property
@@ -64,6 +80,7 @@ class Quorum:
     def created(self) -> datetime:
         """When the lighthouse issued the quorum (timezone-aware, UTC)."""
 
+@final
 class LighthouseServer:
     """A lighthouse (gRPC + HTTP on one port) running inside this process.
 
@@ -71,8 +88,8 @@ class LighthouseServer:
     a positive one is needed, an unparsable bind address).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         bind: str,
         min_replicas: int,
         join_timeout_ms: int | None = None,
@@ -83,16 +100,17 @@ class LighthouseServer:
         allow_kill: bool = False,
         straggler_skew_pct: float | None = None,
         straggler_min_ms: int | None = None,
-    ) -> None: ...
+    ) -> LighthouseServer: ...
     def address(self) -> str:
         """``http://host:port`` to dial (the host name when bound to a wildcard address)."""
     def shutdown(self) -> None:
         """Stops serving; pending quorum requests fail."""
 
+@final
 class LighthouseClient:
     """A client of a lighthouse."""
 
-    def __init__(self, addr: str, connect_timeout: timedelta) -> None: ...
+    def __new__(cls, addr: str, connect_timeout: timedelta) -> LighthouseClient: ...
     def quorum(
         self,
         replica_id: str,
@@ -116,6 +134,7 @@ def lighthouse_main() -> None:
 
 # --- manager ---------------------------------------------------------------------------------
 
+@final
 class ManagerServer:
     """The manager server of one replica group (hosted by group rank 0).
 
@@ -123,8 +142,8 @@ class ManagerServer:
     rank its role; runs the per-step commit vote; heartbeats the lighthouse.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         replica_id: str,
         lighthouse_addr: str,
         hostname: str,
@@ -134,7 +153,7 @@ class ManagerServer:
         heartbeat_interval: timedelta = ...,
         connect_timeout: timedelta = ...,
         quorum_retries: int = 0,
-    ) -> None: ...
+    ) -> ManagerServer: ...
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""
@@ -143,10 +162,11 @@ class ManagerServer:
     def shutdown(self) -> None:
         """Stops serving; pending calls end with an error. Safe to call twice."""
 
+@final
 class ManagerClient:
     """A client of one manager server (one channel, shared by all calls)."""
 
-    def __init__(self, addr: str, connect_timeout: timedelta = ...) -> None: ...
+    def __new__(cls, addr: str, connect_timeout: timedelta = ...) -> ManagerClient: ...
     def report(
         self,
         *,
@@ -155,9 +175,9 @@ class ManagerClient:
         group_world_size: int,
         step: int,
         phase: str = "step",
-        incarnation: str = "",
-        rank: int = -1,
-        hostname: str = "",
+        incarnation: str = ...,
+        rank: int = ...,
+        hostname: str = ...,
         pid: int = 0,
         quorum_id: int = 0,
         participants: int = 0,
@@ -170,7 +190,7 @@ class ManagerClient:
         busy_s: float = 0.0,
         heal_s: float = 0.0,
         heal_bytes: int = 0,
-        error: str = "",
+        error: str = ...,
         unix_s: float = 0.0,
     ) -> bool:
         """Queues a telemetry report (never waits); False if the queue was full.
@@ -228,6 +248,7 @@ class ManagerClient:
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
 
+@final
 class PendingQuorum:
     """A quorum request in flight (from ``ManagerClient._quorum_start``), answered once."""
 
@@ -236,6 +257,7 @@ class PendingQuorum:
     def wait(self) -> QuorumResult:
         """Waits (GIL released) for the answer; same errors as ``ManagerClient._quorum``."""
 
+@final
 class QuorumResult:
     """One rank's role in a quorum (constructible by hand for tests)."""
 
@@ -253,19 +275,19 @@ class QuorumResult:
     commit_failures: int
     replica_ids: list[str]
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         quorum_id: int = 0,
         replica_rank: int = 0,
         replica_world_size: int = 1,
-        recover_src_manager_address: str = "",
+        recover_src_manager_address: str = ...,
         recover_src_replica_rank: int | None = None,
         recover_dst_replica_ranks: list[int] = ...,
-        store_address: str = "",
+        store_address: str = ...,
         max_step: int = 0,
         max_replica_rank: int | None = None,
         max_world_size: int = 0,
         heal: bool = False,
         commit_failures: int = 0,
         replica_ids: list[str] = ...,
-    ) -> None: ...
+    ) -> QuorumResult: ...
