@@ -10,6 +10,7 @@ pub mod logging;
 pub mod manager;
 pub mod net;
 pub mod runtime;
+pub mod telemetry;
 
 #[cfg(feature = "python")]
 pub mod bindings;

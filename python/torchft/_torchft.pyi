@@ -14,6 +14,7 @@ __all__ = [
     "Quorum",
     "QuorumMember",
     "QuorumResult",
+    "EVENT_KINDS",
     "TorchFTError",
     "lighthouse_main",
     "set_log_context",
@@ -21,6 +22,9 @@ __all__ = [
 
 class TorchFTError(RuntimeError):
     """A torchft operation failed (not a timeout, not a bad argument)."""
+
+#: The lighthouse's event kinds, each with whether its events name a replica group.
+EVENT_KINDS: list[tuple[str, bool]]
 
 def set_log_context(replica_id: str, group_rank: int) -> None:
     """Names this process on every following native log line: ``[replica_id/group_rank]``."""

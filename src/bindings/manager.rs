@@ -13,11 +13,11 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::{block_on, check_duration, TorchFTError};
-use crate::lighthouse::telemetry::validate_report;
 use crate::manager::reports::ReportQueue;
 use crate::manager::{ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer};
 use crate::proto::telemetry_report::Phase;
 use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
+use crate::telemetry::validate_report;
 
 /// The manager server of one replica group (hosted by group rank 0).
 #[pyclass(module = "torchft._torchft", name = "ManagerServer", frozen)]

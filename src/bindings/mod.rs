@@ -66,6 +66,13 @@ fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::runtime::threads_from_env()?;
     m.add("TorchFTError", m.py().get_type::<TorchFTError>())?;
     m.add_function(wrap_pyfunction!(set_log_context, m)?)?;
+    // The lighthouse's event kinds and whether each names a replica group (for tools that
+    // read the event log, e.g. `python -m torchft.eventlog`, and their tests).
+    let kinds: Vec<(&str, bool)> = crate::telemetry::EventKind::ALL
+        .iter()
+        .map(|k| (k.as_str(), k.names_a_replica()))
+        .collect();
+    m.add("EVENT_KINDS", kinds)?;
     lighthouse::register(m)?;
     manager::register(m)?;
     Ok(())

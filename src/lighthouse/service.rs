@@ -34,7 +34,6 @@ use tracing::{debug, info, warn};
 use super::compact;
 use super::hub::{Hub, ObservabilityOptions};
 use super::quorum::{LostMember, QuorumEngine, Snapshot};
-use super::telemetry::validate_batch;
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::net::request_timeout;
@@ -44,6 +43,7 @@ use crate::proto::{
     LighthouseQuorumResponse, LostEvent, Quorum, QuorumMember, SessionEvent, SessionRequest,
     TelemetryAck, TelemetryBatch,
 };
+use crate::telemetry::validate_batch;
 
 /// How often replica health is re-derived (heartbeat ages, straggler verdicts).
 const TELEMETRY_TICK: Duration = Duration::from_millis(250);

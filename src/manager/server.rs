@@ -31,7 +31,6 @@ use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
 use super::reports::ReportQueue;
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::lighthouse::telemetry::{base_id, validate_batch};
 use crate::lighthouse::LighthouseClient;
 use crate::net::{normalize_addr, request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
@@ -41,6 +40,7 @@ use crate::proto::{
     ShouldCommitResponse, TelemetryAck, TelemetryBatch, TelemetryReport, WatchEventsRequest,
     WatchEventsResponse,
 };
+use crate::telemetry::{base_id, validate_batch};
 
 /// How often the ranks' telemetry reports are forwarded to the lighthouse.
 const REPORT_INTERVAL: Duration = Duration::from_millis(250);
