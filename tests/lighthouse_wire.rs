@@ -390,7 +390,7 @@ async fn wildcard_bind_reports_dialable_hostname() {
             .await
             .unwrap();
         let addr = server.address();
-        let host = torchft::lighthouse::service::hostname();
+        let host = torchft::lighthouse::server::hostname();
         assert_eq!(
             addr,
             format!("http://{host}:{}", server.local_addr().port())

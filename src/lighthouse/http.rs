@@ -23,7 +23,7 @@ use tokio::sync::broadcast;
 
 use super::metrics::JobMetrics;
 use super::quorum::Snapshot;
-use super::service::Shared;
+use super::state::Shared;
 use super::telemetry::{GlobalCounters, ReplicaStatus};
 use crate::manager::ManagerClient;
 use crate::telemetry::EventKind;

@@ -1,25 +1,30 @@
 //! The lighthouse: decides, per step, which replica groups take part (the quorum).
 //!
-//! `quorum` is the pure engine (state, now, options → decision); `service` is the gRPC
-//! service around it plus the [`LighthouseServer`] that hosts it; `http` the status pages
-//! served on the same port; `client` the [`LighthouseClient`]; `daemon` the command-line entry
-//! point shared by the `torchft_lighthouse` binary and the Python console script.
+//! `quorum` is the pure engine (state, now, options → decision); `state` the live state around
+//! it (waiting requests, sessions, the last issued quorum) and `reply` the forms in which an
+//! issued quorum reaches its members; `grpc` the gRPC methods and `http` the status pages,
+//! both served on one port by the [`LighthouseServer`] in `server`; `client` the
+//! [`LighthouseClient`]; `daemon` the command-line entry point shared by the
+//! `torchft_lighthouse` binary and the Python console script.
 
 use std::time::Duration;
 
 pub mod client;
 pub mod compact;
 pub mod daemon;
+mod grpc;
 pub mod http;
 pub mod hub;
 pub mod metrics;
 pub mod quorum;
-pub mod service;
+mod reply;
+pub mod server;
+mod state;
 pub mod telemetry;
 
 pub use client::LighthouseClient;
 pub use hub::ObservabilityOptions;
-pub use service::LighthouseServer;
+pub use server::LighthouseServer;
 
 /// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
