@@ -8,14 +8,14 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client mypy kubernetes-validate
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate
 # Only `make test-integrations` needs these (large): installed there, not by the bootstrap.
 INTEGRATION_DEPS := ray[train]
 # The extension is rebuilt whenever Rust sources, the proto or the manifests change.
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop browser demo test test-rust test-python test-integrations lint fmt bench clean
+.PHONY: all venv develop browser demo test test-rust test-python test-integrations lint fmt bench fuzz clean
 
 all: develop
 
@@ -33,8 +33,9 @@ $(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
 
 develop: $(EXT_STAMP)
 
+# DEMO_SECURE=1 runs the same job with a token and mutual TLS everywhere.
 demo: develop
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py $(if $(filter-out 0,$(DEMO_SECURE)),--secure)
 
 test: test-rust test-python
 
@@ -53,14 +54,18 @@ browser:
 		|| echo "warning: could not install chromium; the dashboard tests will skip"; \
 	else echo "note: chromium/chromedriver missing; the dashboard tests will skip"; fi
 
+# Each run gets its own temporary root: pytest prunes old numbered directories under the shared
+# default one, which breaks a second test run on the same machine mid-way.
 test-python: develop browser
-	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations
+	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
+	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
 # Runs torchft under the engines users launch it with (Ray Train), installing them first.
 # Slower than `make test` (a Ray cluster starts); CI runs it too.
 test-integrations: develop
 	$(PY) -m pip install -q "$(INTEGRATION_DEPS)"
-	$(PY) -m pytest tests/integrations -q -p no:cacheprovider
+	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
+	$(PY) -m pytest tests/integrations -q -p no:cacheprovider --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
 # Type stubs are checked against the built extension (stubtest), and the native classes
 # against the protocols the Manager is written to (mypy on torchft.coordination).
@@ -82,6 +87,15 @@ bench: develop
 	cargo bench --bench quorum
 	cargo run --release --example lighthouse_load -- --replicas 1000 --replicas 10000
 	$(PY) benches/run_all.py
+
+# The property/fuzz targets run briefly inside `make test`; this runs them for much longer:
+# the lighthouse and manager request handlers (proptest) and the checkpoint header parser and
+# state serializer (hypothesis). FUZZ_CASES scales the Rust targets.
+FUZZ_CASES ?= 20000
+fuzz: develop
+	PROPTEST_CASES=$(FUZZ_CASES) cargo test --release -q --lib fuzz
+	PROPTEST_CASES=$$(( $(FUZZ_CASES) / 20 )) cargo test --release -q --test fuzz_manager
+	TORCHFT_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_serialization_props.py -q -p no:cacheprovider
 
 clean:
 	cargo clean

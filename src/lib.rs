@@ -10,6 +10,7 @@ pub mod logging;
 pub mod manager;
 pub mod net;
 pub mod runtime;
+pub mod security;
 pub mod telemetry;
 
 #[cfg(feature = "python")]

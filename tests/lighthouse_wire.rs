@@ -259,9 +259,13 @@ async fn invalid_input_refused_state_unchanged() {
             Error::InvalidArgument(_)
         ));
         // Missing requester, sent with the raw stub.
-        let channel = torchft::net::connect(&server.address(), Duration::from_secs(5))
-            .await
-            .unwrap();
+        let channel = torchft::net::connect(
+            &server.address(),
+            Duration::from_secs(5),
+            &torchft::security::Security::none(),
+        )
+        .await
+        .unwrap();
         let mut raw =
             torchft::proto::lighthouse_service_client::LighthouseServiceClient::new(channel);
         let status = raw

@@ -136,3 +136,27 @@ def test_container_recipe_has_targets(target: str) -> None:
     """The container recipe builds both images."""
     text = (DEPLOY / "Dockerfile").read_text()
     assert f" AS {target}" in text
+
+
+@pytest.mark.parametrize(
+    ("manifest", "kind", "names"),
+    [
+        ("lighthouse.yaml", "Deployment", ["lighthouse"]),
+        ("replica-groups.yaml", "StatefulSet", ["trainer"]),
+        ("sidecar.yaml", "Job", ["lighthouse", "trainer"]),
+    ],
+)
+def test_token_is_mounted_from_a_secret(manifest: str, kind: str, names: list[str]) -> None:
+    """Every torchft container reads the job's token from the Secret, as a file."""
+    doc = {d["kind"]: d for d in documents(DEPLOY / "k8s" / manifest)}[kind]
+    pod = doc["spec"]["template"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    by_name = {c["name"]: c for c in containers(pod)}
+    for name in names:
+        c = by_name[name]
+        path = next(e["value"] for e in c["env"] if e["name"] == "TORCHFT_TOKEN_FILE")
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        assert mount.get("readOnly") is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == "torchft-token"
+        assert path.endswith("/token")

@@ -12,8 +12,12 @@ with its environment variable and how that variable relates to the argument:
 Bad values fail the same way wherever they come from: a ``TypeError`` for an argument of the
 wrong type, a ``ValueError`` naming the argument or the variable otherwise. Process groups and
 checkpoint transports apply ``TORCHFT_TIMEOUT_SEC`` through :func:`timeout_override`, so that
-variable means the same everywhere. :data:`ENV_VARS` lists every variable the package reads
-(``python -m torchft.config`` prints them with their current values).
+variable means the same everywhere. The token and TLS variables are parsed by the native core
+(the same parser the lighthouse and manager servers use) and reach Python only through
+:func:`security_settings`; the checkpoint server's bind address through :func:`checkpoint_bind`.
+:data:`ENV_VARS` lists every variable the package reads (``python -m torchft.config`` prints
+them with their current values, secrets masked); nothing else in the package reads
+``os.environ`` for a setting.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ __all__ = [
     "ENV_VARS",
     "ManagerConfig",
     "WorldSizeMode",
+    "checkpoint_bind",
     "env_flag",
+    "env_value",
+    "security_settings",
     "timeout_override",
 ]
 
@@ -186,6 +193,8 @@ class EnvVar:
     kind: Kind[Any]
     help: str
     source: Source = Source.FALLBACK
+    #: Never printed (``python -m torchft.config`` shows only whether it is set).
+    secret: bool = False
 
     def read(self, env: Mapping[str, str]) -> Any | None:
         """The variable's value, None when unset or blank.
@@ -331,6 +340,11 @@ class ManagerConfig:
 
 # ----------------------------------------------------------------------------- other readers
 
+#: Parsed by the native core (``Security::from_env``), read in Python through
+#: :func:`security_settings` only.
+_NATIVE_PATH = Kind("a path to a readable file", _check_text, _parse_text)
+_NATIVE_TOKEN = Kind("visible ASCII characters, at most 4 KiB", _check_text, _parse_text)
+
 #: Variables read outside the Manager (process groups, transports, the native core).
 _OTHER_VARS = (
     EnvVar(
@@ -340,6 +354,26 @@ _OTHER_VARS = (
         "else RUST_LOG, else warn",
     ),
     EnvVar("TORCHFT_RUNTIME_THREADS", POSITIVE, "worker threads of the native runtime (2)"),
+    EnvVar(
+        "TORCHFT_TOKEN_FILE",
+        _NATIVE_PATH,
+        "file holding the job's shared secret (wins over TORCHFT_TOKEN)",
+    ),
+    EnvVar("TORCHFT_TOKEN", _NATIVE_TOKEN, "the job's shared secret itself", secret=True),
+    EnvVar("TORCHFT_TLS_CERT", _NATIVE_PATH, "PEM certificate chain served (and presented)"),
+    EnvVar("TORCHFT_TLS_KEY", _NATIVE_PATH, "PEM private key of TORCHFT_TLS_CERT"),
+    EnvVar("TORCHFT_TLS_CA", _NATIVE_PATH, "PEM CA servers are verified against (dial TLS)"),
+    EnvVar(
+        "TORCHFT_TLS_CLIENT_CA",
+        _NATIVE_PATH,
+        "PEM CA client certificates must be signed by (servers require one)",
+    ),
+    EnvVar(
+        "TORCHFT_CHECKPOINT_BIND",
+        TEXT,
+        "address the checkpoint server listens on (e.g. :: for every interface); "
+        "else the advertised host name's addresses",
+    ),
 )
 
 #: Every variable the package reads, by name.
@@ -382,11 +416,51 @@ def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> 
     return default if value is None else bool(value)
 
 
+def env_value(name: str, env: Mapping[str, str] | None = None) -> Any | None:
+    """Reads a registered variable (None when unset or blank).
+
+    Args:
+        name: a key of :data:`ENV_VARS` (a typo is a KeyError, not a silent None).
+        env: the environment (default ``os.environ``).
+
+    Raises:
+        ValueError: naming the variable, when its value is invalid.
+    """
+    return ENV_VARS[name].read(os.environ if env is None else env)
+
+
+def checkpoint_bind(env: Mapping[str, str] | None = None) -> str | None:
+    """The checkpoint server's bind address from ``TORCHFT_CHECKPOINT_BIND`` (None: unset)."""
+    value = env_value("TORCHFT_CHECKPOINT_BIND", env)
+    return None if value is None else str(value)
+
+
+def security_settings() -> dict[str, str | None]:
+    """This process's token and TLS files (``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/
+    ``TORCHFT_TLS_*``), parsed by the native core exactly as its servers parse them.
+
+    Returns:
+        Keys ``token``, ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_client_ca`` (None: unset).
+
+    Raises:
+        ValueError: naming the variable, on an unreadable token file, a malformed token, a
+            missing TLS file or an incomplete TLS combination.
+    """
+    from torchft import _torchft
+
+    return _torchft.security_settings()
+
+
 def main() -> int:
-    """Prints every variable the package reads, with its current value."""
+    """Prints every variable the package reads, with its current value (secrets masked)."""
     for var in ENV_VARS.values():
         current = os.environ.get(var.name)
-        shown = "(unset)" if current is None else repr(current)
+        if current is None:
+            shown = "(unset)"
+        elif var.secret:
+            shown = "(set)"
+        else:
+            shown = repr(current)
         print(f"{var.name:<30} {shown:<20} {var.help} [{var.source.value}]")
     return 0
 

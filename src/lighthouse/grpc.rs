@@ -24,8 +24,8 @@ use crate::proto::{
     SessionRequest, TelemetryAck, TelemetryBatch,
 };
 
-/// Largest gRPC message accepted or sent (a quorum of 10,000+ groups is a few MB).
-const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+/// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
+const MAX_RESPONSE_BYTES: usize = 256 * 1024 * 1024;
 
 /// The generated service for every lighthouse method but Quorum.
 struct Grpc {
@@ -63,23 +63,27 @@ impl LighthouseService for Grpc {
     }
 }
 
-/// The gRPC routes of the lighthouse: the generated service, and the Quorum route.
-pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
+/// The gRPC routes of the lighthouse: the generated service, and the Quorum route. Requests
+/// larger than `max_request_bytes` are refused.
+pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> axum::Router {
     let grpc = LighthouseServiceServer::new(Grpc {
         shared: shared.clone(),
     })
-    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    .max_decoding_message_size(max_request_bytes)
+    .max_encoding_message_size(MAX_RESPONSE_BYTES);
     tonic::service::Routes::new(grpc)
         .into_axum_router()
-        .route_service(QUORUM_PATH, QuorumRoute { shared })
+        .route_service(
+            QUORUM_PATH,
+            QuorumRoute {
+                shared,
+                max_request_bytes,
+            },
+        )
 }
 
 /// Path of the Quorum RPC.
 const QUORUM_PATH: &str = "/torchft.LighthouseService/Quorum";
-
-/// Largest Quorum request accepted (one member with its metadata).
-const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
 
 /// A unary gRPC response body: one shared data frame, then `grpc-status: 0` trailers.
 struct SharedBody {
@@ -115,11 +119,13 @@ impl http_body::Body for SharedBody {
 #[derive(Clone)]
 struct QuorumRoute {
     shared: Arc<Shared>,
+    max_request_bytes: usize,
 }
 
 impl QuorumRoute {
     async fn serve(
         shared: Arc<Shared>,
+        max_request_bytes: usize,
         req: http::Request<axum::body::Body>,
     ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
         let is_grpc = req
@@ -139,25 +145,19 @@ impl QuorumRoute {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(crate::net::parse_grpc_timeout);
-        let body = axum::body::to_bytes(req.into_body(), MAX_REQUEST_BYTES)
+        let body = axum::body::to_bytes(req.into_body(), max_request_bytes)
             .await
-            .map_err(|e| Status::invalid_argument(format!("cannot read request: {e}")))?;
-        if body.len() < 5 {
-            return Err(Status::invalid_argument("truncated gRPC message"));
-        }
-        if body[0] != 0 {
-            return Err(Status::unimplemented(
-                "compressed requests are not supported",
-            ));
-        }
-        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-        if body.len() != 5 + len {
-            return Err(Status::invalid_argument(
-                "gRPC message length does not match body",
-            ));
-        }
-        let msg = LighthouseQuorumRequest::decode(&body[5..])
-            .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))?;
+            .map_err(|e| {
+                if crate::net::error_chain(&e).contains("length limit exceeded") {
+                    Status::resource_exhausted(format!(
+                        "request larger than the lighthouse's limit of {max_request_bytes} bytes \
+                         (--max_request_bytes)"
+                    ))
+                } else {
+                    Status::invalid_argument(format!("cannot read request: {e}"))
+                }
+            })?;
+        let msg = decode_quorum_request(&body)?;
         let known = (msg.known_quorum_id, msg.known_revision);
         let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
         shared.count_reply(&issued, known);
@@ -176,6 +176,29 @@ impl QuorumRoute {
     }
 }
 
+/// Decodes one uncompressed gRPC frame holding a `LighthouseQuorumRequest`; anything else is
+/// an `InvalidArgument` (or `Unimplemented` for compression) naming what is wrong.
+pub(crate) fn decode_quorum_request(
+    body: &[u8],
+) -> std::result::Result<LighthouseQuorumRequest, Status> {
+    if body.len() < 5 {
+        return Err(Status::invalid_argument("truncated gRPC message"));
+    }
+    if body[0] != 0 {
+        return Err(Status::unimplemented(
+            "compressed requests are not supported",
+        ));
+    }
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    if body.len() != 5 + len {
+        return Err(Status::invalid_argument(
+            "gRPC message length does not match body",
+        ));
+    }
+    LighthouseQuorumRequest::decode(&body[5..])
+        .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))
+}
+
 impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
     type Response = http::Response<axum::body::Body>;
     type Error = Infallible;
@@ -188,10 +211,140 @@ impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
 
     fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
         let shared = self.shared.clone();
+        let limit = self.max_request_bytes;
         Box::pin(async move {
-            Ok(Self::serve(shared, req)
+            Ok(Self::serve(shared, limit, req)
                 .await
                 .unwrap_or_else(|status| status.into_http()))
         })
+    }
+}
+
+/// Property tests of the request handlers: any bytes, any member, any batch. Bounded here
+/// (proptest's default case count); `make fuzz` runs them for much longer.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::error::Error;
+    use crate::lighthouse::quorum::validate_member;
+    use crate::lighthouse::LighthouseOptions;
+    use crate::proto::{QuorumMember, TelemetryReport};
+
+    fn frame(msg: &LighthouseQuorumRequest) -> Vec<u8> {
+        let body = msg.encode_to_vec();
+        let mut out = vec![0u8];
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    fn any_member() -> impl Strategy<Value = QuorumMember> {
+        (
+            prop_oneof!["", "[a-z]{1,8}", "\\PC{0,12}", " +"],
+            ".{0,16}",
+            ".{0,16}",
+            any::<i64>(),
+            any::<u64>(),
+            any::<bool>(),
+            any::<i64>(),
+            ".{0,32}",
+        )
+            .prop_map(
+                |(replica_id, address, store_address, step, world_size, shrink_only, cf, data)| {
+                    QuorumMember {
+                        replica_id,
+                        address,
+                        store_address,
+                        step,
+                        world_size,
+                        shrink_only,
+                        commit_failures: cf,
+                        data,
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic the Quorum route's decoder; they are refused with a
+        /// client-error status.
+        #[test]
+        fn quorum_route_decodes_any_bytes(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Err(status) = decode_quorum_request(&body) {
+                prop_assert!(matches!(
+                    status.code(),
+                    tonic::Code::InvalidArgument | tonic::Code::Unimplemented
+                ), "{status:?}");
+            }
+        }
+
+        /// A valid request survives a round trip through framing; any corruption of its
+        /// length prefix is refused.
+        #[test]
+        fn quorum_route_frames(member in any_member(), id in any::<i64>(), rev in any::<u64>(),
+                               bad_len in any::<u32>()) {
+            let msg = LighthouseQuorumRequest {
+                requester: Some(member),
+                known_quorum_id: id,
+                known_revision: rev,
+            };
+            let framed = frame(&msg);
+            prop_assert_eq!(decode_quorum_request(&framed).unwrap(), msg);
+            let mut wrong = framed.clone();
+            if bad_len as usize != framed.len() - 5 {
+                wrong[1..5].copy_from_slice(&bad_len.to_be_bytes());
+                prop_assert!(decode_quorum_request(&wrong).is_err());
+            }
+        }
+
+        /// Any member asking for a quorum: invalid ones are refused with InvalidArgument and
+        /// leave no trace; valid ones join the round. Heartbeats and telemetry batches with
+        /// arbitrary contents never panic, and refusals change nothing.
+        #[test]
+        fn handlers_accept_or_refuse_cleanly(
+            members in proptest::collection::vec(any_member(), 1..6),
+            beat in "\\PC{0,12}",
+            reports in proptest::collection::vec(
+                (".{0,12}", any::<i64>(), any::<i64>(), any::<f64>()), 0..4),
+        ) {
+            let shared = Shared::new(LighthouseOptions { min_replicas: 50, ..Default::default() }, 1);
+            let mut joined = std::collections::BTreeSet::new();
+            for m in members {
+                let valid = validate_member(&m).is_ok();
+                let id = m.replica_id.clone();
+                match shared.join(m) {
+                    Ok(_) => {
+                        prop_assert!(valid);
+                        joined.insert(id);
+                    }
+                    Err(Error::InvalidArgument(_)) => prop_assert!(!valid),
+                    Err(e) => prop_assert!(false, "unexpected error {e}"),
+                }
+            }
+            let waiting: std::collections::BTreeSet<String> =
+                shared.snapshot().participants.into_iter().collect();
+            prop_assert_eq!(waiting, joined);
+            let before = shared.snapshot().heartbeats.len();
+            match shared.heartbeat(&beat) {
+                Ok(_) => prop_assert!(!beat.trim().is_empty()),
+                Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
+            }
+            let batch = TelemetryBatch {
+                reports: reports
+                    .into_iter()
+                    .map(|(replica_id, step, group_rank, wait)| TelemetryReport {
+                        replica_id,
+                        step,
+                        group_rank,
+                        quorum_wait_s: wait,
+                        ..Default::default()
+                    })
+                    .collect(),
+                dropped: 0,
+            };
+            let _ = shared.report(&batch);
+        }
     }
 }

@@ -140,8 +140,9 @@ impl StatusBody {
     }
 }
 
-/// The HTTP routes; merged with the gRPC routes by the server.
-pub(crate) fn router(shared: Arc<Shared>) -> Router {
+/// The HTTP routes; merged with the gRPC routes by the server. Bodies larger than
+/// `max_request_bytes` are refused with 413.
+pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -150,6 +151,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/events", get(events))
         .route("/replicas/{replica_id}/kill", post(kill))
         .route("/", get(index))
+        .layer(axum::extract::DefaultBodyLimit::max(max_request_bytes))
         .with_state(shared)
 }
 
@@ -336,7 +338,7 @@ async fn kill(State(shared): State<Arc<Shared>>, Path(replica_id): Path<String>)
         )
     });
     let sent = async {
-        let client = ManagerClient::connect(&address, KILL_TIMEOUT).await?;
+        let client = ManagerClient::connect_with(&address, KILL_TIMEOUT, &shared.security).await?;
         client
             .kill("killed from the lighthouse dashboard", KILL_TIMEOUT)
             .await

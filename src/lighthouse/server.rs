@@ -12,8 +12,9 @@ use tracing::warn;
 
 use super::hub::{Hub, ObservabilityOptions};
 use super::state::{initial_quorum_id, Shared};
-use super::LighthouseOptions;
+use super::{AccessOptions, LighthouseOptions};
 use crate::error::{Error, Result};
+use crate::security::server::{Guard, OpenRoutes};
 
 /// How often replica health is re-derived (heartbeat ages, straggler verdicts).
 const TELEMETRY_TICK: Duration = Duration::from_millis(250);
@@ -24,6 +25,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// A running lighthouse: gRPC + HTTP on one port, spawned on the current tokio runtime.
 pub struct LighthouseServer {
     local_addr: SocketAddr,
+    /// Whether it serves TLS (its address is then `https://`).
+    tls: bool,
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     tasks: tokio::sync::Mutex<Vec<JoinHandle<()>>>,
@@ -53,8 +56,21 @@ impl LighthouseServer {
         opts: LighthouseOptions,
         obs: ObservabilityOptions,
     ) -> Result<Self> {
+        Self::bind_secured(bind, opts, obs, AccessOptions::default()).await
+    }
+
+    /// Binds `bind` and starts serving with the token, TLS and request limits of `access`.
+    /// Nothing is left behind on error.
+    pub async fn bind_secured(
+        bind: &str,
+        opts: LighthouseOptions,
+        obs: ObservabilityOptions,
+        access: AccessOptions,
+    ) -> Result<Self> {
         opts.validate()?;
         obs.validate()?;
+        access.validate()?;
+        let tls = crate::security::server::acceptor(&access.security)?;
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(bind)
             .await
             .map_err(|e| Error::InvalidArgument(format!("invalid bind address {bind:?}: {e}")))?
@@ -82,24 +98,33 @@ impl LighthouseServer {
 
         let tick = opts.quorum_tick;
         let hub = Hub::new(obs, opts.heartbeat_timeout, opts.min_replicas)?;
-        let shared = Arc::new(Shared::with_hub(opts, initial_quorum_id(), hub));
+        let shared = Arc::new(Shared::with_hub(
+            opts,
+            initial_quorum_id(),
+            hub,
+            access.security.clone(),
+        ));
         let (stop, stop_rx) = watch::channel(false);
 
-        let app = super::grpc::router(shared.clone())
-            .merge(super::http::router(shared.clone()))
+        let app = super::grpc::router(shared.clone(), access.max_request_bytes)
+            .merge(super::http::router(
+                shared.clone(),
+                access.max_request_bytes,
+            ))
             .fallback(super::http::not_found);
-
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
+        let open = if access.private_status {
+            OpenRoutes::None
+        } else {
+            OpenRoutes::ReadOnlyStatus
+        };
+        let guard = Guard::new(&access.security, open);
+        let serves_tls = tls.is_some();
         let mut serve_stop = stop_rx.clone();
         let server = tokio::spawn(async move {
-            let res = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = serve_stop.wait_for(|s| *s).await;
-                })
-                .await;
+            let stopped = async move {
+                let _ = serve_stop.wait_for(|s| *s).await;
+            };
+            let res = crate::security::server::serve(listener, tls, guard, app, stopped).await;
             if let Err(e) = res {
                 warn!(error = %e, "lighthouse server stopped with an error");
             }
@@ -133,6 +158,7 @@ impl LighthouseServer {
 
         Ok(Self {
             local_addr,
+            tls: serves_tls,
             shared,
             stop,
             tasks: tokio::sync::Mutex::new(vec![server, ticker, telemetry]),
@@ -149,13 +175,15 @@ impl LighthouseServer {
         self.local_addr
     }
 
-    /// `http://host:port` to dial; a wildcard bind reports the machine's host name.
+    /// `http://host:port` to dial (`https://` when it serves TLS); a wildcard bind reports
+    /// the machine's host name.
     pub fn address(&self) -> String {
         let port = self.local_addr.port();
+        let scheme = if self.tls { "https" } else { "http" };
         match self.local_addr.ip() {
-            ip if ip.is_unspecified() => format!("http://{}:{port}", hostname()),
-            IpAddr::V4(ip) => format!("http://{ip}:{port}"),
-            IpAddr::V6(ip) => format!("http://[{ip}]:{port}"),
+            ip if ip.is_unspecified() => format!("{scheme}://{}:{port}", hostname()),
+            IpAddr::V4(ip) => format!("{scheme}://{ip}:{port}"),
+            IpAddr::V6(ip) => format!("{scheme}://[{ip}]:{port}"),
         }
     }
 

@@ -29,6 +29,7 @@ use super::reply::{Issued, Known};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::proto::{LostEvent, Quorum, QuorumMember, SessionEvent, TelemetryBatch};
+use crate::security::Security;
 use crate::telemetry::validate_batch;
 
 type Delivery = Result<Arc<Issued>>;
@@ -83,6 +84,8 @@ pub(crate) struct Shared {
     replies_compact: AtomicU64,
     /// Replica health, the event feed and the event log (own lock, taken after `state`).
     pub(crate) hub: Hub,
+    /// Token and TLS for the lighthouse's own calls to manager servers (the kill action).
+    pub(crate) security: Security,
 }
 
 /// The id the first quorum of a lighthouse started now gets: the wall clock in microseconds,
@@ -117,11 +120,16 @@ impl Shared {
             opts.min_replicas,
         )
         .expect("default observability options are valid");
-        Self::with_hub(opts, initial_id, hub)
+        Self::with_hub(opts, initial_id, hub, Security::none())
     }
 
     /// Fresh state around a new engine and the given telemetry hub.
-    pub(crate) fn with_hub(opts: LighthouseOptions, initial_id: i64, hub: Hub) -> Self {
+    pub(crate) fn with_hub(
+        opts: LighthouseOptions,
+        initial_id: i64,
+        hub: Hub,
+        security: Security,
+    ) -> Self {
         Self {
             state: Mutex::new(State {
                 engine: QuorumEngine::new(opts, initial_id),
@@ -136,6 +144,7 @@ impl Shared {
             replies_full: AtomicU64::new(0),
             replies_compact: AtomicU64::new(0),
             hub,
+            security,
         }
     }
 
@@ -192,7 +201,7 @@ impl Shared {
         }
     }
 
-    fn join(&self, member: QuorumMember) -> Result<(u64, oneshot::Receiver<Delivery>)> {
+    pub(crate) fn join(&self, member: QuorumMember) -> Result<(u64, oneshot::Receiver<Delivery>)> {
         let now = now_instant();
         let mut guard = self.lock();
         let state = &mut *guard;
