@@ -184,6 +184,8 @@ def train_loop(config: dict[str, Any]) -> None:
             "last_commit": commits[-1] if commits else None,
             "joint_commits": sum(1 for c in commits if c[2] > 1),
             "commits": len(commits),
+            # Every commit as [step, unix time, participants]: when it trained, with whom.
+            "commit_log": commits,
             "step": manager.current_step(),
             "state_hash": state_hash(state_dict()),
         }

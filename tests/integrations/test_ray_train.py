@@ -100,6 +100,17 @@ def test_replacement_heals_from_the_running_survivor(tmp_path: Path) -> None:
     # ...while the survivor was still training (its last commit comes later)...
     last_step, last_t, _ = survivor["last_commit"]
     assert first_t < last_t and first_step < last_step, records
+    # ...at the survivor's then current step: when the replacement committed its first step,
+    # the survivor had committed the step it healed to (and at most the one they committed
+    # together), and the survivor went on committing with two participants.
+    survivor_log = survivor["commit_log"]
+    survivor_then = max(step for step, t, _ in survivor_log if t <= first_t)
+    assert replacement["healed_to"] <= survivor_then <= replacement["healed_to"] + 1, (
+        survivor_then,
+        replacement["healed_to"],
+    )
+    after = [(step, n) for step, t, n in survivor_log if t > first_t]
+    assert after and any(n == 2 for _, n in after), after[:10]
     # ...then both trained together...
     assert replacement["joint_commits"] > 0 and survivor["joint_commits"] > 0, records
     # ...and they end at the last step with bit-identical state.
