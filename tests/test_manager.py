@@ -894,9 +894,11 @@ def test_state_dict_roundtrip(harness: Any) -> None:
 
 
 def test_set_state_dict_fns_replaces_default(harness: Any) -> None:
-    """set_state_dict_fns replaces the legacy default key's functions."""
+    """set_state_dict_fns (deprecated, and says so) replaces the legacy default key's
+    functions."""
     m = harness().manager
-    m.set_state_dict_fns(lambda sd: None, lambda: {"x": 1})
+    with pytest.warns(DeprecationWarning, match="register_state_dict_fn"):
+        m.set_state_dict_fns(lambda sd: None, lambda: {"x": 1})
     assert m._manager_state_dict()["user"] == {"default": {"x": 1}}
 
 
