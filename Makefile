@@ -8,12 +8,14 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate
+# Only `make test-integrations` needs these (large): installed there, not by the bootstrap.
+INTEGRATION_DEPS := ray[train]
 # The extension is rebuilt whenever Rust sources, the proto or the manifests change.
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop browser demo test test-rust test-python lint fmt bench fuzz clean
+.PHONY: all venv develop browser demo test test-rust test-python test-integrations lint fmt bench fuzz clean
 
 all: develop
 
@@ -56,14 +58,25 @@ browser:
 # default one, which breaks a second test run on the same machine mid-way.
 test-python: develop browser
 	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
-	$(PY) -m pytest tests -q -p no:cacheprovider --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
+	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
-lint: venv
+# Runs torchft under the engines users launch it with (Ray Train), installing them first.
+# Slower than `make test` (a Ray cluster starts); CI runs it too.
+test-integrations: develop
+	$(PY) -m pip install -q "$(INTEGRATION_DEPS)"
+	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
+	$(PY) -m pytest tests/integrations -q -p no:cacheprovider --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
+
+# Type stubs are checked against the built extension (stubtest), and the native classes
+# against the protocols the Manager is written to (mypy on torchft.coordination).
+lint: develop
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
 	ruff check python tests benches examples
 	ruff format --check python tests benches examples
+	$(PY) -m mypy.stubtest torchft._torchft
+	$(PY) -m mypy --follow-imports=skip --strict python/torchft/_torchft.pyi python/torchft/coordination.py python/torchft/config.py
 
 fmt: venv
 	cargo fmt

@@ -6,10 +6,12 @@
 
 pub mod error;
 pub mod lighthouse;
+pub mod logging;
 pub mod manager;
 pub mod net;
 pub mod runtime;
 pub mod security;
+pub mod telemetry;
 
 #[cfg(feature = "python")]
 pub mod bindings;

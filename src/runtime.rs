@@ -7,19 +7,41 @@ use std::sync::OnceLock;
 
 use tokio::runtime::{Builder, Runtime};
 
+use crate::error::{Error, Result};
+
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+
+/// The variable that sets the runtime's worker thread count.
+pub const ENV_THREADS: &str = "TORCHFT_RUNTIME_THREADS";
+/// Worker threads when the variable is not set: enough for control traffic.
+pub const DEFAULT_THREADS: usize = 2;
+
+/// The worker thread count from `TORCHFT_RUNTIME_THREADS` (default 2).
+///
+/// # Errors
+/// `InvalidArgument` naming the variable when it is not a positive integer. Entry points
+/// (the Python module, the daemon) call this first so a bad value fails loudly instead of
+/// being replaced by the default.
+pub fn threads_from_env() -> Result<usize> {
+    parse_threads(std::env::var(ENV_THREADS).ok().as_deref())
+}
+
+fn parse_threads(raw: Option<&str>) -> Result<usize> {
+    match raw.map(str::trim) {
+        None | Some("") => Ok(DEFAULT_THREADS),
+        Some(v) => v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| {
+            Error::InvalidArgument(format!("env {ENV_THREADS}={v:?} must be an integer >= 1"))
+        }),
+    }
+}
 
 /// Returns the process-wide runtime, creating it on first use.
 ///
 /// Worker threads are named `torchft-rt` so they are easy to spot in stack dumps. The thread
-/// count follows `TORCHFT_RUNTIME_THREADS` when set (default: 2, enough for control traffic).
+/// count follows `TORCHFT_RUNTIME_THREADS` (see [`threads_from_env`]).
 pub fn get() -> &'static Runtime {
     RUNTIME.get_or_init(|| {
-        let threads = std::env::var("TORCHFT_RUNTIME_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| *n > 0)
-            .unwrap_or(2);
+        let threads = threads_from_env().unwrap_or(DEFAULT_THREADS);
         // Building a runtime only fails when the OS refuses threads; nothing can run then.
         #[allow(clippy::expect_used)]
         Builder::new_multi_thread()
@@ -29,4 +51,20 @@ pub fn get() -> &'static Runtime {
             .build()
             .expect("failed to start the torchft tokio runtime")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_count_is_parsed_or_refused() {
+        assert_eq!(parse_threads(None).unwrap(), DEFAULT_THREADS);
+        assert_eq!(parse_threads(Some(" ")).unwrap(), DEFAULT_THREADS);
+        assert_eq!(parse_threads(Some("4")).unwrap(), 4);
+        for bad in ["0", "-1", "many"] {
+            let err = parse_threads(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains(ENV_THREADS), "{err}");
+        }
+    }
 }

@@ -1,90 +1,134 @@
-"""The Kubernetes manifests and container recipe parse and carry what operators rely on."""
+"""The Kubernetes manifests are valid against Kubernetes' own schemas, and wired together.
+
+Every document of every manifest in ``deploy/k8s`` is validated (strictly: unknown fields are
+errors) with ``kubernetes-validate`` against the oldest Kubernetes release the manifests
+support (native sidecars and the pod-index label need 1.29) and the newest the validator
+knows. What a schema cannot see is checked on top: Services select the pods they front,
+every mounted volume is declared, the lighthouse address the trainers dial is the Service's.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+#: Oldest supported Kubernetes release (native sidecar containers, pod-index label).
+OLDEST = "1.29"
+
+pytestmark = pytest.mark.timeout(120)
 
 
-def load(name: str) -> dict[str, dict[str, Any]]:
-    """Loads a multi-document manifest, keyed by kind."""
-    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
-    by_kind: dict[str, dict[str, Any]] = {}
-    for d in docs:
-        assert "apiVersion" in d and "kind" in d and d["metadata"]["name"], d
-        by_kind[d["kind"]] = d
-    return by_kind
+def documents(path: Path) -> list[dict[str, Any]]:
+    """The non-empty documents of a multi-document manifest."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
-    for c in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
-        if c["name"] == name:
-            return c
-    raise AssertionError(f"no container {name}")
+def pod_specs(doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The pod templates of a workload (Deployment, StatefulSet, Job, ...)."""
+    template = doc.get("spec", {}).get("template")
+    if template is not None:
+        yield template
 
 
-def env_of(c: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+def containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod["spec"].get("containers", []) + pod["spec"].get("initContainers", [])
 
 
-def test_lighthouse_deployment_and_service() -> None:
-    """The lighthouse Deployment has one port, probes on /readyz and /healthz, resources."""
-    m = load("lighthouse.yaml")
-    dep, svc = m["Deployment"], m["Service"]
-    assert dep["spec"]["replicas"] == 1
+@pytest.mark.parametrize("version", [OLDEST, kubernetes_validate.latest_version()])
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_is_valid_kubernetes(path: Path, version: str) -> None:
+    """Every document passes strict schema validation for the Kubernetes release."""
+    docs = documents(path)
+    assert docs, f"{path.name} is empty"
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{path.name} {doc.get('kind')} {doc['metadata'].get('name')}: {e}")
+
+
+def test_validation_catches_a_broken_manifest() -> None:
+    """The check has teeth: a misspelt field or a wrong type is rejected."""
+    doc = documents(DEPLOY / "k8s" / "lighthouse.yaml")[0]
+    misspelt = yaml.safe_load(yaml.safe_dump(doc))
+    misspelt["spec"]["replica"] = misspelt["spec"].pop("replicas", 1)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelt, OLDEST, strict=True)
+    wrong_type = yaml.safe_load(yaml.safe_dump(doc))
+    wrong_type["spec"]["template"]["spec"]["containers"][0]["ports"] = "29510"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, OLDEST, strict=True)
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_mounted_volumes_are_declared(path: Path) -> None:
+    """Each volumeMount names a volume of its pod (a schema cannot check the reference)."""
+    for doc in documents(path):
+        for pod in pod_specs(doc):
+            declared = {v["name"] for v in pod["spec"].get("volumes", [])}
+            for c in containers(pod):
+                for mount in c.get("volumeMounts", []):
+                    assert mount["name"] in declared, (path.name, c["name"], mount["name"])
+
+
+def test_services_select_their_pods() -> None:
+    """Each Service's selector matches the labels of a pod template in the same manifest."""
+    for path in MANIFESTS:
+        docs = documents(path)
+        pods = [pod for d in docs for pod in pod_specs(d)]
+        for svc in (d for d in docs if d["kind"] == "Service"):
+            selector = svc["spec"].get("selector", {})
+            assert selector, f"{path.name}: Service {svc['metadata']['name']} selects nothing"
+            assert any(
+                all(p["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+                for p in pods
+            ), f"{path.name}: Service {svc['metadata']['name']} selects no pod template"
+
+
+def test_trainers_dial_the_lighthouse_service() -> None:
+    """The replica groups' TORCHFT_LIGHTHOUSE is the lighthouse Service's name and port, and
+    their replica group id comes from the pod ordinal (a restarted pod keeps its shard)."""
+    lighthouse = {d["kind"]: d for d in documents(DEPLOY / "k8s" / "lighthouse.yaml")}
+    svc = lighthouse["Service"]
+    ports = {p["port"] for p in svc["spec"]["ports"]}
+    trainers = {d["kind"]: d for d in documents(DEPLOY / "k8s" / "replica-groups.yaml")}
+    pod = trainers["StatefulSet"]["spec"]["template"]
+    env = {e["name"]: e for c in containers(pod) for e in c.get("env", [])}
+    addr = env["TORCHFT_LIGHTHOUSE"]["value"]
+    host, port = addr.removeprefix("http://").rsplit(":", 1)
+    assert host == svc["metadata"]["name"] and int(port) in ports
+    assert "pod-index" in env["REPLICA_GROUP_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def test_one_lighthouse_at_a_time() -> None:
+    """The lighthouse Deployment never runs two lighthouses (two would issue rival quorums),
+    not even during a rollout."""
+    dep = {d["kind"]: d for d in documents(DEPLOY / "k8s" / "lighthouse.yaml")}["Deployment"]
+    assert dep["spec"].get("replicas", 1) == 1
     assert dep["spec"]["strategy"]["type"] == "Recreate"
-    c = container(dep["spec"]["template"]["spec"], "lighthouse")
-    assert "--min_replicas" in c["args"]
-    assert [p["containerPort"] for p in c["ports"]] == [29510]
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert c["resources"]["requests"] and c["resources"]["limits"]
-    labels = dep["spec"]["template"]["metadata"]["labels"]
-    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
-    assert [p["port"] for p in svc["spec"]["ports"]] == [29510]
-    # Metrics are scraped from the same port; the event log lives on a writable volume
-    # (the root filesystem is read-only).
-    notes = dep["spec"]["template"]["metadata"]["annotations"]
-    assert notes["prometheus.io/path"] == "/metrics" and notes["prometheus.io/port"] == "29510"
-    log = c["args"][c["args"].index("--event_log") + 1]
-    mount = next(v for v in c["volumeMounts"] if log.startswith(v["mountPath"] + "/"))
-    volumes = {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
-    assert mount["name"] in volumes
 
 
-def test_replica_groups_statefulset() -> None:
-    """Replica groups restart one pod at a time and get their id from the pod ordinal."""
-    m = load("replica-groups.yaml")
-    sts = m["StatefulSet"]
-    spec = sts["spec"]
-    assert spec["podManagementPolicy"] == "Parallel"
-    pod = spec["template"]["spec"]
-    assert pod["restartPolicy"] == "Always"
-    c = container(pod, "trainer")
-    env = env_of(c)
-    assert env["TORCHFT_LIGHTHOUSE"] == "http://torchft-lighthouse:29510"
-    assert "pod-index" in env["REPLICA_GROUP_ID"]["fieldRef"]["fieldPath"]
-    assert int(env["NUM_REPLICA_GROUPS"]) == spec["replicas"]
-    assert c["command"] == ["torchrun"] and "--standalone" in c["args"]
-    assert m["Service"]["spec"]["clusterIP"] == "None"
-
-
-def test_sidecar_variant() -> None:
-    """The sidecar variant runs the lighthouse as a native sidecar next to the launcher."""
-    job = load("sidecar.yaml")["Job"]
-    pod = job["spec"]["template"]["spec"]
-    lh = container(pod, "lighthouse")
-    assert lh["restartPolicy"] == "Always"
-    assert lh["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    trainer = container(pod, "trainer")
-    assert trainer["command"][-1] == "torchft.launch"
-    assert "--lighthouse=http://localhost:29510" in trainer["args"]
-    assert job["spec"]["backoffLimit"] == 0
+def test_probes_use_the_lighthouse_health_routes() -> None:
+    """Lighthouse containers are probed on the routes the lighthouse serves."""
+    seen = 0
+    for path in MANIFESTS:
+        for doc in documents(path):
+            for pod in pod_specs(doc):
+                for c in containers(pod):
+                    if c["name"] != "lighthouse":
+                        continue
+                    seen += 1
+                    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+                    if "livenessProbe" in c:
+                        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert seen >= 2  # the Deployment and the sidecar variant
 
 
 @pytest.mark.parametrize("target", ["lighthouse", "trainer"])
@@ -95,20 +139,22 @@ def test_container_recipe_has_targets(target: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("manifest", "kind", "containers"),
+    ("manifest", "kind", "names"),
     [
         ("lighthouse.yaml", "Deployment", ["lighthouse"]),
         ("replica-groups.yaml", "StatefulSet", ["trainer"]),
         ("sidecar.yaml", "Job", ["lighthouse", "trainer"]),
     ],
 )
-def test_token_is_mounted_from_a_secret(manifest: str, kind: str, containers: list[str]) -> None:
+def test_token_is_mounted_from_a_secret(manifest: str, kind: str, names: list[str]) -> None:
     """Every torchft container reads the job's token from the Secret, as a file."""
-    pod = load(manifest)[kind]["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    for name in containers:
-        c = container(pod, name)
-        path = env_of(c)["TORCHFT_TOKEN_FILE"]
+    doc = {d["kind"]: d for d in documents(DEPLOY / "k8s" / manifest)}[kind]
+    pod = doc["spec"]["template"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    by_name = {c["name"]: c for c in containers(pod)}
+    for name in names:
+        c = by_name[name]
+        path = next(e["value"] for e in c["env"] if e["name"] == "TORCHFT_TOKEN_FILE")
         mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
         assert mount.get("readOnly") is True
         secret = volumes[mount["name"]]["secret"]

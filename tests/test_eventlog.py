@@ -543,3 +543,18 @@ def test_module_needs_no_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "0\n"
+
+
+def test_kinds_match_the_lighthouse() -> None:
+    """The tool's kinds are exactly the lighthouse's typed event kinds (and which of them
+    name a replica group), and docs/telemetry.md documents each one."""
+    from torchft._torchft import EVENT_KINDS
+
+    native = dict(EVENT_KINDS)
+    assert set(eventlog.KINDS) == set(native)
+    assert set(eventlog.REPLICA_KINDS) == {
+        k for k, names_replica in native.items() if names_replica
+    }
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "telemetry.md").read_text()
+    for kind in native:
+        assert f"`{kind}`" in doc, kind

@@ -8,10 +8,11 @@ address, as in production.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.futures import Future
 
 import torchft.manager as manager_mod
+from torchft import coordination
 from torchft.manager import ExceptionWithTraceback, Manager, WorldSizeMode
 
 # ----------------------------------------------------------------------------- fakes
@@ -49,9 +51,38 @@ def make_quorum(**overrides: Any) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
+class FakePending:
+    """Stands in for the native PendingQuorum: the request runs on a thread meanwhile."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._outcome: Future[Any] = Future()
+        self._waited = False
+
+        def run() -> None:
+            try:
+                self._outcome.set_result(call())
+            except BaseException as e:
+                self._outcome.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    def wait(self) -> Any:
+        if self._waited:
+            raise RuntimeError("pending quorum was already waited for")
+        self._waited = True
+        return self._outcome.wait()
+
+
 @dataclass
 class FakeNative:
-    """Stands in for torchft._torchft: one ManagerServer/ManagerClient per address."""
+    """Stands in for torchft._torchft: one ManagerServer/ManagerClient per address.
+
+    Its server and client implement the ``Native*`` protocols of ``torchft.coordination``
+    (checked by ``test_fakes_implement_the_native_protocols``).
+    """
 
     quorums: list[Any] = field(default_factory=list)
     quorum_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -60,6 +91,8 @@ class FakeNative:
     metadata_by_addr: dict[str, str] = field(default_factory=dict)
     servers: list[Any] = field(default_factory=list)
     quorum_delay: float = 0.0
+    lease: bool = True
+    log_context: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         native = self
@@ -73,21 +106,57 @@ class FakeNative:
             def address(self) -> str:
                 return "http://fake-manager:1"
 
+            def lease_held(self) -> bool:
+                return native.lease
+
             def shutdown(self) -> None:
                 self.closed = True
 
         class ManagerClient:
             def __init__(self, addr: str, connect_timeout: timedelta) -> None:
                 self.addr = addr
+                self.reports: list[dict[str, Any]] = []
 
-            def _quorum(self, **kwargs: Any) -> Any:
-                native.quorum_calls.append(kwargs)
+            def _quorum(
+                self,
+                group_rank: int,
+                step: int,
+                checkpoint_metadata: str,
+                shrink_only: bool,
+                timeout: timedelta,
+                commit_failures: int = 0,
+                init_sync: bool = True,
+            ) -> Any:
+                native.quorum_calls.append(
+                    {
+                        "group_rank": group_rank,
+                        "step": step,
+                        "checkpoint_metadata": checkpoint_metadata,
+                        "shrink_only": shrink_only,
+                        "timeout": timeout,
+                        "commit_failures": commit_failures,
+                        "init_sync": init_sync,
+                    }
+                )
                 if native.quorum_delay:
                     time.sleep(native.quorum_delay)
                 q = native.quorums.pop(0) if native.quorums else make_quorum()
                 if isinstance(q, BaseException):
                     raise q
                 return q
+
+            def _quorum_start(
+                self,
+                group_rank: int,
+                step: int,
+                checkpoint_metadata: str,
+                shrink_only: bool,
+                timeout: timedelta,
+                commit_failures: int = 0,
+                init_sync: bool = True,
+            ) -> FakePending:
+                args = (group_rank, step, checkpoint_metadata, shrink_only, timeout)
+                return FakePending(lambda: self._quorum(*args, commit_failures, init_sync))
 
             def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
                 return native.metadata_by_addr[self.addr]
@@ -100,8 +169,50 @@ class FakeNative:
                     return should_commit
                 return native.commit_result and should_commit
 
+            def _watch_events(
+                self, after_seq: int, timeout: timedelta
+            ) -> tuple[int, list[tuple[str, int]]]:
+                time.sleep(min(timeout.total_seconds(), 0.05))
+                return after_seq, []
+
+            def report(
+                self,
+                *,
+                replica_id: str,
+                group_rank: int,
+                group_world_size: int,
+                step: int,
+                phase: str = "step",
+                incarnation: str = "",
+                rank: int = -1,
+                hostname: str = "",
+                pid: int = 0,
+                quorum_id: int = 0,
+                participants: int = 0,
+                committed: bool = False,
+                healed: bool = False,
+                step_s: float = 0.0,
+                quorum_wait_s: float = 0.0,
+                collective_s: float = 0.0,
+                should_commit_s: float = 0.0,
+                busy_s: float = 0.0,
+                heal_s: float = 0.0,
+                heal_bytes: int = 0,
+                error: str = "",
+                unix_s: float = 0.0,
+            ) -> bool:
+                self.reports.append({"step": step, "phase": phase, "committed": committed})
+                return True
+
+            def _telemetry_flush(self, timeout: timedelta = timedelta(seconds=1)) -> None:
+                pass
+
+        def set_log_context(replica_id: str, group_rank: int) -> None:
+            native.log_context = (replica_id, group_rank)
+
         self.ManagerServer = ManagerServer
         self.ManagerClient = ManagerClient
+        self.set_log_context = set_log_context
 
 
 class FakeWork(torch.distributed.Work):
@@ -783,10 +894,47 @@ def test_state_dict_roundtrip(harness: Any) -> None:
 
 
 def test_set_state_dict_fns_replaces_default(harness: Any) -> None:
-    """set_state_dict_fns replaces the legacy default key's functions."""
+    """set_state_dict_fns (deprecated, and says so) replaces the legacy default key's
+    functions."""
     m = harness().manager
-    m.set_state_dict_fns(lambda sd: None, lambda: {"x": 1})
+    with pytest.warns(DeprecationWarning, match="register_state_dict_fn"):
+        m.set_state_dict_fns(lambda sd: None, lambda: {"x": 1})
     assert m._manager_state_dict()["user"] == {"default": {"x": 1}}
+
+
+# ----------------------------------------------------------------------------- protocols
+
+
+def _protocol_methods(proto: type) -> dict[str, inspect.Signature]:
+    return {
+        name: inspect.signature(fn)
+        for name, fn in vars(proto).items()
+        if callable(fn) and not name.startswith("__")
+    }
+
+
+@pytest.mark.parametrize(
+    ("proto", "fake_name"),
+    [
+        (coordination.NativeManagerClient, "ManagerClient"),
+        (coordination.NativeManagerServer, "ManagerServer"),
+    ],
+)
+def test_fakes_implement_the_native_protocols(proto: type, fake_name: str) -> None:
+    """The fakes offer every method of the protocol the Manager uses, with its parameters."""
+    fake = getattr(FakeNative(), fake_name)
+    for name, want in _protocol_methods(proto).items():
+        got = inspect.signature(getattr(fake, name))
+        assert list(got.parameters) == list(want.parameters), name
+        for p in want.parameters.values():
+            assert got.parameters[p.name].kind == p.kind, (name, p.name)
+
+
+def test_fake_pending_implements_the_protocol() -> None:
+    """The fake pending quorum has the protocol's methods."""
+    for name, want in _protocol_methods(coordination.NativePendingQuorum).items():
+        got = inspect.signature(getattr(FakePending, name))
+        assert list(got.parameters) == list(want.parameters), name
 
 
 # ----------------------------------------------------------------------------- construction

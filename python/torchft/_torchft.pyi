@@ -3,27 +3,50 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, final
+
+__all__ = [
+    "LighthouseClient",
+    "LighthouseServer",
+    "ManagerClient",
+    "ManagerServer",
+    "PendingQuorum",
+    "Quorum",
+    "QuorumMember",
+    "QuorumResult",
+    "EVENT_KINDS",
+    "TorchFTError",
+    "lighthouse_main",
+    "security_settings",
+    "set_log_context",
+]
 
 class TorchFTError(RuntimeError):
     """A torchft operation failed (not a timeout, not a bad argument)."""
 
+#: The lighthouse's event kinds, each with whether its events name a replica group.
+EVENT_KINDS: list[tuple[str, bool]]
+
+def set_log_context(replica_id: str, group_rank: int) -> None:
+    """Names this process on every following native log line: ``[replica_id/group_rank]``."""
+
 # --- lighthouse -----------------------------------------------------------------------------
 
+@final
 class QuorumMember:
     """One replica group as presented to the lighthouse."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         replica_id: str,
-        address: str = "",
-        store_address: str = "",
+        address: str = ...,
+        store_address: str = ...,
         step: int = 0,
         world_size: int = 1,
         shrink_only: bool = False,
         commit_failures: int = 0,
         data: dict[str, Any] | None = None,
-    ) -> None: ...
+    ) -> QuorumMember: ...
     @property
     def replica_id(self) -> str: ...
     @property
@@ -41,17 +64,18 @@ class QuorumMember:
     @property
     def data(self) -> dict[str, Any]:
         """User metadata (JSON round-tripped); ``{}`` when none was given."""
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
 
+@final
 class Quorum:
     """The set of replica groups taking part in a step."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         quorum_id: int,
         participants: list[QuorumMember],
         created: datetime | None = None,
-    ) -> None: ...
+    ) -> Quorum: ...
     @property
     def quorum_id(self) -> int: ...
     @property
@@ -61,6 +85,7 @@ class Quorum:
     def created(self) -> datetime:
         """When the lighthouse issued the quorum (timezone-aware, UTC)."""
 
+@final
 class LighthouseServer:
     """A lighthouse (gRPC + HTTP on one port) running inside this process.
 
@@ -68,8 +93,8 @@ class LighthouseServer:
     a positive one is needed, an unparsable bind address).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         bind: str,
         min_replicas: int,
         join_timeout_ms: int | None = None,
@@ -87,7 +112,7 @@ class LighthouseServer:
         tls_client_ca: str | None = None,
         private_status: bool = False,
         max_request_bytes: int | None = None,
-    ) -> None:
+    ) -> LighthouseServer:
         """Token and TLS default to ``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/``TORCHFT_TLS_*``;
         the keyword arguments win over them (see docs/security.md)."""
     def address(self) -> str:
@@ -96,10 +121,11 @@ class LighthouseServer:
     def shutdown(self) -> None:
         """Stops serving; pending quorum requests fail."""
 
+@final
 class LighthouseClient:
     """A client of a lighthouse."""
 
-    def __init__(self, addr: str, connect_timeout: timedelta) -> None: ...
+    def __new__(cls, addr: str, connect_timeout: timedelta) -> LighthouseClient: ...
     def quorum(
         self,
         replica_id: str,
@@ -130,6 +156,7 @@ def lighthouse_main() -> None:
 
 # --- manager ---------------------------------------------------------------------------------
 
+@final
 class ManagerServer:
     """The manager server of one replica group (hosted by group rank 0).
 
@@ -137,8 +164,8 @@ class ManagerServer:
     rank its role; runs the per-step commit vote; heartbeats the lighthouse.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         replica_id: str,
         lighthouse_addr: str,
         hostname: str,
@@ -148,7 +175,7 @@ class ManagerServer:
         heartbeat_interval: timedelta = ...,
         connect_timeout: timedelta = ...,
         quorum_retries: int = 0,
-    ) -> None: ...
+    ) -> ManagerServer: ...
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""
@@ -157,10 +184,11 @@ class ManagerServer:
     def shutdown(self) -> None:
         """Stops serving; pending calls end with an error. Safe to call twice."""
 
+@final
 class ManagerClient:
     """A client of one manager server (one channel, shared by all calls)."""
 
-    def __init__(self, addr: str, connect_timeout: timedelta = ...) -> None: ...
+    def __new__(cls, addr: str, connect_timeout: timedelta = ...) -> ManagerClient: ...
     def report(
         self,
         *,
@@ -169,9 +197,9 @@ class ManagerClient:
         group_world_size: int,
         step: int,
         phase: str = "step",
-        incarnation: str = "",
-        rank: int = -1,
-        hostname: str = "",
+        incarnation: str = ...,
+        rank: int = ...,
+        hostname: str = ...,
         pid: int = 0,
         quorum_id: int = 0,
         participants: int = 0,
@@ -184,7 +212,7 @@ class ManagerClient:
         busy_s: float = 0.0,
         heal_s: float = 0.0,
         heal_bytes: int = 0,
-        error: str = "",
+        error: str = ...,
         unix_s: float = 0.0,
     ) -> bool:
         """Queues a telemetry report (never waits); False if the queue was full.
@@ -242,6 +270,7 @@ class ManagerClient:
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
 
+@final
 class PendingQuorum:
     """A quorum request in flight (from ``ManagerClient._quorum_start``), answered once."""
 
@@ -250,6 +279,7 @@ class PendingQuorum:
     def wait(self) -> QuorumResult:
         """Waits (GIL released) for the answer; same errors as ``ManagerClient._quorum``."""
 
+@final
 class QuorumResult:
     """One rank's role in a quorum (constructible by hand for tests)."""
 
@@ -267,19 +297,19 @@ class QuorumResult:
     commit_failures: int
     replica_ids: list[str]
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         quorum_id: int = 0,
         replica_rank: int = 0,
         replica_world_size: int = 1,
-        recover_src_manager_address: str = "",
+        recover_src_manager_address: str = ...,
         recover_src_replica_rank: int | None = None,
         recover_dst_replica_ranks: list[int] = ...,
-        store_address: str = "",
+        store_address: str = ...,
         max_step: int = 0,
         max_replica_rank: int | None = None,
         max_world_size: int = 0,
         heal: bool = False,
         commit_failures: int = 0,
         replica_ids: list[str] = ...,
-    ) -> None: ...
+    ) -> QuorumResult: ...

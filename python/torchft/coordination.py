@@ -2,17 +2,25 @@
 
 These are the native (Rust) implementations re-exported under a stable public module, so user
 code does not import the private ``torchft._torchft`` directly.
+
+The ``Native*`` protocols say exactly what the :class:`~torchft.Manager` needs from the native
+manager server and client. The Manager is written against them (it never probes for
+optional methods), and test doubles implement them in full; ``make lint`` checks that the
+native classes satisfy them (see the ``TYPE_CHECKING`` block at the end).
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
+from typing import TYPE_CHECKING, Protocol
 
 from torchft._torchft import (
     LighthouseClient,
     LighthouseServer,
     ManagerClient,
     ManagerServer,
+    PendingQuorum,
     Quorum,
     QuorumMember,
     QuorumResult,
@@ -25,7 +33,151 @@ __all__ = [
     "LighthouseServer",
     "ManagerClient",
     "ManagerServer",
+    "NativeManagerClient",
+    "NativeManagerServer",
+    "NativePendingQuorum",
+    "NativeQuorumResult",
     "Quorum",
     "QuorumMember",
     "QuorumResult",
 ]
+
+
+class NativeQuorumResult(Protocol):
+    """One rank's role in a quorum (what :class:`QuorumResult` carries)."""
+
+    quorum_id: int
+    replica_rank: int
+    replica_world_size: int
+    recover_src_manager_address: str
+    recover_src_replica_rank: int | None
+    recover_dst_replica_ranks: list[int]
+    store_address: str
+    max_step: int
+    max_replica_rank: int | None
+    max_world_size: int
+    heal: bool
+    commit_failures: int
+    replica_ids: list[str]
+
+
+class NativePendingQuorum(Protocol):
+    """A quorum request in flight, answered once (:class:`PendingQuorum`)."""
+
+    def done(self) -> bool:
+        """Whether ``wait`` would return without waiting for the network."""
+        ...
+
+    def wait(self) -> NativeQuorumResult:
+        """The answer; raises like ``NativeManagerClient._quorum``."""
+        ...
+
+
+class NativeManagerServer(Protocol):
+    """The manager server hosted by group rank 0 (:class:`ManagerServer`)."""
+
+    def address(self) -> str:
+        """The address ranks and other replica groups dial."""
+        ...
+
+    def lease_held(self) -> bool:
+        """False if the group's heartbeats lapsed during the step: it must not commit."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stops serving."""
+        ...
+
+
+class NativeManagerClient(Protocol):
+    """A rank's client of its replica group's manager server (:class:`ManagerClient`)."""
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: timedelta,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+    ) -> NativeQuorumResult:
+        """This rank's part of the next quorum; TimeoutError at the deadline."""
+        ...
+
+    def _quorum_start(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: timedelta,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+    ) -> NativePendingQuorum:
+        """Sends the ``_quorum`` request without waiting for the answer."""
+        ...
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        """The checkpoint metadata a rank of that group sent with its last quorum request."""
+        ...
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        """Casts this rank's vote; True only if every rank of the group voted True."""
+        ...
+
+    def _watch_events(
+        self, after_seq: int, timeout: timedelta
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """Lost-member events after ``after_seq``: ``(last_seq, [(replica_id, quorum_id)])``."""
+        ...
+
+    def report(
+        self,
+        *,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        step: int,
+        phase: str = "step",
+        incarnation: str = "",
+        rank: int = -1,
+        hostname: str = "",
+        pid: int = 0,
+        quorum_id: int = 0,
+        participants: int = 0,
+        committed: bool = False,
+        healed: bool = False,
+        step_s: float = 0.0,
+        quorum_wait_s: float = 0.0,
+        collective_s: float = 0.0,
+        should_commit_s: float = 0.0,
+        busy_s: float = 0.0,
+        heal_s: float = 0.0,
+        heal_bytes: int = 0,
+        error: str = "",
+        unix_s: float = 0.0,
+    ) -> bool:
+        """Queues a telemetry report without waiting; False if it was dropped."""
+        ...
+
+    def _telemetry_flush(self, timeout: timedelta = ...) -> None:
+        """Sends the queued telemetry reports, waiting at most ``timeout``."""
+        ...
+
+
+if TYPE_CHECKING:
+    # Checked by mypy in `make lint`: the native classes satisfy the protocols.
+    def _native_client(c: ManagerClient) -> NativeManagerClient:
+        return c
+
+    def _native_server(s: ManagerServer) -> NativeManagerServer:
+        return s
+
+    def _native_pending(p: PendingQuorum) -> NativePendingQuorum:
+        return p
+
+    def _native_result(r: QuorumResult) -> NativeQuorumResult:
+        return r

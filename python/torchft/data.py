@@ -8,10 +8,11 @@ rank) to one global rank so that no two ranks read the same samples.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from torch.utils import data
+
+from torchft.config import env_value
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -19,13 +20,10 @@ __all__ = ["DistributedSampler"]
 
 
 def _env_int(name: str) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+    value = env_value(name)
+    if value is None:
         raise ValueError(f"{name} is not set; pass the value explicitly")
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from e
+    return int(value)
 
 
 class DistributedSampler(data.distributed.DistributedSampler):

@@ -53,8 +53,12 @@ REPLICA_KINDS: frozenset[str] = frozenset(
         "straggler_cleared",
         "replica_failed",
         "replica_finished",
+        "kill_requested",
     }
 )
+
+#: Every kind the lighthouse writes (checked against the native list in the tests).
+KINDS: frozenset[str] = REPLICA_KINDS | {"lighthouse_started", "quorum_changed"}
 
 #: States in which a replica group is not contributing to training.
 DOWN_STATES: frozenset[str] = frozenset({"lost", "joining", "healing"})

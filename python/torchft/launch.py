@@ -28,6 +28,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from torchft.config import env_value
+
 logger = logging.getLogger(__name__)
 
 #: Environment marker carried by every process of a launch, so all of them can be found.
@@ -213,7 +215,7 @@ class Launcher:
         self.replicas = replicas
         self.nproc_per_node = nproc_per_node
         self.max_restarts = max_restarts
-        self.lighthouse_addr = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+        self.lighthouse_addr = lighthouse or env_value("TORCHFT_LIGHTHOUSE")
         self.min_replicas = min_replicas or max(1, replicas // 2 + 1)
         self.join_timeout_ms = join_timeout_ms
         self.extra_env = dict(env or {})

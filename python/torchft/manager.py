@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -44,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -52,7 +50,14 @@ from torch.distributed import ReduceOp, TCPStore, Work
 from torch.futures import Future
 
 from torchft import _torchft
-from torchft.telemetry import RankTelemetry, enabled_from_env
+from torchft.config import ManagerConfig, WorldSizeMode
+from torchft.coordination import (
+    NativeManagerClient,
+    NativeManagerServer,
+    NativePendingQuorum,
+    NativeQuorumResult,
+)
+from torchft.telemetry import RankTelemetry
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
 if TYPE_CHECKING:
@@ -68,27 +73,6 @@ T = TypeVar("T")
 
 #: Key under which the default (legacy constructor) state dict functions are registered.
 DEFAULT_STATE_DICT_KEY = "default"
-
-_ENV_TIMEOUT = "TORCHFT_TIMEOUT_SEC"
-_ENV_QUORUM_TIMEOUT = "TORCHFT_QUORUM_TIMEOUT_SEC"
-_ENV_CONNECT_TIMEOUT = "TORCHFT_CONNECT_TIMEOUT_SEC"
-_ENV_QUORUM_RETRIES = "TORCHFT_QUORUM_RETRIES"
-_ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
-_ENV_MANAGER_PORT = "TORCHFT_MANAGER_PORT"
-
-
-class WorldSizeMode(Enum):
-    """How the number of contributing replica groups is chosen each step.
-
-    DYNAMIC: every replica group at the max step contributes and gradients are averaged over
-    all of them; the effective batch size follows the number of healthy groups.
-
-    FIXED_WITH_SPARES: at most ``min_replica_size`` replica groups contribute; the others are
-    hot spares that send zeros, so the effective batch size stays constant.
-    """
-
-    DYNAMIC = 0
-    FIXED_WITH_SPARES = 1
 
 
 class ExceptionWithTraceback(Exception):
@@ -124,7 +108,7 @@ class _LostWatcher:
     _live: set[_LostWatcher] = set()
     _live_lock = threading.Lock()
 
-    def __init__(self, client: Any, on_lost: Callable[[str, int], None]) -> None:
+    def __init__(self, client: NativeManagerClient, on_lost: Callable[[str, int], None]) -> None:
         """Starts watching.
 
         Args:
@@ -251,7 +235,11 @@ class _PendingQuorumFuture:
     """
 
     def __init__(
-        self, manager: Manager, pending: Any, allow_heal: bool, quorum_timeout: timedelta
+        self,
+        manager: Manager,
+        pending: NativePendingQuorum,
+        allow_heal: bool,
+        quorum_timeout: timedelta,
     ) -> None:
         self._manager = manager
         self._pending = pending
@@ -265,7 +253,7 @@ class _PendingQuorumFuture:
         outcome = self._outcome
         if outcome is not None:
             return outcome.done()
-        return bool(self._pending.done())
+        return self._pending.done()
 
     def result(self, timeout: float | None = None) -> None:
         """Waits for the quorum to be adopted.
@@ -309,46 +297,13 @@ class _PendingQuorumFuture:
         done.set_result(None)
         return done
 
-    def _adopt_and_settle(self, quorum: Any) -> None:
+    def _adopt_and_settle(self, quorum: NativeQuorumResult) -> None:
         """Adopts the answer; from then on the step runs on its quorum (see ``_on_lost``)."""
         m = self._manager
         try:
             m._adopt_quorum(quorum, self._allow_heal)
         finally:
             m._quorum_in_progress = False
-
-
-def _env_seconds(name: str, default: timedelta) -> timedelta:
-    """Returns the timeout from env ``name`` (seconds, float) if set, else ``default``."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        secs = float(raw)
-    except ValueError:
-        raise ValueError(f"env {name}={raw!r} is not a number of seconds") from None
-    if not secs > 0:
-        raise ValueError(f"env {name}={raw!r} must be a positive number of seconds")
-    return timedelta(seconds=secs)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    """Returns the integer in env ``name`` if set, else ``default``."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"env {name}={raw!r} is not an integer") from None
-
-
-def _check_timeout(name: str, value: object) -> timedelta:
-    if not isinstance(value, timedelta):
-        raise TypeError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
-    if value <= timedelta(0):
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 class Manager:
@@ -422,80 +377,44 @@ class Manager:
             ValueError: on invalid arguments or missing configuration.
             TypeError: on arguments of the wrong type.
         """
-        # ---- argument validation (fail fast with a clear message) ----
-        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int):
-            raise TypeError(f"min_replica_size must be an int, got {min_replica_size!r}")
-        if min_replica_size < 1:
-            raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
-        if not isinstance(world_size_mode, WorldSizeMode):
-            raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
-        timeout = _env_seconds(_ENV_TIMEOUT, _check_timeout("timeout", timeout))
-        quorum_timeout = _env_seconds(
-            _ENV_QUORUM_TIMEOUT, _check_timeout("quorum_timeout", quorum_timeout)
+        # ---- arguments and environment, resolved in one place (fail fast, clearly) ----
+        cfg = ManagerConfig.resolve(
+            min_replica_size=min_replica_size,
+            use_async_quorum=use_async_quorum,
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            rank=rank,
+            world_size=world_size,
+            world_size_mode=world_size_mode,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=replica_id,
+            port=port,
+            hostname=hostname,
+            heartbeat_interval=heartbeat_interval,
+            init_sync=init_sync,
+            max_retries=max_retries,
+            quorum_retries=quorum_retries,
+            telemetry=telemetry,
         )
-        connect_timeout = _env_seconds(
-            _ENV_CONNECT_TIMEOUT, _check_timeout("connect_timeout", connect_timeout)
-        )
-        heartbeat_interval = _check_timeout("heartbeat_interval", heartbeat_interval)
-        quorum_retries = cast(int, _env_int(_ENV_QUORUM_RETRIES, quorum_retries))
-        if quorum_retries < 0:
-            raise ValueError(f"quorum_retries must be >= 0, got {quorum_retries}")
-        if max_retries is not None and max_retries < 0:
-            raise ValueError(f"max_retries must be None or >= 0, got {max_retries}")
-        if telemetry is None:
-            telemetry = enabled_from_env()
-        if not isinstance(telemetry, bool):
-            raise TypeError(f"telemetry must be a bool or None, got {telemetry!r}")
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
 
-        if rank is None:
-            rank = _env_int("RANK", None)
-            if rank is None:
-                raise ValueError("rank not given and env RANK is not set")
-        if world_size is None:
-            world_size = _env_int("WORLD_SIZE", None)
-            if world_size is None:
-                raise ValueError("world_size not given and env WORLD_SIZE is not set")
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-
-        if store_addr is None:
-            store_addr = os.environ.get("MASTER_ADDR")
-            if not store_addr:
-                raise ValueError("store_addr not given and env MASTER_ADDR is not set")
-        if store_port is None:
-            store_port = _env_int("MASTER_PORT", None)
-            if store_port is None:
-                raise ValueError("store_port not given and env MASTER_PORT is not set")
-        if not 0 < store_port < 65536:
-            raise ValueError(f"store_port must be in 1..65535, got {store_port}")
-        if lighthouse_addr is None:
-            lighthouse_addr = os.environ.get(_ENV_LIGHTHOUSE) or None
-        if not lighthouse_addr:
-            raise ValueError(
-                "no lighthouse address: pass lighthouse_addr or set env TORCHFT_LIGHTHOUSE "
-                "(e.g. http://lighthouse-host:29510)"
-            )
-        if port is None:
-            port = cast(int, _env_int(_ENV_MANAGER_PORT, 0))
-        if not 0 <= port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {port}")
-
+        self._config = cfg
         self._pg = pg
-        self._min_replica_size = min_replica_size
-        self._use_async_quorum = use_async_quorum
-        self._timeout = timeout
-        self._quorum_timeout = quorum_timeout
-        self._connect_timeout = connect_timeout
-        self._group_rank: int = rank
-        self._group_world_size: int = world_size
-        self._world_size_mode = world_size_mode
-        self._init_sync = init_sync
-        self._max_retries = max_retries
-        self._job_id = os.environ.get("JOB_ID", "unknown")
+        self._min_replica_size = cfg.min_replica_size
+        self._use_async_quorum = cfg.use_async_quorum
+        self._timeout = cfg.timeout
+        self._quorum_timeout = cfg.quorum_timeout
+        self._connect_timeout = cfg.connect_timeout
+        self._group_rank: int = cfg.rank
+        self._group_world_size: int = cfg.world_size
+        self._world_size_mode = cfg.world_size_mode
+        self._init_sync = cfg.init_sync
+        self._max_retries = cfg.max_retries
+        self._job_id = cfg.job_id
 
         # ---- user state ----
         self._load_state_dict_fns: dict[str, Callable[[Any], None]] = {}
@@ -531,66 +450,69 @@ class Manager:
         self._watcher: _LostWatcher | None = None
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
-        self._manager: Any = None
-        self._client: Any = None
+        self._manager: NativeManagerServer | None = None
+        self._client: NativeManagerClient | None = None
         self._telemetry: RankTelemetry | None = None
         self._shutdown = False
 
         if hasattr(pg, "set_timeout"):
-            pg.set_timeout(timeout)
+            pg.set_timeout(cfg.timeout)
 
         # ---- checkpoint transport ----
         if checkpoint_transport is None:
             from torchft.checkpointing import HTTPTransport
 
             checkpoint_transport = HTTPTransport(
-                timeout=timeout,
+                timeout=cfg.timeout,
                 num_chunks=0,
                 state_dict_lock=self._state_dict_lock.read,
-                hostname=hostname,
+                hostname=cfg.hostname,
             )
         self._checkpoint_transport: CheckpointTransport[dict[str, Any]] = checkpoint_transport
 
         # ---- store, manager server, client ----
-        self._store_addr = store_addr
-        self._store_port = store_port
+        self._store_addr = cfg.store_addr
+        self._store_port = cfg.store_port
         self._store = TCPStore(
-            host_name=store_addr,
-            port=store_port,
+            host_name=cfg.store_addr,
+            port=cfg.store_port,
             is_master=False,
             wait_for_workers=False,
-            timeout=connect_timeout,
+            timeout=cfg.connect_timeout,
         )
-        base_id = replica_id if replica_id is not None else ""
+        base_id = cfg.replica_id if cfg.replica_id is not None else ""
         key = f"torchft/manager/{base_id}/addr"
         try:
             if self._group_rank == 0:
                 full_id = f"{base_id}:{uuid.uuid4()}" if base_id else str(uuid.uuid4())
                 self._manager = _torchft.ManagerServer(
                     replica_id=full_id,
-                    lighthouse_addr=lighthouse_addr,
-                    hostname=hostname,
-                    bind=f"[::]:{port}",
-                    store_addr=f"{store_addr}:{store_port}",
-                    world_size=world_size,
-                    heartbeat_interval=heartbeat_interval,
-                    connect_timeout=connect_timeout,
-                    quorum_retries=quorum_retries,
+                    lighthouse_addr=cfg.lighthouse_addr,
+                    hostname=cfg.hostname,
+                    bind=f"[::]:{cfg.port}",
+                    store_addr=f"{cfg.store_addr}:{cfg.store_port}",
+                    world_size=cfg.world_size,
+                    heartbeat_interval=cfg.heartbeat_interval,
+                    connect_timeout=cfg.connect_timeout,
+                    quorum_retries=cfg.quorum_retries,
                 )
                 published = json.dumps({"address": self._manager.address(), "replica_id": full_id})
                 self._store.set(key, published)
             info = json.loads(self._store.get(key).decode())
             self._replica_id: str = info["replica_id"]
+            _torchft.set_log_context(self._replica_id, self._group_rank)
             manager_address: str = info["address"]
-            self._client = _torchft.ManagerClient(manager_address, connect_timeout=connect_timeout)
+            self._client = _torchft.ManagerClient(
+                manager_address, connect_timeout=cfg.connect_timeout
+            )
             self._telemetry = RankTelemetry(
                 self._client,
                 replica_id=base_id or self._replica_id,
                 incarnation=self._replica_id,
                 group_rank=self._group_rank,
                 group_world_size=self._group_world_size,
-                hostname=hostname,
-                enabled=telemetry,
+                hostname=cfg.hostname,
+                enabled=cfg.telemetry,
             )
             self._watcher = _LostWatcher(self._client, self._on_lost)
         except BaseException:
@@ -602,7 +524,7 @@ class Manager:
             self._group_rank,
             self._group_world_size,
             manager_address,
-            use_async_quorum,
+            cfg.use_async_quorum,
         )
 
     # ------------------------------------------------------------------ logging helpers
@@ -884,7 +806,7 @@ class Manager:
             except Exception:
                 logger.exception("aborting the process group failed")
 
-    def _adopt_quorum(self, quorum: Any, allow_heal: bool) -> None:
+    def _adopt_quorum(self, quorum: NativeQuorumResult, allow_heal: bool) -> None:
         """Adopts an answer of an async quorum; errors are recorded, not raised."""
         try:
             self._apply_quorum(quorum, allow_heal)
@@ -899,16 +821,13 @@ class Manager:
         The request is sent by the native client without waiting, and the answer is handled
         by the first :meth:`wait_quorum` (usually from the first allreduce): a helper thread
         woken at every step would fight the training thread for the GIL during the forward
-        pass. Clients without ``_quorum_start`` use the worker thread.
+        pass.
         """
-        start = getattr(self._client, "_quorum_start", None)
-        if start is None:
-            return self._executor.submit(self._run_quorum, allow_heal, shrink_only, quorum_timeout)
         # Until the answer is adopted the step has not used any process group: a loss
         # reported meanwhile rebuilds the group instead of failing the step (`_on_lost`).
         self._quorum_in_progress = True
         try:
-            pending = start(**self._quorum_request(shrink_only, quorum_timeout))
+            pending = self._rpc()._quorum_start(**self._quorum_request(shrink_only, quorum_timeout))
         except Exception as e:
             self._quorum_in_progress = False
             # Same contract as _run_quorum: recorded, the step does not commit.
@@ -917,6 +836,13 @@ class Manager:
             done.set_result(None)
             return done
         return _PendingQuorumFuture(self, pending, allow_heal, quorum_timeout)
+
+    def _rpc(self) -> NativeManagerClient:
+        """The manager client; raises once the Manager is shut down."""
+        client = self._client
+        if client is None:
+            raise RuntimeError("Manager is shut down")
+        return client
 
     def _quorum_request(self, shrink_only: bool, quorum_timeout: timedelta) -> dict[str, Any]:
         """Keyword arguments of this rank's quorum request."""
@@ -932,14 +858,14 @@ class Manager:
 
     def _quorum_body(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         try:
-            quorum = self._client._quorum(**self._quorum_request(shrink_only, quorum_timeout))
+            quorum = self._rpc()._quorum(**self._quorum_request(shrink_only, quorum_timeout))
         except TimeoutError as e:
             # Only the quorum deadline itself surfaces to the caller; timeouts while
             # reconfiguring or healing are ordinary step errors (recorded, retried).
             raise _QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
         self._apply_quorum(quorum, allow_heal)
 
-    def _apply_quorum(self, quorum: Any, allow_heal: bool) -> None:
+    def _apply_quorum(self, quorum: NativeQuorumResult, allow_heal: bool) -> None:
         """Adopts a quorum answer: roles, process group, serving and fetching live state."""
         quorum_id: int = quorum.quorum_id
         replica_rank: int = quorum.replica_rank
@@ -1022,7 +948,7 @@ class Manager:
             if heal:
                 self._heal(quorum, max_step)
 
-    def _heal(self, quorum: Any, max_step: int) -> None:
+    def _heal(self, quorum: NativeQuorumResult, max_step: int) -> None:
         """Fetches the live state of step ``max_step`` from the quorum's recovery source."""
         self._healing = True
         src_rank = quorum.recover_src_replica_rank
@@ -1197,11 +1123,11 @@ class Manager:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
             # it is the local vote, so the round trip is skipped (hot path of plain DDP).
             # A group frozen past its lease may have been declared lost: never commit then.
-            lease_held = getattr(self._manager, "lease_held", None)
-            should_commit = local_vote and (lease_held is None or lease_held())
+            server = self._manager
+            should_commit = local_vote and (server is None or server.lease_held())
         else:
             should_commit = bool(
-                self._client.should_commit(
+                self._rpc().should_commit(
                     self._group_rank, self._step, local_vote, timeout=vote_timeout
                 )
             )

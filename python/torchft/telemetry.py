@@ -20,13 +20,18 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from torchft.config import env_flag
+
+if TYPE_CHECKING:
+    from torchft.coordination import NativeManagerClient
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -39,9 +44,6 @@ MAX_HOSTNAME_BYTES = 255
 #: How long the last report waits to be delivered at shutdown.
 FINAL_FLUSH_S = 1.0
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
 
 def enabled_from_env(default: bool = True) -> bool:
     """Reads ``TORCHFT_TELEMETRY`` (1/true/yes/on or 0/false/no/off).
@@ -50,16 +52,9 @@ def enabled_from_env(default: bool = True) -> bool:
         default: the value when the variable is unset or empty.
 
     Raises:
-        ValueError: on any other value.
+        ValueError: on any other value (naming the variable).
     """
-    raw = os.environ.get(ENV_TELEMETRY, "").strip().lower()
-    if not raw:
-        return default
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{ENV_TELEMETRY} must be one of 1/true/yes/on or 0/false/no/off, got {raw!r}")
+    return env_flag(ENV_TELEMETRY, default)
 
 
 def tensor_bytes(obj: object) -> int:
@@ -113,7 +108,7 @@ class RankTelemetry:
 
     def __init__(
         self,
-        client: Any,
+        client: NativeManagerClient,
         replica_id: str,
         incarnation: str,
         group_rank: int,
@@ -277,12 +272,10 @@ class RankTelemetry:
         else:
             text = f"{type(error).__name__}: {error}"
             self._send(phase="failed", step=step, error=text[:MAX_ERROR_CHARS])
-        flush: Callable[..., None] | None = getattr(self._client, "_telemetry_flush", None)
-        if flush is not None:
-            try:
-                flush(timeout=timedelta(seconds=FINAL_FLUSH_S))
-            except Exception as e:
-                logger.debug("telemetry flush failed: %s", e)
+        try:
+            self._client._telemetry_flush(timeout=timedelta(seconds=FINAL_FLUSH_S))
+        except Exception as e:
+            logger.debug("telemetry flush failed: %s", e)
 
     def _send(self, **fields: Any) -> None:
         if not self.enabled:

@@ -13,7 +13,6 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::{block_on, check_duration, TorchFTError};
-use crate::lighthouse::telemetry::validate_report;
 use crate::manager::reports::ReportQueue;
 use crate::manager::{
     ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer,
@@ -22,6 +21,7 @@ use crate::manager::{
 use crate::proto::telemetry_report::Phase;
 use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
 use crate::security::Security;
+use crate::telemetry::validate_report;
 
 /// The manager server of one replica group (hosted by group rank 0).
 ///

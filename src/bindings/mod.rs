@@ -49,9 +49,30 @@ pub(crate) fn check_duration(name: &str, d: Duration) -> PyResult<Duration> {
     Ok(d)
 }
 
+/// Names this process on every native log line from now on: `[replica_id/group_rank]`.
+///
+/// The Manager calls it once it knows its replica group's id; one process hosts one rank.
+#[pyfunction]
+fn set_log_context(replica_id: &str, group_rank: i64) {
+    crate::logging::set_context(replica_id, group_rank);
+}
+
+/// Importing the module installs the native log subscriber (stderr, level from `TORCHFT_LOG`,
+/// else `RUST_LOG`, else warn), so the core's warnings reach the training process's stderr.
+/// A bad `TORCHFT_LOG` or `TORCHFT_RUNTIME_THREADS` fails the import, naming the variable.
 #[pymodule]
 fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    crate::logging::init("warn")?;
+    crate::runtime::threads_from_env()?;
     m.add("TorchFTError", m.py().get_type::<TorchFTError>())?;
+    m.add_function(wrap_pyfunction!(set_log_context, m)?)?;
+    // The lighthouse's event kinds and whether each names a replica group (for tools that
+    // read the event log, e.g. `python -m torchft.eventlog`, and their tests).
+    let kinds: Vec<(&str, bool)> = crate::telemetry::EventKind::ALL
+        .iter()
+        .map(|k| (k.as_str(), k.names_a_replica()))
+        .collect();
+    m.add("EVENT_KINDS", kinds)?;
     lighthouse::register(m)?;
     manager::register(m)?;
     m.add_function(wrap_pyfunction!(security_settings, m)?)?;

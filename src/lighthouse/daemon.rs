@@ -176,21 +176,6 @@ impl Args {
     }
 }
 
-/// Installs a `tracing` subscriber writing to stderr, filtered by `RUST_LOG` (default info),
-/// with colours only on a terminal.
-///
-/// Does nothing if the process already has one.
-pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .try_init();
-}
-
 /// A future that resolves with the name of the first SIGTERM/SIGINT received.
 ///
 /// The handlers are installed when this is called (not when it is first polled), so a signal
@@ -223,7 +208,9 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = &'static str>> 
 ///
 /// Blocks the calling thread on the process-wide runtime.
 pub fn run(args: Args) -> Result<()> {
-    init_logging();
+    crate::logging::init("info")?;
+    crate::logging::set_default_level("info")?;
+    crate::runtime::threads_from_env()?;
     crate::runtime::get().block_on(async move {
         let opts = args.options();
         let signal = shutdown_signal()?;

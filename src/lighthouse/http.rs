@@ -26,6 +26,7 @@ use super::quorum::Snapshot;
 use super::state::Shared;
 use super::telemetry::{GlobalCounters, ReplicaStatus};
 use crate::manager::ManagerClient;
+use crate::telemetry::EventKind;
 
 /// One member of the current quorum, as shown on the status page.
 #[derive(Debug, Serialize)]
@@ -332,7 +333,7 @@ async fn kill(State(shared): State<Arc<Shared>>, Path(replica_id): Path<String>)
     shared.hub.with(|t| {
         t.emit(
             now,
-            "kill_requested",
+            EventKind::KillRequested,
             json!({"replica_id": replica_id, "incarnation": incarnation}),
         )
     });

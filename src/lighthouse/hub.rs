@@ -20,6 +20,7 @@ use tracing::warn;
 
 use super::telemetry::{Event, Telemetry, TelemetryOptions};
 use crate::error::{Error, Result};
+use crate::telemetry::EventKind;
 
 /// Events buffered for each SSE subscriber before it starts skipping.
 const FEED_CAPACITY: usize = 1024;
@@ -157,7 +158,7 @@ impl Hub {
         hub.with(|t| {
             t.emit(
                 Instant::now(),
-                "lighthouse_started",
+                EventKind::LighthouseStarted,
                 json!({"min_replicas": min_replicas, "pid": std::process::id()}),
             )
         });
@@ -257,7 +258,13 @@ mod tests {
                 2,
             )
             .unwrap();
-            hub.with(|t| t.emit(Instant::now(), "x", json!({"replica_id": "a"})));
+            hub.with(|t| {
+                t.emit(
+                    Instant::now(),
+                    EventKind::KillRequested,
+                    json!({"replica_id": "a"}),
+                )
+            });
             hub.close();
         }
         let text = std::fs::read_to_string(&path).unwrap();
@@ -269,9 +276,9 @@ mod tests {
             kinds,
             [
                 "\"lighthouse_started\"",
-                "\"x\"",
+                "\"kill_requested\"",
                 "\"lighthouse_started\"",
-                "\"x\""
+                "\"kill_requested\""
             ],
             "appended, not truncated"
         );
@@ -293,9 +300,9 @@ mod tests {
     async fn feed_delivers_and_ends_on_close() {
         let hub = Hub::new(ObservabilityOptions::default(), Duration::from_secs(5), 1).unwrap();
         let mut rx = hub.subscribe().unwrap();
-        hub.with(|t| t.emit(Instant::now(), "y", json!({})));
+        hub.with(|t| t.emit(Instant::now(), EventKind::LighthouseStarted, json!({})));
         let item = rx.recv().await.unwrap();
-        assert!(item.1.contains("\"kind\":\"y\""));
+        assert!(item.1.contains("\"kind\":\"lighthouse_started\""));
         hub.close();
         assert!(rx.recv().await.is_err());
         assert!(hub.subscribe().is_none());

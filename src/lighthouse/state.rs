@@ -26,11 +26,11 @@ use tracing::{debug, info, warn};
 use super::hub::Hub;
 use super::quorum::{LostMember, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
-use super::telemetry::validate_batch;
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::proto::{LostEvent, Quorum, QuorumMember, SessionEvent, TelemetryBatch};
 use crate::security::Security;
+use crate::telemetry::validate_batch;
 
 type Delivery = Result<Arc<Issued>>;
 

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use crate::error::{Error, Result};
 use crate::proto::telemetry_report::Phase;
-use crate::proto::{TelemetryBatch, TelemetryReport};
+use crate::proto::TelemetryReport;
+use crate::telemetry::{base_id, EventKind};
 
 /// Samples per group the timings and the straggler verdict are taken over.
 pub const WINDOW: usize = 8;
@@ -22,19 +22,12 @@ pub const WINDOW: usize = 8;
 pub const RECENT_EVENTS: usize = 100;
 /// Replica groups remembered at most.
 pub const MAX_GROUPS: usize = 20_000;
-/// Reports accepted in one batch at most.
-pub const MAX_BATCH: usize = 4096;
 /// Previous incarnations remembered per group (their late reports are ignored).
 const RETIRED: usize = 8;
 /// Points kept for the step rate.
 const RATE_POINTS: usize = 16;
 /// Samples needed before a group takes part in the straggler verdict.
 const MIN_SAMPLES: usize = 3;
-
-const MAX_ID_BYTES: usize = 256;
-const MAX_HOSTNAME_BYTES: usize = 256;
-const MAX_ERROR_BYTES: usize = 16 * 1024;
-const MAX_SECONDS: f64 = 1e7;
 
 /// Lifecycle state of a replica group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -111,7 +104,7 @@ pub struct Event {
     /// Unix time in seconds.
     pub ts: f64,
     /// What happened (see docs/telemetry.md).
-    pub kind: &'static str,
+    pub kind: EventKind,
     /// The kind's fields.
     pub fields: Map<String, Value>,
 }
@@ -122,105 +115,12 @@ impl Event {
         let mut m = Map::new();
         m.insert("seq".into(), json!(self.seq));
         m.insert("ts".into(), json!((self.ts * 1e6).round() / 1e6));
-        m.insert("kind".into(), json!(self.kind));
+        m.insert("kind".into(), self.kind.into());
         for (k, v) in &self.fields {
             m.insert(k.clone(), v.clone());
         }
         Value::Object(m)
     }
-}
-
-/// Checks one report; nothing is applied if any report of a batch is refused.
-pub fn validate_report(r: &TelemetryReport) -> Result<()> {
-    let bad = |what: String| Err(Error::InvalidArgument(format!("telemetry report: {what}")));
-    if r.replica_id.trim().is_empty() {
-        return bad("replica_id must not be empty".into());
-    }
-    if r.replica_id.len() > MAX_ID_BYTES || r.incarnation.len() > 2 * MAX_ID_BYTES {
-        return bad(format!(
-            "replica_id/incarnation longer than {MAX_ID_BYTES}/{} bytes",
-            2 * MAX_ID_BYTES
-        ));
-    }
-    if !r.incarnation.is_empty() && base_id(&r.incarnation) != r.replica_id {
-        return bad(format!(
-            "incarnation {:?} does not belong to replica_id {:?}",
-            r.incarnation, r.replica_id
-        ));
-    }
-    if r.hostname.len() > MAX_HOSTNAME_BYTES {
-        return bad(format!("hostname longer than {MAX_HOSTNAME_BYTES} bytes"));
-    }
-    if r.error.len() > MAX_ERROR_BYTES {
-        return bad(format!("error longer than {MAX_ERROR_BYTES} bytes"));
-    }
-    if r.group_world_size < 1 || r.group_world_size > 1 << 20 {
-        return bad(format!(
-            "group_world_size must be in 1..=1048576, got {}",
-            r.group_world_size
-        ));
-    }
-    if r.group_rank < 0 || r.group_rank >= r.group_world_size {
-        return bad(format!(
-            "group_rank must be in [0, {}), got {}",
-            r.group_world_size, r.group_rank
-        ));
-    }
-    if r.rank < -1 {
-        return bad(format!("rank must be -1 (unknown) or more, got {}", r.rank));
-    }
-    if r.step < 0 || r.participants < 0 {
-        return bad("step and participants must not be negative".into());
-    }
-    if Phase::try_from(r.phase).is_err() {
-        return bad(format!("unknown phase {}", r.phase));
-    }
-    for (name, v) in [
-        ("step_s", r.step_s),
-        ("quorum_wait_s", r.quorum_wait_s),
-        ("collective_s", r.collective_s),
-        ("should_commit_s", r.should_commit_s),
-        ("busy_s", r.busy_s),
-        ("heal_s", r.heal_s),
-    ] {
-        if !v.is_finite() || !(0.0..=MAX_SECONDS).contains(&v) {
-            return bad(format!(
-                "{name} must be a finite number of seconds >= 0, got {v}"
-            ));
-        }
-    }
-    if !r.unix_s.is_finite() || r.unix_s < 0.0 {
-        return bad(format!("unix_s must be finite and >= 0, got {}", r.unix_s));
-    }
-    Ok(())
-}
-
-/// Checks a batch (size and every report).
-pub fn validate_batch(b: &TelemetryBatch) -> Result<()> {
-    if b.reports.len() > MAX_BATCH {
-        return Err(Error::InvalidArgument(format!(
-            "telemetry batch of {} reports (at most {MAX_BATCH})",
-            b.reports.len()
-        )));
-    }
-    b.reports.iter().try_for_each(validate_report)
-}
-
-/// The replica group name of a lighthouse id: `name:uuid` → `name`; other ids are their own
-/// name.
-pub fn base_id(incarnation: &str) -> &str {
-    match incarnation.rsplit_once(':') {
-        Some((base, suffix)) if !base.is_empty() && is_uuid(suffix) => base,
-        _ => incarnation,
-    }
-}
-
-fn is_uuid(s: &str) -> bool {
-    s.len() == 36
-        && s.char_indices().all(|(i, c)| match i {
-            8 | 13 | 18 | 23 => c == '-',
-            _ => c.is_ascii_hexdigit(),
-        })
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -497,7 +397,7 @@ impl Telemetry {
     }
 
     /// Records an event (published by the caller via [`Telemetry::take_events`]).
-    pub fn emit(&mut self, now: Instant, kind: &'static str, fields: Value) {
+    pub fn emit(&mut self, now: Instant, kind: EventKind, fields: Value) {
         let fields = match fields {
             Value::Object(m) => m,
             _ => Map::new(),
@@ -579,7 +479,7 @@ impl Telemetry {
             .insert(incarnation.to_string(), name.clone());
         self.emit(
             now,
-            "replica_joined",
+            EventKind::ReplicaJoined,
             json!({"replica_id": name, "incarnation": incarnation, "hostname": ""}),
         );
         self.refresh(&name, now);
@@ -664,7 +564,7 @@ impl Telemetry {
             names.sort_unstable();
             self.emit(
                 now,
-                "quorum_changed",
+                EventKind::QuorumChanged,
                 json!({"quorum_id": quorum_id, "previous_quorum_id": previous,
                        "participants": names}),
             );
@@ -696,7 +596,7 @@ impl Telemetry {
             return;
         };
         let phase = Phase::try_from(r.phase).unwrap_or(Phase::Step);
-        let mut events: Vec<(&'static str, Value)> = Vec::new();
+        let mut events: Vec<(EventKind, Value)> = Vec::new();
         let Some(g) = self.groups.get_mut(&name) else {
             return;
         };
@@ -721,7 +621,7 @@ impl Telemetry {
                 if g.lifecycle == Lifecycle::Running {
                     g.lifecycle = Lifecycle::Finished;
                     events.push((
-                        "replica_finished",
+                        EventKind::ReplicaFinished,
                         json!({"replica_id": name, "step": g.step}),
                     ));
                 }
@@ -736,7 +636,7 @@ impl Telemetry {
                     g.last_error = Some(error.clone());
                     g.lifecycle = Lifecycle::Failed(error.clone());
                     events.push((
-                        "replica_failed",
+                        EventKind::ReplicaFailed,
                         json!({"replica_id": name, "error": error}),
                     ));
                 }
@@ -748,7 +648,7 @@ impl Telemetry {
                     if lead {
                         g.counters.heals += 1;
                         events.push((
-                            "replica_healed",
+                            EventKind::ReplicaHealed,
                             json!({"replica_id": name, "step": r.step, "heal_s": r.heal_s,
                                    "heal_bytes": r.heal_bytes}),
                         ));
@@ -793,7 +693,7 @@ impl Telemetry {
                     g.counters.commit_failures += 1;
                     let error = (!r.error.is_empty()).then(|| r.error.clone());
                     events.push((
-                        "commit_failed",
+                        EventKind::CommitFailed,
                         json!({"replica_id": name, "step": r.step, "error": error}),
                     ));
                 }
@@ -876,10 +776,10 @@ impl Telemetry {
                                 "busy_s": round6(*b), "median_busy_s": round6(reference)});
             if !g.straggler && flag {
                 g.straggler = true;
-                events.push(("straggler_flagged", fields));
+                events.push((EventKind::StragglerFlagged, fields));
             } else if g.straggler && clear {
                 g.straggler = false;
-                events.push(("straggler_cleared", fields));
+                events.push((EventKind::StragglerCleared, fields));
             }
         }
         // Groups that left the comparison are no longer stragglers.
@@ -888,7 +788,7 @@ impl Telemetry {
             if g.straggler && !judged.contains(name) {
                 g.straggler = false;
                 events.push((
-                    "straggler_cleared",
+                    EventKind::StragglerCleared,
                     json!({"replica_id": name, "skew_pct": null, "busy_s": null,
                            "median_busy_s": round6(reference)}),
                 ));
@@ -919,14 +819,14 @@ impl Telemetry {
         }
         self.emit(
             now,
-            "state_changed",
+            EventKind::StateChanged,
             json!({"replica_id": name, "from": from.as_str(), "to": state.as_str(),
                    "step": step, "reason": reason}),
         );
         if state == GroupState::Lost {
             self.emit(
                 now,
-                "replica_lost",
+                EventKind::ReplicaLost,
                 json!({"replica_id": name, "incarnation": incarnation, "reason": reason}),
             );
         }
@@ -1069,7 +969,7 @@ mod tests {
             self.t.groups[name].state
         }
 
-        fn kinds(&mut self) -> Vec<(&'static str, String)> {
+        fn kinds(&mut self) -> Vec<(EventKind, String)> {
             self.t
                 .take_events()
                 .into_iter()
@@ -1079,15 +979,6 @@ mod tests {
                 })
                 .collect()
         }
-    }
-
-    #[test]
-    fn base_id_strips_only_a_uuid_suffix() {
-        assert_eq!(base_id(&inc("train_0", U1)), "train_0");
-        assert_eq!(base_id(&inc("a:b", U1)), "a:b");
-        assert_eq!(base_id("host:1234"), "host:1234");
-        assert_eq!(base_id(U1), U1);
-        assert_eq!(base_id(&format!(":{U1}")), format!(":{U1}"));
     }
 
     #[test]
@@ -1102,7 +993,7 @@ mod tests {
         t.on_report(&report(&a, 0, 0.1), now);
         assert_eq!(t.groups["a"].state, GroupState::Healthy);
         assert_eq!(t.groups["a"].step, 1);
-        let kinds: Vec<&str> = t.take_events().iter().map(|e| e.kind).collect();
+        let kinds: Vec<&str> = t.take_events().iter().map(|e| e.kind.as_str()).collect();
         assert_eq!(
             kinds,
             ["replica_joined", "quorum_changed", "state_changed"],
@@ -1135,15 +1026,17 @@ mod tests {
         assert_eq!(j.state("g0"), GroupState::Healthy);
         assert_eq!(j.state("g1"), GroupState::Healthy);
         let kinds = j.kinds();
-        assert!(kinds.contains(&("straggler_flagged", "g2".into())));
-        assert!(kinds.contains(&("state_changed", "g2".into())));
+        assert!(kinds.contains(&(EventKind::StragglerFlagged, "g2".into())));
+        assert!(kinds.contains(&(EventKind::StateChanged, "g2".into())));
         assert!(j.t.groups["g2"].skew_pct > 50.0);
         // Fast again: cleared.
         for _ in 0..WINDOW {
             j.step_all(&[0.1, 0.1, 0.1]);
         }
         assert_eq!(j.state("g2"), GroupState::Healthy);
-        assert!(j.kinds().contains(&("straggler_cleared", "g2".into())));
+        assert!(j
+            .kinds()
+            .contains(&(EventKind::StragglerCleared, "g2".into())));
     }
 
     #[test]
@@ -1198,7 +1091,7 @@ mod tests {
             j.t.take_events()
                 .into_iter()
                 .chain(std::iter::empty())
-                .filter(|e| e.kind == "state_changed")
+                .filter(|e| e.kind == EventKind::StateChanged)
                 .map(|e| {
                     (
                         e.fields["from"].as_str().unwrap().to_string(),
@@ -1268,37 +1161,7 @@ mod tests {
         r.error = "peer lost".into();
         j.t.on_report(&r, j.now);
         assert_eq!(j.t.groups["g0"].counters.commit_failures, 1);
-        assert_eq!(j.kinds(), [("commit_failed", "g0".to_string())]);
-    }
-
-    #[test]
-    fn bad_reports_are_refused() {
-        let good = report(&inc("a", U1), 0, 0.1);
-        assert!(validate_report(&good).is_ok());
-        type Breaker = Box<dyn Fn(&mut TelemetryReport)>;
-        let cases: Vec<Breaker> = vec![
-            Box::new(|r| r.replica_id.clear()),
-            Box::new(|r| r.replica_id = "x".repeat(300)),
-            Box::new(|r| r.incarnation = inc("other", U1)),
-            Box::new(|r| r.group_world_size = 0),
-            Box::new(|r| r.group_rank = 1),
-            Box::new(|r| r.step = -1),
-            Box::new(|r| r.busy_s = f64::NAN),
-            Box::new(|r| r.step_s = -1.0),
-            Box::new(|r| r.heal_s = f64::INFINITY),
-            Box::new(|r| r.phase = 99),
-            Box::new(|r| r.error = "e".repeat(MAX_ERROR_BYTES + 1)),
-        ];
-        for (i, break_it) in cases.iter().enumerate() {
-            let mut r = good.clone();
-            break_it(&mut r);
-            assert!(validate_report(&r).is_err(), "case {i} accepted");
-        }
-        let batch = TelemetryBatch {
-            reports: vec![good; MAX_BATCH + 1],
-            dropped: 0,
-        };
-        assert!(validate_batch(&batch).is_err());
+        assert_eq!(j.kinds(), [(EventKind::CommitFailed, "g0".to_string())]);
     }
 
     #[test]
@@ -1324,12 +1187,12 @@ mod tests {
         let mut t = Telemetry::new(TelemetryOptions::default(), now, 100.0);
         t.emit(
             now + Duration::from_millis(1500),
-            "x",
+            EventKind::KillRequested,
             json!({"replica_id": "a"}),
         );
         let e = t.take_events().remove(0).to_json();
         assert_eq!(e["seq"], 1);
-        assert_eq!(e["kind"], "x");
+        assert_eq!(e["kind"], "kill_requested");
         assert_eq!(e["replica_id"], "a");
         assert!((e["ts"].as_f64().unwrap() - 101.5).abs() < 1e-6);
     }

@@ -29,7 +29,6 @@ use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
 use super::reports::ReportQueue;
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::lighthouse::telemetry::{base_id, validate_batch};
 use crate::lighthouse::LighthouseClient;
 use crate::net::{request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
@@ -40,6 +39,7 @@ use crate::proto::{
     WatchEventsResponse,
 };
 use crate::security::server::{Guard, OpenRoutes};
+use crate::telemetry::{base_id, validate_batch};
 
 /// How often the ranks' telemetry reports are forwarded to the lighthouse.
 const REPORT_INTERVAL: Duration = Duration::from_millis(250);

@@ -191,6 +191,15 @@ pub struct Security {
     pub tls: TlsFiles,
 }
 
+/// An `InvalidArgument` naming the variable (and its value, a path) that carries a bad setting.
+fn env_error(name: &str, path: &Path, e: &Error) -> Error {
+    Error::InvalidArgument(format!(
+        "env {name}={:?}: {}",
+        path.display().to_string(),
+        detail(e)
+    ))
+}
+
 fn env_path(name: &str) -> Option<PathBuf> {
     std::env::var_os(name)
         .filter(|v| !v.is_empty())
@@ -205,24 +214,37 @@ impl Security {
 
     /// Reads the settings from the environment: `TORCHFT_TOKEN_FILE` (else `TORCHFT_TOKEN`),
     /// `TORCHFT_TLS_CERT`, `TORCHFT_TLS_KEY`, `TORCHFT_TLS_CA`, `TORCHFT_TLS_CLIENT_CA`.
-    /// Empty variables count as unset. Fails with a clear message on an unreadable token file,
-    /// a malformed token or an incomplete TLS combination.
+    /// Empty variables count as unset. Fails with a clear message naming the variable on an
+    /// unreadable token file, a malformed token, a missing TLS file or an incomplete TLS
+    /// combination (`InvalidArgument`: `ValueError` in Python, like every other setting).
     pub fn from_env() -> Result<Self> {
-        let token = match (env_path(ENV_TOKEN_FILE), std::env::var(ENV_TOKEN).ok()) {
-            (Some(path), _) => Some(Token::from_file(&path)?),
-            (None, Some(v)) if !v.is_empty() => Some(
-                Token::new(&v)
-                    .map_err(|e| Error::InvalidArgument(format!("{ENV_TOKEN}: {}", detail(&e))))?,
-            ),
-            _ => None,
+        let token =
+            match (env_path(ENV_TOKEN_FILE), std::env::var(ENV_TOKEN).ok()) {
+                (Some(path), _) => Some(
+                    Token::from_file(&path).map_err(|e| env_error(ENV_TOKEN_FILE, &path, &e))?,
+                ),
+                // The token itself is never echoed back, only the variable's name.
+                (None, Some(v)) if !v.is_empty() => Some(Token::new(&v).map_err(|e| {
+                    Error::InvalidArgument(format!("env {ENV_TOKEN}: {}", detail(&e)))
+                })?),
+                _ => None,
+            };
+        let read = |name: &str| -> Result<Option<PathBuf>> {
+            match env_path(name) {
+                Some(path) if !path.is_file() => Err(Error::InvalidArgument(format!(
+                    "env {name}={:?}: no such file (a PEM file is expected)",
+                    path.display().to_string()
+                ))),
+                other => Ok(other),
+            }
         };
         let security = Self {
             token,
             tls: TlsFiles {
-                cert: env_path(ENV_TLS_CERT),
-                key: env_path(ENV_TLS_KEY),
-                ca: env_path(ENV_TLS_CA),
-                client_ca: env_path(ENV_TLS_CLIENT_CA),
+                cert: read(ENV_TLS_CERT)?,
+                key: read(ENV_TLS_KEY)?,
+                ca: read(ENV_TLS_CA)?,
+                client_ca: read(ENV_TLS_CLIENT_CA)?,
             },
         };
         security.tls.validate()?;

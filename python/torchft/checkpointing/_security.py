@@ -15,8 +15,8 @@ so any implementation of the transport (this HTTP one, or a native one behind th
 - **Bind**: the server listens on the address of the host name the manager advertises, not
   on every interface, unless told to (``bind=`` or ``TORCHFT_CHECKPOINT_BIND``).
 
-The variables are parsed once, by the native core (``_torchft.security_settings``), the same
-code the lighthouse and manager servers use.
+The variables are parsed once, by the native core, the same code the lighthouse and manager
+servers use, and reach this module through :mod:`torchft.config` like every other setting.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
 import socket
 import ssl
 from dataclasses import dataclass
+
+from torchft import config
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -72,9 +73,7 @@ class TransportSecurity:
         Raises:
             ValueError: unreadable token file, malformed token, incomplete TLS settings.
         """
-        from torchft import _torchft
-
-        return cls(**_torchft.security_settings())
+        return cls(**config.security_settings())
 
     @property
     def serves_tls(self) -> bool:
@@ -219,7 +218,7 @@ def bind_addresses(
     Raises:
         ValueError: ``hostname`` does not resolve.
     """
-    bind = bind if bind is not None else (os.environ.get(BIND_ENV) or None)
+    bind = bind if bind is not None else config.checkpoint_bind()
     if bind is not None:
         host = bind.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Generic, TypeVar
+
+from torchft.config import timeout_override
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -22,20 +23,12 @@ def _timeout_from_env(timeout: timedelta) -> timedelta:
         timeout: the timeout passed by the caller.
 
     Returns:
-        The environment override if set and valid, else ``timeout``.
+        The variable's value when set, else ``timeout``.
+
+    Raises:
+        ValueError: naming the variable when it is not a positive number of seconds.
     """
-    raw = os.environ.get(TIMEOUT_ENV)
-    if not raw:
-        return timeout
-    try:
-        secs = float(raw)
-    except ValueError:
-        logger.warning("ignoring invalid %s=%r", TIMEOUT_ENV, raw)
-        return timeout
-    if secs <= 0:
-        logger.warning("ignoring non-positive %s=%r", TIMEOUT_ENV, raw)
-        return timeout
-    return timedelta(seconds=secs)
+    return timeout_override(timeout)
 
 
 class CheckpointTransport(Generic[T], ABC):

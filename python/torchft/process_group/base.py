@@ -12,7 +12,6 @@ The environment variable ``TORCHFT_TIMEOUT_SEC`` overrides the timeout given to 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -39,33 +38,18 @@ from torch.distributed import (
 from torch.distributed import ProcessGroup as BaseProcessGroup
 from torch.futures import Future
 
-logger: logging.Logger = logging.getLogger(__name__)
+from torchft.config import timeout_override
 
-_TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 def _env_timeout(timeout: timedelta) -> timedelta:
-    """Applies the ``TORCHFT_TIMEOUT_SEC`` override to ``timeout``.
-
-    Args:
-        timeout: the timeout given by the caller.
-
-    Returns:
-        The override when the variable is set, else ``timeout``.
+    """Applies the ``TORCHFT_TIMEOUT_SEC`` override to ``timeout`` (see torchft.config).
 
     Raises:
-        ValueError: the variable is set but is not a positive number.
+        ValueError: the variable is set but is not a positive number of seconds.
     """
-    raw = os.environ.get(_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return timeout
-    try:
-        seconds = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from e
-    if seconds <= 0:
-        raise ValueError(f"{_TIMEOUT_ENV} must be positive, got {raw!r}")
-    return timedelta(seconds=seconds)
+    return timeout_override(timeout)
 
 
 def _check_timeout(timeout: timedelta) -> timedelta:

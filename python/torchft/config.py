@@ -1,0 +1,469 @@
+"""Every setting of a training process, resolved in one place.
+
+:class:`ManagerConfig` turns the :class:`~torchft.Manager` constructor's arguments and the
+environment (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, ``JOB_ID`` and
+the ``TORCHFT_*`` variables) into one frozen object. Each setting is declared once, as a field
+with its environment variable and how that variable relates to the argument:
+
+- ``OVERRIDE``: the variable, when set, replaces the argument (operators raise a timeout
+  without touching code);
+- ``FALLBACK``: the variable is used when the argument is None (torchrun's environment).
+
+Bad values fail the same way wherever they come from: a ``TypeError`` for an argument of the
+wrong type, a ``ValueError`` naming the argument or the variable otherwise. Process groups and
+checkpoint transports apply ``TORCHFT_TIMEOUT_SEC`` through :func:`timeout_override`, so that
+variable means the same everywhere. The token and TLS variables are parsed by the native core
+(the same parser the lighthouse and manager servers use) and reach Python only through
+:func:`security_settings`; the checkpoint server's bind address through :func:`checkpoint_bind`.
+:data:`ENV_VARS` lists every variable the package reads (``python -m torchft.config`` prints
+them with their current values, secrets masked); nothing else in the package reads
+``os.environ`` for a setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Generic, TypeVar
+
+__all__ = [
+    "ENV_VARS",
+    "ManagerConfig",
+    "WorldSizeMode",
+    "checkpoint_bind",
+    "env_flag",
+    "env_value",
+    "security_settings",
+    "timeout_override",
+]
+
+V = TypeVar("V")
+
+
+class WorldSizeMode(Enum):
+    """How the number of contributing replica groups is chosen each step.
+
+    DYNAMIC: every replica group at the max step contributes and gradients are averaged over
+    all of them; the effective batch size follows the number of healthy groups.
+
+    FIXED_WITH_SPARES: at most ``min_replica_size`` replica groups contribute; the others are
+    hot spares that send zeros, so the effective batch size stays constant.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+# ----------------------------------------------------------------------------- value kinds
+
+
+@dataclass(frozen=True)
+class Kind(Generic[V]):
+    """How one kind of setting is checked (as an argument) and parsed (from a variable)."""
+
+    #: What a value must be, for error messages ("a positive number of seconds").
+    what: str
+    #: Checks an argument value and returns it (raises TypeError/ValueError).
+    check: Callable[[str, Any], V]
+    #: Parses a variable's text (raises ValueError; the caller names the variable).
+    parse: Callable[[str], V]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_seconds(name: str, v: Any) -> timedelta:
+    if not isinstance(v, timedelta):
+        raise TypeError(f"{name} must be a datetime.timedelta, got {type(v).__name__}")
+    if v <= timedelta(0):
+        raise ValueError(f"{name} must be positive, got {v}")
+    return v
+
+
+def _parse_seconds(raw: str) -> timedelta:
+    secs = float(raw)
+    if not secs > 0 or secs == float("inf"):
+        raise ValueError("not positive")
+    return timedelta(seconds=secs)
+
+
+def _int_kind(what: str, lo: int, hi: int | None = None) -> Kind[int]:
+    def ok(v: int) -> bool:
+        return v >= lo and (hi is None or v <= hi)
+
+    def check(name: str, v: Any) -> int:
+        if not _is_int(v):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+        if not ok(v):
+            raise ValueError(f"{name} must be {what}, got {v}")
+        return int(v)
+
+    def parse(raw: str) -> int:
+        v = int(raw)
+        if not ok(v):
+            raise ValueError(what)
+        return v
+
+    return Kind(what, check, parse)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _check_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+    return v
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("not a switch")
+
+
+def _check_text(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str, got {v!r}")
+    if not v.strip():
+        raise ValueError(f"{name} must not be empty")
+    return v
+
+
+def _parse_text(raw: str) -> str:
+    return raw
+
+
+def _check_name(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str, got {v!r}")
+    return v
+
+
+def _check_mode(name: str, v: Any) -> WorldSizeMode:
+    if not isinstance(v, WorldSizeMode):
+        raise TypeError(f"{name} must be a WorldSizeMode, got {v!r}")
+    return v
+
+
+def _parse_mode(raw: str) -> WorldSizeMode:
+    try:
+        return WorldSizeMode[raw.upper()]
+    except KeyError:
+        raise ValueError("not a mode") from None
+
+
+SECONDS: Kind[timedelta] = Kind("a positive number of seconds", _check_seconds, _parse_seconds)
+COUNT: Kind[int] = _int_kind("an integer >= 0", 0)
+POSITIVE: Kind[int] = _int_kind("an integer >= 1", 1)
+PORT: Kind[int] = _int_kind("a port in 0..65535", 0, 65535)
+STORE_PORT: Kind[int] = _int_kind("a port in 1..65535", 1, 65535)
+SWITCH: Kind[bool] = Kind("one of 1/true/yes/on or 0/false/no/off", _check_bool, _parse_bool)
+TEXT: Kind[str] = Kind("a non-empty string", _check_text, _parse_text)
+NAME: Kind[str] = Kind("a string", _check_name, _parse_text)
+MODE: Kind[WorldSizeMode] = Kind("DYNAMIC or FIXED_WITH_SPARES", _check_mode, _parse_mode)
+
+
+# ----------------------------------------------------------------------------- variables
+
+
+class Source(Enum):
+    """How a variable relates to its constructor argument."""
+
+    OVERRIDE = "overrides the argument when set"
+    FALLBACK = "used when the argument is None"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable the package reads."""
+
+    name: str
+    kind: Kind[Any]
+    help: str
+    source: Source = Source.FALLBACK
+    #: Never printed (``python -m torchft.config`` shows only whether it is set).
+    secret: bool = False
+
+    def read(self, env: Mapping[str, str]) -> Any | None:
+        """The variable's value, None when unset or blank.
+
+        Raises:
+            ValueError: naming the variable, when the text is not a valid value.
+        """
+        raw = env.get(self.name)
+        if raw is None or not raw.strip():
+            return None
+        try:
+            return self.kind.parse(raw.strip())
+        except ValueError:
+            raise ValueError(f"env {self.name}={raw!r} must be {self.kind.what}") from None
+
+
+def _setting(
+    kind: Kind[Any],
+    default: Any = None,
+    env: str | None = None,
+    source: Source = Source.FALLBACK,
+    help: str = "",
+    required: bool = False,
+) -> Any:
+    """Declares one ManagerConfig field (its kind, default and variable)."""
+    meta = {"kind": kind, "required": required}
+    if env is not None:
+        meta["env"] = EnvVar(env, kind, help, source)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------- the config
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """The resolved settings of one :class:`~torchft.Manager` (see the module docs).
+
+    Build it with :meth:`resolve`; the fields are documented on the Manager's constructor.
+    """
+
+    min_replica_size: int = _setting(POSITIVE, required=True)
+    use_async_quorum: bool = _setting(SWITCH, True)
+    timeout: timedelta = _setting(
+        SECONDS,
+        timedelta(seconds=60),
+        env="TORCHFT_TIMEOUT_SEC",
+        source=Source.OVERRIDE,
+        help="timeout of collectives, checkpoint transfer and commit votes (seconds)",
+    )
+    quorum_timeout: timedelta = _setting(
+        SECONDS,
+        timedelta(seconds=60),
+        env="TORCHFT_QUORUM_TIMEOUT_SEC",
+        source=Source.OVERRIDE,
+        help="deadline of one quorum request (seconds)",
+    )
+    connect_timeout: timedelta = _setting(
+        SECONDS,
+        timedelta(seconds=60),
+        env="TORCHFT_CONNECT_TIMEOUT_SEC",
+        source=Source.OVERRIDE,
+        help="deadline for connecting to the store and the manager server (seconds)",
+    )
+    rank: int = _setting(COUNT, env="RANK", help="group rank (torchrun)", required=True)
+    world_size: int = _setting(
+        POSITIVE, env="WORLD_SIZE", help="ranks in the replica group (torchrun)", required=True
+    )
+    world_size_mode: WorldSizeMode = _setting(MODE, WorldSizeMode.DYNAMIC)
+    store_addr: str = _setting(
+        TEXT, env="MASTER_ADDR", help="host of the replica group's TCPStore", required=True
+    )
+    store_port: int = _setting(
+        STORE_PORT, env="MASTER_PORT", help="port of the replica group's TCPStore", required=True
+    )
+    lighthouse_addr: str = _setting(
+        TEXT, env="TORCHFT_LIGHTHOUSE", help="lighthouse address (http://host:port)", required=True
+    )
+    replica_id: str | None = _setting(NAME)
+    port: int = _setting(
+        PORT, 0, env="TORCHFT_MANAGER_PORT", help="port of the manager server (0: any)"
+    )
+    hostname: str = _setting(NAME, "")
+    heartbeat_interval: timedelta = _setting(SECONDS, timedelta(milliseconds=100))
+    init_sync: bool = _setting(SWITCH, True)
+    max_retries: int | None = _setting(COUNT)
+    quorum_retries: int = _setting(
+        COUNT,
+        0,
+        env="TORCHFT_QUORUM_RETRIES",
+        source=Source.OVERRIDE,
+        help="how often the manager server retries a failed lighthouse quorum",
+    )
+    telemetry: bool = _setting(
+        SWITCH, True, env="TORCHFT_TELEMETRY", help="per-step telemetry to the lighthouse"
+    )
+    job_id: str = _setting(TEXT, "unknown", env="JOB_ID", help="job name in structured logs")
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **args: Any) -> ManagerConfig:
+        """Resolves constructor arguments against the environment.
+
+        Args:
+            env: the environment (default ``os.environ``).
+            **args: the Manager's constructor arguments; None means "not given".
+
+        Returns:
+            The frozen config.
+
+        Raises:
+            TypeError: an argument has the wrong type.
+            ValueError: an argument or a variable has a bad value, or a required setting is
+                neither given nor in the environment (the message names both).
+        """
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(args) - set(fields)
+        if unknown:
+            raise TypeError(f"unknown Manager settings: {sorted(unknown)}")
+        values: dict[str, Any] = {}
+        for name, f in fields.items():
+            kind: Kind[Any] = f.metadata["kind"]
+            var: EnvVar | None = f.metadata.get("env")
+            value = args.get(name)
+            if value is not None:
+                value = kind.check(name, value)
+            if var is not None and (value is None or var.source is Source.OVERRIDE):
+                from_env = var.read(env)
+                if from_env is not None:
+                    value = from_env
+            if value is None:
+                if f.metadata["required"]:
+                    where = f" and env {var.name} is not set" if var is not None else ""
+                    raise ValueError(f"{name} not given{where}")
+                value = f.default
+            values[name] = value
+        if not values["rank"] < values["world_size"]:
+            raise ValueError(f"rank must be in [0, {values['world_size']}), got {values['rank']}")
+        if not values["hostname"]:
+            values["hostname"] = socket.gethostname()
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------- other readers
+
+#: Parsed by the native core (``Security::from_env``), read in Python through
+#: :func:`security_settings` only.
+_NATIVE_PATH = Kind("a path to a readable file", _check_text, _parse_text)
+_NATIVE_TOKEN = Kind("visible ASCII characters, at most 4 KiB", _check_text, _parse_text)
+
+#: Variables read outside the Manager (process groups, transports, the native core).
+_OTHER_VARS = (
+    EnvVar(
+        "TORCHFT_LOG",
+        TEXT,
+        "native log filter (EnvFilter syntax, e.g. info or warn,torchft::manager=debug); "
+        "else RUST_LOG, else warn",
+    ),
+    EnvVar("TORCHFT_RUNTIME_THREADS", POSITIVE, "worker threads of the native runtime (2)"),
+    EnvVar(
+        "TORCHFT_TOKEN_FILE",
+        _NATIVE_PATH,
+        "file holding the job's shared secret (wins over TORCHFT_TOKEN)",
+    ),
+    EnvVar("TORCHFT_TOKEN", _NATIVE_TOKEN, "the job's shared secret itself", secret=True),
+    EnvVar("TORCHFT_TLS_CERT", _NATIVE_PATH, "PEM certificate chain served (and presented)"),
+    EnvVar("TORCHFT_TLS_KEY", _NATIVE_PATH, "PEM private key of TORCHFT_TLS_CERT"),
+    EnvVar("TORCHFT_TLS_CA", _NATIVE_PATH, "PEM CA servers are verified against (dial TLS)"),
+    EnvVar(
+        "TORCHFT_TLS_CLIENT_CA",
+        _NATIVE_PATH,
+        "PEM CA client certificates must be signed by (servers require one)",
+    ),
+    EnvVar(
+        "TORCHFT_CHECKPOINT_BIND",
+        TEXT,
+        "address the checkpoint server listens on (e.g. :: for every interface); "
+        "else the advertised host name's addresses",
+    ),
+)
+
+#: Every variable the package reads, by name.
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        *(f.metadata["env"] for f in dataclasses.fields(ManagerConfig) if "env" in f.metadata),
+        *_OTHER_VARS,
+    )
+}
+
+_TIMEOUT = ENV_VARS["TORCHFT_TIMEOUT_SEC"]
+
+
+def timeout_override(timeout: timedelta, env: Mapping[str, str] | None = None) -> timedelta:
+    """Applies ``TORCHFT_TIMEOUT_SEC`` to a timeout given to a process group or transport.
+
+    Args:
+        timeout: the timeout the caller passed.
+        env: the environment (default ``os.environ``).
+
+    Returns:
+        The variable's value when set, else ``timeout``.
+
+    Raises:
+        ValueError: naming the variable, when it is set to something else than a positive
+            number of seconds.
+    """
+    value = _TIMEOUT.read(os.environ if env is None else env)
+    return timeout if value is None else value
+
+
+def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Reads a registered on/off variable (e.g. ``TORCHFT_TELEMETRY``).
+
+    Raises:
+        ValueError: naming the variable on a value that is not a switch.
+    """
+    value = ENV_VARS[name].read(os.environ if env is None else env)
+    return default if value is None else bool(value)
+
+
+def env_value(name: str, env: Mapping[str, str] | None = None) -> Any | None:
+    """Reads a registered variable (None when unset or blank).
+
+    Args:
+        name: a key of :data:`ENV_VARS` (a typo is a KeyError, not a silent None).
+        env: the environment (default ``os.environ``).
+
+    Raises:
+        ValueError: naming the variable, when its value is invalid.
+    """
+    return ENV_VARS[name].read(os.environ if env is None else env)
+
+
+def checkpoint_bind(env: Mapping[str, str] | None = None) -> str | None:
+    """The checkpoint server's bind address from ``TORCHFT_CHECKPOINT_BIND`` (None: unset)."""
+    value = env_value("TORCHFT_CHECKPOINT_BIND", env)
+    return None if value is None else str(value)
+
+
+def security_settings() -> dict[str, str | None]:
+    """This process's token and TLS files (``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/
+    ``TORCHFT_TLS_*``), parsed by the native core exactly as its servers parse them.
+
+    Returns:
+        Keys ``token``, ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_client_ca`` (None: unset).
+
+    Raises:
+        ValueError: naming the variable, on an unreadable token file, a malformed token, a
+            missing TLS file or an incomplete TLS combination.
+    """
+    from torchft import _torchft
+
+    return _torchft.security_settings()
+
+
+def main() -> int:
+    """Prints every variable the package reads, with its current value (secrets masked)."""
+    for var in ENV_VARS.values():
+        current = os.environ.get(var.name)
+        if current is None:
+            shown = "(unset)"
+        elif var.secret:
+            shown = "(set)"
+        else:
+            shown = repr(current)
+        print(f"{var.name:<30} {shown:<20} {var.help} [{var.source.value}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

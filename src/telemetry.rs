@@ -1,0 +1,293 @@
+//! The telemetry schema shared by the lighthouse and the manager servers: the limits and
+//! validation of a rank's report, the replica-group name of an incarnation id, and the kinds
+//! of events the lighthouse publishes (`/events`, the event log; see docs/telemetry.md).
+//!
+//! A manager server validates its ranks' reports before forwarding them, the lighthouse
+//! validates what it receives; both take the rules from here, so neither depends on the other.
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::proto::telemetry_report::Phase;
+use crate::proto::{TelemetryBatch, TelemetryReport};
+
+/// Reports accepted in one batch at most.
+pub const MAX_BATCH: usize = 4096;
+/// Longest replica id (an incarnation id may be twice as long).
+pub const MAX_ID_BYTES: usize = 256;
+/// Longest host name.
+pub const MAX_HOSTNAME_BYTES: usize = 256;
+/// Longest error text.
+pub const MAX_ERROR_BYTES: usize = 16 * 1024;
+/// Longest duration a report may carry (seconds).
+pub const MAX_SECONDS: f64 = 1e7;
+
+/// What an event says happened. The wire name ([`EventKind::as_str`]) is what `/events` and
+/// the event log carry in `kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// The lighthouse started (`min_replicas`, `pid`).
+    LighthouseStarted,
+    /// A quorum with another member set was issued (`quorum_id`, `previous_quorum_id`,
+    /// `participants`).
+    QuorumChanged,
+    /// A replica group incarnation was first seen (`replica_id`, `incarnation`, `hostname`).
+    ReplicaJoined,
+    /// A replica group changed state (`replica_id`, `from`, `to`, `step`, `reason`).
+    StateChanged,
+    /// A replica group died or went silent (`replica_id`, `incarnation`, `reason`).
+    ReplicaLost,
+    /// A replica group healed from a peer (`replica_id`, `step`, `heal_s`, `heal_bytes`).
+    ReplicaHealed,
+    /// A replica group's step did not commit (`replica_id`, `step`, `error`).
+    CommitFailed,
+    /// A replica group became a straggler (`replica_id`, `skew_pct`, `busy_s`,
+    /// `median_busy_s`).
+    StragglerFlagged,
+    /// A replica group stopped being a straggler (same fields).
+    StragglerCleared,
+    /// A replica group's training failed (`replica_id`, `error`).
+    ReplicaFailed,
+    /// A replica group finished training (`replica_id`, `step`).
+    ReplicaFinished,
+    /// The dashboard's kill action was used (`replica_id`, `incarnation`).
+    KillRequested,
+}
+
+impl EventKind {
+    /// Every kind, in documentation order.
+    pub const ALL: [EventKind; 12] = [
+        EventKind::LighthouseStarted,
+        EventKind::QuorumChanged,
+        EventKind::ReplicaJoined,
+        EventKind::StateChanged,
+        EventKind::ReplicaLost,
+        EventKind::ReplicaHealed,
+        EventKind::CommitFailed,
+        EventKind::StragglerFlagged,
+        EventKind::StragglerCleared,
+        EventKind::ReplicaFailed,
+        EventKind::ReplicaFinished,
+        EventKind::KillRequested,
+    ];
+
+    /// The name events carry in `kind`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::LighthouseStarted => "lighthouse_started",
+            EventKind::QuorumChanged => "quorum_changed",
+            EventKind::ReplicaJoined => "replica_joined",
+            EventKind::StateChanged => "state_changed",
+            EventKind::ReplicaLost => "replica_lost",
+            EventKind::ReplicaHealed => "replica_healed",
+            EventKind::CommitFailed => "commit_failed",
+            EventKind::StragglerFlagged => "straggler_flagged",
+            EventKind::StragglerCleared => "straggler_cleared",
+            EventKind::ReplicaFailed => "replica_failed",
+            EventKind::ReplicaFinished => "replica_finished",
+            EventKind::KillRequested => "kill_requested",
+        }
+    }
+
+    /// Whether events of this kind concern one replica group and name it in `replica_id`.
+    pub fn names_a_replica(self) -> bool {
+        !matches!(
+            self,
+            EventKind::LighthouseStarted | EventKind::QuorumChanged
+        )
+    }
+
+    /// The kind with wire name `name`.
+    pub fn parse(name: &str) -> Option<EventKind> {
+        EventKind::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for EventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl serde::Serialize for EventKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl From<EventKind> for Value {
+    fn from(k: EventKind) -> Value {
+        Value::String(k.as_str().to_string())
+    }
+}
+
+/// Checks one report; nothing is applied if any report of a batch is refused.
+pub fn validate_report(r: &TelemetryReport) -> Result<()> {
+    let bad = |what: String| Err(Error::InvalidArgument(format!("telemetry report: {what}")));
+    if r.replica_id.trim().is_empty() {
+        return bad("replica_id must not be empty".into());
+    }
+    if r.replica_id.len() > MAX_ID_BYTES || r.incarnation.len() > 2 * MAX_ID_BYTES {
+        return bad(format!(
+            "replica_id/incarnation longer than {MAX_ID_BYTES}/{} bytes",
+            2 * MAX_ID_BYTES
+        ));
+    }
+    if !r.incarnation.is_empty() && base_id(&r.incarnation) != r.replica_id {
+        return bad(format!(
+            "incarnation {:?} does not belong to replica_id {:?}",
+            r.incarnation, r.replica_id
+        ));
+    }
+    if r.hostname.len() > MAX_HOSTNAME_BYTES {
+        return bad(format!("hostname longer than {MAX_HOSTNAME_BYTES} bytes"));
+    }
+    if r.error.len() > MAX_ERROR_BYTES {
+        return bad(format!("error longer than {MAX_ERROR_BYTES} bytes"));
+    }
+    if r.group_world_size < 1 || r.group_world_size > 1 << 20 {
+        return bad(format!(
+            "group_world_size must be in 1..=1048576, got {}",
+            r.group_world_size
+        ));
+    }
+    if r.group_rank < 0 || r.group_rank >= r.group_world_size {
+        return bad(format!(
+            "group_rank must be in [0, {}), got {}",
+            r.group_world_size, r.group_rank
+        ));
+    }
+    if r.rank < -1 {
+        return bad(format!("rank must be -1 (unknown) or more, got {}", r.rank));
+    }
+    if r.step < 0 || r.participants < 0 {
+        return bad("step and participants must not be negative".into());
+    }
+    if Phase::try_from(r.phase).is_err() {
+        return bad(format!("unknown phase {}", r.phase));
+    }
+    for (name, v) in [
+        ("step_s", r.step_s),
+        ("quorum_wait_s", r.quorum_wait_s),
+        ("collective_s", r.collective_s),
+        ("should_commit_s", r.should_commit_s),
+        ("busy_s", r.busy_s),
+        ("heal_s", r.heal_s),
+    ] {
+        if !v.is_finite() || !(0.0..=MAX_SECONDS).contains(&v) {
+            return bad(format!(
+                "{name} must be a finite number of seconds >= 0, got {v}"
+            ));
+        }
+    }
+    if !r.unix_s.is_finite() || r.unix_s < 0.0 {
+        return bad(format!("unix_s must be finite and >= 0, got {}", r.unix_s));
+    }
+    Ok(())
+}
+
+/// Checks a batch (size and every report).
+pub fn validate_batch(b: &TelemetryBatch) -> Result<()> {
+    if b.reports.len() > MAX_BATCH {
+        return Err(Error::InvalidArgument(format!(
+            "telemetry batch of {} reports (at most {MAX_BATCH})",
+            b.reports.len()
+        )));
+    }
+    b.reports.iter().try_for_each(validate_report)
+}
+
+/// The replica group name of a lighthouse id: `name:uuid` → `name`; other ids are their own
+/// name.
+pub fn base_id(incarnation: &str) -> &str {
+    match incarnation.rsplit_once(':') {
+        Some((base, suffix)) if !base.is_empty() && is_uuid(suffix) => base,
+        _ => incarnation,
+    }
+}
+
+fn is_uuid(s: &str) -> bool {
+    s.len() == 36
+        && s.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const U1: &str = "11111111-1111-4111-8111-111111111111";
+
+    fn inc(name: &str, u: &str) -> String {
+        format!("{name}:{u}")
+    }
+
+    fn report(inc: &str) -> TelemetryReport {
+        TelemetryReport {
+            replica_id: base_id(inc).to_string(),
+            incarnation: inc.to_string(),
+            group_rank: 0,
+            group_world_size: 1,
+            hostname: "h".into(),
+            step_s: 0.11,
+            busy_s: 0.1,
+            unix_s: 1.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn event_kinds_round_trip_and_are_unique() {
+        let names: std::collections::HashSet<&str> =
+            EventKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), EventKind::ALL.len());
+        for k in EventKind::ALL {
+            assert_eq!(EventKind::parse(k.as_str()), Some(k));
+            assert_eq!(Value::from(k), Value::String(k.to_string()));
+        }
+        assert_eq!(EventKind::parse("feed_lagged"), None);
+        assert!(EventKind::CommitFailed.names_a_replica());
+        assert!(!EventKind::QuorumChanged.names_a_replica());
+    }
+
+    #[test]
+    fn base_id_strips_only_a_uuid_suffix() {
+        assert_eq!(base_id(&inc("train_0", U1)), "train_0");
+        assert_eq!(base_id(&inc("a:b", U1)), "a:b");
+        assert_eq!(base_id("host:1234"), "host:1234");
+        assert_eq!(base_id(U1), U1);
+        assert_eq!(base_id(&format!(":{U1}")), format!(":{U1}"));
+    }
+
+    #[test]
+    fn bad_reports_are_refused() {
+        let good = report(&inc("a", U1));
+        assert!(validate_report(&good).is_ok());
+        type Breaker = Box<dyn Fn(&mut TelemetryReport)>;
+        let cases: Vec<Breaker> = vec![
+            Box::new(|r| r.replica_id.clear()),
+            Box::new(|r| r.replica_id = "x".repeat(300)),
+            Box::new(|r| r.incarnation = inc("other", U1)),
+            Box::new(|r| r.group_world_size = 0),
+            Box::new(|r| r.group_rank = 1),
+            Box::new(|r| r.step = -1),
+            Box::new(|r| r.busy_s = f64::NAN),
+            Box::new(|r| r.step_s = -1.0),
+            Box::new(|r| r.heal_s = f64::INFINITY),
+            Box::new(|r| r.phase = 99),
+            Box::new(|r| r.error = "e".repeat(MAX_ERROR_BYTES + 1)),
+        ];
+        for (i, break_it) in cases.iter().enumerate() {
+            let mut r = good.clone();
+            break_it(&mut r);
+            assert!(validate_report(&r).is_err(), "case {i} accepted");
+        }
+        let batch = TelemetryBatch {
+            reports: vec![good; MAX_BATCH + 1],
+            dropped: 0,
+        };
+        assert!(validate_batch(&batch).is_err());
+    }
+}
