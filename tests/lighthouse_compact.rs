@@ -45,6 +45,8 @@ async fn start(min_replicas: u64) -> LighthouseServer {
         join_timeout: Duration::from_secs(30),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_secs(5),
+        // Not about the no-regression rules: no startup hold, no wait for progress.
+        progress_wait: Duration::ZERO,
     };
     LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap()
 }
@@ -368,6 +370,8 @@ async fn a_group_leaving_is_sent_as_a_delta() {
             join_timeout: Duration::from_millis(200),
             quorum_tick: Duration::from_millis(10),
             heartbeat_timeout: Duration::from_secs(5),
+            // Not about the no-regression rules: no startup hold, no wait for progress.
+            progress_wait: Duration::ZERO,
         };
         let server = LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap();
         let addr = server.address();

@@ -31,6 +31,8 @@ async fn lighthouse_on(bind: &str, min_replicas: u64) -> LighthouseServer {
             join_timeout: Duration::from_secs(5),
             quorum_tick: Duration::from_millis(10),
             heartbeat_timeout: Duration::from_secs(2),
+            // Not about the no-regression rules: no startup hold, no wait for progress.
+            progress_wait: Duration::ZERO,
         },
     )
     .await

@@ -39,7 +39,9 @@ def _dead_addr() -> str:
 @pytest.fixture
 def lighthouse() -> Iterator[LighthouseServer]:
     """A lighthouse that answers as soon as one replica group asks."""
-    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10)
+    lh = LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10, progress_wait_ms=0
+    )
     try:
         yield lh
     finally:
@@ -49,7 +51,9 @@ def lighthouse() -> Iterator[LighthouseServer]:
 @pytest.fixture
 def lighthouse2() -> Iterator[LighthouseServer]:
     """A lighthouse that needs two replica groups for a quorum."""
-    lh = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=10)
+    lh = LighthouseServer(
+        "127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=10, progress_wait_ms=0
+    )
     try:
         yield lh
     finally:
@@ -306,7 +310,7 @@ def test_kill_ends_the_hosting_process() -> None:
 @pytest.mark.timeout(60)
 def test_lighthouse_restart_on_same_port(groups: Callable[[str, str, int], Group]) -> None:
     """After the lighthouse restarts on its address, the next quorum forms with a higher id."""
-    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, quorum_tick_ms=10)
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, quorum_tick_ms=10, progress_wait_ms=0)
     port = lh.address().rsplit(":", 1)[1]
     g = groups("a", f"http://127.0.0.1:{port}", 1)
     c = g.clients[0]

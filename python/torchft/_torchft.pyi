@@ -66,6 +66,12 @@ class LighthouseServer:
 
     Raises ValueError for bad arguments (``min_replicas < 1``, negative or zero durations where
     a positive one is needed, an unparsable bind address).
+
+    ``progress_wait_ms`` (default 60000): how long a round whose groups are all behind a group
+    that may still come back (heartbeating, or silent with its session open) waits for it
+    before training goes on from the older state (announced as ``progress_regressed``); a
+    new lighthouse also holds its first quorum for ``min(heartbeat_timeout_ms,
+    progress_wait_ms)``. 0 disables both.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class LighthouseServer:
         quorum_tick_ms: int | None = None,
         heartbeat_timeout_ms: int | None = None,
         *,
+        progress_wait_ms: int | None = None,
         event_log: str | None = None,
         allow_kill: bool = False,
         straggler_skew_pct: float | None = None,
@@ -105,8 +112,9 @@ class LighthouseClient:
 
         Raises TimeoutError when ``timeout`` passes first, ValueError for bad arguments.
         """
-    def heartbeat(self, replica_id: str, timeout: timedelta = ...) -> None:
-        """Tells the lighthouse ``replica_id`` is alive (default timeout: 5 seconds)."""
+    def heartbeat(self, replica_id: str, timeout: timedelta = ..., step: int | None = None) -> None:
+        """Tells the lighthouse ``replica_id`` is alive (default timeout: 5 seconds) and, if
+        given, its committed step (ValueError if negative)."""
 
 def lighthouse_main() -> None:
     """Entry point of the ``torchft_lighthouse`` console script (parses ``sys.argv``)."""
@@ -135,6 +143,9 @@ class ManagerServer:
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""
+    def note_committed_step(self, step: int) -> None:
+        """Notes the group's committed step (after each commit); heartbeats carry it to the
+        lighthouse. Raises ValueError if negative."""
     def address(self) -> str:
         """``http://{hostname}:{port}``: what ranks and other groups dial."""
     def shutdown(self) -> None:

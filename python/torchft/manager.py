@@ -1216,6 +1216,10 @@ class Manager:
             self._step += 1
             self._batches_committed += self._participating_replica_world_size
             self._commit_failures = 0
+            if self._manager is not None:
+                # Heartbeats carry it: the lighthouse knows this group's progress even while
+                # it is not asking for a quorum (no quorum may then regress past it).
+                self._manager.note_committed_step(self._step)
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:

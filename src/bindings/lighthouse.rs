@@ -241,8 +241,8 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     #[new]
     #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
-        heartbeat_timeout_ms = None, *, event_log = None, allow_kill = false,
-        straggler_skew_pct = None, straggler_min_ms = None))]
+        heartbeat_timeout_ms = None, *, progress_wait_ms = None, event_log = None,
+        allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -251,6 +251,7 @@ impl LighthouseServer {
         join_timeout_ms: Option<i64>,
         quorum_tick_ms: Option<i64>,
         heartbeat_timeout_ms: Option<i64>,
+        progress_wait_ms: Option<i64>,
         event_log: Option<std::path::PathBuf>,
         allow_kill: bool,
         straggler_skew_pct: Option<f64>,
@@ -272,6 +273,7 @@ impl LighthouseServer {
                 d.heartbeat_timeout,
                 false,
             )?,
+            progress_wait: ms_arg("progress_wait_ms", progress_wait_ms, d.progress_wait, true)?,
         };
         let od = ObservabilityOptions::default();
         let obs = ObservabilityOptions {
@@ -354,15 +356,28 @@ impl LighthouseClient {
         Ok(Quorum::from(q))
     }
 
-    /// Tells the lighthouse this replica is alive.
-    #[pyo3(signature = (replica_id, timeout = Duration::from_secs(5)))]
-    fn heartbeat(&self, py: Python<'_>, replica_id: String, timeout: Duration) -> PyResult<()> {
+    /// Tells the lighthouse this replica is alive and, if given, its committed step.
+    #[pyo3(signature = (replica_id, timeout = Duration::from_secs(5), step = None))]
+    fn heartbeat(
+        &self,
+        py: Python<'_>,
+        replica_id: String,
+        timeout: Duration,
+        step: Option<i64>,
+    ) -> PyResult<()> {
         let timeout = check_duration("timeout", timeout)?;
+        if let Some(s) = step.filter(|s| *s < 0) {
+            return Err(PyValueError::new_err(format!(
+                "step must not be negative, got {s}"
+            )));
+        }
         let client = self.inner.clone();
-        block_on(
-            py,
-            async move { client.heartbeat(&replica_id, timeout).await },
-        )?;
+        block_on(py, async move {
+            client
+                .heartbeat_lease(&replica_id, step, timeout)
+                .await
+                .map_err(crate::error::Error::from)
+        })?;
         Ok(())
     }
 

@@ -169,21 +169,25 @@ impl LighthouseClient {
         replica_id: &str,
         timeout: Duration,
     ) -> std::result::Result<(), Status> {
-        self.heartbeat_lease(replica_id, timeout).await.map(|_| ())
+        self.heartbeat_lease(replica_id, None, timeout)
+            .await
+            .map(|_| ())
     }
 
-    /// Heartbeats and returns the lighthouse's heartbeat timeout (None if it does not say):
-    /// the group cannot be declared lost by heartbeat expiry sooner than that after this
-    /// call was sent.
+    /// Heartbeats (with the group's committed `step`, if known) and returns the lighthouse's
+    /// heartbeat timeout (None if it does not say): the group cannot be declared lost by
+    /// heartbeat expiry sooner than that after this call was sent.
     pub async fn heartbeat_lease(
         &self,
         replica_id: &str,
+        step: Option<i64>,
         timeout: Duration,
     ) -> std::result::Result<Option<Duration>, Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
                 replica_id: replica_id.to_string(),
+                step,
             },
             timeout,
         );

@@ -139,6 +139,12 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
             job.counters.events,
         ),
         (
+            "torchft_progress_regressions_total",
+            "Quorums that continued from an older committed step than the best known \
+             (progress_regressed events).",
+            job.counters.progress_regressions,
+        ),
+        (
             "torchft_event_log_dropped_total",
             "Event log lines dropped because the writer fell behind.",
             job.event_log_dropped,

@@ -32,6 +32,13 @@ pub struct LighthouseOptions {
     pub quorum_tick: Duration,
     /// A replica group that has not heartbeated (or asked) for this long is not healthy.
     pub heartbeat_timeout: Duration,
+    /// How long a round whose candidates are all behind a replica group that may still come
+    /// back (heartbeating, or silent with its session open) waits for it, from the round's
+    /// first request, before the job continues from the older state (announced as
+    /// `progress_regressed`). A (re)started lighthouse also holds its first quorum for
+    /// `min(heartbeat_timeout, progress_wait)`, until every group still heartbeating is
+    /// heard. Zero: never wait (progress may regress while its holder is alive).
+    pub progress_wait: Duration,
 }
 
 impl Default for LighthouseOptions {
@@ -41,9 +48,15 @@ impl Default for LighthouseOptions {
             join_timeout: Duration::from_secs(60),
             quorum_tick: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(5),
+            progress_wait: DEFAULT_PROGRESS_WAIT,
         }
     }
 }
+
+/// Default of [`LighthouseOptions::progress_wait`]: as long as the Manager's default
+/// timeouts, so a group ahead of the others that is inside a blocking phase of its step
+/// (store connect, heal, a collective) finishes it and rejoins before the job gives up on it.
+pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_secs(60);
 
 impl LighthouseOptions {
     /// Checks the options are usable (at least one replica, non-zero tick and timeouts).

@@ -243,7 +243,7 @@ impl Shared {
     pub(crate) fn with_hub(opts: LighthouseOptions, initial_id: i64, hub: Hub) -> Self {
         Self {
             state: Mutex::new(State {
-                engine: QuorumEngine::new(opts, initial_id),
+                engine: QuorumEngine::new(opts, initial_id, now_instant()),
                 waiters: HashMap::new(),
                 sessions: HashMap::new(),
                 next_session: 1,
@@ -300,6 +300,23 @@ impl Shared {
             self.hub
                 .with(|t| t.on_quorum(quorum.quorum_id, &members, now));
         }
+        for r in state.engine.take_regressions() {
+            // Loud: the job's progress went back (see the no-regression rule).
+            warn!(
+                quorum_id = r.quorum_id,
+                from_step = r.from_step,
+                to_step = r.to_step,
+                alive_holders = ?r.alive_holders,
+                "progress regressed: the quorum continues from an older step{}",
+                if r.alive_holders.is_empty() {
+                    " (every holder of the newer state is gone)"
+                } else {
+                    " (gave up waiting for the holders of the newer state)"
+                }
+            );
+            let now = now_instant();
+            self.hub.with(|t| t.on_progress_regressed(&r, now));
+        }
         let previous = state.last.as_ref().map(|l| &l.quorum);
         let issued = Arc::new(Issued::new(quorum, stable_since, previous));
         state.last = Some(issued.clone());
@@ -354,14 +371,15 @@ impl Shared {
         }
     }
 
-    /// Records a heartbeat; returns the heartbeat timeout (the caller's lease).
-    fn heartbeat(&self, replica_id: &str) -> Result<Duration> {
+    /// Records a heartbeat (and the group's committed step, if sent); returns the heartbeat
+    /// timeout (the caller's lease).
+    fn heartbeat(&self, replica_id: &str, step: Option<i64>) -> Result<Duration> {
         let now = now_instant();
         let mut state = self.lock();
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        state.engine.heartbeat(replica_id, now)?;
+        state.engine.heartbeat_with_step(replica_id, step, now)?;
         Ok(state.engine.options().heartbeat_timeout)
     }
 
@@ -433,7 +451,7 @@ impl Shared {
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        state.engine.heartbeat(replica_id, now)?;
+        state.engine.session_opened(replica_id, now)?;
         let (tx, rx) = mpsc::channel(SESSION_BUFFER);
         // The first message tells the manager its session is established.
         let _ = tx.try_send(Ok(SessionEvent { lost: None }));
@@ -654,7 +672,8 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
-        let timeout = self.shared.heartbeat(&request.into_inner().replica_id)?;
+        let req = request.into_inner();
+        let timeout = self.shared.heartbeat(&req.replica_id, req.step)?;
         Ok(Response::new(LighthouseHeartbeatResponse {
             heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }))
@@ -998,8 +1017,39 @@ mod tests {
     fn opts() -> LighthouseOptions {
         LighthouseOptions {
             min_replicas: 2,
+            // No startup hold: the rounds below are issued at once.
+            progress_wait: Duration::ZERO,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_regression_is_counted_and_announced() {
+        let shared = Shared::new(opts(), 10);
+        let mut feed = shared.hub.subscribe().unwrap();
+        round(&shared, &[member("a", 40), member("b", 40)]);
+        let now = now_instant();
+        {
+            let mut state = shared.lock();
+            state.engine.lost("a", now);
+            state.engine.lost("b", now);
+        }
+        let issued = round(&shared, &[member("c", 0), member("d", 0)]);
+        assert_eq!(issued[0].quorum.participants.len(), 2);
+        let counted = shared.hub.read(|t| t.counters().progress_regressions);
+        assert_eq!(counted, 1);
+        let mut found = None;
+        while let Ok(item) = feed.try_recv() {
+            if item.1.contains("progress_regressed") {
+                found = Some(item.1.clone());
+            }
+        }
+        let event: serde_json::Value = serde_json::from_str(&found.expect("event")).unwrap();
+        assert_eq!(event["from_step"], 40);
+        assert_eq!(event["to_step"], 0);
+        assert_eq!(event["steps_lost"], 40);
+        assert_eq!(event["unavoidable"], true);
+        assert_eq!(event["quorum_id"], issued[0].quorum.quorum_id);
     }
 
     fn member(id: &str, step: i64) -> QuorumMember {

@@ -446,6 +446,8 @@ pub struct GlobalCounters {
     pub reports_rejected: u64,
     /// Events emitted.
     pub events: u64,
+    /// Quorums issued behind the best committed step known (`progress_regressed`).
+    pub progress_regressions: u64,
 }
 
 /// The derived health of every replica group.
@@ -530,6 +532,24 @@ impl Telemetry {
     /// Job-wide counters.
     pub fn counters(&self) -> &GlobalCounters {
         &self.counters
+    }
+
+    /// A quorum continued from an older step than the best known: counted, and announced as
+    /// a `progress_regressed` event.
+    pub fn on_progress_regressed(&mut self, r: &super::quorum::Regression, now: Instant) {
+        self.counters.progress_regressions += 1;
+        self.emit(
+            now,
+            "progress_regressed",
+            json!({
+                "quorum_id": r.quorum_id,
+                "from_step": r.from_step,
+                "to_step": r.to_step,
+                "steps_lost": r.from_step - r.to_step,
+                "alive_holders": r.alive_holders,
+                "unavoidable": r.alive_holders.is_empty(),
+            }),
+        );
     }
 
     /// Counts a refused batch of `n` reports.

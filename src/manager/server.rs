@@ -14,6 +14,7 @@
 //! the lighthouse's lost-member events, which ranks collect with the `WatchEvents` long-poll.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -189,6 +190,10 @@ struct Inner {
     shutdown: watch::Receiver<bool>,
     /// The ranks' telemetry reports, waiting to be forwarded to the lighthouse.
     reports: ReportQueue,
+    /// The group's committed step as last seen (a quorum round, or a commit noted by the
+    /// hosting rank); -1 before either. Heartbeats carry it to the lighthouse, which then
+    /// knows this group's progress while it is not asking for a quorum.
+    committed_step: AtomicI64,
 }
 
 /// Formats `http://host:port`, bracketing IPv6 literals.
@@ -295,6 +300,7 @@ impl ManagerServer {
             lighthouse,
             shutdown: shutdown_rx.clone(),
             reports: ReportQueue::default(),
+            committed_step: AtomicI64::new(-1),
             opts,
         });
 
@@ -340,6 +346,15 @@ impl ManagerServer {
     /// the step must then not commit. Single-rank groups that vote locally ask this.
     pub fn lease_held(&self) -> bool {
         self.inner.lease_held()
+    }
+
+    /// Notes that the group has committed `step` (called by the hosting rank after each
+    /// commit): heartbeats report it, so the lighthouse knows this group's progress between
+    /// quorum requests. Negative values are ignored.
+    pub fn note_committed_step(&self, step: i64) {
+        if step >= 0 {
+            self.inner.committed_step.store(step, Ordering::Relaxed);
+        }
     }
 
     /// The address other groups and this group's ranks dial: `http://{hostname}:{port}`.
@@ -395,9 +410,10 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
             _ = shutdown.wait_for(|down| *down) => return,
         }
         let sent = Instant::now();
+        let step = inner.committed_step.load(Ordering::Relaxed);
         let result = inner
             .lighthouse
-            .heartbeat_lease(&inner.opts.replica_id, period)
+            .heartbeat_lease(&inner.opts.replica_id, (step >= 0).then_some(step), period)
             .await;
         match result {
             Ok(timeout) => {
@@ -578,6 +594,7 @@ impl Inner {
 
     /// Runs the lighthouse request of a complete round and answers every rank of it.
     async fn answer_round(self: Arc<Self>, round: ReadyRound) {
+        self.committed_step.store(round.step, Ordering::Relaxed);
         let result = tokio::select! {
             r = self.lighthouse_quorum(&round) => r,
             _ = shutting_down(self.shutdown.clone()) => Err(Error::Shutdown),
