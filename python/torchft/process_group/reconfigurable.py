@@ -1,0 +1,421 @@
+"""Process groups rebuilt in place on every ``configure``: Gloo and NCCL.
+
+``ProcessGroupWrapper`` is both the delegating base of the wrappers (given a group) and the
+reconfigurable group (given none): ``configure`` connects to the store prefix of the new
+quorum and builds a fresh torch group with ``_create_pg``, releasing the old one on a helper
+thread so a backend stuck with a dead peer never blocks reconfiguration.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup as BaseProcessGroup
+from torch.distributed import ReduceOp, Store
+from torch.futures import Future
+
+from torchft.process_group.base import (
+    ProcessGroup,
+    _check_rank,
+    _check_timeout,
+    _copy_opts,
+    _default_result,
+    _env_timeout,
+    _is_avg,
+    _weak_callback,
+    _work_future,
+    create_store_client,
+)
+from torchft.work import _FutureWork, _InFlight, _work_timeout, context_timeout
+
+if TYPE_CHECKING:
+    from torchft.process_group.baby import ProcessGroupBaby
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class ProcessGroupWrapper(ProcessGroup):
+    """Forwards every call to a wrapped group, or to one it builds itself.
+
+    With ``pg`` given this is a plain delegating wrapper (base of the error-handling
+    wrappers). Without it, subclasses implement ``_create_pg`` and ``configure`` builds a
+    fresh torch group on the new store prefix each time.
+    """
+
+    def __init__(
+        self, pg: ProcessGroup | None = None, timeout: timedelta = timedelta(seconds=60)
+    ) -> None:
+        """Creates the wrapper.
+
+        Args:
+            pg: the group to forward to; None to build groups with ``_create_pg``.
+            timeout: timeout of store connections and collectives (overridden by env
+                ``TORCHFT_TIMEOUT_SEC``).
+        """
+        super().__init__()
+        self._pg: BaseProcessGroup | None = pg
+        self._wrapped = pg is not None
+        self._timeout = _env_timeout(_check_timeout(timeout))
+        self._lock = threading.RLock()
+        self._rank = 0
+        self._world_size = 1
+        self._error: Exception | None = None
+        self._replica_id: str | None = None
+        self._inflight = _InFlight()
+
+    @property
+    def parent(self) -> BaseProcessGroup | None:
+        """The wrapped (or currently built) group."""
+        return self._pg
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
+        """Builds the torch group for one configuration (subclasses implement)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _create_pg")
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """Rebuilds the group (or reconfigures the wrapped one); see ``ProcessGroup``."""
+        _check_rank(rank, world_size)
+        if self._wrapped:
+            pg = self._pg
+            assert isinstance(pg, ProcessGroup)
+            pg.configure(store_addr, replica_id, rank, world_size)
+            with self._lock:
+                self._error = None
+                self._rank = rank
+                self._world_size = world_size
+            return
+        store = create_store_client(store_addr, timeout=self._timeout)
+        self._configure_store(store, rank, world_size, replica_id)
+
+    def _configure_store(
+        self, store: Store, rank: int, world_size: int, replica_id: str | None = None
+    ) -> None:
+        """Builds a new group on an already scoped store (also used by backend factories)."""
+        _check_rank(rank, world_size)
+        # Operations of the previous configuration fail (and are recorded) first; the new
+        # configuration then starts without an error.
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
+        with self._lock:
+            old = self._pg
+            self._pg = None
+            self._error = None
+        if old is not None:
+            box = [old]
+            del old
+            self._teardown(box)
+        try:
+            pg = self._create_pg(store, rank, world_size)
+        except Exception as e:
+            self._record_error(e)
+            raise
+        with self._lock:
+            self._pg = pg
+            self._rank = rank
+            self._world_size = world_size
+            self._replica_id = replica_id
+            self._registered_store = store
+        logger.info(
+            "%s configured: replica_id=%s rank=%d world_size=%d",
+            type(self).__name__,
+            replica_id,
+            rank,
+            world_size,
+        )
+
+    def _teardown(self, box: list[BaseProcessGroup], wait: float = 0.0) -> None:
+        """Aborts and releases an old group on a helper thread.
+
+        Destroying a backend joins its worker threads, which may be stuck in a collective
+        with a dead peer until the backend's own timeout; that must never block configure or
+        abort. ``box`` holds the only reference, which the helper thread takes over.
+
+        Args:
+            box: a one-element list with the group (emptied by the helper).
+            wait: how long to wait for the release (0: do not wait).
+        """
+        thread = threading.Thread(
+            target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=True
+        )
+        thread.start()
+        if wait > 0:
+            thread.join(wait)
+
+    def abort(self) -> None:
+        """Aborts the current group; it must be reconfigured before further use."""
+        with self._lock:
+            pg = self._pg
+        if pg is None:
+            return
+        if self._wrapped:
+            pg.abort()
+            return
+        err = RuntimeError(f"{type(self).__name__} was aborted")
+        with self._lock:
+            self._pg = None
+            if self._error is None:
+                self._error = err
+        # Release everyone blocked on this group's collectives now, not at their timeout.
+        self._inflight.fail_all(err)
+        box = [pg]
+        del pg
+        self._teardown(box)
+
+    def shutdown(self) -> None:
+        """Releases the current group."""
+        with self._lock:
+            pg = self._pg
+            if not self._wrapped:
+                self._pg = None
+        if pg is None:
+            return
+        if self._wrapped:
+            pg.shutdown()
+            return
+        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
+        box = [pg]
+        del pg
+        self._teardown(box, wait=5.0)
+
+    def errored(self) -> Exception | None:
+        """The first error seen since the last ``configure`` (or the wrapped group's)."""
+        with self._lock:
+            if self._error is not None:
+                return self._error
+            pg = self._pg
+        if self._wrapped and isinstance(pg, ProcessGroup):
+            return pg.errored()
+        return None
+
+    def _record_error(self, e: Exception) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = e
+        logger.warning("%s: collective failed: %s", type(self).__name__, e)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Changes the timeout of later operations (and of the wrapped group)."""
+        self._timeout = _check_timeout(timeout)
+        with self._lock:
+            pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            pg.set_timeout(timeout)
+        elif pg is not None:
+            try:
+                pg.set_timeout(timeout)
+            except Exception as e:  # noqa: BLE001 - not every backend supports it
+                logger.debug("set_timeout not supported by %s: %s", type(pg).__name__, e)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The wrapped group's backend name (or this class's)."""
+        if self._wrapped and self._pg is not None:
+            return self._pg.getBackendName() if isinstance(self._pg, ProcessGroup) else "torchft"
+        return "torchft"
+
+    def size(self) -> int:
+        """World size of the current configuration."""
+        if self._wrapped and self._pg is not None:
+            return self._pg.size()
+        return self._world_size
+
+    def rank(self) -> int:
+        """Rank of this process in the current configuration."""
+        if self._wrapped and self._pg is not None:
+            return self._pg.rank()
+        return self._rank
+
+    # ---- collectives -----------------------------------------------------------------
+
+    def _current(self) -> BaseProcessGroup:
+        with self._lock:
+            pg = self._pg
+        if pg is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not configured (call configure first, or it was aborted)"
+            )
+        return pg
+
+    def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
+        """Post-processes a work from the underlying group (timeouts, error recording)."""
+        if self._wrapped:
+            return work
+        fut = self._inflight.track(
+            _work_future(work, result), self._timeout, _weak_callback(self._record_error)
+        )
+        return _FutureWork(fut)  # fut already carries the deadline
+
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+        pg = self._current()
+        work = getattr(pg, op)(*args)
+        return self._wrap_work(work, _default_result(op, args))
+
+
+def _release(box: list[BaseProcessGroup], graceful: bool) -> None:
+    """Shuts down or aborts (best effort) and drops the group in ``box`` (helper thread)."""
+    pg = box.pop()
+    try:
+        if graceful:
+            pg.shutdown()
+        else:
+            pg.abort()
+    except Exception as e:  # noqa: BLE001 - not every backend supports it; dropping is enough
+        logger.debug("releasing %s failed: %s", type(pg).__name__, e)
+    del pg
+
+
+def _recording(fut: Future[Any], owner: ProcessGroupWrapper | ProcessGroupBaby) -> Future[Any]:
+    """Chains ``fut`` so a failure is recorded on ``owner`` before anyone sees it.
+
+    The returned future completes only after the error is recorded, so ``errored()`` is
+    already set when a waiter wakes up. Only a weak reference to ``owner`` is kept:
+    callbacks run on backend threads, and if they dropped the last reference the backend
+    would be destroyed (and join itself) there.
+    """
+    ref = weakref.ref(owner)
+
+    def check(f: Future[Any]) -> Any:
+        try:
+            return f.value()
+        except Exception as e:
+            pg = ref()
+            if pg is not None:
+                pg._record_error(e)
+            raise
+
+    return fut.then(check)
+
+
+def _build_gloo(store: Store, rank: int, world_size: int, timeout: timedelta) -> BaseProcessGroup:
+    """Builds a torch ProcessGroup with a Gloo backend for CPU (and CUDA tensors if present)."""
+    from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo
+
+    backend = BaseProcessGroupGloo(store, rank, world_size, timeout)
+    pg = BaseProcessGroup(store, rank, world_size)
+    pg._set_default_backend(BaseProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), BaseProcessGroup.BackendType.GLOO, backend)
+    if torch.cuda.is_available():
+        pg._register_backend(torch.device("cuda"), BaseProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def _build_nccl(store: Store, rank: int, world_size: int, timeout: timedelta) -> BaseProcessGroup:
+    """Builds a torch ProcessGroup with a non-blocking (abortable) NCCL backend."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise RuntimeError("NCCL process groups need CUDA GPUs and a torch built with NCCL")
+    from torch.distributed import ProcessGroupNCCL as BaseProcessGroupNCCL
+
+    opts = BaseProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    # Non-blocking communicators can be aborted while a collective is stuck.
+    opts.config.blocking = False
+    backend = BaseProcessGroupNCCL(store, rank, world_size, opts)
+    pg = BaseProcessGroup(store, rank, world_size)
+    pg._set_default_backend(BaseProcessGroup.BackendType.NCCL)
+    pg._register_backend(torch.device("cuda"), BaseProcessGroup.BackendType.NCCL, backend)
+    return pg
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """Reconfigurable Gloo group: every ``configure`` builds a fresh Gloo group.
+
+    ``ReduceOp.AVG`` (which Gloo lacks) is emulated as SUM followed by a division.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        """Creates an unconfigured group.
+
+        Args:
+            timeout: store connection and collective timeout.
+        """
+        super().__init__(timeout=timeout)
+
+    def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
+        return _build_gloo(store, rank, world_size, self._timeout)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """``torchft-gloo``."""
+        return "torchft-gloo"
+
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+        """Runs ``op``; an AVG allreduce is computed as SUM / world size."""
+        if op != "allreduce" or not _is_avg(args[1]):
+            return super()._dispatch(op, args)
+        tensors, opts = args
+        world = self.size()
+        work = super()._dispatch("allreduce", (tensors, _copy_opts(opts, ReduceOp.SUM)))
+
+        def divide(fut: Future[Any]) -> list[torch.Tensor]:
+            fut.value()
+            for t in tensors:
+                if t.is_floating_point() or t.is_complex():
+                    t.div_(world)
+                else:
+                    t.floor_divide_(world)
+            return tensors
+
+        return _FutureWork(work.get_future().then(divide))
+
+
+class ProcessGroupNCCL(ProcessGroupWrapper):
+    """Reconfigurable NCCL group that aborts the communicator when an operation times out.
+
+    Works wait on the GPU stream as usual; ``wait()`` is guarded by the timeout, and when it
+    passes the communicator is aborted (non-blocking mode) so the caller never hangs, and
+    the error is kept for ``errored()``.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        """Creates an unconfigured group.
+
+        Args:
+            timeout: store connection and collective timeout.
+        """
+        super().__init__(timeout=timeout)
+
+    def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
+        return _build_nccl(store, rank, world_size, self._timeout)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """``torchft-nccl``."""
+        return "torchft-nccl"
+
+    def _timed_out(self) -> None:
+        self._record_error(TimeoutError(f"NCCL operation timed out after {self._timeout}"))
+        self.abort()
+
+    def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
+        return _NCCLWork(self, work, self._timeout)
+
+
+class _NCCLWork(dist._Work):
+    """An NCCL work whose ``wait`` aborts the group when it passes the timeout."""
+
+    def __init__(self, pg: ProcessGroupNCCL, work: dist._Work, timeout: timedelta) -> None:
+        super().__init__()
+        self._pg = pg
+        self._work = work
+        self._timeout = timeout
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        timeout = _work_timeout(timeout)
+        with context_timeout(self._pg._timed_out, timeout or self._timeout):
+            try:
+                self._work.wait()
+            except Exception as e:
+                self._pg._record_error(e)
+                raise
+        # If the work finished because of an abort, surface that error.
+        err = self._pg.errored()
+        if err is not None:
+            raise err
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return _recording(self._work.get_future(), self._pg)

@@ -1,0 +1,201 @@
+"""Wrappers around a process group: error swallowing, fault injection, and the managed group.
+
+* ``ErrorSwallowingProcessGroupWrapper`` records the first error and turns later collectives
+  into no-ops, so training code never sees a communication exception.
+* ``FakeProcessGroupWrapper`` makes the next collective's future fail (tests).
+* ``ManagedProcessGroup`` sends allreduce through a ``Manager`` so torch code that expects a
+  group (DeviceMesh, FSDP's replicate dimension) gets the fault-tolerant allreduce.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from torchft.process_group.base import (
+    ProcessGroup,
+    _default_result,
+    _weak_callback,
+    _work_future,
+)
+from torchft.process_group.dummy import ProcessGroupDummy
+from torchft.process_group.reconfigurable import ProcessGroupWrapper
+from torchft.work import _DummyWork, _FutureWork, _work_timeout, future_on_error
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+
+class _ErrorSwallowingWork(dist._Work):
+    """A work whose failures are recorded on the wrapper instead of raised."""
+
+    def __init__(
+        self, pg: ErrorSwallowingProcessGroupWrapper, work: dist._Work, default: object
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._work = work
+        self._default = default
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            timeout = _work_timeout(timeout)
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        except Exception as e:  # noqa: BLE001 - recorded, not raised
+            self._pg.report_error(e)
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return future_on_error(
+            _work_future(self._work, self._default),
+            _weak_callback(self._pg.report_error),
+            self._default,
+        )
+
+
+class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
+    """Records the first error of any collective and turns later collectives into no-ops.
+
+    Training code never sees a communication exception: works always complete, with the
+    caller's own tensors as the result. The error is reported by ``error()`` (and
+    ``errored()``) so the step can be discarded at commit time. ``configure`` clears it.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        """Wraps ``pg``.
+
+        Args:
+            pg: the group whose errors are swallowed.
+        """
+        super().__init__(pg=pg)
+
+    def error(self) -> Exception | None:
+        """The recorded error, if any."""
+        with self._lock:
+            return self._error
+
+    def errored(self) -> Exception | None:
+        """The recorded error, or the wrapped group's."""
+        return self.error() or super().errored()
+
+    def report_error(self, e: Exception) -> None:
+        """Records ``e`` (the first one wins); later collectives become no-ops."""
+        self._record_error(e)
+
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+        default = _default_result(op, args)
+        if self.error() is not None:
+            return _DummyWork(default)
+        try:
+            work = getattr(self._current(), op)(*args)
+        except Exception as e:  # noqa: BLE001 - recorded, not raised
+            self.report_error(e)
+            return _DummyWork(default)
+        return _ErrorSwallowingWork(self, work, default)
+
+
+class _FailingWork(dist._Work):
+    """A work that fails with a given error once the underlying work is done."""
+
+    def __init__(self, work: dist._Work, error: Exception) -> None:
+        super().__init__()
+        self._work = work
+        self._error = error
+        self._fut: Future[Any] = Future()
+        err = error
+
+        def fail(f: Future[Any]) -> None:
+            self._fut.set_exception(err)
+
+        _work_future(work, None).add_done_callback(fail)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return self._fut
+
+
+class FakeProcessGroupWrapper(ProcessGroupWrapper):
+    """Test helper: ``report_future_error(e)`` makes the next collective's future fail."""
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        """Wraps ``pg``.
+
+        Args:
+            pg: the group that really runs the collectives.
+        """
+        super().__init__(pg=pg)
+        self._future_error: Exception | None = None
+
+    def report_future_error(self, e: Exception) -> None:
+        """Makes the future (and ``wait()``) of the next collective fail with ``e``."""
+        with self._lock:
+            self._future_error = e
+
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+        work = getattr(self._current(), op)(*args)
+        with self._lock:
+            err = self._future_error
+            self._future_error = None
+        if err is None:
+            return work
+        return _FailingWork(work, err)
+
+
+class ManagedProcessGroup(ProcessGroupWrapper):
+    """A process group whose allreduce goes through a ``Manager``.
+
+    This lets torch code that expects a group (DeviceMesh, FSDP's replicate dimension) use
+    the fault-tolerant allreduce: errors are swallowed by the manager and the world size is
+    the number of participating replica groups.
+    """
+
+    def __init__(self, manager: Manager) -> None:
+        """Wraps ``manager``.
+
+        Args:
+            manager: the Manager whose ``allreduce`` and group are used.
+        """
+        inner = getattr(manager, "_pg", None)
+        super().__init__(pg=inner if isinstance(inner, ProcessGroup) else ProcessGroupDummy(0, 1))
+        self._manager = manager
+
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+        """Allreduces each tensor with ``manager.allreduce`` (the future holds the tensors);
+        other collectives run on the manager's group."""
+        if op != "allreduce":
+            return super()._dispatch(op, args)
+        tensors, opts = args
+        futures = []
+        for t in tensors:
+            work = self._manager.allreduce(t, reduce_op=opts.reduceOp)
+            futures.append(work.get_future())
+        if len(futures) == 1:
+            result = futures[0].then(lambda f: (f.value(), tensors)[1])
+        else:
+            result = torch.futures.collect_all(futures).then(
+                lambda f: ([x.value() for x in f.value()], tensors)[1]
+            )
+        return _FutureWork(result)
+
+    def size(self) -> int:
+        """Number of replica groups taking part in the current step."""
+        return int(self._manager.num_participants())
+
+    def rank(self) -> int:
+        """This replica group's participating rank (0 when not participating)."""
+        rank = self._manager.participating_rank()
+        return int(rank) if rank is not None else 0
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """``torchft-managed``."""
+        return "torchft-managed"
