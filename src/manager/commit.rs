@@ -12,6 +12,9 @@
 //!   `FailedPrecondition` (it would otherwise never be answered).
 //! - A voter whose deadline passes (or whose request is dropped) leaves the round, so a later
 //!   vote by the same rank counts once and a decision never includes a vote nobody waits on.
+//! - [`CommitBarrier::abort_round`] (a member of the group's quorum was declared lost) decides
+//!   the round in progress "no" at once: the waiting ranks get false now, and so do the ranks
+//!   of that step that vote later, instead of waiting on a rank held up by the lost peer.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -32,6 +35,8 @@ pub struct CommitBarrier {
 struct State {
     round: Option<Round>,
     next_ticket: u64,
+    /// A step decided "no" by `abort_round`: its remaining votes get false at once.
+    aborted_step: Option<i64>,
 }
 
 #[derive(Debug)]
@@ -113,6 +118,11 @@ impl CommitBarrier {
         }
         let (ticket, rx) = {
             let mut state = self.lock();
+            match state.aborted_step {
+                Some(aborted) if aborted == step => return Ok(false),
+                Some(_) => state.aborted_step = None,
+                None => {}
+            }
             if let Some(round) = state.round.as_ref() {
                 if round.step != step {
                     let msg = format!(
@@ -173,6 +183,19 @@ impl CommitBarrier {
     /// Number of votes in the round in progress (for tests and status).
     pub fn pending_votes(&self) -> usize {
         self.lock().round.as_ref().map_or(0, |r| r.voters.len())
+    }
+
+    /// Decides the round in progress "no" (a member of the quorum was lost): its waiting
+    /// voters get false now, and later votes for the same step get false at once. Returns
+    /// the step decided, if a round was in progress.
+    pub fn abort_round(&self) -> Option<i64> {
+        let mut state = self.lock();
+        let round = state.round.take()?;
+        state.aborted_step = Some(round.step);
+        for (_, v) in round.voters {
+            let _ = v.tx.send(Ok(false));
+        }
+        Some(round.step)
     }
 
     /// Fails every waiting voter with `Shutdown` (the server is going away).
@@ -332,6 +355,28 @@ mod tests {
         }
         assert_eq!(b.pending_votes(), 0);
         assert!(CommitBarrier::new(0).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn abort_round_decides_no_for_waiting_and_late_voters_of_that_step_only() {
+        let b = Arc::new(CommitBarrier::new(3).unwrap());
+        assert_eq!(b.abort_round(), None, "nothing to abort");
+        let r0 = spawn_vote(&b, 0, 9, true, LONG);
+        let r1 = spawn_vote(&b, 1, 9, true, LONG);
+        settle().await;
+        assert_eq!(b.abort_round(), Some(9));
+        assert!(!r0.await.unwrap().unwrap());
+        assert!(!r1.await.unwrap().unwrap());
+        // The rank that was held up votes later: the same decision, at once.
+        let start = tokio::time::Instant::now();
+        assert!(!b.vote(2, 9, true, LONG).await.unwrap());
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // The next step is voted normally.
+        let r0 = spawn_vote(&b, 0, 10, true, LONG);
+        let r1 = spawn_vote(&b, 1, 10, true, LONG);
+        settle().await;
+        assert!(b.vote(2, 10, true, LONG).await.unwrap());
+        assert!(r0.await.unwrap().unwrap() && r1.await.unwrap().unwrap());
     }
 
     #[tokio::test(start_paused = true)]

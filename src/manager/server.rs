@@ -194,6 +194,9 @@ struct Inner {
     /// hosting rank); -1 before either. Heartbeats carry it to the lighthouse, which then
     /// knows this group's progress while it is not asking for a quorum.
     committed_step: AtomicI64,
+    /// Id of the last quorum received (-1 before any): a loss reported for it ends the commit
+    /// vote in progress.
+    quorum_id: AtomicI64,
 }
 
 /// Formats `http://host:port`, bracketing IPv6 literals.
@@ -301,6 +304,7 @@ impl ManagerServer {
             shutdown: shutdown_rx.clone(),
             reports: ReportQueue::default(),
             committed_step: AtomicI64::new(-1),
+            quorum_id: AtomicI64::new(-1),
             opts,
         });
 
@@ -473,7 +477,7 @@ async fn session_loop(inner: Arc<Inner>) {
                             if let Some(lost) = event.lost {
                                 warn!(lost = %lost.replica_id, quorum_id = lost.quorum_id,
                                     "lighthouse reports a lost replica group");
-                                inner.events.push(lost);
+                                inner.on_lost(lost);
                             }
                         }
                         Ok(None) => break "the lighthouse closed it".to_string(),
@@ -497,6 +501,18 @@ async fn session_loop(inner: Arc<Inner>) {
 }
 
 impl Inner {
+    /// A member of a quorum was declared lost: ranks learn it through `WatchEvents`, and a
+    /// commit vote of the current quorum in progress is decided "no" at once (a rank of this
+    /// group may be held up by the lost peer; the step cannot commit anyway).
+    fn on_lost(&self, lost: LostEvent) {
+        if lost.quorum_id == self.quorum_id.load(Ordering::Relaxed) {
+            if let Some(step) = self.barrier.abort_round() {
+                info!(step, lost = %lost.replica_id, "commit vote ended: a quorum member was lost");
+            }
+        }
+        self.events.push(lost);
+    }
+
     /// Sends the queued telemetry reports now (bounded by [`REPORT_FLUSH`]).
     async fn flush_reports(&self) {
         self.reports.flush(&self.lighthouse, REPORT_FLUSH).await;
@@ -601,6 +617,7 @@ impl Inner {
         };
         match result {
             Ok(quorum) => {
+                self.quorum_id.store(quorum.quorum_id, Ordering::Relaxed);
                 self.lease
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
