@@ -13,7 +13,7 @@ PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyam
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop browser demo test test-rust test-python lint fmt bench clean
+.PHONY: all venv develop browser demo chaos test test-rust test-python lint fmt bench clean
 
 all: develop
 
@@ -33,6 +33,17 @@ develop: $(EXT_STAMP)
 
 demo: develop
 	$(PY) examples/demo.py
+
+# Random compound faults against real processes, checked offline (docs/chaos.md).
+# SEED=N reruns a seed; FAULTS, GROUPS and MTBF change the run.
+SEED ?=
+FAULTS ?= 200
+GROUPS ?= 3
+MTBF ?= 1.5
+chaos: develop
+	cargo build --release -q --bin torchft_lighthouse
+	$(PY) -m torchft.chaos --faults $(FAULTS) --groups $(GROUPS) --mtbf $(MTBF) \
+		--lighthouse-bin target/release/torchft_lighthouse $(if $(SEED),--seed $(SEED))
 
 test: test-rust test-python
 
