@@ -377,7 +377,6 @@ class Chaos:
         self.lighthouse.kill()
         self.lighthouse.wait()
         time.sleep(down)
-        self.address_before = self.address
         self.address = ""
         self._start_lighthouse(f"127.0.0.1:{port}")
         return []
