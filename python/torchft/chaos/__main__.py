@@ -33,8 +33,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the torchft_lighthouse binary to run (default: found on PATH)",
     )
+    p.add_argument(
+        "--restart-while-stopped",
+        action="store_true",
+        help="also restart the lighthouse while a group is stopped (a known gap: see docs)",
+    )
+    p.add_argument(
+        "--check",
+        default=None,
+        metavar="RUN_DIR",
+        help="only re-check the history of an earlier run (no processes are started)",
+    )
     p.add_argument("--out", default=None, help="run directory (default: a new temp dir)")
     args = p.parse_args(argv)
+    if args.check:
+        return _recheck(Path(args.check))
     weights = dict(FAULT_KINDS)
     for w in args.weight:
         kind, _, value = w.partition("=")
@@ -55,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             progress_wait_ms=args.progress_wait_ms,
             weights=weights,
             lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
+            restart_while_stopped=args.restart_while_stopped,
         )
         cfg.validate()
     except ValueError as e:
@@ -63,6 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"==== chaos report (seed {seed}; rerun: python -m torchft.chaos --seed {seed}) ====")
     print(report.text())
     print(f"run dir: {out}")
+    print("RESULT: " + ("OK" if not report.violations else "VIOLATIONS"))
+    return 0 if not report.violations else 1
+
+
+def _recheck(run: Path) -> int:
+    """Runs the offline checker on the files of an earlier run."""
+    from torchft.chaos.history import check, read_jsonl
+
+    if not (run / "processes.jsonl").exists():
+        print(f"{run} is not a chaos run directory (no processes.jsonl)", file=sys.stderr)
+        return 2
+    groups = sorted({r["group"] for r in read_jsonl(run / "processes.jsonl")})
+    report = check(run, int((run / "target").read_text()), 1, groups)
+    print(report.text())
     print("RESULT: " + ("OK" if not report.violations else "VIOLATIONS"))
     return 0 if not report.violations else 1
 

@@ -185,33 +185,37 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if len(states) > 1:
             rep.violations.append(f"quorum {q} committed step {s} with {len(states)} states")
 
-    # Forks: a second state of a step while a holder of the first was alive.
+    # Forks: a step committed with a second state. Allowed only if every process holding
+    # the later state (one that had committed this step or a later one) was dead by then;
+    # a stopped process is not dead.
     first_state: dict[int, str] = {}
-    holders: dict[tuple[int, str], set[int]] = defaultdict(set)
+    last_step: dict[int, int] = {}  # pid -> its latest committed step so far
     covered: list[tuple[int, int]] = []  # step ranges of regressions already reported
     for c in commits:
         step, state = c["step"], c["state"]
-        holders[(step, state)].add(c["pid"])
         first = first_state.setdefault(step, state)
-        if first == state:
-            continue
-        alive = [pid for pid in holders[(step, first)] if death.get(pid, float("inf")) > c["t"]]
-        if alive:
-            rep.violations.append(
-                f"step {step} committed again with another state by {c['group']} (pid "
-                f"{c['pid']}, quorum {c['quorum_id']}) while pids {sorted(alive)} holding "
-                "the first state were alive"
+        if first != state and not any(lo <= step <= hi for lo, hi in covered):
+            ahead = sorted(
+                pid
+                for pid, s in last_step.items()
+                if s >= step and pid != c["pid"] and death.get(pid, float("inf")) > c["t"]
             )
-            first_state[step] = state  # report each fork once
-        elif not any(lo <= step <= hi for lo, hi in covered):
-            best = max((x["step"] for x in commits if x["t"] < c["t"]), default=step)
-            lost = max(best - step + 1, 0)
-            rep.steps_lost += lost
+            best = max(last_step.values(), default=step)
             covered.append((step, best))
-            rep.regressions.append(
-                f"step {step} re-committed by {c['group']} after every holder of it died "
-                f"(best step then {best}: {lost} steps lost)"
-            )
+            lost = max(best - step + 1, 0)
+            if ahead:
+                rep.violations.append(
+                    f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
+                    f"{c['quorum_id']}) committed step {step} with a new state while pids "
+                    f"{ahead} holding step >= {step} (best {best}) were alive"
+                )
+            else:
+                rep.steps_lost += lost
+                rep.regressions.append(
+                    f"step {step} re-committed by {c['group']} after every holder of it died "
+                    f"(best step then {best}: {lost} steps lost)"
+                )
+        last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
 
     for c in commits:
         if c["participants"] < min_replicas:
