@@ -252,7 +252,8 @@ class Chaos:
     # ---- faults ------------------------------------------------------------------------
 
     def _running(self) -> list[str]:
-        return sorted(g for g in self.procs if g not in self.stopped)
+        # A group killed a moment ago may not be reaped yet: it is not running.
+        return sorted(g for g, p in self.procs.items() if g not in self.stopped and not p.killed)
 
     def _committed(self, group: str) -> bool:
         p = self.procs.get(group)
