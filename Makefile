@@ -8,12 +8,12 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis
 # The extension is rebuilt whenever Rust sources, the proto or the manifests change.
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop browser demo chaos test test-rust test-python lint fmt bench clean
+.PHONY: all venv develop browser demo chaos test test-rust test-python lint fmt bench fuzz clean
 
 all: develop
 
@@ -31,8 +31,9 @@ $(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
 
 develop: $(EXT_STAMP)
 
+# DEMO_SECURE=1 runs the same job with a token and mutual TLS everywhere.
 demo: develop
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py $(if $(filter-out 0,$(DEMO_SECURE)),--secure)
 
 # Random compound faults against real processes, checked offline (docs/chaos.md).
 # SEED=N reruns a seed; FAULTS, GROUPS and MTBF change the run.
@@ -81,6 +82,15 @@ bench: develop
 	cargo bench --bench quorum
 	cargo run --release --example lighthouse_load -- --replicas 1000 --replicas 10000
 	$(PY) benches/run_all.py
+
+# The property/fuzz targets run briefly inside `make test`; this runs them for much longer:
+# the lighthouse and manager request handlers (proptest) and the checkpoint header parser and
+# state serializer (hypothesis). FUZZ_CASES scales the Rust targets.
+FUZZ_CASES ?= 20000
+fuzz: develop
+	PROPTEST_CASES=$(FUZZ_CASES) cargo test --release -q --lib fuzz
+	PROPTEST_CASES=$$(( $(FUZZ_CASES) / 20 )) cargo test --release -q --test fuzz_manager
+	TORCHFT_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_serialization_props.py -q -p no:cacheprovider
 
 clean:
 	cargo clean

@@ -4,6 +4,8 @@ One replica group (world_size 1) against an in-process lighthouse (min_replicas 
 does what ``torchft.Manager`` does on the fast path: ``ManagerClient._quorum(...)`` then
 ``ManagerClient.should_commit(...)``. Next to it, in the same run, the bare lighthouse fast-path
 RPC (``LighthouseClient.quorum``) on a second lighthouse: the floor one gRPC hop costs here.
+And the same manager step with the job secured (token + mutual TLS on the lighthouse and the
+manager server, see docs/security.md): the cost of authentication and encryption per step.
 
 Usage: ``python benches/control_plane.py [--steps 2000] [--warmup 200] [--json]``
 """
@@ -11,12 +13,16 @@ Usage: ``python benches/control_plane.py [--steps 2000] [--warmup 200] [--json]`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 from torchft.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
 
@@ -46,42 +52,100 @@ def _time_steps(step_fn: Callable[[int], None], steps: int, warmup: int) -> list
     return samples
 
 
-def bench_manager_step(steps: int, warmup: int) -> list[float]:
-    """Per-step ``_quorum`` + ``should_commit`` latency (ms) of a one-rank replica group.
+CERTS = Path(__file__).resolve().parent.parent / "tests" / "certs"
+
+
+@contextlib.contextmanager
+def _secured() -> Iterator[None]:
+    """Servers and clients created inside use a token and mutual TLS (test certificates)."""
+    with tempfile.TemporaryDirectory() as d:
+        token = Path(d) / "token"
+        token.write_text("bench-token-" + "x" * 32)
+        env = {
+            "TORCHFT_TOKEN_FILE": str(token),
+            "TORCHFT_TLS_CERT": str(CERTS / "server.pem"),
+            "TORCHFT_TLS_KEY": str(CERTS / "server.key"),
+            "TORCHFT_TLS_CA": str(CERTS / "ca.pem"),
+            "TORCHFT_TLS_CLIENT_CA": str(CERTS / "ca.pem"),
+        }
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _manager_setup() -> tuple[Callable[[int], None], Callable[[], None]]:
+    """A lighthouse, a one-rank group's manager server and its client: (step, cleanup)."""
+    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=1)
+    try:
+        server = ManagerServer(
+            replica_id="bench",
+            lighthouse_addr=lighthouse.address(),
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr="127.0.0.1:29500",
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=100),
+            connect_timeout=timedelta(seconds=10),
+            quorum_retries=0,
+        )
+    except BaseException:
+        lighthouse.shutdown()
+        raise
+    client = ManagerClient(server.address(), timedelta(seconds=10))
+
+    def step(i: int) -> None:
+        result = client._quorum(0, i, "", False, TIMEOUT, 0)
+        if result.heal or result.max_step != i:
+            raise RuntimeError(f"unexpected quorum result at step {i}: {result}")
+        if not client.should_commit(0, i, True, TIMEOUT):
+            raise RuntimeError(f"step {i} did not commit")
+
+    def cleanup() -> None:
+        server.shutdown()
+        lighthouse.shutdown()
+
+    return step, cleanup
+
+
+def bench_manager_steps(steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Per-step ``_quorum`` + ``should_commit`` latency (ms) of a one-rank replica group,
+    plain and with a token and mutual TLS on every hop, alternating step by step so both see
+    the same machine load.
 
     Args:
-        steps: timed steps.
+        steps: timed steps of each.
         warmup: untimed steps first (connections, first quorum).
 
     Returns:
-        One latency sample per timed step, in milliseconds.
+        (plain samples, secured samples), in milliseconds.
     """
-    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=1)
-    server = ManagerServer(
-        replica_id="bench",
-        lighthouse_addr=lighthouse.address(),
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="127.0.0.1:29500",
-        world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=timedelta(seconds=10),
-        quorum_retries=0,
-    )
+    plain_step, plain_cleanup = _manager_setup()
     try:
-        client = ManagerClient(server.address(), timedelta(seconds=10))
-
-        def step(i: int) -> None:
-            result = client._quorum(0, i, "", False, TIMEOUT, 0)
-            if result.heal or result.max_step != i:
-                raise RuntimeError(f"unexpected quorum result at step {i}: {result}")
-            if not client.should_commit(0, i, True, TIMEOUT):
-                raise RuntimeError(f"step {i} did not commit")
-
-        return _time_steps(step, steps, warmup)
+        with _secured():
+            secure_step, secure_cleanup = _manager_setup()
+        try:
+            for i in range(warmup):
+                plain_step(i)
+                secure_step(i)
+            plain: list[float] = []
+            secure: list[float] = []
+            for i in range(warmup, warmup + steps):
+                for fn, out in ((plain_step, plain), (secure_step, secure)):
+                    t0 = time.perf_counter()
+                    fn(i)
+                    out.append((time.perf_counter() - t0) * 1e3)
+            return plain, secure
+        finally:
+            secure_cleanup()
     finally:
-        server.shutdown()
-        lighthouse.shutdown()
+        plain_cleanup()
 
 
 def bench_lighthouse_rpc(steps: int, warmup: int) -> list[float]:
@@ -121,11 +185,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
     args = parser.parse_args()
 
-    manager = bench_manager_step(args.steps, args.warmup)
+    manager, secured = bench_manager_steps(args.steps, args.warmup)
     direct = bench_lighthouse_rpc(args.steps, args.warmup)
     rows = {
         "manager step (_quorum + should_commit)": manager,
         "lighthouse quorum RPC alone": direct,
+        "manager step, token + mutual TLS": secured,
     }
     summary = {
         name: {
@@ -137,6 +202,7 @@ def main() -> None:
     }
     median = summary["manager step (_quorum + should_commit)"]["median_ms"]
     floor = summary["lighthouse quorum RPC alone"]["median_ms"]
+    secure_median = summary["manager step, token + mutual TLS"]["median_ms"]
     if args.json:
         print(json.dumps({"steps": args.steps, "results": summary}, indent=2))
         return
@@ -148,6 +214,10 @@ def main() -> None:
         f"manager step / bare lighthouse RPC: {median / floor:.2f}x; "
         f"target median <= {TARGET_MEDIAN_MS} ms (reference {REFERENCE_MEDIAN_MS} ms): "
         f"{'met' if median <= TARGET_MEDIAN_MS else 'NOT met'}"
+    )
+    print(
+        f"token + mutual TLS / plain manager step: {secure_median / median:.2f}x "
+        f"(+{secure_median - median:.3f} ms per step)"
     )
 
 

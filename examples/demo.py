@@ -5,15 +5,22 @@ Starts ``torchft_lighthouse --min_replicas 2``, launches three replica groups of
 group's trainer mid-run, lets the launcher restart it so it heals from a live peer, and prints a
 summary: steps committed, failures injected, heal time, final loss and whether every group ended
 with bit-identical model and optimizer state. Exits non-zero if any of that did not happen.
+
+With ``--secure`` (``make demo DEMO_SECURE=1``) the whole job runs with a shared-secret
+token and mutual TLS: the lighthouse, every manager server and every healing transfer
+(see docs/security.md). It uses the test certificates in ``tests/certs``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import secrets
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -41,13 +48,72 @@ class GroupView:
     first_commit_after_restart: float | None = None
 
 
-def _replica_health(address: str) -> list[dict[str, object]] | None:
+def _replica_health(
+    address: str, tls: ssl.SSLContext | None = None
+) -> list[dict[str, object]] | None:
     """The lighthouse's per-replica view from /status (None if it did not answer)."""
     try:
-        with urllib.request.urlopen(address + "/status", timeout=0.5) as r:
+        with urllib.request.urlopen(address + "/status", timeout=0.5, context=tls) as r:
             return list(json.loads(r.read())["replicas"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _secure_job(log_dir: Path) -> ssl.SSLContext:
+    """Makes this process and everything it starts use a fresh token and mutual TLS.
+
+    Returns:
+        The TLS context for reading the lighthouse's status page.
+    """
+    certs = HERE.parent / "tests" / "certs"
+    token = log_dir / "token"
+    token.write_text(secrets.token_hex(32) + "\n")
+    token.chmod(0o600)
+    os.environ.update(
+        TORCHFT_TOKEN_FILE=str(token),
+        TORCHFT_TLS_CERT=str(certs / "server.pem"),
+        TORCHFT_TLS_KEY=str(certs / "server.key"),
+        TORCHFT_TLS_CA=str(certs / "ca.pem"),
+        TORCHFT_TLS_CLIENT_CA=str(certs / "ca.pem"),
+    )
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    ctx.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+    return ctx
+
+
+def _check_refusals(address: str, tls: ssl.SSLContext | None) -> list[str]:
+    """Asks the secured lighthouse three things it must refuse; one line per answer."""
+    import urllib.error
+
+    def status_of(url: str, method: str, ctx: ssl.SSLContext | None) -> str:
+        req = urllib.request.Request(url, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+                return f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}"
+        except (OSError, ssl.SSLError) as e:
+            return f"connection failed ({e.__class__.__name__})"
+
+    plain = address.replace("https://", "http://")
+    no_cert = ssl.create_default_context(cafile=os.environ["TORCHFT_TLS_CA"])
+    checks = [
+        ("plain HTTP", status_of(plain + "/status", "GET", None), ("HTTP 400",)),
+        (
+            "kill without the token",
+            status_of(address + "/replicas/x/kill", "POST", tls),
+            ("HTTP 401",),
+        ),
+        (
+            "TLS without a client certificate",
+            status_of(address + "/status", "GET", no_cert),
+            ("connection failed",),
+        ),
+    ]
+    return [
+        f"{what}: {got} ({'refused' if got.startswith(expect) else 'NOT refused'})"
+        for what, got, expect in checks
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-group", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=270.0, help="give up after this many seconds")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        default=os.environ.get("DEMO_SECURE", "") not in ("", "0"),
+        help="run with a token and mutual TLS everywhere (default: env DEMO_SECURE)",
+    )
     args = p.parse_args(argv)
     if args.replicas < 2:
         p.error("--replicas must be at least 2 (one is killed)")
@@ -98,10 +170,20 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 v.failed_steps += 1
 
-    print(f"torchft demo: {args.replicas} replica groups, {args.steps} steps, CPU/Gloo")
+    extra_args: list[str] = []
+    status_tls: ssl.SSLContext | None = None
+    if args.secure:
+        status_tls = _secure_job(log_dir)
+        # The test certificate names localhost: every group advertises that name.
+        extra_args = ["--hostname", "localhost"]
+    mode = "token + mutual TLS" if args.secure else "plain"
+    print(f"torchft demo: {args.replicas} replica groups, {args.steps} steps, CPU/Gloo, {mode}")
     t0 = time.monotonic()
     event_log = log_dir / "events.jsonl"
     lighthouse = LighthouseProcess(min_replicas=2, join_timeout_ms=3000, event_log=str(event_log))
+    refusals = _check_refusals(lighthouse.address, status_tls) if args.secure else []
+    for line in refusals:
+        print(f"security check: {line}")
     print(
         f"lighthouse at {lighthouse.address} "
         f"(dashboard: {lighthouse.address}/ , JSON: /status, metrics: /metrics)"
@@ -117,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             str(args.step_sleep),
             "--result-file",
             result_file,
+            *extra_args,
         ],
         replicas=args.replicas,
         nproc_per_node=1,
@@ -148,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             if now - last_print >= 2.0 or done:
                 last_print = now
-                health = _replica_health(lighthouse.address) or health
+                health = _replica_health(lighthouse.address, status_tls) or health
                 state = "  ".join(f"g{i}:{s}" for i, s in enumerate(steps))
                 print(
                     f"[{now - t0:5.1f}s] steps {state}  restarts={launcher.groups[args.kill_group].restarts}"
@@ -220,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         walk = " -> ".join(t["to"] for t in victim.get("transitions", []))
         print(f"event log               : {len(events)} events; group {args.kill_group}: {walk}")
     ok = bool(killed) and restarts >= 1 and healed is not None and identical
+    if args.secure:
+        secured = len(refusals) == 3 and all("refused" in r for r in refusals)
+        print(f"token + mutual TLS      : {'enforced' if secured else 'NOT ENFORCED'}")
+        ok = ok and secured
     if ok:
         shutil.rmtree(log_dir, ignore_errors=True)
         print(f"wall time               : {time.monotonic() - t0:.1f}s")

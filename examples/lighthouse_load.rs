@@ -315,13 +315,18 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
                 .connect()
                 .await?
         } else {
-            torchft::net::connect(&addr, Duration::from_secs(10)).await?
+            torchft::net::connect(
+                &addr,
+                Duration::from_secs(10),
+                &torchft::security::Security::none(),
+            )
+            .await?
         };
         channels.push(channel);
     }
     let clients = || {
         (0..n)
-            .map(|i| LighthouseClient::from_channel(channels[i % channels.len()].clone()))
+            .map(|i| LighthouseClient::from_channel(channels[i % channels.len()].clone(), None))
             .collect::<Vec<_>>()
     };
     let mut groups = match mode {

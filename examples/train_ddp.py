@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -54,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result-file", default=os.environ.get("TORCHFT_RESULT_FILE"))
     p.add_argument("--timeout", type=float, default=10.0, help="collective timeout (s)")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="quorum timeout (s)")
+    p.add_argument(
+        "--hostname",
+        default=socket.gethostname(),
+        help="name other groups reach this one by (must match a TLS certificate, if any)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.hidden < 1 or args.batch_size < 1:
         p.error("--steps, --hidden and --batch-size must be positive")
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_id=f"train_ddp_{replica_group}",
         timeout=timeout,
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
+        hostname=args.hostname,
     )
     ddp_model = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner_optim)

@@ -30,6 +30,10 @@ pub enum Error {
     /// A peer we depend on (e.g. the lighthouse) failed or is unavailable.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The caller did not present the shared secret, or presented a wrong one; nothing was
+    /// changed.
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
     /// The server is shutting down.
     #[error("server is shutting down")]
     Shutdown,
@@ -62,9 +66,32 @@ impl Error {
             | Error::Timeout(m)
             | Error::FailedPrecondition(m)
             | Error::Unavailable(m)
+            | Error::Unauthenticated(m)
             | Error::Remote(m) => m.clone(),
             other => other.to_string(),
         }
+    }
+
+    /// A copy of this error, so one failure can be delivered to several waiters.
+    pub fn duplicate(&self) -> Self {
+        match self {
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::Timeout(m) => Error::Timeout(m.clone()),
+            Error::Connect { addr, reason } => Error::Connect {
+                addr: addr.clone(),
+                reason: reason.clone(),
+            },
+            Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
+            Error::Unavailable(m) => Error::Unavailable(m.clone()),
+            Error::Unauthenticated(m) => Error::Unauthenticated(m.clone()),
+            Error::Shutdown => Error::Shutdown,
+            Error::Remote(m) => Error::Remote(m.clone()),
+        }
+    }
+
+    /// The message without the kind prefix (the kind is kept by a wrapping error).
+    pub fn message(&self) -> String {
+        self.detail()
     }
 }
 
@@ -78,6 +105,7 @@ impl From<Error> for Status {
                 Status::unavailable(msg)
             }
             Error::FailedPrecondition(_) => Status::failed_precondition(msg),
+            Error::Unauthenticated(_) => Status::unauthenticated(msg),
             Error::Remote(_) => Status::internal(msg),
         }
     }
@@ -91,6 +119,7 @@ impl From<Status> for Error {
             Code::InvalidArgument => Error::InvalidArgument(msg),
             Code::FailedPrecondition => Error::FailedPrecondition(msg),
             Code::Unavailable => Error::Unavailable(msg),
+            Code::Unauthenticated => Error::Unauthenticated(msg),
             code => Error::Remote(format!("{code:?}: {msg}")),
         }
     }

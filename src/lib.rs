@@ -9,6 +9,7 @@ pub mod lighthouse;
 pub mod manager;
 pub mod net;
 pub mod runtime;
+pub mod security;
 
 #[cfg(feature = "python")]
 pub mod bindings;
@@ -17,4 +18,13 @@ pub mod bindings;
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod proto {
     tonic::include_proto!("torchft");
+
+    /// The server the lighthouse mounts: `LighthouseService` without `Quorum`, which the
+    /// lighthouse serves on its own route (one path, with pre-framed shared replies).
+    pub mod served {
+        include!(concat!(
+            env!("OUT_DIR"),
+            "/served/torchft.LighthouseService.rs"
+        ));
+    }
 }

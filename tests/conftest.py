@@ -17,7 +17,7 @@ import pytest
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-_ADDR_RE = re.compile(r"lighthouse listening on (http://\S+)")
+_ADDR_RE = re.compile(r"lighthouse listening on (https?://\S+)")
 
 
 @pytest.fixture

@@ -52,9 +52,13 @@ async fn start(min_replicas: u64) -> LighthouseServer {
 }
 
 async fn raw_client(addr: &str) -> LighthouseServiceClient<tonic::transport::Channel> {
-    let channel = torchft::net::connect(addr, Duration::from_secs(5))
-        .await
-        .unwrap();
+    let channel = torchft::net::connect(
+        addr,
+        Duration::from_secs(5),
+        &torchft::security::Security::none(),
+    )
+    .await
+    .unwrap();
     LighthouseServiceClient::new(channel)
 }
 

@@ -354,7 +354,7 @@ fn manager_opts(replica_id: &str, lighthouse_addr: &str) -> ManagerOptions {
         world_size: 1,
         heartbeat_interval: Duration::from_millis(50),
         connect_timeout: CONNECT,
-        quorum_retries: 0,
+        ..ManagerOptions::default()
     }
 }
 

@@ -261,9 +261,13 @@ async fn invalid_input_refused_state_unchanged() {
             Error::InvalidArgument(_)
         ));
         // Missing requester, sent with the raw stub.
-        let channel = torchft::net::connect(&server.address(), Duration::from_secs(5))
-            .await
-            .unwrap();
+        let channel = torchft::net::connect(
+            &server.address(),
+            Duration::from_secs(5),
+            &torchft::security::Security::none(),
+        )
+        .await
+        .unwrap();
         let mut raw =
             torchft::proto::lighthouse_service_client::LighthouseServiceClient::new(channel);
         let status = raw
@@ -392,7 +396,7 @@ async fn wildcard_bind_reports_dialable_hostname() {
             .await
             .unwrap();
         let addr = server.address();
-        let host = torchft::lighthouse::service::hostname();
+        let host = torchft::lighthouse::server::hostname();
         assert_eq!(
             addr,
             format!("http://{host}:{}", server.local_addr().port())

@@ -94,7 +94,7 @@ async fn heartbeat_keeps_its_period_while_the_lighthouse_hangs() {
             world_size: 1,
             heartbeat_interval: period,
             connect_timeout: Duration::from_secs(5),
-            quorum_retries: 0,
+            ..ManagerOptions::default()
         })
         .await
         .unwrap();
@@ -216,6 +216,7 @@ fn manager_opts(lighthouse_addr: &str, world_size: u64, quorum_retries: u64) -> 
         heartbeat_interval: Duration::from_millis(100),
         connect_timeout: Duration::from_secs(5),
         quorum_retries,
+        ..ManagerOptions::default()
     }
 }
 

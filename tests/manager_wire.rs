@@ -49,7 +49,7 @@ fn opts(replica_id: &str, lighthouse_addr: &str, world_size: u64) -> ManagerOpti
         world_size,
         heartbeat_interval: Duration::from_millis(50),
         connect_timeout: CONNECT,
-        quorum_retries: 0,
+        ..ManagerOptions::default()
     }
 }
 

@@ -58,6 +58,13 @@ ALL_DTYPES = [
 # --------------------------------------------------------------------------- utilities
 
 
+@pytest.fixture(autouse=True)
+def _checkpoint_servers_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests dial 127.0.0.1: the checkpoint servers listen there, whatever the host
+    name of the machine resolves to."""
+    monkeypatch.setenv("TORCHFT_CHECKPOINT_BIND", "127.0.0.1")
+
+
 def assert_identical(a: Any, b: Any, path: str = "root") -> None:
     """Asserts exact equality of structure, types, and tensor bytes."""
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"

@@ -92,3 +92,25 @@ def test_container_recipe_has_targets(target: str) -> None:
     """The container recipe builds both images."""
     text = (DEPLOY / "Dockerfile").read_text()
     assert f" AS {target}" in text
+
+
+@pytest.mark.parametrize(
+    ("manifest", "kind", "containers"),
+    [
+        ("lighthouse.yaml", "Deployment", ["lighthouse"]),
+        ("replica-groups.yaml", "StatefulSet", ["trainer"]),
+        ("sidecar.yaml", "Job", ["lighthouse", "trainer"]),
+    ],
+)
+def test_token_is_mounted_from_a_secret(manifest: str, kind: str, containers: list[str]) -> None:
+    """Every torchft container reads the job's token from the Secret, as a file."""
+    pod = load(manifest)[kind]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for name in containers:
+        c = container(pod, name)
+        path = env_of(c)["TORCHFT_TOKEN_FILE"]
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        assert mount.get("readOnly") is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == "torchft-token"
+        assert path.endswith("/token")

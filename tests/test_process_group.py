@@ -435,6 +435,27 @@ def test_managed_process_group_routes_through_manager() -> None:
     assert pg.getBackendName() == "torchft-managed"
 
 
+class _NoQuorumYetManager(_FakeManager):
+    """A manager before its first quorum: asking for the participants raises, as Manager does."""
+
+    def num_participants(self) -> int:
+        raise RuntimeError("wait_quorum() called before start_quorum()")
+
+
+def test_managed_process_group_registers_before_the_first_quorum() -> None:
+    """torchtitan registers ManagedProcessGroup as "dp_replicate" at start-up, before any
+    quorum: registration works (a world of one) and the name resolves to the group."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = ManagedProcessGroup(_NoQuorumYetManager(2))  # type: ignore[arg-type]
+    pg.register("torchft_test_dp_replicate")
+    try:
+        assert _resolve_process_group("torchft_test_dp_replicate") is pg
+        assert dist.get_process_group_ranks(pg) == [0]
+    finally:
+        pg.unregister()
+
+
 # ---- torch.distributed integration -----------------------------------------------------
 
 

@@ -87,9 +87,19 @@ class LighthouseServer:
         allow_kill: bool = False,
         straggler_skew_pct: float | None = None,
         straggler_min_ms: int | None = None,
-    ) -> None: ...
+        token_file: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_client_ca: str | None = None,
+        private_status: bool = False,
+        max_request_bytes: int | None = None,
+    ) -> None:
+        """Token and TLS default to ``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/``TORCHFT_TLS_*``;
+        the keyword arguments win over them (see docs/security.md)."""
     def address(self) -> str:
-        """``http://host:port`` to dial (the host name when bound to a wildcard address)."""
+        """``http://host:port`` to dial (``https://`` with TLS; the host name when bound to a
+        wildcard address)."""
     def shutdown(self) -> None:
         """Stops serving; pending quorum requests fail."""
 
@@ -115,6 +125,13 @@ class LighthouseClient:
     def heartbeat(self, replica_id: str, timeout: timedelta = ..., step: int | None = None) -> None:
         """Tells the lighthouse ``replica_id`` is alive (default timeout: 5 seconds) and, if
         given, its committed step (ValueError if negative)."""
+
+def security_settings() -> dict[str, str | None]:
+    """This process's token and TLS files from ``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/
+    ``TORCHFT_TLS_*``: keys ``token``, ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_client_ca``.
+
+    Raises ValueError on an unreadable token file or an incomplete TLS combination.
+    """
 
 def lighthouse_main() -> None:
     """Entry point of the ``torchft_lighthouse`` console script (parses ``sys.argv``)."""

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: Environment marker carried by every process of a launch, so all of them can be found.
 MARKER_ENV = "TORCHFT_LAUNCH_ID"
-_ADDRESS_RE = re.compile(r"listening on (http://\S+)")
+_ADDRESS_RE = re.compile(r"listening on (https?://\S+)")
 
 LineHandler = Callable[[int, str], None]
 

@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -550,7 +551,10 @@ class Manager:
             from torchft.checkpointing import HTTPTransport
 
             checkpoint_transport = HTTPTransport(
-                timeout=timeout, num_chunks=0, state_dict_lock=self._state_dict_lock.read
+                timeout=timeout,
+                num_chunks=0,
+                state_dict_lock=self._state_dict_lock.read,
+                hostname=hostname,
             )
         self._checkpoint_transport: CheckpointTransport[dict[str, Any]] = checkpoint_transport
 
@@ -658,10 +662,18 @@ class Manager:
     ) -> None:
         """Sets (or replaces) the default state dict functions (legacy single-key API).
 
+        Deprecated: use :meth:`register_state_dict_fn` with a key per piece of state.
+
         Args:
             load_state_dict: loads a received state dict.
             state_dict: returns the current state dict.
         """
+        warnings.warn(
+            "Manager.set_state_dict_fns is deprecated; use "
+            "register_state_dict_fn(key, load_state_dict, state_dict) instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         self._load_state_dict_fns[DEFAULT_STATE_DICT_KEY] = cast(
             Callable[[Any], None], load_state_dict
         )

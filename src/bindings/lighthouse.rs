@@ -4,6 +4,7 @@
 //! core runs, results are turned back into Python objects. `QuorumMember.data` is a dict in
 //! Python and a JSON string on the wire.
 
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pyo3::exceptions::{PySystemExit, PyValueError};
@@ -11,8 +12,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::{block_on, check_duration};
-use crate::lighthouse::{self as core, daemon, LighthouseOptions, ObservabilityOptions};
+use crate::lighthouse::{
+    self as core, daemon, AccessOptions, LighthouseOptions, ObservabilityOptions,
+    DEFAULT_MAX_REQUEST_BYTES,
+};
 use crate::proto;
+use crate::security::{Security, TlsFiles};
 
 fn dict_to_json(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
     match data {
@@ -35,6 +40,17 @@ fn json_to_dict(py: Python<'_>, data: &str) -> PyResult<Py<PyAny>> {
 }
 
 /// One replica group as presented to the lighthouse.
+///
+/// Args:
+///     replica_id: unique id of this incarnation of the replica group (not empty).
+///     address: manager server address of the group (`http://host:port`).
+///     store_address: rendezvous store address of the group (`host:port`).
+///     step: committed steps of the group (not negative).
+///     world_size: ranks in the group (at least 1).
+///     shrink_only: ask that the next quorum keep only members of the previous one.
+///     commit_failures: consecutive failed commits the group saw (a non-zero value forces
+///         a new quorum id).
+///     data: user metadata (a JSON-serialisable dict) carried along unchanged.
 #[pyclass(module = "torchft._torchft", frozen, eq)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuorumMember {
@@ -148,6 +164,11 @@ impl QuorumMember {
 }
 
 /// The set of replica groups taking part in a step.
+///
+/// Args:
+///     quorum_id: strictly increasing id; unchanged while membership is.
+///     participants: the members (`QuorumMember`), sorted by replica_id.
+///     created: when the quorum was issued (a datetime; default now).
 #[pyclass(module = "torchft._torchft", frozen)]
 #[derive(Debug, Clone)]
 pub struct Quorum {
@@ -231,7 +252,37 @@ fn ms_arg(
     }
 }
 
-/// A lighthouse running inside this process (tests, single-machine jobs).
+/// A lighthouse running inside this process (tests, single-machine jobs, Ray Train).
+///
+/// Serves gRPC and HTTP (dashboard, metrics) on one port from the shared runtime; the
+/// constructor returns once it is listening.
+///
+/// Args:
+///     bind: address to listen on, e.g. `"[::]:0"` (port 0 picks a free port; see
+///         `address()`).
+///     min_replicas: replica groups a quorum needs at least (>= 1).
+///     join_timeout_ms: how long a round waits for healthy stragglers after the first
+///         joiner (default 60000; 0 answers as soon as the rules allow).
+///     quorum_tick_ms: how often pending rounds are re-evaluated (default 100; > 0).
+///     heartbeat_timeout_ms: silence after which a replica group counts as lost
+///         (default 5000; > 0).
+///     event_log: append the event log as JSON lines to this file (default none).
+///     allow_kill: serve `POST /replicas/{id}/kill` (default off).
+///     straggler_skew_pct: a group is a straggler when its busy time is this many percent
+///         above the median...
+///     straggler_min_ms: ...and at least this many milliseconds above it.
+///     token_file: file holding the shared secret every RPC and state-changing HTTP route
+///         must carry (default: env TORCHFT_TOKEN_FILE, else TORCHFT_TOKEN; none: open).
+///     tls_cert: serve TLS with this PEM certificate chain.
+///     tls_key: PEM private key of `tls_cert`.
+///     tls_ca: PEM CA bundle to verify manager servers with when dialing them.
+///     tls_client_ca: require client certificates signed by this PEM CA bundle (mutual TLS).
+///     private_status: require the token on the read-only pages too.
+///     max_request_bytes: largest request message or HTTP body accepted (>= 4096).
+///
+/// Raises:
+///     ValueError: an argument is out of range.
+///     RuntimeError: the address cannot be bound.
 #[pyclass(module = "torchft._torchft", frozen)]
 pub struct LighthouseServer {
     inner: core::LighthouseServer,
@@ -242,7 +293,9 @@ impl LighthouseServer {
     #[new]
     #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
         heartbeat_timeout_ms = None, *, progress_wait_ms = None, event_log = None,
-        allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None))]
+        allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None, token_file = None,
+        tls_cert = None, tls_key = None, tls_ca = None, tls_client_ca = None,
+        private_status = false, max_request_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -256,6 +309,13 @@ impl LighthouseServer {
         allow_kill: bool,
         straggler_skew_pct: Option<f64>,
         straggler_min_ms: Option<i64>,
+        token_file: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+        tls_client_ca: Option<PathBuf>,
+        private_status: bool,
+        max_request_bytes: Option<usize>,
     ) -> PyResult<Self> {
         if min_replicas < 1 {
             return Err(PyValueError::new_err(format!(
@@ -282,11 +342,28 @@ impl LighthouseServer {
             straggler_skew_pct: straggler_skew_pct.unwrap_or(od.straggler_skew_pct),
             straggler_min: ms_arg("straggler_min_ms", straggler_min_ms, od.straggler_min, true)?,
         };
-        let inner = block_on(py, core::LighthouseServer::bind_with(&bind, opts, obs))?;
+        let security = Security::from_env_and(
+            token_file.as_deref(),
+            &TlsFiles {
+                cert: tls_cert,
+                key: tls_key,
+                ca: tls_ca,
+                client_ca: tls_client_ca,
+            },
+        )?;
+        let access = AccessOptions {
+            security,
+            private_status,
+            max_request_bytes: max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+        };
+        let inner = block_on(
+            py,
+            core::LighthouseServer::bind_secured(&bind, opts, obs, access),
+        )?;
         Ok(Self { inner })
     }
 
-    /// `http://host:port` clients should dial.
+    /// `http://host:port` clients should dial (`https://` when it serves TLS).
     fn address(&self) -> String {
         self.inner.address()
     }
@@ -302,6 +379,13 @@ impl LighthouseServer {
 }
 
 /// A client of a lighthouse (manager servers use the Rust one; this is for tools and tests).
+///
+/// Args:
+///     addr: the lighthouse address (`http://host:port`).
+///     connect_timeout: how long to keep retrying the connection (a `timedelta`).
+///
+/// Raises:
+///     TimeoutError: no connection within `connect_timeout`.
 #[pyclass(module = "torchft._torchft", frozen)]
 pub struct LighthouseClient {
     inner: core::LighthouseClient,

@@ -15,11 +15,33 @@ use tokio::task::JoinHandle;
 use super::{block_on, check_duration, TorchFTError};
 use crate::lighthouse::telemetry::validate_report;
 use crate::manager::reports::ReportQueue;
-use crate::manager::{ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer};
+use crate::manager::{
+    ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer,
+    DEFAULT_MAX_REQUEST_BYTES,
+};
 use crate::proto::telemetry_report::Phase;
 use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
+use crate::security::Security;
 
 /// The manager server of one replica group (hosted by group rank 0).
+///
+/// Gathers the group's ranks for each quorum, asks the lighthouse once, answers each rank its
+/// role, and heartbeats the lighthouse on its own.
+///
+/// Args:
+///     replica_id: id of this incarnation of the replica group.
+///     lighthouse_addr: the lighthouse address (`http://host:port`).
+///     hostname: host name other groups dial to reach this server.
+///     bind: address to listen on, e.g. `"[::]:0"`.
+///     store_addr: the group's rendezvous store (`host:port`), handed to other groups.
+///     world_size: ranks in the group (>= 1); every quorum waits for all of them.
+///     heartbeat_interval: how often to heartbeat the lighthouse (a `timedelta`).
+///     connect_timeout: how long to keep retrying the lighthouse connection.
+///     quorum_retries: extra attempts of a failed lighthouse quorum request (>= 0).
+///
+/// Raises:
+///     ValueError: an argument is out of range.
+///     TimeoutError: the lighthouse cannot be reached within `connect_timeout`.
 #[pyclass(module = "torchft._torchft", name = "ManagerServer", frozen)]
 pub struct PyManagerServer {
     server: CoreServer,
@@ -73,6 +95,8 @@ impl PyManagerServer {
             heartbeat_interval: check_duration("heartbeat_interval", heartbeat_interval)?,
             connect_timeout: check_duration("connect_timeout", connect_timeout)?,
             quorum_retries: quorum_retries as u64,
+            security: Security::from_env()?,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         };
         let server = block_on(py, CoreServer::start(opts))?;
         Ok(Self { server })
@@ -123,6 +147,14 @@ struct Reporter {
 }
 
 /// A client of one manager server.
+///
+/// Args:
+///     addr: the manager server address (`http://host:port`).
+///     connect_timeout: how long to keep retrying the connection (a `timedelta`,
+///         default 60 s).
+///
+/// Raises:
+///     TimeoutError: no connection within `connect_timeout`.
 #[pyclass(module = "torchft._torchft", name = "ManagerClient", frozen)]
 pub struct PyManagerClient {
     client: CoreClient,
@@ -453,6 +485,21 @@ impl PendingQuorum {
 ///
 /// Constructible with keyword arguments (all default to empty/zero/None) and mutable, so tests
 /// of code built on top can fabricate answers.
+///
+/// Args:
+///     quorum_id: id of the quorum (changes when the process group must be rebuilt).
+///     replica_rank: this group's rank among all members of the quorum.
+///     replica_world_size: number of members of the quorum.
+///     recover_src_manager_address: manager address of the group to heal from ("" if none).
+///     recover_src_replica_rank: replica rank to heal from (None if not healing).
+///     recover_dst_replica_ranks: replica ranks that heal from this group.
+///     store_address: store to rendezvous on for the process group (`host:port`).
+///     max_step: the highest committed step in the quorum.
+///     max_replica_rank: this group's rank among the members at `max_step` (None if behind).
+///     max_world_size: number of members at `max_step`.
+///     heal: whether this rank must heal before the step.
+///     commit_failures: highest count of consecutive failed commits among the members.
+///     replica_ids: replica ids of the quorum, in replica-rank order.
 #[pyclass(module = "torchft._torchft", get_all, set_all)]
 pub struct QuorumResult {
     quorum_id: i64,

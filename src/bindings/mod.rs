@@ -54,5 +54,24 @@ fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TorchFTError", m.py().get_type::<TorchFTError>())?;
     lighthouse::register(m)?;
     manager::register(m)?;
+    m.add_function(wrap_pyfunction!(security_settings, m)?)?;
     Ok(())
+}
+
+/// The token and TLS files of this process, from `TORCHFT_TOKEN_FILE` / `TORCHFT_TOKEN` /
+/// `TORCHFT_TLS_*` (the one parser of those variables, shared with the Rust servers), as a
+/// dict with keys `token`, `tls_cert`, `tls_key`, `tls_ca`, `tls_client_ca` (each a str or
+/// None). Raises ValueError on an unreadable token file or an incomplete TLS combination.
+#[pyfunction]
+fn security_settings(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let s = crate::security::Security::from_env()?;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("token", s.token.as_ref().map(|t| t.expose().to_string()))?;
+    let path =
+        |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.to_string_lossy().into_owned());
+    d.set_item("tls_cert", path(&s.tls.cert))?;
+    d.set_item("tls_key", path(&s.tls.key))?;
+    d.set_item("tls_ca", path(&s.tls.ca))?;
+    d.set_item("tls_client_ca", path(&s.tls.client_ca))?;
+    Ok(d)
 }

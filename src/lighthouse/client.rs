@@ -24,13 +24,15 @@ use crate::proto::{
     LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember, SessionEvent,
     SessionRequest, TelemetryBatch,
 };
+use crate::security::client::{authenticated, AuthChannel};
+use crate::security::{Security, Token};
 
 /// A cheap-to-clone handle on one lighthouse connection (HTTP/2 multiplexes the calls).
 ///
 /// Clones share the cache of the last full quorum received.
 #[derive(Debug, Clone)]
 pub struct LighthouseClient {
-    client: LighthouseServiceClient<Channel>,
+    client: LighthouseServiceClient<AuthChannel>,
     known: Arc<Mutex<Option<Arc<Quorum>>>>,
 }
 
@@ -45,16 +47,27 @@ impl LighthouseClient {
         }
     }
 
-    /// Dials `addr` (`http://host:port` or `host:port`), retrying until `connect_timeout`.
+    /// Dials `addr` (`http://host:port` or `host:port`), retrying until `connect_timeout`,
+    /// with the token and TLS settings of the environment ([`Security::from_env`]).
     pub async fn connect(addr: &str, connect_timeout: Duration) -> Result<Self> {
-        let channel = connect(addr, connect_timeout).await?;
-        Ok(Self::from_channel(channel))
+        Self::connect_with(addr, connect_timeout, &Security::from_env()?).await
     }
 
-    /// Wraps an existing channel (e.g. one shared by many clients, or a lazy one).
-    pub fn from_channel(channel: Channel) -> Self {
+    /// Dials `addr` with explicit token and TLS settings.
+    pub async fn connect_with(
+        addr: &str,
+        connect_timeout: Duration,
+        security: &Security,
+    ) -> Result<Self> {
+        let channel = connect(addr, connect_timeout, security).await?;
+        Ok(Self::from_channel(channel, security.token.as_ref()))
+    }
+
+    /// Wraps an existing channel (e.g. one shared by many clients, or a lazy one); every call
+    /// carries `token` when given.
+    pub fn from_channel(channel: Channel, token: Option<&Token>) -> Self {
         Self {
-            client: LighthouseServiceClient::new(channel)
+            client: LighthouseServiceClient::new(authenticated(channel, token))
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(usize::MAX),
             known: Arc::new(Mutex::new(None)),

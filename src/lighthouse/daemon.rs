@@ -8,8 +8,9 @@ use std::time::Duration;
 use clap::Parser;
 use tracing::info;
 
-use super::{LighthouseOptions, LighthouseServer, ObservabilityOptions};
+use super::{AccessOptions, LighthouseOptions, LighthouseServer, ObservabilityOptions};
 use crate::error::{Error, Result};
+use crate::security::{Security, TlsFiles};
 
 /// torchft lighthouse: decides, per step, which replica groups take part in training.
 ///
@@ -99,6 +100,49 @@ pub struct Args {
         default_value_t = 50
     )]
     pub straggler_min_ms: u64,
+
+    /// Require this shared secret (read from the file) on every RPC and on the kill action
+    /// (default: env TORCHFT_TOKEN_FILE, else TORCHFT_TOKEN; never pass the secret itself on
+    /// a command line).
+    #[arg(long = "token_file", alias = "token-file")]
+    pub token_file: Option<std::path::PathBuf>,
+
+    /// Serve TLS with this PEM certificate chain (default: env TORCHFT_TLS_CERT).
+    #[arg(long = "tls_cert", alias = "tls-cert")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// PEM private key of --tls_cert (default: env TORCHFT_TLS_KEY).
+    #[arg(long = "tls_key", alias = "tls-key")]
+    pub tls_key: Option<std::path::PathBuf>,
+
+    /// PEM CA bundle to verify manager servers with when dialing them (the kill action);
+    /// default: env TORCHFT_TLS_CA.
+    #[arg(long = "tls_ca", alias = "tls-ca")]
+    pub tls_ca: Option<std::path::PathBuf>,
+
+    /// Require client certificates signed by this PEM CA bundle (mutual TLS); default: env
+    /// TORCHFT_TLS_CLIENT_CA.
+    #[arg(long = "tls_client_ca", alias = "tls-client-ca")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+
+    /// Require the token on the read-only pages too (/, /status, /metrics, /events,
+    /// /healthz, /readyz).
+    #[arg(
+        long = "private_status",
+        alias = "private-status",
+        env = "TORCHFT_PRIVATE_STATUS"
+    )]
+    pub private_status: bool,
+
+    /// Largest request message or HTTP body accepted, in bytes (at least 4096).
+    #[arg(
+        long = "max_request_bytes",
+        alias = "max-request-bytes",
+        env = "TORCHFT_MAX_REQUEST_BYTES",
+        default_value_t = super::DEFAULT_MAX_REQUEST_BYTES as u64,
+        value_parser = clap::value_parser!(u64).range(super::MIN_REQUEST_BYTES as u64..)
+    )]
+    pub max_request_bytes: u64,
 }
 
 impl Args {
@@ -111,6 +155,27 @@ impl Args {
             heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
             progress_wait: Duration::from_millis(self.progress_wait_ms),
         }
+    }
+
+    /// The access settings these flags describe, on top of the environment's
+    /// ([`Security::from_env`]): a flag wins over its variable.
+    pub fn access(&self) -> Result<AccessOptions> {
+        let security = Security::from_env_and(
+            self.token_file.as_deref(),
+            &TlsFiles {
+                cert: self.tls_cert.clone(),
+                key: self.tls_key.clone(),
+                ca: self.tls_ca.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            },
+        )?;
+        let access = AccessOptions {
+            security,
+            private_status: self.private_status,
+            max_request_bytes: usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX),
+        };
+        access.validate()?;
+        Ok(access)
     }
 
     /// The observability settings these flags describe.
@@ -175,8 +240,11 @@ pub fn run(args: Args) -> Result<()> {
     crate::runtime::get().block_on(async move {
         let opts = args.options();
         let signal = shutdown_signal()?;
+        let access = args.access()?;
+        let (authenticated, tls) = (access.security.token.is_some(), access.security.tls.clone());
         let server =
-            LighthouseServer::bind_with(&args.bind, opts.clone(), args.observability()).await?;
+            LighthouseServer::bind_secured(&args.bind, opts.clone(), args.observability(), access)
+                .await?;
         info!(
             min_replicas = opts.min_replicas,
             join_timeout_ms = args.join_timeout_ms,
@@ -185,6 +253,10 @@ pub fn run(args: Args) -> Result<()> {
             progress_wait_ms = args.progress_wait_ms,
             event_log = ?args.event_log,
             allow_kill = args.allow_kill,
+            authenticated,
+            tls = tls.serves_tls(),
+            mutual_tls = tls.client_ca.is_some(),
+            private_status = args.private_status,
             "lighthouse listening on {} (dashboard at /, metrics at /metrics)",
             server.address()
         );
@@ -231,6 +303,54 @@ mod tests {
         assert_eq!(a.bind, "[::]:29510");
         let o = a.options();
         assert_eq!(o.join_timeout, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn security_flags_are_checked_at_start() {
+        let certs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/certs");
+        let cert = certs.join("server.pem").display().to_string();
+        let key = certs.join("server.key").display().to_string();
+        let dir = std::env::temp_dir().join(format!("torchft-flags-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "s3cret\n").unwrap();
+        let (empty, token) = (empty.display().to_string(), token.display().to_string());
+        let missing = dir.join("missing").display().to_string();
+        let access = |flags: &[&str]| {
+            let mut argv = vec!["x", "--min_replicas", "1"];
+            argv.extend_from_slice(flags);
+            Args::try_parse_from(&argv).unwrap().access()
+        };
+        for (flags, message) in [
+            (vec!["--tls_cert", cert.as_str()], "private key"),
+            (vec!["--tls_key", key.as_str()], "certificate"),
+            (vec!["--tls_client_ca", cert.as_str()], "server certificate"),
+            (vec!["--token_file", empty.as_str()], "empty"),
+            (vec!["--token_file", missing.as_str()], "missing"),
+            (vec!["--private_status"], "needs a token"),
+        ] {
+            let err = access(&flags).unwrap_err().to_string();
+            assert!(err.contains(message), "{flags:?}: {err}");
+        }
+        assert!(
+            Args::try_parse_from(["x", "--min_replicas", "1", "--max_request_bytes", "10"])
+                .is_err()
+        );
+        let ok = access(&[
+            "--token_file",
+            &token,
+            "--tls_cert",
+            &cert,
+            "--tls_key",
+            &key,
+            "--private_status",
+        ])
+        .unwrap();
+        assert!(ok.security.token.unwrap().matches(b"s3cret"));
+        assert!(ok.security.tls.serves_tls() && ok.private_status);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -23,7 +23,7 @@ use tokio::sync::broadcast;
 
 use super::metrics::JobMetrics;
 use super::quorum::Snapshot;
-use super::service::Shared;
+use super::state::Shared;
 use super::telemetry::{GlobalCounters, ReplicaStatus};
 use crate::manager::ManagerClient;
 
@@ -139,8 +139,9 @@ impl StatusBody {
     }
 }
 
-/// The HTTP routes; merged with the gRPC routes by the server.
-pub(crate) fn router(shared: Arc<Shared>) -> Router {
+/// The HTTP routes; merged with the gRPC routes by the server. Bodies larger than
+/// `max_request_bytes` are refused with 413.
+pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -149,6 +150,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/events", get(events))
         .route("/replicas/{replica_id}/kill", post(kill))
         .route("/", get(index))
+        .layer(axum::extract::DefaultBodyLimit::max(max_request_bytes))
         .with_state(shared)
 }
 
@@ -335,7 +337,7 @@ async fn kill(State(shared): State<Arc<Shared>>, Path(replica_id): Path<String>)
         )
     });
     let sent = async {
-        let client = ManagerClient::connect(&address, KILL_TIMEOUT).await?;
+        let client = ManagerClient::connect_with(&address, KILL_TIMEOUT, &shared.security).await?;
         client
             .kill("killed from the lighthouse dashboard", KILL_TIMEOUT)
             .await

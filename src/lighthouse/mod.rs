@@ -1,25 +1,30 @@
 //! The lighthouse: decides, per step, which replica groups take part (the quorum).
 //!
-//! `quorum` is the pure engine (state, now, options → decision); `service` is the gRPC
-//! service around it plus the [`LighthouseServer`] that hosts it; `http` the status pages
-//! served on the same port; `client` the [`LighthouseClient`]; `daemon` the command-line entry
-//! point shared by the `torchft_lighthouse` binary and the Python console script.
+//! `quorum` is the pure engine (state, now, options → decision); `state` the live state around
+//! it (waiting requests, sessions, the last issued quorum) and `reply` the forms in which an
+//! issued quorum reaches its members; `grpc` the gRPC methods and `http` the status pages,
+//! both served on one port by the [`LighthouseServer`] in `server`; `client` the
+//! [`LighthouseClient`]; `daemon` the command-line entry point shared by the
+//! `torchft_lighthouse` binary and the Python console script.
 
 use std::time::Duration;
 
 pub mod client;
 pub mod compact;
 pub mod daemon;
+mod grpc;
 pub mod http;
 pub mod hub;
 pub mod metrics;
 pub mod quorum;
-pub mod service;
+mod reply;
+pub mod server;
+mod state;
 pub mod telemetry;
 
 pub use client::LighthouseClient;
 pub use hub::ObservabilityOptions;
-pub use service::LighthouseServer;
+pub use server::LighthouseServer;
 
 /// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +62,52 @@ impl Default for LighthouseOptions {
 /// timeouts, so a group ahead of the others that is inside a blocking phase of its step
 /// (store connect, heal, a collective) finishes it and rejoins before the job gives up on it.
 pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_secs(60);
+
+/// Who may use a lighthouse and how much they may send; the defaults are an open,
+/// plain-TCP lighthouse (as upstream's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccessOptions {
+    /// Token and TLS of the lighthouse, and of its calls to manager servers (the kill action).
+    pub security: crate::security::Security,
+    /// Require the token on the read-only pages too (`/`, `/status`, `/metrics`, `/events`,
+    /// `/healthz`, `/readyz`).
+    pub private_status: bool,
+    /// Largest request message or HTTP body accepted; larger ones fail with a clear status.
+    pub max_request_bytes: usize,
+}
+
+/// Default bound on one request to the lighthouse (a quorum request or a telemetry batch).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
+
+/// Smallest accepted `max_request_bytes` (below it ordinary requests would fail).
+pub const MIN_REQUEST_BYTES: usize = 4096;
+
+impl Default for AccessOptions {
+    fn default() -> Self {
+        Self {
+            security: crate::security::Security::none(),
+            private_status: false,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+        }
+    }
+}
+
+impl AccessOptions {
+    /// Checks the options are usable (a workable request limit, complete TLS files).
+    pub fn validate(&self) -> crate::error::Result<()> {
+        if self.max_request_bytes < MIN_REQUEST_BYTES {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "max_request_bytes must be at least {MIN_REQUEST_BYTES}"
+            )));
+        }
+        if self.private_status && self.security.token.is_none() {
+            return Err(crate::error::Error::InvalidArgument(
+                "private_status needs a token (TORCHFT_TOKEN_FILE / --token_file)".into(),
+            ));
+        }
+        self.security.tls.validate()
+    }
+}
 
 impl LighthouseOptions {
     /// Checks the options are usable (at least one replica, non-zero tick and timeouts).

@@ -7,8 +7,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use tonic::transport::Channel;
-
 use super::rpc_error;
 use crate::error::{Error, Result};
 use crate::net::{connect, with_timeout};
@@ -17,11 +15,13 @@ use crate::proto::{
     CheckpointMetadataRequest, KillRequest, LostEvent, ManagerQuorumRequest, ManagerQuorumResponse,
     ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
 };
+use crate::security::client::{authenticated, AuthChannel};
+use crate::security::Security;
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
 #[derive(Debug, Clone)]
 pub struct ManagerClient {
-    client: ManagerServiceClient<Channel>,
+    client: ManagerServiceClient<AuthChannel>,
 }
 
 /// Runs one RPC bounded by `timeout` (the server enforces the same deadline).
@@ -40,10 +40,21 @@ where
 impl ManagerClient {
     /// Dials the manager server at `addr`, retrying until `connect_timeout` (the server may
     /// start a moment after its ranks).
+    ///
+    /// The token and TLS settings come from the environment ([`Security::from_env`]).
     pub async fn connect(addr: &str, connect_timeout: Duration) -> Result<Self> {
-        let channel = connect(addr, connect_timeout).await?;
+        Self::connect_with(addr, connect_timeout, &Security::from_env()?).await
+    }
+
+    /// Dials `addr` with explicit token and TLS settings.
+    pub async fn connect_with(
+        addr: &str,
+        connect_timeout: Duration,
+        security: &Security,
+    ) -> Result<Self> {
+        let channel = connect(addr, connect_timeout, security).await?;
         Ok(Self {
-            client: ManagerServiceClient::new(channel),
+            client: ManagerServiceClient::new(authenticated(channel, security.token.as_ref())),
         })
     }
 

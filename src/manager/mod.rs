@@ -76,7 +76,15 @@ pub struct ManagerOptions {
     pub connect_timeout: Duration,
     /// How many times a failed lighthouse quorum request is retried (with backoff) in a round.
     pub quorum_retries: u64,
+    /// Token and TLS of this server and of its calls to the lighthouse.
+    pub security: crate::security::Security,
+    /// Largest request message accepted (larger ones fail with a clear status, changing
+    /// nothing).
+    pub max_request_bytes: usize,
 }
+
+/// Default bound on one request to a manager server (ranks' reports are the largest).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 
 impl Default for ManagerOptions {
     fn default() -> Self {
@@ -90,6 +98,8 @@ impl Default for ManagerOptions {
             heartbeat_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(60),
             quorum_retries: 0,
+            security: crate::security::Security::none(),
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         }
     }
 }

@@ -21,8 +21,6 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::Endpoint;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
@@ -34,7 +32,7 @@ use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::lighthouse::telemetry::{base_id, validate_batch};
 use crate::lighthouse::LighthouseClient;
-use crate::net::{normalize_addr, request_timeout, Backoff};
+use crate::net::{request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
 use crate::proto::{
     CheckpointMetadataRequest, CheckpointMetadataResponse, KillRequest, KillResponse, LostEvent,
@@ -42,6 +40,7 @@ use crate::proto::{
     ShouldCommitResponse, TelemetryAck, TelemetryBatch, TelemetryReport, WatchEventsRequest,
     WatchEventsResponse,
 };
+use crate::security::server::{Guard, OpenRoutes};
 
 /// How often the ranks' telemetry reports are forwarded to the lighthouse.
 const REPORT_INTERVAL: Duration = Duration::from_millis(250);
@@ -199,42 +198,18 @@ struct Inner {
     quorum_id: AtomicI64,
 }
 
-/// Formats `http://host:port`, bracketing IPv6 literals.
-fn http_address(hostname: &str, port: u16) -> String {
+/// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
+fn http_address(hostname: &str, port: u16, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
     if hostname.contains(':') && !hostname.starts_with('[') {
-        format!("http://[{hostname}]:{port}")
+        format!("{scheme}://[{hostname}]:{port}")
     } else {
-        format!("http://{hostname}:{port}")
+        format!("{scheme}://{hostname}:{port}")
     }
 }
 
-/// Rebuilds an error so one failure can be delivered to several waiting ranks.
-fn duplicate(e: &Error) -> Error {
-    match e {
-        Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
-        Error::Timeout(m) => Error::Timeout(m.clone()),
-        Error::Connect { addr, reason } => Error::Connect {
-            addr: addr.clone(),
-            reason: reason.clone(),
-        },
-        Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
-        Error::Unavailable(m) => Error::Unavailable(m.clone()),
-        Error::Shutdown => Error::Shutdown,
-        Error::Remote(m) => Error::Remote(m.clone()),
-    }
-}
-
-/// The message of `e` without its kind prefix (the kind is kept by the wrapping error).
-fn detail(e: &Error) -> String {
-    match e {
-        Error::InvalidArgument(m)
-        | Error::Timeout(m)
-        | Error::FailedPrecondition(m)
-        | Error::Unavailable(m)
-        | Error::Remote(m) => m.clone(),
-        other => other.to_string(),
-    }
-}
+/// Smallest accepted `max_request_bytes` (below it ordinary requests would fail).
+const MIN_REQUEST_LIMIT: usize = 4096;
 
 /// Resolves once `rx` says the server is shutting down (or its sender is gone).
 async fn shutting_down(mut rx: watch::Receiver<bool>) {
@@ -270,18 +245,21 @@ impl ManagerServer {
                 "connect_timeout must be positive".into(),
             ));
         }
-        let lighthouse_addr = normalize_addr(&opts.lighthouse_addr)?;
-        let endpoint = Endpoint::from_shared(lighthouse_addr.clone())
-            .map_err(|e| {
-                Error::InvalidArgument(format!(
-                    "invalid lighthouse address {lighthouse_addr:?}: {e}"
-                ))
-            })?
-            .connect_timeout(opts.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(20));
-        let lighthouse = LighthouseClient::from_channel(endpoint.connect_lazy());
+        if opts.max_request_bytes < MIN_REQUEST_LIMIT {
+            return Err(Error::InvalidArgument(format!(
+                "max_request_bytes must be at least {MIN_REQUEST_LIMIT}"
+            )));
+        }
+        let tls = crate::security::server::acceptor(&opts.security)?;
+        let endpoint = crate::security::client::endpoint(
+            &opts.lighthouse_addr,
+            opts.connect_timeout,
+            &opts.security,
+        )
+        .map_err(|e| Error::InvalidArgument(format!("lighthouse address: {}", e.message())))?;
+        let lighthouse_addr = endpoint.uri().to_string();
+        let lighthouse =
+            LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref());
 
         let listener = tokio::net::TcpListener::bind(&opts.bind)
             .await
@@ -290,7 +268,7 @@ impl ManagerServer {
             .local_addr()
             .map_err(|e| Error::Unavailable(format!("cannot read the bound address: {e}")))?
             .port();
-        let address = http_address(&opts.hostname, port);
+        let address = http_address(&opts.hostname, port, tls.is_some());
 
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let inner = Arc::new(Inner {
@@ -308,16 +286,15 @@ impl ManagerServer {
             opts,
         });
 
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let service = ManagerServiceServer::new(Service {
             inner: inner.clone(),
-        });
+        })
+        .max_decoding_message_size(inner.opts.max_request_bytes);
+        let app = tonic::service::Routes::new(service).into_axum_router();
+        let guard = Guard::new(&inner.opts.security, OpenRoutes::None);
         let signal = shutting_down(shutdown_rx.clone());
         let serve = tokio::spawn(async move {
-            if let Err(e) = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, signal)
-                .await
+            if let Err(e) = crate::security::server::serve(listener, tls, guard, app, signal).await
             {
                 warn!(error = %e, "manager server stopped with an error");
             }
@@ -594,7 +571,7 @@ impl Inner {
                     "lighthouse quorum request to {} failed after {} attempt(s): {}",
                     self.lighthouse_addr,
                     attempt + 1,
-                    detail(&err)
+                    err.message()
                 )));
             }
             attempt += 1;
@@ -641,7 +618,7 @@ impl Inner {
             Err(e) => {
                 warn!(step = round.step, error = %e, "quorum round failed");
                 for (_, tx) in round.replies {
-                    let _ = tx.send(Err(duplicate(&e)));
+                    let _ = tx.send(Err(e.duplicate()));
                 }
             }
         }
@@ -814,9 +791,10 @@ mod tests {
 
     #[test]
     fn address_brackets_ipv6() {
-        assert_eq!(http_address("host", 5), "http://host:5");
-        assert_eq!(http_address("::1", 5), "http://[::1]:5");
-        assert_eq!(http_address("[::1]", 5), "http://[::1]:5");
+        assert_eq!(http_address("host", 5, false), "http://host:5");
+        assert_eq!(http_address("::1", 5, false), "http://[::1]:5");
+        assert_eq!(http_address("[::1]", 5, false), "http://[::1]:5");
+        assert_eq!(http_address("host", 5, true), "https://host:5");
     }
 
     #[tokio::test]
@@ -889,9 +867,9 @@ mod tests {
 
     #[test]
     fn duplicate_keeps_the_kind() {
-        assert!(duplicate(&Error::Timeout("x".into())).is_timeout());
+        assert!(Error::Timeout("x".into()).duplicate().is_timeout());
         assert!(matches!(
-            duplicate(&Error::Unavailable("x".into())),
+            Error::Unavailable("x".into()).duplicate(),
             Error::Unavailable(m) if m == "x"
         ));
     }

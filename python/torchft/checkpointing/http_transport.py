@@ -1,6 +1,8 @@
 """HTTP checkpoint transport: every rank serves its live state, healing ranks pull it.
 
-The sender runs a small threaded HTTP server (stdlib) bound on all interfaces. Between
+The sender runs a small threaded HTTP server (stdlib) listening on the address of the host
+name the manager advertises (see :mod:`torchft.checkpointing._security` for binding, the
+shared-secret token and TLS, which every request goes through). Between
 ``send_checkpoint(step)`` and ``disallow_checkpoint()`` it serves the state of that step,
 encoded by :mod:`torchft.checkpointing._serialization` (JSON header + raw tensor bytes with
 CRCs, never pickle). Receivers stream the body straight into tensor memory, either as one
@@ -27,6 +29,7 @@ import http.server
 import logging
 import math
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -41,6 +44,13 @@ from typing import Any, TypeVar
 import torch
 
 from torchft.checkpointing import _serialization as ser
+from torchft.checkpointing._security import (
+    CheckpointAuthError,
+    TransportSecurity,
+    accept_connection,
+    bind_addresses,
+    describe_tls_failure,
+)
 from torchft.checkpointing.transport import CheckpointTransport, _timeout_from_env
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -91,14 +101,27 @@ class _Server(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, transport: HTTPTransport, family: socket.AddressFamily) -> None:
+    def __init__(
+        self,
+        transport: HTTPTransport,
+        family: socket.AddressFamily,
+        host: str,
+        tls: ssl.SSLContext | None,
+    ) -> None:
         self.address_family = family
         self.transport = transport
-        host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+        self.tls = tls
         super().__init__((host, 0), _Handler)
 
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # Runs in the connection's own thread: a slow TLS handshake holds up no one else.
+        conn = accept_connection(request, self.tls, self.transport._timeout.total_seconds())
+        if conn is None:
+            return
+        super().finish_request(conn, client_address)
+
     def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6:
+        if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":
             # Dual stack: accept IPv4 clients too, whatever the hostname resolves to.
             with contextlib.suppress(OSError):
                 self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -166,6 +189,20 @@ def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _listen(
+    transport: HTTPTransport, hostname: str | None, bind: str | None, tls: ssl.SSLContext | None
+) -> _Server:
+    """Binds the checkpoint server on the first usable address (see ``bind_addresses``)."""
+    errors = []
+    addresses, _ = bind_addresses(hostname, bind)
+    for family, host in addresses:
+        try:
+            return _Server(transport, family, host, tls)
+        except OSError as e:
+            errors.append(f"{host}: {e}")
+    raise OSError(f"checkpoint server could not listen on any address ({'; '.join(errors)})")
+
+
 def _primary_ip(family: socket.AddressFamily) -> str | None:
     """Address of the interface holding the default route (no packet is sent)."""
     probe = ("10.255.255.255", 1) if family == socket.AF_INET else ("fd00::1", 1, 0, 0)
@@ -214,6 +251,12 @@ class HTTPTransport(CheckpointTransport[T]):
         state_dict_lock: optional factory of a context manager held while the state is
             read for a transfer (the Manager passes its state-dict read lock, so an
             optimizer step cannot race a transfer).
+        hostname: the host name receivers fetch from (the Manager passes the one it
+            advertises; default: this machine's). The server listens on its addresses only.
+        bind: listen here instead (``"::"`` or ``"0.0.0.0"`` for every interface); default
+            env ``TORCHFT_CHECKPOINT_BIND``.
+        security: token and TLS settings (default: from ``TORCHFT_TOKEN_FILE`` /
+            ``TORCHFT_TOKEN`` / ``TORCHFT_TLS_*``, as the manager server reads them).
     """
 
     def __init__(
@@ -221,6 +264,10 @@ class HTTPTransport(CheckpointTransport[T]):
         timeout: timedelta,
         num_chunks: int = 0,
         state_dict_lock: Callable[[], AbstractContextManager[object]] | None = None,
+        *,
+        hostname: str | None = None,
+        bind: str | None = None,
+        security: TransportSecurity | None = None,
     ) -> None:
         if num_chunks < 0:
             raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
@@ -229,6 +276,8 @@ class HTTPTransport(CheckpointTransport[T]):
             raise ValueError(f"timeout must be positive, got {timeout}")
         self._num_chunks = num_chunks
         self._state_dict_lock = state_dict_lock
+        self._security = security if security is not None else TransportSecurity.from_env()
+        self._client_tls = self._security.client_context()
 
         self._cond = threading.Condition()
         self._served: _Served | None = None
@@ -241,11 +290,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._receiving: list[_Receiving] = []
         self._recv_lock = threading.Lock()
 
-        try:
-            server = _Server(self, socket.AF_INET6) if socket.has_ipv6 else None
-        except OSError:
-            server = None
-        self._server = server if server is not None else _Server(self, socket.AF_INET)
+        self._server = _listen(self, hostname, bind, self._security.server_context())
         self._port = int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -255,9 +300,17 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         self._thread.start()
         try:
-            self._host = _reachable_host(
-                self._port, socket.AddressFamily(self._server.address_family)
-            )
+            bound = str(self._server.server_address[0])
+            if hostname:
+                self._host = hostname
+            elif bound in ("::", "0.0.0.0"):
+                self._host = _reachable_host(
+                    self._port, socket.AddressFamily(self._server.address_family)
+                )
+            elif bind_addresses(None, bind)[1]:
+                self._host = bound  # an explicit address: peers dial exactly it
+            else:
+                self._host = socket.gethostname()
         except Exception:
             self.shutdown(wait=False)
             raise
@@ -267,7 +320,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def metadata(self) -> str:
         """Returns the base URL receivers fetch this rank's state from."""
-        return f"http://{_format_host(self._host)}:{self._port}{_BASE_PATH}"
+        return f"{self._security.scheme}://{_format_host(self._host)}:{self._port}{_BASE_PATH}"
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
@@ -385,6 +438,9 @@ class HTTPTransport(CheckpointTransport[T]):
     def _handle_get(self, h: _Handler) -> None:
         url = urllib.parse.urlsplit(h.path)
         parts = url.path.split("/")
+        refused = self._security.check(h.headers.get("Authorization"))
+        if refused is not None:
+            raise _HTTPError(401, refused)
         query = urllib.parse.parse_qs(url.query)
         # "", "checkpoint", step, kind, ...
         if len(parts) < 4 or parts[1] != _BASE_PATH.strip("/"):
@@ -512,12 +568,16 @@ class HTTPTransport(CheckpointTransport[T]):
                 before answering.
             RuntimeError: wrong step, refused request, or corrupted/truncated data
                 (:class:`~torchft.checkpointing._serialization.CheckpointFormatError`).
-            ValueError: ``metadata`` is not an ``http://host:port/...`` URL.
+            CheckpointAuthError: the source refused this process's token.
+            ValueError: ``metadata`` is not an ``http(s)://host:port/...`` URL, or is TLS
+                without a CA to verify it.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         base = urllib.parse.urlsplit(metadata)
-        if base.scheme != "http" or not base.hostname or base.port is None:
+        if not base.hostname or base.port is None:
             raise ValueError(f"invalid checkpoint address {metadata!r}")
+        scheme = self._security.fetch_scheme(base.scheme, metadata)
+        base = base._replace(scheme=scheme)
         prefix = base.path.rstrip("/")
         t0 = time.monotonic()
         entry = _Receiving(threading.Event(), [])
@@ -578,7 +638,9 @@ class HTTPTransport(CheckpointTransport[T]):
         entry: _Receiving,
     ) -> tuple[Any, int]:
         path = f"{prefix}/{step}/full?wait={_wait_param(deadline)}"
-        with self._open(entry, _Fetch(base, path, deadline, src, entry.cancel)) as f:
+        with self._open(
+            entry, _Fetch(base, path, deadline, src, self._fetch_opts(), entry.cancel)
+        ) as f:
             header = ser.read_header(f.readinto)
             _check_meta(header, step, src)
             out: list[torch.Tensor | None] = [None] * len(header.specs)
@@ -597,7 +659,9 @@ class HTTPTransport(CheckpointTransport[T]):
     ) -> tuple[Any, int]:
         cancel, fetches = entry.cancel, entry.fetches
         header_path = f"{prefix}/{step}/header?wait={_wait_param(deadline)}"
-        with self._open(entry, _Fetch(base, header_path, deadline, src, cancel)) as f:
+        with self._open(
+            entry, _Fetch(base, header_path, deadline, src, self._fetch_opts(), cancel)
+        ) as f:
             header = ser.read_header(f.readinto)
             f.expect_eof()
         gen = _check_meta(header, step, src)
@@ -606,7 +670,9 @@ class HTTPTransport(CheckpointTransport[T]):
 
         def fetch(start: int, end: int) -> None:
             path = f"{prefix}/{step}/range/{start}/{end}?gen={gen}"
-            with self._open(entry, _Fetch(base, path, deadline, src, cancel)) as fetch:
+            with self._open(
+                entry, _Fetch(base, path, deadline, src, self._fetch_opts(), cancel)
+            ) as fetch:
                 ser.read_range(fetch.readinto, header, start, end, out, check=fetch.check)
                 fetch.expect_eof()
 
@@ -634,6 +700,9 @@ class HTTPTransport(CheckpointTransport[T]):
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
         return ser.build(header, out), sum(s.nbytes for s in header.specs)
+
+    def _fetch_opts(self) -> _FetchOpts:
+        return _FetchOpts(tls=self._client_tls, headers=self._security.headers())
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the server, aborts open connections and (optionally) joins its threads.
@@ -676,6 +745,14 @@ def _check_meta(header: ser.Header, step: int, src: int) -> str:
     return gen
 
 
+@dataclass(frozen=True)
+class _FetchOpts:
+    """How fetches reach a checkpoint server: TLS context (None: plain) and headers."""
+
+    tls: ssl.SSLContext | None
+    headers: dict[str, str]
+
+
 class _Fetch:
     """One streamed GET with a whole-request deadline and optional cancellation."""
 
@@ -685,8 +762,10 @@ class _Fetch:
         path: str,
         deadline: float,
         src: int,
+        opts: _FetchOpts,
         cancel: threading.Event | None = None,
     ) -> None:
+        self._opts = opts
         self._base = base
         self._path = path
         self._deadline = deadline
@@ -718,9 +797,18 @@ class _Fetch:
 
     def __enter__(self) -> _Fetch:
         assert self._base.hostname is not None
-        conn = http.client.HTTPConnection(
-            self._base.hostname, self._base.port, timeout=self._remaining()
-        )
+        conn: http.client.HTTPConnection
+        if self._base.scheme == "https":
+            conn = http.client.HTTPSConnection(
+                self._base.hostname,
+                self._base.port,
+                timeout=self._remaining(),
+                context=self._opts.tls,
+            )
+        else:
+            conn = http.client.HTTPConnection(
+                self._base.hostname, self._base.port, timeout=self._remaining()
+            )
         self._conn = conn
         try:
             conn.connect()
@@ -728,6 +816,8 @@ class _Fetch:
             if self._cancel is not None and self._cancel.is_set():
                 raise _Aborted("cancelled")
             conn.putrequest("GET", self._path)
+            for name, value in self._opts.headers.items():
+                conn.putheader(name, value)
             conn.endheaders()
             self._sock_timeout()
             resp = conn.getresponse()
@@ -736,6 +826,16 @@ class _Fetch:
             raise TimeoutError(
                 f"timed out fetching checkpoint from replica {self._src} ({self.url})"
             ) from None
+        except ssl.SSLError as e:
+            self.__exit__(None, None, None)
+            raise ConnectionError(describe_tls_failure(e, self.url)) from e
+        except (ConnectionResetError, http.client.RemoteDisconnected) as e:
+            self.__exit__(None, None, None)
+            if self._base.scheme == "https":
+                raise ConnectionError(describe_tls_failure(e, self.url)) from e
+            raise ConnectionError(
+                f"could not fetch checkpoint from replica {self._src} ({self.url}): {e!r}"
+            ) from e
         except (OSError, http.client.HTTPException) as e:
             self.__exit__(None, None, None)
             raise ConnectionError(
@@ -751,6 +851,10 @@ class _Fetch:
             except (OSError, http.client.HTTPException):
                 msg = ""
             self.__exit__(None, None, None)
+            if resp.status == 401:
+                raise CheckpointAuthError(
+                    f"replica {self._src}'s checkpoint server refused the token: {msg.strip()}"
+                )
             if resp.status == 503:
                 raise TimeoutError(
                     f"replica {self._src} did not serve the checkpoint in time: {msg}"

@@ -246,7 +246,7 @@ class ProcessGroup(BaseProcessGroup):
         store = self._registered_store or dist.HashStore()
         _world.pg_map[self] = (self.getBackendName(), store)
         _world.pg_names[self] = name
-        _world.pg_group_ranks[self] = {i: i for i in range(self.size())}
+        _world.pg_group_ranks[self] = {i: i for i in range(self._registration_size())}
         _world.pg_backend_config[self] = self.getBackendName()
         tag = f"ptd:{name}"
         _world.pg_to_tag[self] = tag
@@ -254,6 +254,10 @@ class ProcessGroup(BaseProcessGroup):
         _world.tags_to_pg.setdefault("", []).append(self)
         _register_process_group(name, self)
         return self
+
+    def _registration_size(self) -> int:
+        """The group size recorded with torch when registering (the current size)."""
+        return self.size()
 
     def unregister(self) -> None:
         """Undoes ``register`` (a no-op if the group is not registered)."""

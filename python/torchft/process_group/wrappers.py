@@ -187,8 +187,16 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             )
         return _FutureWork(result)
 
+    def _registration_size(self) -> int:
+        # torchtitan registers the group at start-up, before the first quorum: the size is
+        # not known yet (it changes every quorum anyway), so torch records a world of one.
+        try:
+            return self.size()
+        except RuntimeError:
+            return 1
+
     def size(self) -> int:
-        """Number of replica groups taking part in the current step."""
+        """Number of replica groups taking part in the current step (waits for the quorum)."""
         return int(self._manager.num_participants())
 
     def rank(self) -> int:

@@ -1,0 +1,351 @@
+//! The lighthouse's gRPC methods.
+//!
+//! Heartbeat, Report and Session go through the tonic server generated from the proto (less
+//! Quorum, see `build.rs`). Quorum has its own route, the only one: it long-polls the round
+//! and answers with the issued quorum's shared pre-framed bytes (see [`super::reply`]), so a
+//! round of 10,000 groups encodes each form of the quorum once instead of once per member.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Bytes;
+use axum::http::{self, HeaderMap};
+use axum::response::IntoResponse;
+use prost::Message;
+use tonic::{Request, Response, Status};
+
+use super::state::{wait_for_quorum, SessionStream, Shared};
+use crate::proto::served::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+use crate::proto::{
+    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
+    SessionRequest, TelemetryAck, TelemetryBatch,
+};
+
+/// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
+const MAX_RESPONSE_BYTES: usize = 256 * 1024 * 1024;
+
+/// The generated service for every lighthouse method but Quorum.
+struct Grpc {
+    shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl LighthouseService for Grpc {
+    async fn heartbeat(
+        &self,
+        request: Request<LighthouseHeartbeatRequest>,
+    ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
+        let req = request.into_inner();
+        let timeout = self.shared.heartbeat(&req.replica_id, req.step)?;
+        Ok(Response::new(LighthouseHeartbeatResponse {
+            heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        }))
+    }
+
+    async fn report(
+        &self,
+        request: Request<TelemetryBatch>,
+    ) -> std::result::Result<Response<TelemetryAck>, Status> {
+        let accepted = self.shared.report(request.get_ref())?;
+        Ok(Response::new(TelemetryAck { accepted }))
+    }
+
+    type SessionStream = SessionStream;
+
+    async fn session(
+        &self,
+        request: Request<SessionRequest>,
+    ) -> std::result::Result<Response<SessionStream>, Status> {
+        let stream = self.shared.open_session(&request.into_inner().replica_id)?;
+        Ok(Response::new(stream))
+    }
+}
+
+/// The gRPC routes of the lighthouse: the generated service, and the Quorum route. Requests
+/// larger than `max_request_bytes` are refused.
+pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> axum::Router {
+    let grpc = LighthouseServiceServer::new(Grpc {
+        shared: shared.clone(),
+    })
+    .max_decoding_message_size(max_request_bytes)
+    .max_encoding_message_size(MAX_RESPONSE_BYTES);
+    tonic::service::Routes::new(grpc)
+        .into_axum_router()
+        .route_service(
+            QUORUM_PATH,
+            QuorumRoute {
+                shared,
+                max_request_bytes,
+            },
+        )
+}
+
+/// Path of the Quorum RPC.
+const QUORUM_PATH: &str = "/torchft.LighthouseService/Quorum";
+
+/// A unary gRPC response body: one shared data frame, then `grpc-status: 0` trailers.
+struct SharedBody {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for SharedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<http_body::Frame<Bytes>, Infallible>>> {
+        if let Some(d) = self.data.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(d))));
+        }
+        Poll::Ready(
+            self.trailers
+                .take()
+                .map(|t| Ok(http_body::Frame::trailers(t))),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none() && self.trailers.is_none()
+    }
+}
+
+/// Serves the Quorum RPC with the quorum's shared pre-framed response (zero-copy per member),
+/// keeping a round linear in the number of replica groups on the server side.
+#[derive(Clone)]
+struct QuorumRoute {
+    shared: Arc<Shared>,
+    max_request_bytes: usize,
+}
+
+impl QuorumRoute {
+    async fn serve(
+        shared: Arc<Shared>,
+        max_request_bytes: usize,
+        req: http::Request<axum::body::Body>,
+    ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
+        let is_grpc = req
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/grpc"));
+        if !is_grpc {
+            return Ok((
+                http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "expected application/grpc\n",
+            )
+                .into_response());
+        }
+        let timeout = req
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(crate::net::parse_grpc_timeout);
+        let body = axum::body::to_bytes(req.into_body(), max_request_bytes)
+            .await
+            .map_err(|e| {
+                if crate::net::error_chain(&e).contains("length limit exceeded") {
+                    Status::resource_exhausted(format!(
+                        "request larger than the lighthouse's limit of {max_request_bytes} bytes \
+                         (--max_request_bytes)"
+                    ))
+                } else {
+                    Status::invalid_argument(format!("cannot read request: {e}"))
+                }
+            })?;
+        let msg = decode_quorum_request(&body)?;
+        let known = (msg.known_quorum_id, msg.known_revision);
+        let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        shared.count_reply(&issued, known);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = SharedBody {
+            data: Some(issued.framed(known)),
+            trailers: Some(trailers),
+        };
+        let mut resp = http::Response::new(axum::body::Body::new(body));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        Ok(resp)
+    }
+}
+
+/// Decodes one uncompressed gRPC frame holding a `LighthouseQuorumRequest`; anything else is
+/// an `InvalidArgument` (or `Unimplemented` for compression) naming what is wrong.
+pub(crate) fn decode_quorum_request(
+    body: &[u8],
+) -> std::result::Result<LighthouseQuorumRequest, Status> {
+    if body.len() < 5 {
+        return Err(Status::invalid_argument("truncated gRPC message"));
+    }
+    if body[0] != 0 {
+        return Err(Status::unimplemented(
+            "compressed requests are not supported",
+        ));
+    }
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    if body.len() != 5 + len {
+        return Err(Status::invalid_argument(
+            "gRPC message length does not match body",
+        ));
+    }
+    LighthouseQuorumRequest::decode(&body[5..])
+        .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))
+}
+
+impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
+    type Response = http::Response<axum::body::Body>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn Future<Output = std::result::Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<std::result::Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
+        let shared = self.shared.clone();
+        let limit = self.max_request_bytes;
+        Box::pin(async move {
+            Ok(Self::serve(shared, limit, req)
+                .await
+                .unwrap_or_else(|status| status.into_http()))
+        })
+    }
+}
+
+/// Property tests of the request handlers: any bytes, any member, any batch. Bounded here
+/// (proptest's default case count); `make fuzz` runs them for much longer.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::error::Error;
+    use crate::lighthouse::quorum::validate_member;
+    use crate::lighthouse::LighthouseOptions;
+    use crate::proto::{QuorumMember, TelemetryReport};
+
+    fn frame(msg: &LighthouseQuorumRequest) -> Vec<u8> {
+        let body = msg.encode_to_vec();
+        let mut out = vec![0u8];
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    fn any_member() -> impl Strategy<Value = QuorumMember> {
+        (
+            prop_oneof!["", "[a-z]{1,8}", "\\PC{0,12}", " +"],
+            ".{0,16}",
+            ".{0,16}",
+            any::<i64>(),
+            any::<u64>(),
+            any::<bool>(),
+            any::<i64>(),
+            ".{0,32}",
+        )
+            .prop_map(
+                |(replica_id, address, store_address, step, world_size, shrink_only, cf, data)| {
+                    QuorumMember {
+                        replica_id,
+                        address,
+                        store_address,
+                        step,
+                        world_size,
+                        shrink_only,
+                        commit_failures: cf,
+                        data,
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic the Quorum route's decoder; they are refused with a
+        /// client-error status.
+        #[test]
+        fn quorum_route_decodes_any_bytes(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Err(status) = decode_quorum_request(&body) {
+                prop_assert!(matches!(
+                    status.code(),
+                    tonic::Code::InvalidArgument | tonic::Code::Unimplemented
+                ), "{status:?}");
+            }
+        }
+
+        /// A valid request survives a round trip through framing; any corruption of its
+        /// length prefix is refused.
+        #[test]
+        fn quorum_route_frames(member in any_member(), id in any::<i64>(), rev in any::<u64>(),
+                               bad_len in any::<u32>()) {
+            let msg = LighthouseQuorumRequest {
+                requester: Some(member),
+                known_quorum_id: id,
+                known_revision: rev,
+            };
+            let framed = frame(&msg);
+            prop_assert_eq!(decode_quorum_request(&framed).unwrap(), msg);
+            let mut wrong = framed.clone();
+            if bad_len as usize != framed.len() - 5 {
+                wrong[1..5].copy_from_slice(&bad_len.to_be_bytes());
+                prop_assert!(decode_quorum_request(&wrong).is_err());
+            }
+        }
+
+        /// Any member asking for a quorum: invalid ones are refused with InvalidArgument and
+        /// leave no trace; valid ones join the round. Heartbeats and telemetry batches with
+        /// arbitrary contents never panic, and refusals change nothing.
+        #[test]
+        fn handlers_accept_or_refuse_cleanly(
+            members in proptest::collection::vec(any_member(), 1..6),
+            beat in "\\PC{0,12}",
+            reports in proptest::collection::vec(
+                (".{0,12}", any::<i64>(), any::<i64>(), any::<f64>()), 0..4),
+        ) {
+            let shared = Shared::new(LighthouseOptions { min_replicas: 50, ..Default::default() }, 1);
+            let mut joined = std::collections::BTreeSet::new();
+            for m in members {
+                let valid = validate_member(&m).is_ok();
+                let id = m.replica_id.clone();
+                match shared.join(m) {
+                    Ok(_) => {
+                        prop_assert!(valid);
+                        joined.insert(id);
+                    }
+                    Err(Error::InvalidArgument(_)) => prop_assert!(!valid),
+                    Err(e) => prop_assert!(false, "unexpected error {e}"),
+                }
+            }
+            let waiting: std::collections::BTreeSet<String> =
+                shared.snapshot().participants.into_iter().collect();
+            prop_assert_eq!(waiting, joined);
+            let before = shared.snapshot().heartbeats.len();
+            match shared.heartbeat(&beat, None) {
+                Ok(_) => prop_assert!(!beat.trim().is_empty()),
+                Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
+            }
+            let batch = TelemetryBatch {
+                reports: reports
+                    .into_iter()
+                    .map(|(replica_id, step, group_rank, wait)| TelemetryReport {
+                        replica_id,
+                        step,
+                        group_rank,
+                        quorum_wait_s: wait,
+                        ..Default::default()
+                    })
+                    .collect(),
+                dropped: 0,
+            };
+            let _ = shared.report(&batch);
+        }
+    }
+}
