@@ -63,6 +63,9 @@ struct HeartbeatRecord {
     /// Its session with the lighthouse is open: it may still come back even while silent
     /// (e.g. stopped), so progress it holds is worth waiting for.
     session: bool,
+    /// Known only from the state of a previous life of the lighthouse (not heard from since
+    /// the restart): it may come back until then, and is not counted as healthy.
+    restored_until: Option<Instant>,
 }
 
 impl HeartbeatRecord {
@@ -73,12 +76,17 @@ impl HeartbeatRecord {
             counted: false,
             step: None,
             session: false,
+            restored_until: None,
         }
     }
 
-    /// Heard from within `timeout` of `now`, or silent with its session still open.
+    /// Heard from within `timeout` of `now`, silent with its session still open, or known
+    /// from a previous life of the lighthouse and not yet waited out.
     fn may_come_back(&self, now: Instant, timeout: Duration) -> bool {
-        self.session || now.saturating_duration_since(self.last_seen) <= timeout
+        match self.restored_until {
+            Some(until) => now < until,
+            None => self.session || now.saturating_duration_since(self.last_seen) <= timeout,
+        }
     }
 }
 
@@ -111,10 +119,36 @@ pub struct Regression {
     pub to_step: i64,
     /// The quorum that regressed.
     pub quorum_id: i64,
-    /// Replicas still alive that hold a step above `to_step`, given up on after
-    /// `progress_wait` (sorted). Empty when the regression was unavoidable: every holder of
+    /// Replicas still alive (or remembered from before a lighthouse restart and not heard
+    /// from since) that hold a step above `to_step`, given up on after `progress_wait`
+    /// (sorted). Empty when the regression was unavoidable: every holder of
     /// the newer state is gone.
     pub alive_holders: Vec<String>,
+}
+
+/// The lighthouse's answer to a write-ahead commit announcement (see
+/// [`QuorumEngine::commit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitVerdict {
+    /// The step is recorded as committed by the replica: it may apply it.
+    Accepted,
+    /// The replica must not commit the step (the reason says why); it rejoins and heals.
+    Refused(String),
+}
+
+/// What a lighthouse keeps across its own restarts (see [`QuorumEngine::durable`]): enough
+/// to refuse a commit under a quorum it had replaced, and to wait for the holders of the
+/// best step it knew.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Durable {
+    /// Id of the last issued quorum (None before the first).
+    pub quorum_id: Option<i64>,
+    /// Its members (sorted).
+    pub members: Vec<String>,
+    /// The best committed step known (None before any report).
+    pub best_step: Option<i64>,
+    /// Replicas known to hold `best_step` that may still come back (sorted).
+    pub holders: Vec<String>,
 }
 
 /// Why the next quorum is, or is not yet, ready.
@@ -284,6 +318,11 @@ pub struct QuorumEngine {
     waived: HashMap<String, i64>,
     /// Regressions not yet collected by [`QuorumEngine::take_regressions`].
     pending_regressions: Vec<Regression>,
+    /// The last quorum of the previous life of the lighthouse (id, members), until this life
+    /// issues its first.
+    restored_quorum: Option<(i64, HashSet<String>)>,
+    /// Bumped whenever [`QuorumEngine::durable`] may have changed.
+    durable_revision: u64,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -349,7 +388,127 @@ impl QuorumEngine {
             high_water: None,
             waived: HashMap::new(),
             pending_regressions: Vec::new(),
+            restored_quorum: None,
+            durable_revision: 0,
         }
+    }
+
+    /// A fresh engine started at `now` that continues a previous life of the lighthouse,
+    /// whose [`QuorumEngine::durable`] state was `durable`: a commit under a quorum other
+    /// than its last one is refused, and the holders of its best step are waited for (up to
+    /// `progress_wait` from `now`) like silent replicas that may come back.
+    pub fn restored(
+        opts: LighthouseOptions,
+        initial_quorum_id: i64,
+        now: Instant,
+        durable: Durable,
+    ) -> Self {
+        let mut e = Self::new(opts, initial_quorum_id, now);
+        if let Some(id) = durable.quorum_id {
+            e.restored_quorum = Some((id, durable.members.into_iter().collect()));
+            // Ids stay strictly increasing even if the clock went back.
+            e.next_id = e.next_id.max(id.saturating_add(1));
+        }
+        if let Some(step) = durable.best_step.filter(|s| *s >= 0) {
+            e.high_water = Some(step);
+            let until = now.checked_add(e.opts.progress_wait).unwrap_or(now);
+            for id in durable.holders {
+                e.heartbeats.insert(
+                    id,
+                    HeartbeatRecord {
+                        step: Some(step),
+                        restored_until: Some(until),
+                        ..HeartbeatRecord::new(now)
+                    },
+                );
+            }
+        }
+        e
+    }
+
+    /// The state to keep across a restart of the lighthouse (O(known replicas)).
+    pub fn durable(&self) -> Durable {
+        let (quorum_id, mut members) = match (&self.previous, &self.restored_quorum) {
+            (Some(q), _) => (
+                Some(q.quorum_id),
+                self.previous_ids.iter().cloned().collect(),
+            ),
+            (None, Some((id, members))) => (Some(*id), members.iter().cloned().collect()),
+            (None, None) => (None, Vec::new()),
+        };
+        members.sort();
+        let mut holders: Vec<String> = match self.high_water {
+            Some(hw) => self
+                .heartbeats
+                .iter()
+                .filter(|(_, rec)| rec.step == Some(hw))
+                .map(|(id, _)| id.clone())
+                .collect(),
+            None => Vec::new(),
+        };
+        holders.sort();
+        Durable {
+            quorum_id,
+            members,
+            best_step: self.high_water,
+            holders,
+        }
+    }
+
+    /// Changes whenever [`QuorumEngine::durable`] may have changed (a cheap check before
+    /// saving it).
+    pub fn durable_revision(&self) -> u64 {
+        self.durable_revision
+    }
+
+    /// A write-ahead commit: `replica_id`, a member of quorum `quorum_id`, is about to commit
+    /// `step` (its committed step count after the commit).
+    ///
+    /// Refused when that quorum is no longer current for the replica: the lighthouse has
+    /// issued a newer quorum (the others went on without it), or declared the replica lost
+    /// in it (the others abandoned the step). Two groups then never commit the same step
+    /// with different states. Accepted otherwise, and the step is recorded as the replica's
+    /// committed step at once, so a round behind it waits for the replica (the
+    /// no-regression rule) even if it stops before it heartbeats again. A lighthouse that
+    /// has issued no quorum and remembers none accepts (it cannot know better).
+    pub fn commit(
+        &mut self,
+        replica_id: &str,
+        quorum_id: i64,
+        step: i64,
+        now: Instant,
+    ) -> Result<CommitVerdict> {
+        Self::check_id(replica_id)?;
+        if step < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "step must not be negative (replica {replica_id:?} sent {step})"
+            )));
+        }
+        let current = match (&self.previous, &self.restored_quorum) {
+            (Some(q), _) => Some((
+                q.quorum_id,
+                self.previous_ids.contains(replica_id),
+                self.lost_reported.contains(replica_id),
+            )),
+            (None, Some((id, members))) => Some((*id, members.contains(replica_id), false)),
+            (None, None) => None,
+        };
+        if let Some((current_id, member, lost)) = current {
+            if current_id != quorum_id || !member {
+                return Ok(CommitVerdict::Refused(format!(
+                    "quorum {quorum_id} was replaced by quorum {current_id}{}",
+                    if member { "" } else { " without this replica" }
+                )));
+            }
+            if lost {
+                return Ok(CommitVerdict::Refused(format!(
+                    "this replica was declared lost in quorum {quorum_id}; its other members \
+                     abandoned the step"
+                )));
+            }
+        }
+        self.note_step(replica_id, Some(step), now);
+        Ok(CommitVerdict::Accepted)
     }
 
     /// The options the engine decides with.
@@ -402,6 +561,7 @@ impl QuorumEngine {
         if now > rec.last_seen {
             rec.last_seen = now;
         }
+        rec.restored_until = None;
         if !rec.counted {
             rec.counted = true;
             *healthy += 1;
@@ -416,12 +576,14 @@ impl QuorumEngine {
         let Some(step) = step else { return };
         if rec.step.is_none_or(|s| step > s) {
             rec.step = Some(step);
+            self.durable_revision += 1;
         }
         if self.waived.get(replica_id).is_some_and(|w| step <= *w) {
             return;
         }
         if self.high_water.is_none_or(|hw| step > hw) {
             self.high_water = Some(step);
+            self.durable_revision += 1;
         }
     }
 
@@ -546,6 +708,7 @@ impl QuorumEngine {
             if rec.counted {
                 self.healthy = self.healthy.saturating_sub(1);
             }
+            self.durable_revision += 1;
         }
         self.waived.remove(replica_id);
         if let Some(p) = self.participants.get(replica_id) {
@@ -756,12 +919,16 @@ impl QuorumEngine {
         self.heartbeats.retain(|id, rec| {
             let waiting = participants.contains_key(id);
             let age = now.saturating_duration_since(rec.last_seen);
-            rec.counted = waiting || age <= timeout;
+            rec.counted = waiting || (age <= timeout && rec.restored_until.is_none());
             if rec.counted {
                 healthy += 1;
             }
-            // An open session keeps the record (bounded by the open connections).
-            waiting || rec.session || age <= forget_after
+            // An open session keeps the record (bounded by the open connections), and so
+            // does a holder restored from a previous life until it is waited out.
+            waiting
+                || rec.session
+                || age <= forget_after
+                || rec.restored_until.is_some_and(|until| now < until)
         });
         self.healthy = healthy;
         let known = &self.heartbeats;
@@ -775,6 +942,13 @@ impl QuorumEngine {
             .holders_ahead(to_step, now)
             .map(|(id, s)| (id.to_string(), s))
             .collect();
+        // Holders remembered from a previous life and waited out: not known to be dead.
+        ahead.extend(self.heartbeats.iter().filter_map(|(id, rec)| {
+            let waited_out = rec.restored_until.is_some_and(|until| now >= until);
+            let held = rec.step.filter(|s| *s > to_step)?;
+            let waived = self.waived.get(id).is_some_and(|w| held <= *w);
+            (waited_out && !waived).then(|| (id.clone(), held))
+        }));
         ahead.sort();
         let shrinking = self.shrinking();
         let mut members: Vec<QuorumMember> = if shrinking {
@@ -813,6 +987,11 @@ impl QuorumEngine {
         }
         // Every member of a new quorum is alive as it is issued.
         self.lost_reported.clear();
+        if self.restored_quorum.take().is_some()
+            || self.previous.as_ref().map(|q| q.quorum_id) != Some(quorum_id)
+        {
+            self.durable_revision += 1;
+        }
         self.account_progress(quorum_id, to_step, ahead);
         self.revision += 1;
         let quorum = Quorum {
@@ -866,9 +1045,13 @@ impl QuorumEngine {
                     alive_holders,
                 });
                 self.high_water = Some(to_step);
+                self.durable_revision += 1;
             }
             Some(hw) if hw >= to_step => {}
-            _ => self.high_water = Some(to_step),
+            _ => {
+                self.high_water = Some(to_step);
+                self.durable_revision += 1;
+            }
         }
     }
 
@@ -2262,5 +2445,236 @@ mod tests {
             compact_used > 100,
             "compact form exercised {compact_used} times"
         );
+    }
+
+    // ------------------------------------------------------------------ write-ahead commits
+
+    fn refused(v: CommitVerdict) -> String {
+        match v {
+            CommitVerdict::Refused(why) => why,
+            CommitVerdict::Accepted => panic!("accepted"),
+        }
+    }
+
+    #[test]
+    fn a_commit_under_the_current_quorum_is_accepted_and_waited_for_while_silent() {
+        let (mut e, mut t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        for id in ["a", "b", "c"] {
+            e.session_opened(id, t).unwrap();
+        }
+        // a announces step 101 and stops (SIGSTOP) before it heartbeats again: alive but
+        // silent, its session open. b and c abandoned the step and ask at 100.
+        assert_eq!(e.commit("a", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+        assert_eq!(e.best_known_step(), Some(101));
+        t += Duration::from_secs(1);
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        // Past the heartbeat timeout (a is declared lost for its quorum, but its session is
+        // open) the round still waits for a, up to progress_wait.
+        for _ in 0..80 {
+            t += Duration::from_millis(100);
+            e.heartbeat("b", t).unwrap();
+            e.heartbeat("c", t).unwrap();
+            assert!(e.tick(t).is_none(), "issued behind the holder of step 101");
+        }
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { ref holder, step: 101, candidates_step: 100, .. }
+                if holder == "a"
+        ));
+        // a resumes and asks at 101: one quorum, nobody regressed.
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("a quorum once the holder asks");
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        assert!(e.take_regressions().is_empty());
+    }
+
+    #[test]
+    fn a_commit_under_a_replaced_quorum_is_refused() {
+        let (mut e, mut t) = running(100);
+        let old = e.previous().unwrap().quorum_id;
+        e.session_opened("a", t).unwrap();
+        // a stops mid-step; its heartbeats expire, b and c go on without it at 100 ...
+        t += Duration::from_secs(6);
+        e.heartbeat("b", t).unwrap();
+        e.heartbeat("c", t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert_eq!(e.take_lost().len(), 1);
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        let q = e.poll(t).expect("b and c go on: a holds nothing newer");
+        assert_eq!(ids(&q), ["b", "c"]);
+        assert_eq!(
+            e.commit("b", q.quorum_id, 101, t).unwrap(),
+            CommitVerdict::Accepted
+        );
+        // ... so when a resumes and finishes the step of the old quorum, it may not commit.
+        let why = refused(e.commit("a", old, 101, t).unwrap());
+        assert!(
+            why.contains("replaced") && why.contains("without this replica"),
+            "{why}"
+        );
+        // A member of the current quorum announcing under an old id is refused too.
+        assert!(matches!(
+            e.commit("c", old, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert_eq!(e.best_known_step(), Some(101));
+    }
+
+    #[test]
+    fn a_member_declared_lost_may_not_commit_in_that_quorum() {
+        let (mut e, mut t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        t += Duration::from_secs(6);
+        e.heartbeat("b", t).unwrap();
+        e.heartbeat("c", t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert_eq!(e.take_lost()[0].replica_id, "a");
+        // No newer quorum yet: the others were told a is lost and abandon the step.
+        let why = refused(e.commit("a", qid, 101, t).unwrap());
+        assert!(why.contains("declared lost"), "{why}");
+        assert_eq!(e.best_known_step(), Some(100));
+        // The members still alive may.
+        assert_eq!(e.commit("b", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+    }
+
+    #[test]
+    fn bad_commit_announcements_are_refused_and_change_nothing() {
+        let (mut e, t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        let rev = e.durable_revision();
+        assert!(matches!(
+            e.commit("", qid, 101, t),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            e.commit("a", qid, -1, t),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(e.durable_revision(), rev);
+        assert_eq!(e.best_known_step(), Some(100));
+    }
+
+    #[test]
+    fn a_fresh_lighthouse_without_memory_accepts_commits() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(progress_opts(), 100, t);
+        assert_eq!(e.commit("a", 7, 12, t).unwrap(), CommitVerdict::Accepted);
+        assert_eq!(e.best_known_step(), Some(12));
+    }
+
+    /// A lighthouse at quorum {a, b, c} where a announced step 101 (b and c are still at
+    /// 100), its durable state, and the time.
+    fn before_restart() -> (Durable, i64, Instant) {
+        let (mut e, t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        assert_eq!(e.commit("a", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+        let d = e.durable();
+        assert_eq!(d.quorum_id, Some(qid));
+        assert_eq!(d.members, ["a", "b", "c"]);
+        assert_eq!(
+            (d.best_step, d.holders.clone()),
+            (Some(101), vec!["a".to_string()])
+        );
+        (d, qid, t)
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_waits_for_the_holder_of_the_best_step_it_remembers() {
+        let (d, _, t0) = before_restart();
+        // Restarted while a is stopped: b and c ask at 100; a is silent and has no session.
+        let mut t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        assert_eq!(e.best_known_step(), Some(101));
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        // The restored holder is not counted healthy (b and c are a majority) but is waited
+        // for, past the startup hold, up to progress_wait after the restart.
+        for _ in 0..95 {
+            t += Duration::from_millis(100);
+            e.heartbeat("b", t).unwrap();
+            e.heartbeat("c", t).unwrap();
+            assert!(e.tick(t).is_none(), "issued behind the remembered holder");
+        }
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 101, .. }
+        ));
+        // a resumes: its heartbeat (and then its request) end the wait without regression.
+        e.heartbeat_with_step("a", Some(101), t).unwrap();
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("a quorum");
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        assert!(q.quorum_id > 50);
+        assert!(e.take_regressions().is_empty());
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_gives_up_on_a_remembered_holder_after_progress_wait() {
+        let (d, _, t0) = before_restart();
+        let t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        let later = t + progress_opts().progress_wait;
+        e.heartbeat("b", later).unwrap();
+        e.heartbeat("c", later).unwrap();
+        let q = e.tick(later).expect("issued once the holder is waited out");
+        assert_eq!(ids(&q), ["b", "c"]);
+        let r = e.take_regressions();
+        assert_eq!(r.len(), 1);
+        assert_eq!((r[0].from_step, r[0].to_step), (101, 100));
+        assert_eq!(r[0].alive_holders, ["a"]);
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_refuses_commits_under_quorums_it_had_replaced() {
+        let (d, qid, t0) = before_restart();
+        let t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d.clone());
+        // Ids stay above the remembered one even with an initial id below it.
+        assert!(matches!(
+            e.commit("b", qid - 1, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert!(matches!(
+            e.commit("z", qid, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert_eq!(e.commit("b", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+        // Once this life issues a quorum without c, c's commit under the old one is refused.
+        let mut t = t + Duration::from_secs(6);
+        e.heartbeat_with_step("a", Some(101), t).unwrap();
+        e.join(at("a", 101), t).unwrap();
+        e.join(at("b", 101), t).unwrap();
+        t += progress_opts().join_timeout;
+        let q = e.tick(t).expect("a and b");
+        assert!(q.quorum_id > qid);
+        assert!(matches!(
+            e.commit("c", qid, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        let d2 = e.durable();
+        assert_eq!(
+            (d2.quorum_id, d2.members),
+            (Some(q.quorum_id), vec!["a".into(), "b".into()])
+        );
+    }
+
+    #[test]
+    fn durable_state_changes_with_progress_and_membership_only() {
+        let (mut e, t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        let r0 = e.durable_revision();
+        e.heartbeat_with_step("a", Some(100), t).unwrap();
+        assert_eq!(e.durable_revision(), r0, "nothing new");
+        e.commit("a", qid, 101, t).unwrap();
+        let r1 = e.durable_revision();
+        assert!(r1 > r0);
+        e.lost("a", t);
+        assert!(e.durable_revision() > r1);
+        assert_eq!(e.durable().holders, Vec::<String>::new());
     }
 }
