@@ -105,6 +105,7 @@ fn manager_handlers_answer_any_request_cleanly() {
                 quorum_tick: Duration::from_millis(10),
                 heartbeat_timeout: Duration::from_secs(5),
                 progress_wait: Duration::ZERO,
+                state_file: None,
             },
         )
         .await

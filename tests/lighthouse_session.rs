@@ -42,6 +42,7 @@ fn opts(heartbeat_timeout: Duration) -> LighthouseOptions {
         heartbeat_timeout,
         // Not about the no-regression rules: no startup hold, no wait for progress.
         progress_wait: Duration::ZERO,
+        state_file: None,
     }
 }
 

@@ -24,6 +24,7 @@ fn opts(min_replicas: u64, join_timeout_ms: u64) -> LighthouseOptions {
         heartbeat_timeout: Duration::from_millis(500),
         // Not about the no-regression rules: no startup hold, no wait for progress.
         progress_wait: Duration::ZERO,
+        state_file: None,
     }
 }
 

@@ -82,6 +82,7 @@ fn opts() -> LighthouseOptions {
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_secs(5),
         progress_wait: Duration::ZERO,
+        state_file: None,
     }
 }
 

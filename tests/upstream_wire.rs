@@ -376,6 +376,7 @@ async fn start(min_replicas: u64) -> LighthouseServer {
         heartbeat_timeout: Duration::from_secs(5),
         // No startup hold: rounds are issued at once.
         progress_wait: Duration::ZERO,
+        state_file: None,
     };
     LighthouseServer::bind("127.0.0.1:0", opts)
         .await

@@ -72,6 +72,11 @@ class LighthouseServer:
     before training goes on from the older state (announced as ``progress_regressed``); a
     new lighthouse also holds its first quorum for ``min(heartbeat_timeout_ms,
     progress_wait_ms)``. 0 disables both.
+
+    ``state_file`` (default none): the lighthouse keeps its durable state there (the last
+    quorum, the best committed step and its holders, rewritten atomically before a commit is
+    acknowledged), so a lighthouse restarted with the same file refuses commits under quorums
+    it had replaced and waits for the holders of the best step.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class LighthouseServer:
         heartbeat_timeout_ms: int | None = None,
         *,
         progress_wait_ms: int | None = None,
+        state_file: str | None = None,
         event_log: str | None = None,
         allow_kill: bool = False,
         straggler_skew_pct: float | None = None,
@@ -160,6 +166,11 @@ class ManagerServer:
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""
+    def may_commit(self, step: int, timeout: timedelta) -> bool:
+        """Whether this group may commit ``step`` (its committed step count before the
+        commit): its lease held and the lighthouse accepted the write-ahead announcement
+        (retried up to ``timeout`` while the lighthouse is unreachable). Raises ValueError if
+        ``step`` is negative."""
     def note_committed_step(self, step: int) -> None:
         """Notes the group's committed step (after each commit); heartbeats carry it to the
         lighthouse. Raises ValueError if negative."""

@@ -1250,9 +1250,13 @@ class Manager:
         if self._group_world_size == 1:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
             # it is the local vote, so the round trip is skipped (hot path of plain DDP).
-            # A group frozen past its lease may have been declared lost: never commit then.
-            lease_held = getattr(self._manager, "lease_held", None)
-            should_commit = local_vote and (lease_held is None or lease_held())
+            # The manager server still gates a yes: the group's lease must hold (a group frozen
+            # past it may have been declared lost) and the lighthouse must accept the
+            # write-ahead commit (refused when the others went on without this group).
+            may_commit = getattr(self._manager, "may_commit", None)
+            should_commit = local_vote and (
+                may_commit is None or bool(may_commit(self._step, vote_timeout))
+            )
         else:
             should_commit = bool(
                 self._client.should_commit(

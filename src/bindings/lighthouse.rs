@@ -266,6 +266,11 @@ fn ms_arg(
 ///     quorum_tick_ms: how often pending rounds are re-evaluated (default 100; > 0).
 ///     heartbeat_timeout_ms: silence after which a replica group counts as lost
 ///         (default 5000; > 0).
+///     progress_wait_ms: how long a round behind a group that may still come back waits
+///         for it (default 60000; 0: never).
+///     state_file: keep the lighthouse's durable state (last quorum, best committed step
+///         and its holders) in this file, so a restarted lighthouse continues from it
+///         (default none).
 ///     event_log: append the event log as JSON lines to this file (default none).
 ///     allow_kill: serve `POST /replicas/{id}/kill` (default off).
 ///     straggler_skew_pct: a group is a straggler when its busy time is this many percent
@@ -292,8 +297,8 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     #[new]
     #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
-        heartbeat_timeout_ms = None, *, progress_wait_ms = None, event_log = None,
-        allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None, token_file = None,
+        heartbeat_timeout_ms = None, *, progress_wait_ms = None, state_file = None,
+        event_log = None, allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None, token_file = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_client_ca = None,
         private_status = false, max_request_bytes = None))]
     #[allow(clippy::too_many_arguments)]
@@ -305,6 +310,7 @@ impl LighthouseServer {
         quorum_tick_ms: Option<i64>,
         heartbeat_timeout_ms: Option<i64>,
         progress_wait_ms: Option<i64>,
+        state_file: Option<PathBuf>,
         event_log: Option<std::path::PathBuf>,
         allow_kill: bool,
         straggler_skew_pct: Option<f64>,
@@ -334,6 +340,7 @@ impl LighthouseServer {
                 false,
             )?,
             progress_wait: ms_arg("progress_wait_ms", progress_wait_ms, d.progress_wait, true)?,
+            state_file,
         };
         let od = ObservabilityOptions::default();
         let obs = ObservabilityOptions {

@@ -73,6 +73,19 @@ pub struct Args {
     )]
     pub progress_wait_ms: u64,
 
+    /// Keep what the lighthouse must not forget across its own restarts (the last quorum, the
+    /// best committed step and its holders) in this file, rewritten atomically (write, then
+    /// rename) before a commit is acknowledged or a changed quorum is issued. A restarted
+    /// lighthouse continues from it: it refuses commits under quorums it had replaced and
+    /// waits (up to the progress wait) for the holders of the best step. Put it where a
+    /// restarted container finds it again (an emptyDir volume survives container restarts).
+    #[arg(
+        long = "state_file",
+        alias = "state-file",
+        env = "TORCHFT_LIGHTHOUSE_STATE_FILE"
+    )]
+    pub state_file: Option<std::path::PathBuf>,
+
     /// Append replica health events (JSON lines) to this file, for post-mortems
     /// (`python -m torchft.eventlog PATH` summarises one).
     #[arg(long = "event_log", alias = "event-log", env = "TORCHFT_EVENT_LOG")]
@@ -154,6 +167,7 @@ impl Args {
             quorum_tick: Duration::from_millis(self.quorum_tick_ms),
             heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
             progress_wait: Duration::from_millis(self.progress_wait_ms),
+            state_file: self.state_file.clone(),
         }
     }
 
@@ -251,6 +265,7 @@ pub fn run(args: Args) -> Result<()> {
             quorum_tick_ms = args.quorum_tick_ms,
             heartbeat_timeout_ms = args.heartbeat_timeout_ms,
             progress_wait_ms = args.progress_wait_ms,
+            state_file = ?args.state_file,
             event_log = ?args.event_log,
             allow_kill = args.allow_kill,
             authenticated,

@@ -20,8 +20,9 @@ use tonic::{Request, Response, Status};
 use super::state::{wait_for_quorum, SessionStream, Shared};
 use crate::proto::served::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use crate::proto::{
-    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    SessionRequest, TelemetryAck, TelemetryBatch,
+    LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
+    LighthouseHeartbeatResponse, LighthouseQuorumRequest, SessionRequest, TelemetryAck,
+    TelemetryBatch,
 };
 
 /// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
@@ -51,6 +52,20 @@ impl LighthouseService for Grpc {
     ) -> std::result::Result<Response<TelemetryAck>, Status> {
         let accepted = self.shared.report(request.get_ref())?;
         Ok(Response::new(TelemetryAck { accepted }))
+    }
+
+    async fn commit(
+        &self,
+        request: Request<LighthouseCommitRequest>,
+    ) -> std::result::Result<Response<LighthouseCommitResponse>, Status> {
+        let req = request.into_inner();
+        let refused = self
+            .shared
+            .commit(&req.replica_id, req.quorum_id, req.step)?;
+        Ok(Response::new(LighthouseCommitResponse {
+            accepted: refused.is_none(),
+            reason: refused.unwrap_or_default(),
+        }))
     }
 
     type SessionStream = SessionStream;

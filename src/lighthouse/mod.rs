@@ -44,6 +44,13 @@ pub struct LighthouseOptions {
     /// `min(heartbeat_timeout, progress_wait)`, until every group still heartbeating is
     /// heard. Zero: never wait (progress may regress while its holder is alive).
     pub progress_wait: Duration,
+    /// Where the lighthouse keeps what it must not forget across its own restarts (the last
+    /// quorum's id and members, the best committed step and its holders), written atomically
+    /// (write, then rename) before a commit is acknowledged or a changed quorum is issued.
+    /// A restarted lighthouse reads it: it refuses commits under quorums it had replaced and
+    /// waits (up to `progress_wait`) for the holders of the best step. None: a restarted
+    /// lighthouse starts from nothing (it still holds its first quorum, see above).
+    pub state_file: Option<std::path::PathBuf>,
 }
 
 impl Default for LighthouseOptions {
@@ -54,6 +61,7 @@ impl Default for LighthouseOptions {
             quorum_tick: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(5),
             progress_wait: DEFAULT_PROGRESS_WAIT,
+            state_file: None,
         }
     }
 }

@@ -1106,6 +1106,7 @@ mod tests {
             // These scenarios are about the other rules; the no-regression rules have their
             // own tests below.
             progress_wait: Duration::ZERO,
+            state_file: None,
         }
     }
 
@@ -1734,6 +1735,7 @@ mod tests {
             quorum_tick: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(5),
             progress_wait: Duration::from_secs(10),
+            state_file: None,
         }
     }
 
@@ -1992,6 +1994,7 @@ mod tests {
                 quorum_tick: Duration::from_millis(100),
                 heartbeat_timeout: Duration::from_millis(1000 + rng.below(2000)),
                 progress_wait: Duration::from_millis(500 + rng.below(4000)),
+                state_file: None,
             };
             let t0 = Instant::now();
             let mut e = QuorumEngine::new(o.clone(), 1, t0);
@@ -2114,6 +2117,7 @@ mod tests {
                 quorum_tick: Duration::from_millis(100),
                 heartbeat_timeout: Duration::from_millis(1000 + rng.below(3000)),
                 progress_wait: Duration::ZERO,
+                state_file: None,
             };
             let mut e = QuorumEngine::new(o.clone(), 1 + rng.below(1000) as i64, Instant::now());
             let t0 = Instant::now();
@@ -2371,6 +2375,7 @@ mod tests {
                 quorum_tick: Duration::from_millis(100),
                 heartbeat_timeout: Duration::from_millis(1000),
                 progress_wait: Duration::ZERO,
+                state_file: None,
             };
             let mut e = QuorumEngine::new(o, 1 + rng.below(100) as i64, Instant::now());
             let mut now = Instant::now();

@@ -448,6 +448,8 @@ pub struct GlobalCounters {
     pub events: u64,
     /// Quorums issued behind the best committed step known (`progress_regressed`).
     pub progress_regressions: u64,
+    /// Write-ahead commits refused (the group's quorum was replaced or it was declared lost).
+    pub commits_refused: u64,
 }
 
 /// The derived health of every replica group.
@@ -550,6 +552,11 @@ impl Telemetry {
                 "unavoidable": r.alive_holders.is_empty(),
             }),
         );
+    }
+
+    /// Counts a refused write-ahead commit.
+    pub fn commit_refused(&mut self) {
+        self.counters.commits_refused += 1;
     }
 
     /// Counts a refused batch of `n` reports.

@@ -15,8 +15,13 @@
 //! - [`CommitBarrier::abort_round`] (a member of the group's quorum was declared lost) decides
 //!   the round in progress "no" at once: the waiting ranks get false now, and so do the ranks
 //!   of that step that vote later, instead of waiting on a rank held up by the lost peer.
+//! - [`CommitBarrier::vote_gated`]: a "yes" round only stands if its gate (the write-ahead
+//!   commit announcement to the lighthouse) says so. The gate runs once per round, started by
+//!   the rank that completes it, in a task of its own (a cancelled caller cannot leave the
+//!   others waiting); every rank gets the gated decision.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -105,6 +110,47 @@ impl CommitBarrier {
         vote: bool,
         timeout: Duration,
     ) -> Result<bool> {
+        self.vote_inner(
+            group_rank,
+            step,
+            vote,
+            timeout,
+            None::<fn(i64) -> std::future::Ready<bool>>,
+        )
+        .await
+    }
+
+    /// Like [`CommitBarrier::vote`], but a "yes" decision only stands if `gate(step)`
+    /// resolves to true (the gate must bound its own time). The rank completing the round runs the gate (once, in its own task);
+    /// every rank of the round gets the gated decision.
+    pub async fn vote_gated<G, F>(
+        &self,
+        group_rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+        gate: G,
+    ) -> Result<bool>
+    where
+        G: FnOnce(i64) -> F,
+        F: Future<Output = bool> + Send + 'static,
+    {
+        self.vote_inner(group_rank, step, vote, timeout, Some(gate))
+            .await
+    }
+
+    async fn vote_inner<G, F>(
+        &self,
+        group_rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+        gate: Option<G>,
+    ) -> Result<bool>
+    where
+        G: FnOnce(i64) -> F,
+        F: Future<Output = bool> + Send + 'static,
+    {
         if group_rank < 0 || group_rank as u64 >= self.world_size {
             return Err(Error::InvalidArgument(format!(
                 "group_rank {group_rank} is outside [0, {})",
@@ -116,7 +162,13 @@ impl CommitBarrier {
                 "step must not be negative, got {step}"
             )));
         }
-        let (ticket, rx) = {
+        // Ok: this rank waits for the round; Err: it completed the round (decision, the
+        // other voters to answer).
+        #[allow(clippy::type_complexity)]
+        let waiting: std::result::Result<
+            (u64, oneshot::Receiver<Result<bool>>),
+            (bool, Vec<oneshot::Sender<Result<bool>>>),
+        > = {
             let mut state = self.lock();
             match state.aborted_step {
                 Some(aborted) if aborted == step => return Ok(false),
@@ -154,16 +206,34 @@ impl CommitBarrier {
             }
             if round.voters.len() as u64 == world_size {
                 let decision = round.voters.values().all(|v| v.vote);
-                if let Some(round) = state.round.take() {
-                    for (rank, v) in round.voters {
-                        if rank != group_rank {
-                            let _ = v.tx.send(Ok(decision));
-                        }
-                    }
+                let others: Vec<oneshot::Sender<Result<bool>>> = state
+                    .round
+                    .take()
+                    .map(|round| {
+                        round
+                            .voters
+                            .into_iter()
+                            .filter(|(rank, _)| *rank != group_rank)
+                            .map(|(_, v)| v.tx)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Err((decision, others))
+            } else {
+                Ok((ticket, rx))
+            }
+        };
+        let (ticket, rx) = match (waiting, gate) {
+            (Ok(waiting), _) => waiting,
+            (Err((true, others)), Some(gate)) => {
+                return Self::run_gate(gate(step), others).await;
+            }
+            (Err((decision, others)), _) => {
+                for tx in others {
+                    let _ = tx.send(Ok(decision));
                 }
                 return Ok(decision);
             }
-            (ticket, rx)
         };
         let _guard = LeaveGuard {
             barrier: self,
@@ -178,6 +248,22 @@ impl CommitBarrier {
                 timeout,
             )),
         }
+    }
+
+    /// Runs a round's gate in its own task and hands its decision to the round's other
+    /// voters. The gate bounds itself (it is given the round's budget).
+    async fn run_gate<F>(gate: F, others: Vec<oneshot::Sender<Result<bool>>>) -> Result<bool>
+    where
+        F: Future<Output = bool> + Send + 'static,
+    {
+        let task = tokio::spawn(async move {
+            let decision = gate.await;
+            for tx in others {
+                let _ = tx.send(Ok(decision));
+            }
+            decision
+        });
+        task.await.map_err(|_| Error::Shutdown)
     }
 
     /// Number of votes in the round in progress (for tests and status).
@@ -386,5 +472,66 @@ mod tests {
         settle().await;
         b.fail_all();
         assert!(matches!(r0.await.unwrap(), Err(Error::Shutdown)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gated_round_gives_every_rank_the_gate_decision_once() {
+        for gate_says in [true, false] {
+            let b = Arc::new(CommitBarrier::new(3).unwrap());
+            let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let gated = |rank: i64| {
+                let b = b.clone();
+                let calls = calls.clone();
+                tokio::spawn(async move {
+                    b.vote_gated(rank, 4, true, LONG, move |step| {
+                        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        async move {
+                            assert_eq!(step, 4);
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            gate_says
+                        }
+                    })
+                    .await
+                })
+            };
+            let handles: Vec<_> = (0..3).map(gated).collect();
+            for h in handles {
+                assert_eq!(h.await.unwrap().unwrap(), gate_says);
+            }
+            assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_no_round_never_runs_the_gate() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 4, false, LONG);
+        settle().await;
+        let decided = b
+            .vote_gated(1, 4, true, LONG, |_| async { panic!("gate run on a no") })
+            .await
+            .unwrap();
+        assert!(!decided);
+        assert!(!r0.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_completer_still_answers_the_others() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 4, true, LONG);
+        settle().await;
+        let completer = {
+            let b = b.clone();
+            tokio::spawn(async move {
+                b.vote_gated(1, 4, true, LONG, |_| async {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    true
+                })
+                .await
+            })
+        };
+        settle().await;
+        completer.abort();
+        assert!(r0.await.unwrap().unwrap());
     }
 }

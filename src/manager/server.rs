@@ -14,7 +14,7 @@
 //! the lighthouse's lost-member events, which ranks collect with the `WatchEvents` long-poll.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -194,8 +194,11 @@ struct Inner {
     /// knows this group's progress while it is not asking for a quorum.
     committed_step: AtomicI64,
     /// Id of the last quorum received (-1 before any): a loss reported for it ends the commit
-    /// vote in progress.
+    /// vote in progress, and commits are announced under it.
     quorum_id: AtomicI64,
+    /// The lighthouse answered a commit announcement UNIMPLEMENTED (an upstream lighthouse):
+    /// commits go ahead without one (warned once).
+    commit_unsupported: AtomicBool,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -283,6 +286,7 @@ impl ManagerServer {
             reports: ReportQueue::default(),
             committed_step: AtomicI64::new(-1),
             quorum_id: AtomicI64::new(-1),
+            commit_unsupported: AtomicBool::new(false),
             opts,
         });
 
@@ -327,6 +331,21 @@ impl ManagerServer {
     /// the step must then not commit. Single-rank groups that vote locally ask this.
     pub fn lease_held(&self) -> bool {
         self.inner.lease_held()
+    }
+
+    /// Whether this group may commit the step `step` (its committed step count before the
+    /// commit): its lease held, and the lighthouse accepted the write-ahead announcement of
+    /// `step + 1` under the group's quorum (retried until `timeout` while the lighthouse is
+    /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
+    /// groups get the same gate through `ShouldCommit`.
+    pub async fn may_commit(&self, step: i64, timeout: Duration) -> bool {
+        if !self.inner.lease_held() {
+            return false;
+        }
+        tokio::select! {
+            ok = self.inner.announce_commit(step, timeout) => ok,
+            _ = shutting_down(self.inner.shutdown.clone()) => false,
+        }
     }
 
     /// Notes that the group has committed `step` (called by the hosting rank after each
@@ -529,6 +548,64 @@ impl Inner {
         held
     }
 
+    /// The write-ahead commit: tells the lighthouse this group is about to commit `step + 1`
+    /// under its quorum; true if the lighthouse accepted (or predates announcements). A
+    /// refusal (the quorum was replaced, or the group was declared lost in it) and a
+    /// lighthouse unreachable until `timeout` are a "no": the group rejoins and heals.
+    async fn announce_commit(&self, step: i64, timeout: Duration) -> bool {
+        if self.commit_unsupported.load(Ordering::Relaxed) {
+            return true;
+        }
+        let quorum_id = self.quorum_id.load(Ordering::Relaxed);
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                warn!(step, quorum_id, lighthouse = %self.lighthouse_addr,
+                    "cannot reach the lighthouse to announce the commit; not committing");
+                return false;
+            }
+            let answer = self
+                .lighthouse
+                .commit(&self.opts.replica_id, quorum_id, step + 1, remaining)
+                .await;
+            let status = match answer {
+                Ok(None) => return true,
+                Ok(Some(reason)) => {
+                    warn!(step, quorum_id, reason = %reason,
+                        "the lighthouse refused the commit; rejoining to heal");
+                    return false;
+                }
+                Err(status) => status,
+            };
+            match status.code() {
+                tonic::Code::Unimplemented => {
+                    if !self.commit_unsupported.swap(true, Ordering::Relaxed) {
+                        warn!(lighthouse = %self.lighthouse_addr,
+                            "the lighthouse does not take commit announcements (an older or \
+                             upstream lighthouse): committing without them, so a group frozen \
+                             mid-step may commit a step the others redid");
+                    }
+                    return true;
+                }
+                tonic::Code::InvalidArgument
+                | tonic::Code::Unauthenticated
+                | tonic::Code::PermissionDenied => {
+                    warn!(step, error = %status.message(), "commit announcement refused");
+                    return false;
+                }
+                _ => {
+                    let delay = backoff.next_delay();
+                    debug!(step, error = %status.message(),
+                        "commit announcement failed; retrying in {delay:?}");
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    tokio::time::sleep(delay.min(remaining)).await;
+                }
+            }
+        }
+    }
+
     /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
     async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<Quorum> {
         let member = QuorumMember {
@@ -707,10 +784,22 @@ impl ManagerService for Service {
         let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
         let local = req.should_commit && self.inner.lease_held();
-        let vote = self
-            .inner
-            .barrier
-            .vote(req.group_rank, req.step, local, timeout);
+        let inner = self.inner.clone();
+        // The gate answers every rank of the round, some of which started waiting before
+        // this one: it keeps a quarter of the budget in hand.
+        let gate_budget = timeout.mul_f64(0.75);
+        let vote = self.inner.barrier.vote_gated(
+            req.group_rank,
+            req.step,
+            local,
+            timeout,
+            move |step| async move {
+                tokio::select! {
+                    ok = inner.announce_commit(step, gate_budget) => ok,
+                    _ = shutting_down(inner.shutdown.clone()) => false,
+                }
+            },
+        );
         let should_commit = tokio::select! {
             r = vote => r?,
             _ = shutting_down(self.inner.shutdown.clone()) => return Err(Error::Shutdown.into()),
