@@ -295,6 +295,7 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
                 heartbeat_timeout: Duration::from_secs(60),
                 // Not about the no-regression rules: no startup hold, no wait for progress.
                 progress_wait: Duration::ZERO,
+                state_file: None,
             };
             Some(LighthouseServer::bind("127.0.0.1:0", opts).await?)
         }
