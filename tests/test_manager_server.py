@@ -154,9 +154,12 @@ def test_full_round_two_groups_two_ranks(
     assert src._checkpoint_metadata(1, LONG) == "meta-1"
 
 
-def test_should_commit_and_of_votes(groups: Callable[[str, str, int], Group]) -> None:
-    """should_commit is True only if every rank votes True; a lone voter times out."""
-    g = groups("a", _dead_addr(), 2)
+def test_should_commit_and_of_votes(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """should_commit is True only if every rank votes True (and the lighthouse accepts the
+    write-ahead commit); a lone voter times out."""
+    g = groups("a", lighthouse.address(), 2)
     c0, c1 = g.clients
     assert _parallel(
         lambda: c0.should_commit(0, 1, True, LONG), lambda: c1.should_commit(1, 1, True, LONG)
@@ -168,6 +171,19 @@ def test_should_commit_and_of_votes(groups: Callable[[str, str, int], Group]) ->
     with pytest.raises(TimeoutError):
         c0.should_commit(0, 3, True, timedelta(milliseconds=300))
     assert time.monotonic() - start < 1.0
+
+
+def test_no_commit_while_the_lighthouse_is_unreachable(
+    groups: Callable[[str, str, int], Group],
+) -> None:
+    """A unanimous yes does not commit when the write-ahead commit cannot be announced."""
+    g = groups("a", _dead_addr(), 2)
+    c0, c1 = g.clients
+    short = timedelta(milliseconds=800)
+    assert _parallel(
+        lambda: c0.should_commit(0, 1, True, short), lambda: c1.should_commit(1, 1, True, short)
+    ) == [False, False]
+    assert g.server.may_commit(1, short) is False
 
 
 def test_quorum_timeout_when_a_rank_never_arrives(

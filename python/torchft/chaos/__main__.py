@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the torchft_lighthouse binary to run (default: found on PATH)",
     )
     p.add_argument(
-        "--restart-while-stopped",
-        action="store_true",
-        help="also restart the lighthouse while a group is stopped (a known gap: see docs)",
+        "--no-restart-while-stopped",
+        dest="restart_while_stopped",
+        action="store_false",
+        help="do not restart the lighthouse while a group is stopped",
     )
     p.add_argument(
         "--check",

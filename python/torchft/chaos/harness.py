@@ -66,11 +66,10 @@ class ChaosConfig:
     #: The daemon command (default: the ``torchft_lighthouse`` found like the launcher does;
     #: the Rust binary restarts in milliseconds, the Python console script in seconds).
     lighthouse_cmd: list[str] | None = None
-    #: Also restart the lighthouse while a group is stopped. Off by default: a restarted
-    #: lighthouse cannot know the progress of a group that is silent through its whole
-    #: startup hold, so when that group holds the only newer state the job regresses while
-    #: it lives (a known gap, see docs/chaos.md); on, runs look for it.
-    restart_while_stopped: bool = False
+    #: Also restart the lighthouse while a group is stopped (the lighthouse keeps its
+    #: state file in the run directory, so the restarted one knows the progress of a group
+    #: that is silent through its whole startup hold). Off: such restarts are skipped.
+    restart_while_stopped: bool = True
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot make a meaningful run."""
@@ -139,6 +138,8 @@ class Chaos:
             "50",
             "--event_log",
             str(self.dir / "events.jsonl"),
+            "--state_file",
+            str(self.dir / "lighthouse.state"),
         ]
         log = open(self.dir / "lighthouse.log", "a")  # noqa: SIM115 - owned by the thread
         proc = subprocess.Popen(
