@@ -63,9 +63,12 @@ struct HeartbeatRecord {
     /// Its session with the lighthouse is open: it may still come back even while silent
     /// (e.g. stopped), so progress it holds is worth waiting for.
     session: bool,
-    /// Known only from the state of a previous life of the lighthouse (not heard from since
-    /// the restart): it may come back until then, and is not counted as healthy.
+    /// Known from the state of a previous life of the lighthouse and without a session in
+    /// this one: it may come back until then (even if heard once and silent since, e.g.
+    /// stopped before its manager reopened its session).
     restored_until: Option<Instant>,
+    /// Heard from in this life of the lighthouse (false only for restored records).
+    heard: bool,
 }
 
 impl HeartbeatRecord {
@@ -77,16 +80,16 @@ impl HeartbeatRecord {
             step: None,
             session: false,
             restored_until: None,
+            heard: true,
         }
     }
 
     /// Heard from within `timeout` of `now`, silent with its session still open, or known
     /// from a previous life of the lighthouse and not yet waited out.
     fn may_come_back(&self, now: Instant, timeout: Duration) -> bool {
-        match self.restored_until {
-            Some(until) => now < until,
-            None => self.session || now.saturating_duration_since(self.last_seen) <= timeout,
-        }
+        self.session
+            || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout)
+            || self.restored_until.is_some_and(|until| now < until)
     }
 }
 
@@ -418,6 +421,7 @@ impl QuorumEngine {
                     HeartbeatRecord {
                         step: Some(step),
                         restored_until: Some(until),
+                        heard: false,
                         ..HeartbeatRecord::new(now)
                     },
                 );
@@ -561,7 +565,7 @@ impl QuorumEngine {
         if now > rec.last_seen {
             rec.last_seen = now;
         }
-        rec.restored_until = None;
+        rec.heard = true;
         if !rec.counted {
             rec.counted = true;
             *healthy += 1;
@@ -623,7 +627,10 @@ impl QuorumEngine {
     /// (see [`QuorumEngine::lost`]) the replica may come back even when silent.
     pub fn session_opened(&mut self, replica_id: &str, now: Instant) -> Result<()> {
         Self::check_id(replica_id)?;
-        self.touch(replica_id, now).session = true;
+        let rec = self.touch(replica_id, now);
+        rec.session = true;
+        // Its session now says whether it lives.
+        rec.restored_until = None;
         Ok(())
     }
 
@@ -919,7 +926,7 @@ impl QuorumEngine {
         self.heartbeats.retain(|id, rec| {
             let waiting = participants.contains_key(id);
             let age = now.saturating_duration_since(rec.last_seen);
-            rec.counted = waiting || (age <= timeout && rec.restored_until.is_none());
+            rec.counted = waiting || (age <= timeout && rec.heard);
             if rec.counted {
                 healthy += 1;
             }
@@ -944,7 +951,8 @@ impl QuorumEngine {
             .collect();
         // Holders remembered from a previous life and waited out: not known to be dead.
         ahead.extend(self.heartbeats.iter().filter_map(|(id, rec)| {
-            let waited_out = rec.restored_until.is_some_and(|until| now >= until);
+            let waited_out = rec.restored_until.is_some_and(|until| now >= until)
+                && !rec.may_come_back(now, self.opts.heartbeat_timeout);
             let held = rec.step.filter(|s| *s > to_step)?;
             let waived = self.waived.get(id).is_some_and(|w| held <= *w);
             (waited_out && !waived).then(|| (id.clone(), held))
@@ -2681,5 +2689,37 @@ mod tests {
         e.lost("a", t);
         assert!(e.durable_revision() > r1);
         assert_eq!(e.durable().holders, Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_remembered_holder_heard_once_then_silent_without_a_session_is_still_waited_for() {
+        let (d, _, t0) = before_restart();
+        let mut t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        // a asks once right after the restart, then stops before its manager reopens its
+        // session; its request is answered by a quorum with a fresh b.
+        e.join(at("a", 101), t).unwrap();
+        e.join(at("b2", 0), t).unwrap();
+        t += Duration::from_secs(6);
+        let q = e.tick(t).expect("a and b2 past the startup hold");
+        assert_eq!(ids(&q), ["a", "b2"]);
+        // a is declared lost (silent past the heartbeat timeout) and b2 asks alone at 0: it
+        // waits for a, which may still come back, until progress_wait after the restart.
+        t += Duration::from_secs(3);
+        e.heartbeat("b2", t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert_eq!(e.take_lost().len(), 1);
+        e.join(at("b2", 0), t).unwrap();
+        assert!(e.tick(t).is_none(), "issued behind the remembered holder");
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 101, .. }
+        ));
+        // Once a's session opens, its liveness is the session's.
+        e.session_opened("a", t).unwrap();
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("a is back");
+        assert_eq!(ids(&q), ["a", "b2"]);
+        assert!(e.take_regressions().is_empty());
     }
 }
