@@ -439,14 +439,15 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
         let dir = TempDir::new("state");
         let file = dir.0.join("lighthouse.state");
         let o = LighthouseOptions {
-            heartbeat_timeout: Duration::from_millis(200),
+            heartbeat_timeout: Duration::from_millis(1_000),
             progress_wait: Duration::from_secs(30),
             state_file: Some(file.clone()),
             ..opts(1, 0)
         };
         let (server, c) = start(o.clone()).await;
-        // Past the startup hold (200 ms), a alone at step 3.
+        // Past the startup hold (1 s), a alone at step 3.
         let q = ask(&c, member("a"), 5_000).await.unwrap();
+        c.heartbeat("a", TEST_TIMEOUT).await.unwrap();
         assert_eq!(
             c.commit("a", q.quorum_id, 4, TEST_TIMEOUT).await.unwrap(),
             None
