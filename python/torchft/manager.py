@@ -28,6 +28,7 @@ read the address published by the previous incarnation before rank 0 overwrites 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -1357,9 +1358,12 @@ class Manager:
         Args:
             wait: wait for the quorum thread and transport to finish.
         """
-        if self._shutdown:
-            return
-        self._shutdown = True
+        lock = getattr(self, "_reconfig_lock", None)
+        # Under the lock: a lost-member abort in progress finishes first, none starts after.
+        with lock if lock is not None else contextlib.nullcontext():
+            if self._shutdown:
+                return
+            self._shutdown = True
         tel = getattr(self, "_telemetry", None)
         if tel is not None:
             # Called while an exception propagates (e.g. from a `finally:`): the rank failed.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,9 @@ class ProcessGroupWrapper(ProcessGroup):
         self._error: Exception | None = None
         self._replica_id: str | None = None
         self._inflight = _InFlight()
+        # Helper threads still releasing aborted groups: shutdown waits for them, since a
+        # backend torn down by the interpreter's exit mid-release ends the process.
+        self._releasing: list[threading.Thread] = []
         # The configure in progress (its rendezvous may be abandoned by abort()).
         self._pending: _PendingBuild | None = None
 
@@ -238,6 +242,9 @@ class ProcessGroupWrapper(ProcessGroup):
         thread = threading.Thread(
             target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=True
         )
+        with self._lock:
+            self._releasing = [t for t in self._releasing if t.is_alive()]
+            self._releasing.append(thread)
         thread.start()
         if wait > 0:
             thread.join(wait)
@@ -269,7 +276,8 @@ class ProcessGroupWrapper(ProcessGroup):
         self._teardown(box)
 
     def shutdown(self) -> None:
-        """Releases the current group (and abandons a configure in progress)."""
+        """Releases the current group (and abandons a configure in progress); waits (up to
+        5 s) for groups aborted earlier to finish their release."""
         with self._lock:
             pg = self._pg
             pending = self._pending
@@ -277,15 +285,18 @@ class ProcessGroupWrapper(ProcessGroup):
                 self._pg = None
         if pending is not None:
             pending.cancel("the group was shut down")
-        if pg is None:
-            return
-        if self._wrapped:
+        if pg is not None and self._wrapped:
             pg.shutdown()
-            return
-        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
-        box = [pg]
-        del pg
-        self._teardown(box, wait=5.0)
+        elif pg is not None:
+            self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
+            box = [pg]
+            del pg
+            self._teardown(box, wait=5.0)
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            releasing, self._releasing = self._releasing, []
+        for t in releasing:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def errored(self) -> Exception | None:
         """The first error seen since the last ``configure`` (or the wrapped group's)."""
