@@ -63,8 +63,11 @@ browser:
 		|| echo "warning: could not install chromium; the dashboard tests will skip"; \
 	else echo "note: chromium/chromedriver missing; the dashboard tests will skip"; fi
 
+# Each run gets its own temporary root: pytest prunes old numbered directories under the shared
+# default one, which breaks a second test run on the same machine mid-way.
 test-python: develop browser
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
+	$(PY) -m pytest tests -q -p no:cacheprovider --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
 lint: venv
 	cargo fmt --check
