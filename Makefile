@@ -15,7 +15,7 @@ INTEGRATION_DEPS := ray[train]
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop browser demo test test-rust test-python test-integrations lint fmt bench fuzz clean
+.PHONY: all venv develop browser demo chaos test test-rust test-python test-integrations lint fmt bench fuzz clean
 
 all: develop
 
@@ -36,6 +36,17 @@ develop: $(EXT_STAMP)
 # DEMO_SECURE=1 runs the same job with a token and mutual TLS everywhere.
 demo: develop
 	$(PY) examples/demo.py $(if $(filter-out 0,$(DEMO_SECURE)),--secure)
+
+# Random compound faults against real processes, checked offline (docs/chaos.md).
+# SEED=N reruns a seed; FAULTS, GROUPS and MTBF change the run.
+SEED ?=
+FAULTS ?= 200
+GROUPS ?= 3
+MTBF ?= 1.5
+chaos: develop
+	cargo build --release -q --bin torchft_lighthouse
+	$(PY) -m torchft.chaos --faults $(FAULTS) --groups $(GROUPS) --mtbf $(MTBF) \
+		--lighthouse-bin target/release/torchft_lighthouse $(if $(SEED),--seed $(SEED))
 
 test: test-rust test-python
 

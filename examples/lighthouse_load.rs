@@ -293,6 +293,9 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
                 join_timeout: Duration::from_secs(60),
                 quorum_tick: Duration::from_millis(100),
                 heartbeat_timeout: Duration::from_secs(60),
+                // Not about the no-regression rules: no startup hold, no wait for progress.
+                progress_wait: Duration::ZERO,
+                state_file: None,
             };
             Some(LighthouseServer::bind("127.0.0.1:0", opts).await?)
         }

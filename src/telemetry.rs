@@ -52,11 +52,14 @@ pub enum EventKind {
     ReplicaFinished,
     /// The dashboard's kill action was used (`replica_id`, `incarnation`).
     KillRequested,
+    /// A quorum continued from an older step than the best committed one known
+    /// (`quorum_id`, `from_step`, `to_step`, `steps_lost`, `alive_holders`, `unavoidable`).
+    ProgressRegressed,
 }
 
 impl EventKind {
     /// Every kind, in documentation order.
-    pub const ALL: [EventKind; 12] = [
+    pub const ALL: [EventKind; 13] = [
         EventKind::LighthouseStarted,
         EventKind::QuorumChanged,
         EventKind::ReplicaJoined,
@@ -69,6 +72,7 @@ impl EventKind {
         EventKind::ReplicaFailed,
         EventKind::ReplicaFinished,
         EventKind::KillRequested,
+        EventKind::ProgressRegressed,
     ];
 
     /// The name events carry in `kind`.
@@ -86,6 +90,7 @@ impl EventKind {
             EventKind::ReplicaFailed => "replica_failed",
             EventKind::ReplicaFinished => "replica_finished",
             EventKind::KillRequested => "kill_requested",
+            EventKind::ProgressRegressed => "progress_regressed",
         }
     }
 
@@ -93,7 +98,7 @@ impl EventKind {
     pub fn names_a_replica(self) -> bool {
         !matches!(
             self,
-            EventKind::LighthouseStarted | EventKind::QuorumChanged
+            EventKind::LighthouseStarted | EventKind::QuorumChanged | EventKind::ProgressRegressed
         )
     }
 

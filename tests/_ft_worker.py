@@ -13,6 +13,13 @@ The test drives it through files:
 - ``--result``: written at exit with the step, hashes of parameters and optimizer state, and
   the commit result and parameter hash of every attempted step.
 
+Fault hooks for the failure-detection tests (a marker file records the wall time of the fault):
+- ``--kill-self-in-configure MARKER``: SIGKILLs itself inside its first process-group configure
+  (after the quorum was issued with it, before its peers' rendezvous can complete).
+- ``--stop-self-when-serving MARKER``: SIGSTOPs itself right after offering its state of
+  step ≥ 5 to a healing peer, unless another group already did (the marker is created
+  exclusively).
+
 With env ``FT_DEBUG=1`` every committed optimizer step logs hashes of parameters, gradients
 and optimizer state, which pinpoints the first step where replica groups diverge.
 """
@@ -24,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -86,6 +94,41 @@ def read_seconds(path: str) -> float:
         return 0.0
 
 
+def mark(path: str) -> bool:
+    """Creates ``path`` exclusively with the wall time; False if it already exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{time.time()} {os.getpid()}")
+    return True
+
+
+def install_fault_hooks(args: argparse.Namespace, pg: Any, manager: Manager) -> None:
+    """Wraps the process group / transport with the self-inflicted faults asked for."""
+    if args.kill_self_in_configure:
+        configure = pg.configure
+
+        def dying_configure(*a: Any, **kw: Any) -> None:
+            mark(args.kill_self_in_configure)
+            os.kill(os.getpid(), signal.SIGKILL)
+            configure(*a, **kw)
+
+        pg.configure = dying_configure
+    if args.stop_self_when_serving:
+        transport = manager._checkpoint_transport
+        send = transport.send_checkpoint
+
+        def stopping_send(*a: Any, **kw: Any) -> None:
+            send(*a, **kw)
+            # Not the step-0 sync of the initial weights: a heal of a later joiner.
+            if kw.get("step", 0) >= 5 and mark(args.stop_self_when_serving):
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        transport.send_checkpoint = stopping_send  # type: ignore[method-assign]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--replica-id", required=True)
@@ -103,6 +146,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--quorum-timeout", type=float, default=30.0)
     parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--kill-self-in-configure", default="")
+    parser.add_argument("--stop-self-when-serving", default="")
     args = parser.parse_args()
 
     logging.basicConfig(
@@ -131,6 +176,7 @@ def main() -> int:
         connect_timeout=timedelta(seconds=30),
         replica_id=args.replica_id,
     )
+    install_fault_hooks(args, pg, manager)
     ddp = DistributedDataParallel(manager, model)
     optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-2))
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)

@@ -29,7 +29,13 @@ def lighthouse() -> Iterator[object]:
     """
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=10)
+    server = LighthouseServer(
+        "127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=100,
+        quorum_tick_ms=10,
+        progress_wait_ms=0,  # quorums at once: no startup hold
+    )
     try:
         yield server
     finally:

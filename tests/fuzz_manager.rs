@@ -104,6 +104,8 @@ fn manager_handlers_answer_any_request_cleanly() {
                 join_timeout: Duration::from_millis(50),
                 quorum_tick: Duration::from_millis(10),
                 heartbeat_timeout: Duration::from_secs(5),
+                progress_wait: Duration::ZERO,
+                state_file: None,
             },
         )
         .await

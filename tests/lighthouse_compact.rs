@@ -45,6 +45,9 @@ async fn start(min_replicas: u64) -> LighthouseServer {
         join_timeout: Duration::from_secs(30),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_secs(5),
+        // Not about the no-regression rules: no startup hold, no wait for progress.
+        progress_wait: Duration::ZERO,
+        state_file: None,
     };
     LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap()
 }
@@ -301,6 +304,14 @@ impl LighthouseService for Scripted {
     ) -> Result<Response<torchft::proto::TelemetryAck>, Status> {
         Err(Status::unimplemented("no telemetry here"))
     }
+
+    async fn commit(
+        &self,
+        _request: Request<torchft::proto::LighthouseCommitRequest>,
+    ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
+        // As an upstream lighthouse: no write-ahead commits.
+        Err(Status::unimplemented("no commit announcements here"))
+    }
 }
 
 fn quorum(id: i64, revision: u64, steps: &[i64]) -> Quorum {
@@ -372,6 +383,9 @@ async fn a_group_leaving_is_sent_as_a_delta() {
             join_timeout: Duration::from_millis(200),
             quorum_tick: Duration::from_millis(10),
             heartbeat_timeout: Duration::from_secs(5),
+            // Not about the no-regression rules: no startup hold, no wait for progress.
+            progress_wait: Duration::ZERO,
+            state_file: None,
         };
         let server = LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap();
         let addr = server.address();

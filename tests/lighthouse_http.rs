@@ -20,6 +20,9 @@ async fn start(min: u64) -> LighthouseServer {
         join_timeout: Duration::from_secs(60),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_secs(5),
+        // Not about the no-regression rules: no startup hold, no wait for progress.
+        progress_wait: Duration::ZERO,
+        state_file: None,
     };
     LighthouseServer::bind("127.0.0.1:0", o).await.unwrap()
 }

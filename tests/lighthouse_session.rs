@@ -40,6 +40,9 @@ fn opts(heartbeat_timeout: Duration) -> LighthouseOptions {
         join_timeout: Duration::from_secs(30),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout,
+        // Not about the no-regression rules: no startup hold, no wait for progress.
+        progress_wait: Duration::ZERO,
+        state_file: None,
     }
 }
 
@@ -299,7 +302,7 @@ async fn hang_is_lost_after_heartbeat_timeout_and_slow_is_not() {
         let q1 = quorum_ab(&ca, &cb).await;
         // Heartbeat acknowledgements state the timeout (the managers' commit lease).
         assert_eq!(
-            ca.heartbeat_lease("a", CONNECT).await.unwrap(),
+            ca.heartbeat_lease("a", None, CONNECT).await.unwrap(),
             Some(timeout)
         );
 

@@ -22,6 +22,9 @@ fn opts(min_replicas: u64, join_timeout_ms: u64) -> LighthouseOptions {
         join_timeout: Duration::from_millis(join_timeout_ms),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_millis(500),
+        // Not about the no-regression rules: no startup hold, no wait for progress.
+        progress_wait: Duration::ZERO,
+        state_file: None,
     }
 }
 
@@ -404,6 +407,131 @@ async fn wildcard_bind_reports_dialable_hostname() {
             .unwrap();
         assert_eq!(ids(&ask(&c, member("a"), 5_000).await.unwrap()), ["a"]);
         server.shutdown().await;
+    })
+    .await;
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir =
+            std::env::temp_dir().join(format!("torchft-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
+    bounded(async {
+        let dir = TempDir::new("state");
+        let file = dir.0.join("lighthouse.state");
+        let o = LighthouseOptions {
+            heartbeat_timeout: Duration::from_millis(1_000),
+            progress_wait: Duration::from_secs(30),
+            state_file: Some(file.clone()),
+            ..opts(1, 0)
+        };
+        let (server, c) = start(o.clone()).await;
+        // Past the startup hold (1 s), a alone at step 3.
+        let q = ask(&c, member("a"), 5_000).await.unwrap();
+        c.heartbeat("a", TEST_TIMEOUT).await.unwrap();
+        assert_eq!(
+            c.commit("a", q.quorum_id, 4, TEST_TIMEOUT).await.unwrap(),
+            None
+        );
+        // A commit under another quorum, or by a non-member, is refused with a reason.
+        let why = c
+            .commit("a", q.quorum_id - 1, 4, TEST_TIMEOUT)
+            .await
+            .unwrap();
+        assert!(why.is_some_and(|w| w.contains("replaced")));
+        assert!(c
+            .commit("z", q.quorum_id, 4, TEST_TIMEOUT)
+            .await
+            .unwrap()
+            .is_some());
+        let bad = c
+            .commit("a", q.quorum_id, -1, TEST_TIMEOUT)
+            .await
+            .unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        let saved: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert_eq!(saved["quorum_id"], q.quorum_id);
+        assert_eq!(saved["best_step"], 4);
+        assert_eq!(saved["holders"], serde_json::json!(["a"]));
+        server.shutdown().await;
+
+        // Restarted with the same file while a is silent: b at step 3 waits for a (the
+        // remembered holder of step 4) beyond the startup hold ...
+        let (server, c) = start(o.clone()).await;
+        let err = ask(
+            &c,
+            QuorumMember {
+                step: 3,
+                ..member("b")
+            },
+            1_000,
+        )
+        .await
+        .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        // ... the old quorum is still current for a ...
+        assert_eq!(
+            c.commit("a", q.quorum_id, 5, TEST_TIMEOUT).await.unwrap(),
+            None
+        );
+        // ... and once a asks at step 5, both go on from there.
+        let (qa, qb) = tokio::join!(
+            ask(
+                &c,
+                QuorumMember {
+                    step: 5,
+                    ..member("a")
+                },
+                5_000
+            ),
+            ask(
+                &c,
+                QuorumMember {
+                    step: 3,
+                    ..member("b")
+                },
+                5_000
+            )
+        );
+        let (qa, qb) = (qa.unwrap(), qb.unwrap());
+        assert_eq!(qa, qb);
+        assert!(qa.quorum_id > q.quorum_id);
+        assert_eq!(ids(&qa), ["a", "b"]);
+        // The quorum before the restart is replaced now.
+        assert!(c
+            .commit("a", q.quorum_id, 6, TEST_TIMEOUT)
+            .await
+            .unwrap()
+            .is_some());
+        server.shutdown().await;
+
+        // A state file that is not one is refused at start, with the path in the message.
+        std::fs::write(&file, "not json").unwrap();
+        let err = LighthouseServer::bind("127.0.0.1:0", o)
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("lighthouse.state"), "{err}");
     })
     .await;
 }

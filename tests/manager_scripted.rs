@@ -65,6 +65,14 @@ impl LighthouseService for HangingLighthouse {
     ) -> Result<Response<TelemetryAck>, Status> {
         Err(Status::unimplemented("no telemetry here"))
     }
+
+    async fn commit(
+        &self,
+        _request: Request<torchft::proto::LighthouseCommitRequest>,
+    ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
+        // As an upstream lighthouse: no write-ahead commits.
+        Err(Status::unimplemented("no commit announcements here"))
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,6 +191,14 @@ impl LighthouseService for RecordingLighthouse {
         let accepted = batch.reports.len() as u32;
         self.reports.lock().unwrap().push(batch);
         Ok(Response::new(TelemetryAck { accepted }))
+    }
+
+    async fn commit(
+        &self,
+        _request: Request<torchft::proto::LighthouseCommitRequest>,
+    ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
+        // As an upstream lighthouse: no write-ahead commits.
+        Err(Status::unimplemented("no commit announcements here"))
     }
 }
 

@@ -31,6 +31,9 @@ async fn lighthouse_on(bind: &str, min_replicas: u64) -> LighthouseServer {
             join_timeout: Duration::from_secs(5),
             quorum_tick: Duration::from_millis(10),
             heartbeat_timeout: Duration::from_secs(2),
+            // Not about the no-regression rules: no startup hold, no wait for progress.
+            progress_wait: Duration::ZERO,
+            state_file: None,
         },
     )
     .await
@@ -388,8 +391,8 @@ async fn bad_requests_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn should_commit_across_two_ranks() {
     bounded(async {
-        let addr = format!("http://127.0.0.1:{}", dead_port());
-        let g = group("a", &addr, 2).await;
+        let lh = lighthouse(1).await;
+        let g = group("a", &lh.address(), 2).await;
         let (c0, c1) = (&g.clients[0], &g.clients[1]);
         let (d0, d1) = tokio::join!(
             c0.should_commit(0, 5, true, LONG),
@@ -423,6 +426,27 @@ async fn should_commit_across_two_ranks() {
         assert!(matches!(d0, Err(Error::FailedPrecondition(_))), "{d0:?}");
         assert!(matches!(d1, Err(Error::FailedPrecondition(_))), "{d1:?}");
         assert!(start.elapsed() < LONG / 2);
+        g.server.shutdown().await;
+        lh.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_yes_round_does_not_commit_while_the_lighthouse_is_unreachable() {
+    bounded(async {
+        // The write-ahead commit cannot be announced: the round decides no (within the
+        // ranks' budget), it does not fail.
+        let addr = format!("http://127.0.0.1:{}", dead_port());
+        let g = group("a", &addr, 2).await;
+        let (c0, c1) = (&g.clients[0], &g.clients[1]);
+        let short = Duration::from_millis(800);
+        let (d0, d1) = tokio::join!(
+            c0.should_commit(0, 5, true, short),
+            c1.should_commit(1, 5, true, short)
+        );
+        assert!(!d0.unwrap() && !d1.unwrap());
+        assert!(!g.server.may_commit(5, short).await);
         g.server.shutdown().await;
     })
     .await;

@@ -81,6 +81,8 @@ fn opts() -> LighthouseOptions {
         join_timeout: Duration::from_millis(100),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_secs(5),
+        progress_wait: Duration::ZERO,
+        state_file: None,
     }
 }
 

@@ -165,6 +165,76 @@ def test_sigstop_survivor_resumes_after_heartbeat_timeout_and_frozen_group_heals
     )
 
 
+def read_marker(path: Path) -> tuple[float, int]:
+    """The wall time and pid a worker's fault hook wrote."""
+    t, pid = path.read_text().split()
+    return float(t), int(pid)
+
+
+@pytest.mark.timeout(150)
+def test_peer_killed_inside_configure_does_not_hold_the_survivor(
+    make_cluster: Any, tmp_path: Path
+) -> None:
+    """A group SIGKILLs itself inside its first process-group configure, after the quorum with
+    it was issued: the survivor's configure (its rendezvous waits for the dead member) is
+    abandoned when the lighthouse reports the loss, and it commits within 3 s instead of
+    waiting out the 20 s store/rendezvous timeout."""
+    cluster = make_cluster(DEFAULT_HEARTBEAT_TIMEOUT_S)
+    marker = tmp_path / "died"
+    extra = ["--step-sleep", "0.02", "--timeout", "20", "--quorum-timeout", "60"]
+    survivor = cluster.start("rg0", seed=0, extra=extra)
+    victim = cluster.start("rg1", seed=1, extra=[*extra, "--kill-self-in-configure", str(marker)])
+
+    def survivor_went_on() -> bool:
+        victim.procs[0].poll()  # reap it: a self-inflicted SIGKILL is expected here
+        return marker.exists() and min(survivor.steps()) >= 5
+
+    cluster.wait_until(survivor_went_on, 90, "the survivor to train alone")
+    died, _ = read_marker(marker)
+    cluster.stop_at(max(survivor.steps()) + 5)
+    (result,) = cluster.finish(60)
+    gap = commit_gap(result, died)
+    print(f"survivor gap after its peer died in configure: {gap:.3f}s")
+    assert gap <= 3.0, f"survivor stalled {gap:.2f}s on a peer that died in configure"
+
+
+@pytest.mark.timeout(240)
+def test_heal_from_a_stopped_source_moves_on_to_another_source(
+    make_cluster: Any, tmp_path: Path
+) -> None:
+    """A group joins late and heals; its source SIGSTOPs itself right after offering its
+    state. Once the source is declared lost (2 s heartbeat timeout) the heal is abandoned
+    and the next quorum heals it from the other up-to-date group: it commits within the
+    heartbeat timeout + 3 s of the stop, not after the 30 s transfer timeout. After SIGCONT
+    every group ends bit-identical."""
+    cluster = make_cluster(HANG_HEARTBEAT_TIMEOUT_S)
+    marker = tmp_path / "stopped"
+    extra = ["--step-sleep", "0.02", "--timeout", "30", "--stop-self-when-serving", str(marker)]
+    early = [cluster.start(f"rg{i}", seed=i, extra=extra) for i in (0, 2)]
+    cluster.wait_until(
+        lambda: min(s for g in early for s in g.steps()) >= 15, 90, "the first groups at 15"
+    )
+    late = cluster.start("rg1", seed=1, extra=extra)
+    cluster.wait_until(marker.exists, 90, "a heal source to stop itself")
+    stopped_at, pid = read_marker(marker)
+    stopped = next(g for g in early if g.procs[0].pid == pid)
+    try:
+        cluster.wait_until(lambda: min(late.steps()) >= 16, 60, "the late group to heal")
+    finally:
+        signal_group(stopped, signal.SIGCONT)
+    target = max(s for g in cluster.live() for s in g.steps()) + 10
+    cluster.stop_at(target)
+    results = cluster.finish(120)
+    assert len(results) == 3
+    assert_identical(results, target)
+    late_result = next(r for r in results if r["replica_id"] == "rg1")
+    first_commit = min(t for _, t in late_result["commit_times"])
+    took = first_commit - stopped_at
+    bound = HANG_HEARTBEAT_TIMEOUT_S + 3.0
+    print(f"late group's first commit {took:.3f}s after its heal source stopped")
+    assert took <= bound, f"heal from a stopped source took {took:.2f}s (> {bound}s)"
+
+
 class _FakeWatchClient:
     """Serves scripted ``_watch_events`` answers, then idles like an empty long-poll."""
 

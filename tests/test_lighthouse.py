@@ -97,7 +97,7 @@ def test_quorum_timeout_raises_timeout_error() -> None:
 
 def test_gil_released_during_quorum() -> None:
     """Another Python thread keeps running while a quorum call blocks."""
-    server = LighthouseServer("127.0.0.1:0", min_replicas=2)
+    server = LighthouseServer("127.0.0.1:0", min_replicas=2, progress_wait_ms=0)
     try:
         client = LighthouseClient(server.address(), connect_timeout=CONNECT)
         ticks = 0
@@ -120,6 +120,96 @@ def test_gil_released_during_quorum() -> None:
         server.shutdown()
 
 
+class _Heartbeater:
+    """Heartbeats ``replica_id`` with ``step`` every 50 ms on a thread until stopped."""
+
+    def __init__(self, address: str, replica_id: str, step: int) -> None:
+        self.client = LighthouseClient(address, connect_timeout=CONNECT)
+        self.replica_id = replica_id
+        self.step = step
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.client.heartbeat(self.replica_id, step=self.step)
+            self.stop.wait(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.mark.timeout(60)
+def test_fresh_groups_wait_for_a_live_group_holding_newer_progress() -> None:
+    """Two fresh groups (step 0) do not form a quorum without a group that heartbeats step
+    50 while busy; once it asks, all three are in the quorum, and nothing regressed."""
+    server = LighthouseServer(
+        "127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=100,
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=1000,
+        progress_wait_ms=30_000,
+    )
+    holder = _Heartbeater(server.address(), "old", 50)
+    try:
+        client = LighthouseClient(server.address(), connect_timeout=CONNECT)
+
+        def ask(rid: str, step: int) -> Quorum:
+            return client.quorum(replica_id=rid, timeout=timedelta(seconds=30), step=step)
+
+        with ThreadPoolExecutor(3) as pool:
+            fresh = [pool.submit(ask, rid, 0) for rid in ("new1", "new2")]
+            time.sleep(2.5)  # past the startup hold (1 s) and the join timeout
+            assert not any(f.done() for f in fresh), "a quorum formed behind the live holder"
+            _, status = _get(server.address() + "/status")
+            assert "old (at step 50)" in json.loads(status)["reason"]
+            old = pool.submit(ask, "old", 50).result(timeout=30)
+            quorums = [f.result(timeout=30) for f in fresh]
+        for q in [old, *quorums]:
+            assert [m.replica_id for m in q.participants] == ["new1", "new2", "old"]
+        _, metrics = _get(server.address() + "/metrics")
+        assert "torchft_progress_regressions_total 0" in metrics
+    finally:
+        holder.close()
+        server.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_regression_after_the_holder_died_is_announced() -> None:
+    """When the only group holding step 50 goes silent (dead), fresh groups continue from
+    step 0 after its heartbeat timeout, and the regression is an event and a metric."""
+    server = LighthouseServer(
+        "127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=100,
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=1000,
+    )
+    holder = _Heartbeater(server.address(), "old", 50)
+    try:
+        time.sleep(0.3)
+        holder.close()  # dies: its heartbeats stop
+        client = LighthouseClient(server.address(), connect_timeout=CONNECT)
+        t0 = time.monotonic()
+        q = client.quorum(replica_id="new", timeout=timedelta(seconds=30), step=0)
+        assert [m.replica_id for m in q.participants] == ["new"]
+        assert time.monotonic() - t0 < 10
+        _, metrics = _get(server.address() + "/metrics")
+        assert "torchft_progress_regressions_total 1" in metrics
+        _, status = _get(server.address() + "/status")
+        events = [e for e in json.loads(status)["events"] if e["kind"] == "progress_regressed"]
+        assert len(events) == 1
+        e = events[0]
+        assert (e["from_step"], e["to_step"], e["unavoidable"]) == (50, 0, True)
+        assert e["quorum_id"] == q.quorum_id
+    finally:
+        holder.close()
+        server.shutdown()
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -131,6 +221,7 @@ def test_gil_released_during_quorum() -> None:
         {"min_replicas": 1, "straggler_skew_pct": 0},
         {"min_replicas": 1, "straggler_skew_pct": float("nan")},
         {"min_replicas": 1, "straggler_min_ms": -1},
+        {"min_replicas": 1, "progress_wait_ms": -1},
         {"min_replicas": 1, "event_log": "/nonexistent-dir/events.jsonl"},
     ],
 )

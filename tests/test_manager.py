@@ -101,12 +101,19 @@ class FakeNative:
             def __init__(self, **kwargs: Any) -> None:
                 self.kwargs = kwargs
                 self.closed = False
+                self.committed_steps: list[int] = []
                 native.servers.append(self)
+
+            def note_committed_step(self, step: int) -> None:
+                self.committed_steps.append(step)
 
             def address(self) -> str:
                 return "http://fake-manager:1"
 
             def lease_held(self) -> bool:
+                return native.lease
+
+            def may_commit(self, step: int, timeout: timedelta) -> bool:
                 return native.lease
 
             def shutdown(self) -> None:
@@ -491,6 +498,23 @@ def test_failed_commits_reset_after_success(harness: Any) -> None:
     h.native.commit_result = False
     m.start_quorum()
     assert not m.should_commit()  # 1 failure again, not 2: no RuntimeError
+
+
+def test_committed_steps_are_noted_for_the_heartbeats(harness: Any) -> None:
+    """Each commit (and only a commit) hands the new step to the manager server, whose
+    heartbeats tell the lighthouse this group's progress."""
+    h = harness()
+    m = h.manager
+    server = h.native.servers[-1]
+    m.start_quorum()
+    assert m.should_commit()
+    h.native.commit_result = False
+    m.start_quorum()
+    assert not m.should_commit()
+    h.native.commit_result = None
+    m.start_quorum()
+    assert m.should_commit()
+    assert server.committed_steps == [1, 2]
 
 
 # ----------------------------------------------------------------------------- allreduce

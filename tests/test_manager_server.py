@@ -39,7 +39,9 @@ def _dead_addr() -> str:
 @pytest.fixture
 def lighthouse() -> Iterator[LighthouseServer]:
     """A lighthouse that answers as soon as one replica group asks."""
-    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10)
+    lh = LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10, progress_wait_ms=0
+    )
     try:
         yield lh
     finally:
@@ -49,7 +51,9 @@ def lighthouse() -> Iterator[LighthouseServer]:
 @pytest.fixture
 def lighthouse2() -> Iterator[LighthouseServer]:
     """A lighthouse that needs two replica groups for a quorum."""
-    lh = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=10)
+    lh = LighthouseServer(
+        "127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=10, progress_wait_ms=0
+    )
     try:
         yield lh
     finally:
@@ -150,9 +154,12 @@ def test_full_round_two_groups_two_ranks(
     assert src._checkpoint_metadata(1, LONG) == "meta-1"
 
 
-def test_should_commit_and_of_votes(groups: Callable[[str, str, int], Group]) -> None:
-    """should_commit is True only if every rank votes True; a lone voter times out."""
-    g = groups("a", _dead_addr(), 2)
+def test_should_commit_and_of_votes(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """should_commit is True only if every rank votes True (and the lighthouse accepts the
+    write-ahead commit); a lone voter times out."""
+    g = groups("a", lighthouse.address(), 2)
     c0, c1 = g.clients
     assert _parallel(
         lambda: c0.should_commit(0, 1, True, LONG), lambda: c1.should_commit(1, 1, True, LONG)
@@ -164,6 +171,19 @@ def test_should_commit_and_of_votes(groups: Callable[[str, str, int], Group]) ->
     with pytest.raises(TimeoutError):
         c0.should_commit(0, 3, True, timedelta(milliseconds=300))
     assert time.monotonic() - start < 1.0
+
+
+def test_no_commit_while_the_lighthouse_is_unreachable(
+    groups: Callable[[str, str, int], Group],
+) -> None:
+    """A unanimous yes does not commit when the write-ahead commit cannot be announced."""
+    g = groups("a", _dead_addr(), 2)
+    c0, c1 = g.clients
+    short = timedelta(milliseconds=800)
+    assert _parallel(
+        lambda: c0.should_commit(0, 1, True, short), lambda: c1.should_commit(1, 1, True, short)
+    ) == [False, False]
+    assert g.server.may_commit(1, short) is False
 
 
 def test_quorum_timeout_when_a_rank_never_arrives(
@@ -306,7 +326,7 @@ def test_kill_ends_the_hosting_process() -> None:
 @pytest.mark.timeout(60)
 def test_lighthouse_restart_on_same_port(groups: Callable[[str, str, int], Group]) -> None:
     """After the lighthouse restarts on its address, the next quorum forms with a higher id."""
-    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, quorum_tick_ms=10)
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, quorum_tick_ms=10, progress_wait_ms=0)
     port = lh.address().rsplit(":", 1)[1]
     g = groups("a", f"http://127.0.0.1:{port}", 1)
     c = g.clients[0]

@@ -174,7 +174,7 @@ def test_uncaught_exception_reports_failed_before_exit() -> None:
 
 @pytest.mark.timeout(60)
 def test_native_report_validates_and_never_blocks() -> None:
-    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=1)
+    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=1, progress_wait_ms=0)
     server = ManagerServer(
         replica_id="g",
         lighthouse_addr=lighthouse.address(),

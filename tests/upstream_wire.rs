@@ -276,6 +276,14 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         replica_id: "u".into(),
     });
     assert_eq!(hb.replica_id, "u");
+    // Upstream sends no committed step: ours reads it as absent.
+    assert_eq!(hb.step, None);
+    // Ours with a step stays readable by upstream (the field is skipped).
+    let up: upstream::LighthouseHeartbeatRequest = cross(&ours::LighthouseHeartbeatRequest {
+        replica_id: "u".into(),
+        step: Some(7),
+    });
+    assert_eq!(up.replica_id, "u");
     // Our heartbeat reply carries a field upstream does not know: it must be skippable.
     let _: upstream::LighthouseHeartbeatResponse = cross(&ours::LighthouseHeartbeatResponse {
         heartbeat_timeout_ms: 5000,
@@ -366,6 +374,9 @@ async fn start(min_replicas: u64) -> LighthouseServer {
         join_timeout: Duration::from_secs(30),
         quorum_tick: Duration::from_millis(10),
         heartbeat_timeout: Duration::from_secs(5),
+        // No startup hold: rounds are issued at once.
+        progress_wait: Duration::ZERO,
+        state_file: None,
     };
     LighthouseServer::bind("127.0.0.1:0", opts)
         .await

@@ -91,6 +91,17 @@ class LighthouseServer:
 
     Raises ValueError for bad arguments (``min_replicas < 1``, negative or zero durations where
     a positive one is needed, an unparsable bind address).
+
+    ``progress_wait_ms`` (default 60000): how long a round whose groups are all behind a group
+    that may still come back (heartbeating, or silent with its session open) waits for it
+    before training goes on from the older state (announced as ``progress_regressed``); a
+    new lighthouse also holds its first quorum for ``min(heartbeat_timeout_ms,
+    progress_wait_ms)``. 0 disables both.
+
+    ``state_file`` (default none): the lighthouse keeps its durable state there (the last
+    quorum, the best committed step and its holders, rewritten atomically before a commit is
+    acknowledged), so a lighthouse restarted with the same file refuses commits under quorums
+    it had replaced and waits for the holders of the best step.
     """
 
     def __new__(
@@ -101,6 +112,8 @@ class LighthouseServer:
         quorum_tick_ms: int | None = None,
         heartbeat_timeout_ms: int | None = None,
         *,
+        progress_wait_ms: int | None = None,
+        state_file: str | None = None,
         event_log: str | None = None,
         allow_kill: bool = False,
         straggler_skew_pct: float | None = None,
@@ -141,8 +154,9 @@ class LighthouseClient:
 
         Raises TimeoutError when ``timeout`` passes first, ValueError for bad arguments.
         """
-    def heartbeat(self, replica_id: str, timeout: timedelta = ...) -> None:
-        """Tells the lighthouse ``replica_id`` is alive (default timeout: 5 seconds)."""
+    def heartbeat(self, replica_id: str, timeout: timedelta = ..., step: int | None = None) -> None:
+        """Tells the lighthouse ``replica_id`` is alive (default timeout: 5 seconds) and, if
+        given, its committed step (ValueError if negative)."""
 
 def security_settings() -> dict[str, str | None]:
     """This process's token and TLS files from ``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/
@@ -179,6 +193,14 @@ class ManagerServer:
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""
+    def may_commit(self, step: int, timeout: timedelta) -> bool:
+        """Whether this group may commit ``step`` (its committed step count before the
+        commit): its lease held and the lighthouse accepted the write-ahead announcement
+        (retried up to ``timeout`` while the lighthouse is unreachable). Raises ValueError if
+        ``step`` is negative."""
+    def note_committed_step(self, step: int) -> None:
+        """Notes the group's committed step (after each commit); heartbeats carry it to the
+        lighthouse. Raises ValueError if negative."""
     def address(self) -> str:
         """``http://{hostname}:{port}``: what ranks and other groups dial."""
     def shutdown(self) -> None:

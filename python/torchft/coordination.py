@@ -84,6 +84,15 @@ class NativeManagerServer(Protocol):
         """False if the group's heartbeats lapsed during the step: it must not commit."""
         ...
 
+    def may_commit(self, step: int, timeout: timedelta) -> bool:
+        """Whether the group may commit ``step``: its lease held and the lighthouse accepted
+        the write-ahead commit announcement."""
+        ...
+
+    def note_committed_step(self, step: int) -> None:
+        """Records the group's committed step; heartbeats carry it to the lighthouse."""
+        ...
+
     def shutdown(self) -> None:
         """Stops serving."""
         ...

@@ -58,7 +58,11 @@ REPLICA_KINDS: frozenset[str] = frozenset(
 )
 
 #: Every kind the lighthouse writes (checked against the native list in the tests).
-KINDS: frozenset[str] = REPLICA_KINDS | {"lighthouse_started", "quorum_changed"}
+KINDS: frozenset[str] = REPLICA_KINDS | {
+    "lighthouse_started",
+    "quorum_changed",
+    "progress_regressed",
+}
 
 #: States in which a replica group is not contributing to training.
 DOWN_STATES: frozenset[str] = frozenset({"lost", "joining", "healing"})

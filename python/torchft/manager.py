@@ -28,6 +28,7 @@ read the address published by the previous incarnation before rank 0 overwrites 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import socket
@@ -73,6 +74,9 @@ T = TypeVar("T")
 
 #: Key under which the default (legacy constructor) state dict functions are registered.
 DEFAULT_STATE_DICT_KEY = "default"
+
+#: A call to a heal source is retried in slices this long, checking whether it was lost.
+_SOURCE_POLL_S = 1.0
 
 
 class ExceptionWithTraceback(Exception):
@@ -448,6 +452,10 @@ class Manager:
         # arrives after its member's loss must not rendezvous with the dead member.
         self._lost_in: dict[int, set[str]] = {}
         self._watcher: _LostWatcher | None = None
+        # The replica group this rank is healing from, and the flag that ends the heal
+        # when the lighthouse declares that group lost.
+        self._heal_source: str | None = None
+        self._heal_lost = threading.Event()
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._manager: NativeManagerServer | None = None
@@ -801,10 +809,19 @@ class Manager:
                 self.report_error(
                     RuntimeError(f"replica group {replica_id} of quorum {quorum_id} was lost")
                 )
+            # Ends a configure in progress too: its rendezvous waits for the lost member.
             try:
                 self._pg.abort()
             except Exception:
                 logger.exception("aborting the process group failed")
+            if replica_id == self._heal_source:
+                # Its state will never arrive: end the heal now, the next quorum picks
+                # another source.
+                self._heal_lost.set()
+                try:
+                    self._checkpoint_transport.abort_recv()
+                except Exception:
+                    logger.exception("aborting the checkpoint transfer failed")
 
     def _adopt_quorum(self, quorum: NativeQuorumResult, allow_heal: bool) -> None:
         """Adopts an answer of an async quorum; errors are recorded, not raised."""
@@ -960,11 +977,28 @@ class Manager:
         if tel is not None:
             tel.heal_started(self._step, quorum.quorum_id)
         heal_t0 = time.perf_counter()
-        src_client = _torchft.ManagerClient(src_addr, connect_timeout=self._connect_timeout)
-        metadata = src_client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
-        received = self._checkpoint_transport.recv_checkpoint(
-            src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
-        )
+        replica_ids = list(quorum.replica_ids)
+        src_id = replica_ids[src_rank] if 0 <= src_rank < len(replica_ids) else None
+        with self._reconfig_lock:
+            self._heal_lost.clear()
+            self._heal_source = src_id
+            lost_already = src_id is not None and src_id in self._lost_in.get(
+                quorum.quorum_id, set()
+            )
+        try:
+            if lost_already:
+                raise ConnectionError(f"heal source {src_id} was lost before the heal began")
+            src_client = _torchft.ManagerClient(src_addr, connect_timeout=self._connect_timeout)
+            metadata = self._until_source_lost(
+                lambda t: src_client._checkpoint_metadata(self._group_rank, timeout=t),
+                f"checkpoint metadata from {src_addr}",
+            )
+            received = self._checkpoint_transport.recv_checkpoint(
+                src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
+            )
+        finally:
+            with self._reconfig_lock:
+                self._heal_source = None
         if not isinstance(received, dict) or "torchft" not in received or "user" not in received:
             raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
         if tel is not None and tel.enabled:
@@ -974,6 +1008,27 @@ class Manager:
         self._pending_state_dict = received["user"]
         if not self._use_async_quorum:
             self._apply_pending_state_dict()
+
+    def _until_source_lost(self, call: Callable[[timedelta], T], what: str) -> T:
+        """Runs ``call(timeout)`` within ``timeout`` in slices of at most a second, so a
+        source that is stopped (alive to TCP, silent) is abandoned within a second of being
+        declared lost instead of at the timeout.
+
+        Raises:
+            ConnectionError: the heal source was declared lost.
+            TimeoutError: ``timeout`` passed.
+        """
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            if self._heal_lost.is_set():
+                raise ConnectionError(f"{what}: the heal source was declared lost")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{what} did not answer within {self._timeout}")
+            try:
+                return call(timedelta(seconds=min(remaining, _SOURCE_POLL_S)))
+            except TimeoutError:
+                continue
 
     def _apply_pending_state_dict(self) -> None:
         """Loads healed user state into the registered loaders."""
@@ -1122,9 +1177,13 @@ class Manager:
         if self._group_world_size == 1:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
             # it is the local vote, so the round trip is skipped (hot path of plain DDP).
-            # A group frozen past its lease may have been declared lost: never commit then.
+            # The manager server still gates a yes: the group's lease must hold (a group frozen
+            # past it may have been declared lost) and the lighthouse must accept the
+            # write-ahead commit (refused when the others went on without this group).
             server = self._manager
-            should_commit = local_vote and (server is None or server.lease_held())
+            should_commit = local_vote and (
+                server is None or bool(server.may_commit(self._step, vote_timeout))
+            )
         else:
             should_commit = bool(
                 self._rpc().should_commit(
@@ -1154,6 +1213,10 @@ class Manager:
             self._step += 1
             self._batches_committed += self._participating_replica_world_size
             self._commit_failures = 0
+            if self._manager is not None:
+                # Heartbeats carry it: the lighthouse knows this group's progress even while
+                # it is not asking for a quorum (no quorum may then regress past it).
+                self._manager.note_committed_step(self._step)
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:
@@ -1221,9 +1284,12 @@ class Manager:
         Args:
             wait: wait for the quorum thread and transport to finish.
         """
-        if self._shutdown:
-            return
-        self._shutdown = True
+        lock = getattr(self, "_reconfig_lock", None)
+        # Under the lock: a lost-member abort in progress finishes first, none starts after.
+        with lock if lock is not None else contextlib.nullcontext():
+            if self._shutdown:
+                return
+            self._shutdown = True
         tel = getattr(self, "_telemetry", None)
         if tel is not None:
             # Called while an exception propagates (e.g. from a `finally:`): the rank failed.

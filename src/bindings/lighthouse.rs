@@ -266,6 +266,11 @@ fn ms_arg(
 ///     quorum_tick_ms: how often pending rounds are re-evaluated (default 100; > 0).
 ///     heartbeat_timeout_ms: silence after which a replica group counts as lost
 ///         (default 5000; > 0).
+///     progress_wait_ms: how long a round behind a group that may still come back waits
+///         for it (default 60000; 0: never).
+///     state_file: keep the lighthouse's durable state (last quorum, best committed step
+///         and its holders) in this file, so a restarted lighthouse continues from it
+///         (default none).
 ///     event_log: append the event log as JSON lines to this file (default none).
 ///     allow_kill: serve `POST /replicas/{id}/kill` (default off).
 ///     straggler_skew_pct: a group is a straggler when its busy time is this many percent
@@ -292,10 +297,10 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     #[new]
     #[pyo3(signature = (bind, min_replicas, join_timeout_ms = None, quorum_tick_ms = None,
-        heartbeat_timeout_ms = None, *, event_log = None, allow_kill = false,
-        straggler_skew_pct = None, straggler_min_ms = None, token_file = None, tls_cert = None,
-        tls_key = None, tls_ca = None, tls_client_ca = None, private_status = false,
-        max_request_bytes = None))]
+        heartbeat_timeout_ms = None, *, progress_wait_ms = None, state_file = None,
+        event_log = None, allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None, token_file = None,
+        tls_cert = None, tls_key = None, tls_ca = None, tls_client_ca = None,
+        private_status = false, max_request_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -304,6 +309,8 @@ impl LighthouseServer {
         join_timeout_ms: Option<i64>,
         quorum_tick_ms: Option<i64>,
         heartbeat_timeout_ms: Option<i64>,
+        progress_wait_ms: Option<i64>,
+        state_file: Option<PathBuf>,
         event_log: Option<std::path::PathBuf>,
         allow_kill: bool,
         straggler_skew_pct: Option<f64>,
@@ -332,6 +339,8 @@ impl LighthouseServer {
                 d.heartbeat_timeout,
                 false,
             )?,
+            progress_wait: ms_arg("progress_wait_ms", progress_wait_ms, d.progress_wait, true)?,
+            state_file,
         };
         let od = ObservabilityOptions::default();
         let obs = ObservabilityOptions {
@@ -438,15 +447,28 @@ impl LighthouseClient {
         Ok(Quorum::from(q))
     }
 
-    /// Tells the lighthouse this replica is alive.
-    #[pyo3(signature = (replica_id, timeout = Duration::from_secs(5)))]
-    fn heartbeat(&self, py: Python<'_>, replica_id: String, timeout: Duration) -> PyResult<()> {
+    /// Tells the lighthouse this replica is alive and, if given, its committed step.
+    #[pyo3(signature = (replica_id, timeout = Duration::from_secs(5), step = None))]
+    fn heartbeat(
+        &self,
+        py: Python<'_>,
+        replica_id: String,
+        timeout: Duration,
+        step: Option<i64>,
+    ) -> PyResult<()> {
         let timeout = check_duration("timeout", timeout)?;
+        if let Some(s) = step.filter(|s| *s < 0) {
+            return Err(PyValueError::new_err(format!(
+                "step must not be negative, got {s}"
+            )));
+        }
         let client = self.inner.clone();
-        block_on(
-            py,
-            async move { client.heartbeat(&replica_id, timeout).await },
-        )?;
+        block_on(py, async move {
+            client
+                .heartbeat_lease(&replica_id, step, timeout)
+                .await
+                .map_err(crate::error::Error::from)
+        })?;
         Ok(())
     }
 

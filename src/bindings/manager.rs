@@ -113,6 +113,35 @@ impl PyManagerServer {
         self.server.lease_held()
     }
 
+    /// Whether this group may commit `step` (its committed step count before the commit):
+    /// its lease held and the lighthouse accepted the write-ahead announcement (retried up
+    /// to `timeout` while the lighthouse is unreachable). Single-rank groups ask this.
+    fn may_commit(
+        &self,
+        py: Python<'_>,
+        step: i64,
+        timeout: std::time::Duration,
+    ) -> PyResult<bool> {
+        if step < 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "step must not be negative, got {step}"
+            )));
+        }
+        Ok(block_on(py, self.server.may_commit(step, timeout)))
+    }
+
+    /// Notes the group's committed step (after each commit): heartbeats carry it to the
+    /// lighthouse, which then knows this group's progress between quorum requests.
+    fn note_committed_step(&self, step: i64) -> PyResult<()> {
+        if step < 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "step must not be negative, got {step}"
+            )));
+        }
+        self.server.note_committed_step(step);
+        Ok(())
+    }
+
     /// Stops the server (pending calls end with an error). Safe to call twice.
     fn shutdown(&self, py: Python<'_>) {
         block_on(py, self.server.shutdown());

@@ -37,6 +37,36 @@ pub struct LighthouseClient {
 }
 
 impl LighthouseClient {
+    /// A write-ahead commit: `replica_id` is about to commit `step` (its committed step count
+    /// after the commit) under quorum `quorum_id`. `Ok(None)`: accepted; `Ok(Some(reason))`:
+    /// refused, the group must not commit. An upstream lighthouse answers UNIMPLEMENTED.
+    pub async fn commit(
+        &self,
+        replica_id: &str,
+        quorum_id: i64,
+        step: i64,
+        timeout: Duration,
+    ) -> std::result::Result<Option<String>, Status> {
+        let mut client = self.client.clone();
+        let req = with_timeout(
+            crate::proto::LighthouseCommitRequest {
+                replica_id: replica_id.to_string(),
+                quorum_id,
+                step,
+            },
+            timeout,
+        );
+        match tokio::time::timeout(timeout, client.commit(req)).await {
+            Ok(r) => r.map(|resp| {
+                let resp = resp.into_inner();
+                (!resp.accepted).then_some(resp.reason)
+            }),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "lighthouse commit did not complete within {timeout:?}"
+            ))),
+        }
+    }
+
     /// Sends a batch of telemetry reports; returns how many the lighthouse accepted.
     pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
         let mut client = self.client.clone();
@@ -182,21 +212,25 @@ impl LighthouseClient {
         replica_id: &str,
         timeout: Duration,
     ) -> std::result::Result<(), Status> {
-        self.heartbeat_lease(replica_id, timeout).await.map(|_| ())
+        self.heartbeat_lease(replica_id, None, timeout)
+            .await
+            .map(|_| ())
     }
 
-    /// Heartbeats and returns the lighthouse's heartbeat timeout (None if it does not say):
-    /// the group cannot be declared lost by heartbeat expiry sooner than that after this
-    /// call was sent.
+    /// Heartbeats (with the group's committed `step`, if known) and returns the lighthouse's
+    /// heartbeat timeout (None if it does not say): the group cannot be declared lost by
+    /// heartbeat expiry sooner than that after this call was sent.
     pub async fn heartbeat_lease(
         &self,
         replica_id: &str,
+        step: Option<i64>,
         timeout: Duration,
     ) -> std::result::Result<Option<Duration>, Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
                 replica_id: replica_id.to_string(),
+                step,
             },
             timeout,
         );

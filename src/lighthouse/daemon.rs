@@ -61,6 +61,31 @@ pub struct Args {
     )]
     pub heartbeat_timeout_ms: u64,
 
+    /// How long a round whose replica groups are all behind a group that may still come back
+    /// (heartbeating, or silent with its session open) waits for it before training goes on
+    /// from the older state, announced as `progress_regressed` (ms). A restarted lighthouse
+    /// also holds its first quorum for min(heartbeat timeout, this). 0: never wait.
+    #[arg(
+        long = "progress_wait_ms",
+        alias = "progress-wait-ms",
+        env = "TORCHFT_PROGRESS_WAIT_MS",
+        default_value_t = super::DEFAULT_PROGRESS_WAIT.as_millis() as u64
+    )]
+    pub progress_wait_ms: u64,
+
+    /// Keep what the lighthouse must not forget across its own restarts (the last quorum, the
+    /// best committed step and its holders) in this file, rewritten atomically (write, then
+    /// rename) before a commit is acknowledged or a changed quorum is issued. A restarted
+    /// lighthouse continues from it: it refuses commits under quorums it had replaced and
+    /// waits (up to the progress wait) for the holders of the best step. Put it where a
+    /// restarted container finds it again (an emptyDir volume survives container restarts).
+    #[arg(
+        long = "state_file",
+        alias = "state-file",
+        env = "TORCHFT_LIGHTHOUSE_STATE_FILE"
+    )]
+    pub state_file: Option<std::path::PathBuf>,
+
     /// Append replica health events (JSON lines) to this file, for post-mortems
     /// (`python -m torchft.eventlog PATH` summarises one).
     #[arg(long = "event_log", alias = "event-log", env = "TORCHFT_EVENT_LOG")]
@@ -141,6 +166,8 @@ impl Args {
             join_timeout: Duration::from_millis(self.join_timeout_ms),
             quorum_tick: Duration::from_millis(self.quorum_tick_ms),
             heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
+            progress_wait: Duration::from_millis(self.progress_wait_ms),
+            state_file: self.state_file.clone(),
         }
     }
 
@@ -224,6 +251,8 @@ pub fn run(args: Args) -> Result<()> {
             join_timeout_ms = args.join_timeout_ms,
             quorum_tick_ms = args.quorum_tick_ms,
             heartbeat_timeout_ms = args.heartbeat_timeout_ms,
+            progress_wait_ms = args.progress_wait_ms,
+            state_file = ?args.state_file,
             event_log = ?args.event_log,
             allow_kill = args.allow_kill,
             authenticated,
@@ -260,6 +289,19 @@ mod tests {
         assert_eq!(a.join_timeout_ms, 10);
         assert_eq!(a.quorum_tick_ms, 5);
         assert_eq!(a.heartbeat_timeout_ms, 5_000);
+        assert_eq!(a.progress_wait_ms, 60_000);
+        assert_eq!(
+            a.options(),
+            LighthouseOptions {
+                min_replicas: 2,
+                join_timeout: Duration::from_millis(10),
+                quorum_tick: Duration::from_millis(5),
+                ..LighthouseOptions::default()
+            }
+        );
+        let b =
+            Args::try_parse_from(["x", "--min_replicas", "1", "--progress-wait-ms", "0"]).unwrap();
+        assert_eq!(b.options().progress_wait, Duration::ZERO);
         assert_eq!(a.bind, "[::]:29510");
         let o = a.options();
         assert_eq!(o.join_timeout, Duration::from_millis(10));
@@ -321,6 +363,8 @@ mod tests {
             vec!["x", "--min_replicas", "1", "--bogus"],
             vec!["x", "--min_replicas", "1", "--quorum_tick_ms", "0"],
             vec!["x", "--min_replicas", "1", "--heartbeat_timeout_ms", "-5"],
+            vec!["x", "--min_replicas", "1", "--progress_wait_ms", "-1"],
+            vec!["x", "--min_replicas", "1", "--progress_wait_ms", "soon"],
         ] {
             assert!(Args::try_parse_from(&argv).is_err(), "{argv:?} accepted");
         }

@@ -20,8 +20,9 @@ use tonic::{Request, Response, Status};
 use super::state::{wait_for_quorum, SessionStream, Shared};
 use crate::proto::served::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use crate::proto::{
-    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    SessionRequest, TelemetryAck, TelemetryBatch,
+    LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
+    LighthouseHeartbeatResponse, LighthouseQuorumRequest, SessionRequest, TelemetryAck,
+    TelemetryBatch,
 };
 
 /// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
@@ -38,7 +39,8 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
-        let timeout = self.shared.heartbeat(&request.into_inner().replica_id)?;
+        let req = request.into_inner();
+        let timeout = self.shared.heartbeat(&req.replica_id, req.step)?;
         Ok(Response::new(LighthouseHeartbeatResponse {
             heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }))
@@ -50,6 +52,20 @@ impl LighthouseService for Grpc {
     ) -> std::result::Result<Response<TelemetryAck>, Status> {
         let accepted = self.shared.report(request.get_ref())?;
         Ok(Response::new(TelemetryAck { accepted }))
+    }
+
+    async fn commit(
+        &self,
+        request: Request<LighthouseCommitRequest>,
+    ) -> std::result::Result<Response<LighthouseCommitResponse>, Status> {
+        let req = request.into_inner();
+        let refused = self
+            .shared
+            .commit(&req.replica_id, req.quorum_id, req.step)?;
+        Ok(Response::new(LighthouseCommitResponse {
+            accepted: refused.is_none(),
+            reason: refused.unwrap_or_default(),
+        }))
     }
 
     type SessionStream = SessionStream;
@@ -327,7 +343,7 @@ mod fuzz {
                 shared.snapshot().participants.into_iter().collect();
             prop_assert_eq!(waiting, joined);
             let before = shared.snapshot().heartbeats.len();
-            match shared.heartbeat(&beat) {
+            match shared.heartbeat(&beat, None) {
                 Ok(_) => prop_assert!(!beat.trim().is_empty()),
                 Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
             }

@@ -139,6 +139,18 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
             job.counters.events,
         ),
         (
+            "torchft_progress_regressions_total",
+            "Quorums that continued from an older committed step than the best known \
+             (progress_regressed events).",
+            job.counters.progress_regressions,
+        ),
+        (
+            "torchft_commits_refused_total",
+            "Commits refused because the group's quorum was replaced or the group was \
+             declared lost in it (the group heals instead of forking the job's state).",
+            job.counters.commits_refused,
+        ),
+        (
             "torchft_event_log_dropped_total",
             "Event log lines dropped because the writer fell behind.",
             job.event_log_dropped,

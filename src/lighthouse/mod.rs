@@ -37,6 +37,20 @@ pub struct LighthouseOptions {
     pub quorum_tick: Duration,
     /// A replica group that has not heartbeated (or asked) for this long is not healthy.
     pub heartbeat_timeout: Duration,
+    /// How long a round whose candidates are all behind a replica group that may still come
+    /// back (heartbeating, or silent with its session open) waits for it, from the round's
+    /// first request, before the job continues from the older state (announced as
+    /// `progress_regressed`). A (re)started lighthouse also holds its first quorum for
+    /// `min(heartbeat_timeout, progress_wait)`, until every group still heartbeating is
+    /// heard. Zero: never wait (progress may regress while its holder is alive).
+    pub progress_wait: Duration,
+    /// Where the lighthouse keeps what it must not forget across its own restarts (the last
+    /// quorum's id and members, the best committed step and its holders), written atomically
+    /// (write, then rename) before a commit is acknowledged or a changed quorum is issued.
+    /// A restarted lighthouse reads it: it refuses commits under quorums it had replaced and
+    /// waits (up to `progress_wait`) for the holders of the best step. None: a restarted
+    /// lighthouse starts from nothing (it still holds its first quorum, see above).
+    pub state_file: Option<std::path::PathBuf>,
 }
 
 impl Default for LighthouseOptions {
@@ -46,9 +60,16 @@ impl Default for LighthouseOptions {
             join_timeout: Duration::from_secs(60),
             quorum_tick: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(5),
+            progress_wait: DEFAULT_PROGRESS_WAIT,
+            state_file: None,
         }
     }
 }
+
+/// Default of [`LighthouseOptions::progress_wait`]: as long as the Manager's default
+/// timeouts, so a group ahead of the others that is inside a blocking phase of its step
+/// (store connect, heal, a collective) finishes it and rejoins before the job gives up on it.
+pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_secs(60);
 
 /// Who may use a lighthouse and how much they may send; the defaults are an open,
 /// plain-TCP lighthouse (as upstream's).

@@ -22,6 +22,16 @@
 //! at once, so the next round does not wait `heartbeat_timeout` for it. At tick time a member
 //! of the last quorum whose heartbeat expired (a hang) is declared lost too. Each loss of a
 //! member of the last quorum is reported once through [`QuorumEngine::take_lost`].
+//!
+//! No progress regression (see the design notes, "Lighthouse quorum rules"): the engine knows
+//! each replica's committed step (from its requests and heartbeats). A round that is otherwise
+//! ready, but whose candidates are all behind a replica that may still come back (heartbeating,
+//! or with its session open even if silent), waits for that replica until `progress_wait`
+//! after the round's first request. A (re)started engine issues no first quorum before
+//! `min(heartbeat_timeout, progress_wait)` after its start, so every replica that is still
+//! heartbeating has been heard. A quorum issued behind the best step known anyway (the holders
+//! died, or the wait ran out) is reported once through [`QuorumEngine::take_regressions`];
+//! a holder given up on at a step is not waited for again at that step.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -42,11 +52,45 @@ struct Participant {
     generation: u64,
 }
 
-/// When a replica group was last seen, and whether it is counted as healthy.
+/// When a replica group was last seen, whether it is counted as healthy, what it last said
+/// about its progress, and whether its session is open.
 #[derive(Debug, Clone, Copy)]
 struct HeartbeatRecord {
     last_seen: Instant,
     counted: bool,
+    /// Highest committed step the replica reported (requests, heartbeats); None if unknown.
+    step: Option<i64>,
+    /// Its session with the lighthouse is open: it may still come back even while silent
+    /// (e.g. stopped), so progress it holds is worth waiting for.
+    session: bool,
+    /// Known from the state of a previous life of the lighthouse and without a session in
+    /// this one: it may come back until then (even if heard once and silent since, e.g.
+    /// stopped before its manager reopened its session).
+    restored_until: Option<Instant>,
+    /// Heard from in this life of the lighthouse (false only for restored records).
+    heard: bool,
+}
+
+impl HeartbeatRecord {
+    /// A record not counted as healthy yet (see `QuorumEngine::touch`).
+    fn new(now: Instant) -> Self {
+        Self {
+            last_seen: now,
+            counted: false,
+            step: None,
+            session: false,
+            restored_until: None,
+            heard: true,
+        }
+    }
+
+    /// Heard from within `timeout` of `now`, silent with its session still open, or known
+    /// from a previous life of the lighthouse and not yet waited out.
+    fn may_come_back(&self, now: Instant, timeout: Duration) -> bool {
+        self.session
+            || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout)
+            || self.restored_until.is_some_and(|until| now < until)
+    }
 }
 
 /// Outcome of [`QuorumEngine::join`].
@@ -67,6 +111,47 @@ pub struct LostMember {
     pub replica_id: String,
     /// The quorum it was a member of (the last issued one when it was declared lost).
     pub quorum_id: i64,
+}
+
+/// A quorum was issued behind the best committed step the engine knew of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Regression {
+    /// The best committed step known before the quorum.
+    pub from_step: i64,
+    /// The highest step among the quorum's members (the job continues from here).
+    pub to_step: i64,
+    /// The quorum that regressed.
+    pub quorum_id: i64,
+    /// Replicas still alive (or remembered from before a lighthouse restart and not heard
+    /// from since) that hold a step above `to_step`, given up on after `progress_wait`
+    /// (sorted). Empty when the regression was unavoidable: every holder of
+    /// the newer state is gone.
+    pub alive_holders: Vec<String>,
+}
+
+/// The lighthouse's answer to a write-ahead commit announcement (see
+/// [`QuorumEngine::commit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitVerdict {
+    /// The step is recorded as committed by the replica: it may apply it.
+    Accepted,
+    /// The replica must not commit the step (the reason says why); it rejoins and heals.
+    Refused(String),
+}
+
+/// What a lighthouse keeps across its own restarts (see [`QuorumEngine::durable`]): enough
+/// to refuse a commit under a quorum it had replaced, and to wait for the holders of the
+/// best step it knew.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Durable {
+    /// Id of the last issued quorum (None before the first).
+    pub quorum_id: Option<i64>,
+    /// Its members (sorted).
+    pub members: Vec<String>,
+    /// The best committed step known (None before any report).
+    pub best_step: Option<i64>,
+    /// Replicas known to hold `best_step` that may still come back (sorted).
+    pub holders: Vec<String>,
 }
 
 /// Why the next quorum is, or is not yet, ready.
@@ -99,6 +184,23 @@ pub enum Verdict {
         /// Healthy replica groups that are not asking yet.
         missing: usize,
         /// Time left until the join timeout.
+        remaining: Duration,
+    },
+    /// The lighthouse (re)started recently: a replica still heartbeating may not have been
+    /// heard yet, so the first quorum waits.
+    StartupHold {
+        /// Time left until the first quorum may be issued.
+        remaining: Duration,
+    },
+    /// Every candidate is behind a replica that may still come back: waiting for it.
+    WaitingForProgress {
+        /// The replica holding the best step.
+        holder: String,
+        /// Its committed step.
+        step: i64,
+        /// The best step among the candidates.
+        candidates_step: i64,
+        /// Time left until the round gives up on it (`progress_wait` after the round began).
         remaining: Duration,
     },
 }
@@ -141,6 +243,23 @@ impl fmt::Display for Verdict {
             Verdict::WaitingForStragglers { missing, remaining } => write!(
                 f,
                 "waiting up to {:.1}s for {missing} healthy replica(s) not asking yet",
+                remaining.as_secs_f64()
+            ),
+            Verdict::StartupHold { remaining } => write!(
+                f,
+                "lighthouse just started: holding the first quorum {:.1}s more so every \
+                 replica still heartbeating is heard",
+                remaining.as_secs_f64()
+            ),
+            Verdict::WaitingForProgress {
+                holder,
+                step,
+                candidates_step,
+                remaining,
+            } => write!(
+                f,
+                "waiting up to {:.1}s for {holder} (at step {step}): the candidates are \
+                 behind, at step {candidates_step}",
                 remaining.as_secs_f64()
             ),
         }
@@ -191,6 +310,22 @@ pub struct QuorumEngine {
     lost_reported: HashSet<String>,
     /// Losses not yet collected by [`QuorumEngine::take_lost`].
     pending_lost: Vec<LostMember>,
+    /// When this engine started (the first quorum is held until it has heard every replica
+    /// still heartbeating).
+    started: Instant,
+    /// The best committed step known (quorums, requests, heartbeats), excluding holders given
+    /// up on; None before any report.
+    high_water: Option<i64>,
+    /// Holders given up on: replica id → the step they held then (not waited for again at
+    /// that step).
+    waived: HashMap<String, i64>,
+    /// Regressions not yet collected by [`QuorumEngine::take_regressions`].
+    pending_regressions: Vec<Regression>,
+    /// The last quorum of the previous life of the lighthouse (id, members), until this life
+    /// issues its first.
+    restored_quorum: Option<(i64, HashSet<String>)>,
+    /// Bumped whenever [`QuorumEngine::durable`] may have changed.
+    durable_revision: u64,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -230,11 +365,12 @@ pub fn validate_member(member: &QuorumMember) -> Result<()> {
 }
 
 impl QuorumEngine {
-    /// A fresh engine whose first quorum gets `initial_quorum_id` (at least 1).
+    /// A fresh engine, started at `now`, whose first quorum gets `initial_quorum_id` (at
+    /// least 1).
     ///
     /// Passing e.g. the start time in microseconds keeps ids strictly increasing across
     /// lighthouse restarts while the engine itself stays free of clocks.
-    pub fn new(opts: LighthouseOptions, initial_quorum_id: i64) -> Self {
+    pub fn new(opts: LighthouseOptions, initial_quorum_id: i64, now: Instant) -> Self {
         Self {
             opts,
             next_id: initial_quorum_id.max(1),
@@ -251,7 +387,132 @@ impl QuorumEngine {
             stable_since: 0,
             lost_reported: HashSet::new(),
             pending_lost: Vec::new(),
+            started: now,
+            high_water: None,
+            waived: HashMap::new(),
+            pending_regressions: Vec::new(),
+            restored_quorum: None,
+            durable_revision: 0,
         }
+    }
+
+    /// A fresh engine started at `now` that continues a previous life of the lighthouse,
+    /// whose [`QuorumEngine::durable`] state was `durable`: a commit under a quorum other
+    /// than its last one is refused, and the holders of its best step are waited for (up to
+    /// `progress_wait` from `now`) like silent replicas that may come back.
+    pub fn restored(
+        opts: LighthouseOptions,
+        initial_quorum_id: i64,
+        now: Instant,
+        durable: Durable,
+    ) -> Self {
+        let mut e = Self::new(opts, initial_quorum_id, now);
+        if let Some(id) = durable.quorum_id {
+            e.restored_quorum = Some((id, durable.members.into_iter().collect()));
+            // Ids stay strictly increasing even if the clock went back.
+            e.next_id = e.next_id.max(id.saturating_add(1));
+        }
+        if let Some(step) = durable.best_step.filter(|s| *s >= 0) {
+            e.high_water = Some(step);
+            let until = now.checked_add(e.opts.progress_wait).unwrap_or(now);
+            for id in durable.holders {
+                e.heartbeats.insert(
+                    id,
+                    HeartbeatRecord {
+                        step: Some(step),
+                        restored_until: Some(until),
+                        heard: false,
+                        ..HeartbeatRecord::new(now)
+                    },
+                );
+            }
+        }
+        e
+    }
+
+    /// The state to keep across a restart of the lighthouse (O(known replicas)).
+    pub fn durable(&self) -> Durable {
+        let (quorum_id, mut members) = match (&self.previous, &self.restored_quorum) {
+            (Some(q), _) => (
+                Some(q.quorum_id),
+                self.previous_ids.iter().cloned().collect(),
+            ),
+            (None, Some((id, members))) => (Some(*id), members.iter().cloned().collect()),
+            (None, None) => (None, Vec::new()),
+        };
+        members.sort();
+        let mut holders: Vec<String> = match self.high_water {
+            Some(hw) => self
+                .heartbeats
+                .iter()
+                .filter(|(_, rec)| rec.step == Some(hw))
+                .map(|(id, _)| id.clone())
+                .collect(),
+            None => Vec::new(),
+        };
+        holders.sort();
+        Durable {
+            quorum_id,
+            members,
+            best_step: self.high_water,
+            holders,
+        }
+    }
+
+    /// Changes whenever [`QuorumEngine::durable`] may have changed (a cheap check before
+    /// saving it).
+    pub fn durable_revision(&self) -> u64 {
+        self.durable_revision
+    }
+
+    /// A write-ahead commit: `replica_id`, a member of quorum `quorum_id`, is about to commit
+    /// `step` (its committed step count after the commit).
+    ///
+    /// Refused when that quorum is no longer current for the replica: the lighthouse has
+    /// issued a newer quorum (the others went on without it), or declared the replica lost
+    /// in it (the others abandoned the step). Two groups then never commit the same step
+    /// with different states. Accepted otherwise, and the step is recorded as the replica's
+    /// committed step at once, so a round behind it waits for the replica (the
+    /// no-regression rule) even if it stops before it heartbeats again. A lighthouse that
+    /// has issued no quorum and remembers none accepts (it cannot know better).
+    pub fn commit(
+        &mut self,
+        replica_id: &str,
+        quorum_id: i64,
+        step: i64,
+        now: Instant,
+    ) -> Result<CommitVerdict> {
+        Self::check_id(replica_id)?;
+        if step < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "step must not be negative (replica {replica_id:?} sent {step})"
+            )));
+        }
+        let current = match (&self.previous, &self.restored_quorum) {
+            (Some(q), _) => Some((
+                q.quorum_id,
+                self.previous_ids.contains(replica_id),
+                self.lost_reported.contains(replica_id),
+            )),
+            (None, Some((id, members))) => Some((*id, members.contains(replica_id), false)),
+            (None, None) => None,
+        };
+        if let Some((current_id, member, lost)) = current {
+            if current_id != quorum_id || !member {
+                return Ok(CommitVerdict::Refused(format!(
+                    "quorum {quorum_id} was replaced by quorum {current_id}{}",
+                    if member { "" } else { " without this replica" }
+                )));
+            }
+            if lost {
+                return Ok(CommitVerdict::Refused(format!(
+                    "this replica was declared lost in quorum {quorum_id}; its other members \
+                     abandoned the step"
+                )));
+            }
+        }
+        self.note_step(replica_id, Some(step), now);
+        Ok(CommitVerdict::Accepted)
     }
 
     /// The options the engine decides with.
@@ -295,39 +556,92 @@ impl QuorumEngine {
             .is_some_and(|p| p.generation == generation)
     }
 
-    fn touch(&mut self, replica_id: &str, now: Instant) {
-        match self.heartbeats.get_mut(replica_id) {
-            Some(rec) => {
-                if now > rec.last_seen {
-                    rec.last_seen = now;
-                }
-                if !rec.counted {
-                    rec.counted = true;
-                    self.healthy += 1;
-                }
-            }
-            None => {
-                self.heartbeats.insert(
-                    replica_id.to_string(),
-                    HeartbeatRecord {
-                        last_seen: now,
-                        counted: true,
-                    },
-                );
-                self.healthy += 1;
-            }
+    fn touch(&mut self, replica_id: &str, now: Instant) -> &mut HeartbeatRecord {
+        let healthy = &mut self.healthy;
+        let rec = self
+            .heartbeats
+            .entry(replica_id.to_string())
+            .or_insert_with(|| HeartbeatRecord::new(now));
+        if now > rec.last_seen {
+            rec.last_seen = now;
+        }
+        rec.heard = true;
+        if !rec.counted {
+            rec.counted = true;
+            *healthy += 1;
+        }
+        rec
+    }
+
+    /// Notes that `replica_id` (alive at `now`) committed `step`, raising the best step known
+    /// unless the replica was given up on at that step.
+    fn note_step(&mut self, replica_id: &str, step: Option<i64>, now: Instant) {
+        let rec = self.touch(replica_id, now);
+        let Some(step) = step else { return };
+        if rec.step.is_none_or(|s| step > s) {
+            rec.step = Some(step);
+            self.durable_revision += 1;
+        }
+        if self.waived.get(replica_id).is_some_and(|w| step <= *w) {
+            return;
+        }
+        if self.high_water.is_none_or(|hw| step > hw) {
+            self.high_water = Some(step);
+            self.durable_revision += 1;
         }
     }
 
-    /// Records that `replica_id` is alive.
-    pub fn heartbeat(&mut self, replica_id: &str, now: Instant) -> Result<()> {
+    fn check_id(replica_id: &str) -> Result<()> {
         if replica_id.trim().is_empty() {
             return Err(Error::InvalidArgument(
                 "replica_id must not be empty".into(),
             ));
         }
-        self.touch(replica_id, now);
         Ok(())
+    }
+
+    /// Records that `replica_id` is alive.
+    pub fn heartbeat(&mut self, replica_id: &str, now: Instant) -> Result<()> {
+        self.heartbeat_with_step(replica_id, None, now)
+    }
+
+    /// Records that `replica_id` is alive and, if given, the step it has committed (heartbeats
+    /// carry it, so the engine knows the progress of replicas that are not asking).
+    pub fn heartbeat_with_step(
+        &mut self,
+        replica_id: &str,
+        step: Option<i64>,
+        now: Instant,
+    ) -> Result<()> {
+        Self::check_id(replica_id)?;
+        if let Some(step) = step.filter(|s| *s < 0) {
+            return Err(Error::InvalidArgument(format!(
+                "step must not be negative (replica {replica_id:?} sent {step})"
+            )));
+        }
+        self.note_step(replica_id, step, now);
+        Ok(())
+    }
+
+    /// Records that the session of `replica_id` opened (counts as a heartbeat). Until it ends
+    /// (see [`QuorumEngine::lost`]) the replica may come back even when silent.
+    pub fn session_opened(&mut self, replica_id: &str, now: Instant) -> Result<()> {
+        Self::check_id(replica_id)?;
+        let rec = self.touch(replica_id, now);
+        rec.session = true;
+        // Its session now says whether it lives.
+        rec.restored_until = None;
+        Ok(())
+    }
+
+    /// Takes the regressions announced since the previous call.
+    pub fn take_regressions(&mut self) -> Vec<Regression> {
+        std::mem::take(&mut self.pending_regressions)
+    }
+
+    /// The best committed step the engine knows of (None before any report).
+    pub fn best_known_step(&self) -> Option<i64> {
+        self.high_water
     }
 
     /// Adds `member` to the current round (replacing an earlier request of the same replica).
@@ -335,7 +649,7 @@ impl QuorumEngine {
     /// Does not decide: call [`QuorumEngine::poll`] afterwards.
     pub fn join(&mut self, member: QuorumMember, now: Instant) -> Result<Joined> {
         validate_member(&member)?;
-        self.touch(&member.replica_id, now);
+        self.note_step(&member.replica_id, Some(member.step), now);
         let generation = self.next_generation;
         self.next_generation += 1;
         let shrink = member.shrink_only;
@@ -401,7 +715,9 @@ impl QuorumEngine {
             if rec.counted {
                 self.healthy = self.healthy.saturating_sub(1);
             }
+            self.durable_revision += 1;
         }
+        self.waived.remove(replica_id);
         if let Some(p) = self.participants.get(replica_id) {
             let generation = p.generation;
             self.leave(replica_id, generation);
@@ -463,25 +779,106 @@ impl QuorumEngine {
                 healthy,
             };
         }
-        if !self.previous_ids.is_empty() && self.prev_participating == self.previous_ids.len() {
-            return Verdict::FastPath;
+        let ready = if !self.previous_ids.is_empty()
+            && self.prev_participating == self.previous_ids.len()
+        {
+            Verdict::FastPath
+        } else if asking >= healthy {
+            Verdict::AllHealthyJoined
+        } else {
+            let started = self.round_started.unwrap_or(now);
+            let missing = healthy - asking;
+            match started.checked_add(self.opts.join_timeout) {
+                Some(deadline) if now >= deadline => Verdict::JoinTimeout,
+                Some(deadline) => {
+                    return Verdict::WaitingForStragglers {
+                        missing,
+                        remaining: deadline - now,
+                    }
+                }
+                None => {
+                    return Verdict::WaitingForStragglers {
+                        missing,
+                        remaining: Duration::MAX,
+                    }
+                }
+            }
+        };
+        self.hold_for_progress(now).unwrap_or(ready)
+    }
+
+    /// How long a fresh engine holds its first quorum: every replica still heartbeating is
+    /// heard within a heartbeat timeout; no hold when progress is not waited for at all.
+    fn startup_hold(&self) -> Duration {
+        self.opts.heartbeat_timeout.min(self.opts.progress_wait)
+    }
+
+    /// The no-regression rules for a round that is otherwise ready: the startup hold, then
+    /// the wait for a live replica ahead of every candidate. None: issue now.
+    fn hold_for_progress(&self, now: Instant) -> Option<Verdict> {
+        let hold = self.startup_hold();
+        if self.previous.is_none() && !hold.is_zero() {
+            if let Some(end) = self.started.checked_add(hold) {
+                if now < end {
+                    return Some(Verdict::StartupHold {
+                        remaining: end - now,
+                    });
+                }
+            }
         }
-        if asking >= healthy {
-            return Verdict::AllHealthyJoined;
+        if self.opts.progress_wait.is_zero() {
+            return None;
         }
-        let started = self.round_started.unwrap_or(now);
-        let missing = healthy - asking;
-        match started.checked_add(self.opts.join_timeout) {
-            Some(deadline) if now >= deadline => Verdict::JoinTimeout,
-            Some(deadline) => Verdict::WaitingForStragglers {
-                missing,
-                remaining: deadline - now,
-            },
-            None => Verdict::WaitingForStragglers {
-                missing,
-                remaining: Duration::MAX,
-            },
+        let candidates_step = self.candidates_step();
+        let (holder, step) = self
+            .holders_ahead(candidates_step, now)
+            .max_by_key(|(_, s)| *s)?;
+        let deadline = self
+            .round_started
+            .unwrap_or(now)
+            .checked_add(self.opts.progress_wait)?;
+        (now < deadline).then(|| Verdict::WaitingForProgress {
+            holder: holder.to_string(),
+            step,
+            candidates_step,
+            remaining: deadline - now,
+        })
+    }
+
+    fn is_candidate(&self, replica_id: &str) -> bool {
+        if self.shrinking() {
+            self.participants.contains_key(replica_id) && self.previous_ids.contains(replica_id)
+        } else {
+            self.participants.contains_key(replica_id)
         }
+    }
+
+    /// The best step among the round's candidates (O(participants)).
+    fn candidates_step(&self) -> i64 {
+        self.participants
+            .iter()
+            .filter(|(id, _)| self.is_candidate(id))
+            .map(|(_, p)| p.member.step)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Replicas that are not asking, may still come back, and hold a step above `step` they
+    /// were not given up on at (O(records); O(1) when every known replica is asking).
+    fn holders_ahead(&self, step: i64, now: Instant) -> impl Iterator<Item = (&str, i64)> + '_ {
+        let everyone_asks = self.heartbeats.len() <= self.participants.len();
+        let timeout = self.opts.heartbeat_timeout;
+        self.heartbeats
+            .iter()
+            .filter(move |_| !everyone_asks)
+            .filter(move |(id, rec)| {
+                rec.may_come_back(now, timeout) && !self.participants.contains_key(*id)
+            })
+            .filter_map(move |(id, rec)| {
+                let held = rec.step.filter(|s| *s > step)?;
+                let waived = self.waived.get(id).is_some_and(|w| held <= *w);
+                (!waived).then_some((id.as_str(), held))
+            })
     }
 
     /// Issues a quorum if the round is ready (call after every join).
@@ -529,16 +926,38 @@ impl QuorumEngine {
         self.heartbeats.retain(|id, rec| {
             let waiting = participants.contains_key(id);
             let age = now.saturating_duration_since(rec.last_seen);
-            rec.counted = waiting || age <= timeout;
+            rec.counted = waiting || (age <= timeout && rec.heard);
             if rec.counted {
                 healthy += 1;
             }
-            waiting || age <= forget_after
+            // An open session keeps the record (bounded by the open connections), and so
+            // does a holder restored from a previous life until it is waited out.
+            waiting
+                || rec.session
+                || age <= forget_after
+                || rec.restored_until.is_some_and(|until| now < until)
         });
         self.healthy = healthy;
+        let known = &self.heartbeats;
+        self.waived.retain(|id, _| known.contains_key(id));
     }
 
     fn issue(&mut self, now: Instant) -> Quorum {
+        // Decided while the members are still in the round: who is ahead of this quorum.
+        let to_step = self.candidates_step();
+        let mut ahead: Vec<(String, i64)> = self
+            .holders_ahead(to_step, now)
+            .map(|(id, s)| (id.to_string(), s))
+            .collect();
+        // Holders remembered from a previous life and waited out: not known to be dead.
+        ahead.extend(self.heartbeats.iter().filter_map(|(id, rec)| {
+            let waited_out = rec.restored_until.is_some_and(|until| now >= until)
+                && !rec.may_come_back(now, self.opts.heartbeat_timeout);
+            let held = rec.step.filter(|s| *s > to_step)?;
+            let waived = self.waived.get(id).is_some_and(|w| held <= *w);
+            (waited_out && !waived).then(|| (id.clone(), held))
+        }));
+        ahead.sort();
         let shrinking = self.shrinking();
         let mut members: Vec<QuorumMember> = if shrinking {
             let ids: Vec<String> = self
@@ -576,6 +995,12 @@ impl QuorumEngine {
         }
         // Every member of a new quorum is alive as it is issued.
         self.lost_reported.clear();
+        if self.restored_quorum.take().is_some()
+            || self.previous.as_ref().map(|q| q.quorum_id) != Some(quorum_id)
+        {
+            self.durable_revision += 1;
+        }
+        self.account_progress(quorum_id, to_step, ahead);
         self.revision += 1;
         let quorum = Quorum {
             quorum_id,
@@ -610,6 +1035,32 @@ impl QuorumEngine {
             Some(now)
         };
         quorum
+    }
+
+    /// Records the progress of a quorum issued at `to_step`: holders still `ahead` of it are
+    /// given up on at their step, and a quorum behind the best step known is reported once.
+    fn account_progress(&mut self, quorum_id: i64, to_step: i64, ahead: Vec<(String, i64)>) {
+        let alive_holders: Vec<String> = ahead.iter().map(|(id, _)| id.clone()).collect();
+        for (id, step) in ahead {
+            self.waived.insert(id, step);
+        }
+        match self.high_water {
+            Some(from_step) if from_step > to_step => {
+                self.pending_regressions.push(Regression {
+                    from_step,
+                    to_step,
+                    quorum_id,
+                    alive_holders,
+                });
+                self.high_water = Some(to_step);
+                self.durable_revision += 1;
+            }
+            Some(hw) if hw >= to_step => {}
+            _ => {
+                self.high_water = Some(to_step);
+                self.durable_revision += 1;
+            }
+        }
     }
 
     /// Every known replica id with the time since it was last seen (O(n)).
@@ -660,6 +1111,10 @@ mod tests {
             join_timeout: Duration::from_secs(60),
             quorum_tick: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(5),
+            // These scenarios are about the other rules; the no-regression rules have their
+            // own tests below.
+            progress_wait: Duration::ZERO,
+            state_file: None,
         }
     }
 
@@ -702,7 +1157,7 @@ mod tests {
     fn run(min: u64, script: &[Ev]) {
         let t0 = Instant::now();
         let mut now = t0;
-        let mut engine = QuorumEngine::new(opts(min), 100);
+        let mut engine = QuorumEngine::new(opts(min), 100, Instant::now());
         let mut last: Option<Quorum> = None;
         let mut issued_ids: Vec<i64> = vec![];
         for (i, ev) in script.iter().enumerate() {
@@ -847,7 +1302,7 @@ mod tests {
     #[test]
     fn lost_member_is_excluded_without_waiting_for_its_heartbeat() {
         let t = Instant::now();
-        let mut e = QuorumEngine::new(opts(1), 100);
+        let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
         let q1 = quorum_of(&mut e, &["a", "b"], t);
         assert!(e.take_lost().is_empty());
         // "a" asks again; "b" is still healthy, so the round waits for it.
@@ -873,7 +1328,7 @@ mod tests {
     #[test]
     fn lost_withdraws_a_waiting_request_and_ignores_non_members() {
         let t = Instant::now();
-        let mut e = QuorumEngine::new(opts(1), 100);
+        let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
         // Before any quorum nothing is reported, but the replica stops counting.
         e.heartbeat("x", t).unwrap();
         e.join(member("y"), t).unwrap();
@@ -895,7 +1350,7 @@ mod tests {
     #[test]
     fn hung_member_is_declared_lost_at_heartbeat_expiry_only() {
         let t0 = Instant::now();
-        let mut e = QuorumEngine::new(opts(1), 100);
+        let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
         let q1 = quorum_of(&mut e, &["a", "b"], t0);
         // Slow but heartbeating (every 100 ms for 20 s): never lost.
         let mut t = t0;
@@ -1003,7 +1458,7 @@ mod tests {
     fn fast_path_does_not_bypass_min_replicas_after_shrink() {
         // Previous quorum {a, b, c}; min 3. a and b ask again with shrink_only, c is gone but
         // newcomer d asks: fast path must not fire with 2 < min_replicas members.
-        let mut e = QuorumEngine::new(opts(3), 1);
+        let mut e = QuorumEngine::new(opts(3), 1, Instant::now());
         let t = Instant::now();
         for id in ["a", "b", "c"] {
             e.join(member(id), t).unwrap();
@@ -1024,7 +1479,7 @@ mod tests {
     #[test]
     fn fast_path_does_not_bypass_majority() {
         // Previous quorum {a}; now a asks but b, c, d are healthy: 1 of 4 is no majority.
-        let mut e = QuorumEngine::new(opts(1), 1);
+        let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         let t = Instant::now();
         e.join(member("a"), t).unwrap();
         assert!(e.poll(t).is_some());
@@ -1063,7 +1518,7 @@ mod tests {
 
     #[test]
     fn shrink_only_leftover_waits_for_next_round() {
-        let mut e = QuorumEngine::new(opts(1), 1);
+        let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         let t = Instant::now();
         e.join(member("a"), t).unwrap();
         e.join(member("b"), t).unwrap();
@@ -1086,7 +1541,7 @@ mod tests {
     fn lagging_waiter_survives_many_quorums() {
         // A newcomer kept out by shrink_only stays waiting however many quorums are issued,
         // and is included once the previous members stop shrinking.
-        let mut e = QuorumEngine::new(opts(2), 1);
+        let mut e = QuorumEngine::new(opts(2), 1, Instant::now());
         let t = Instant::now();
         e.join(member("b"), t).unwrap();
         e.join(member("c"), t).unwrap();
@@ -1123,7 +1578,7 @@ mod tests {
 
     #[test]
     fn cancelled_request_leaves_round() {
-        let mut e = QuorumEngine::new(opts(2), 1);
+        let mut e = QuorumEngine::new(opts(2), 1, Instant::now());
         let t = Instant::now();
         let a = e.join(member("a"), t).unwrap();
         assert!(e.poll(t).is_none());
@@ -1142,7 +1597,7 @@ mod tests {
 
     #[test]
     fn stale_leave_does_not_remove_newer_request() {
-        let mut e = QuorumEngine::new(opts(2), 1);
+        let mut e = QuorumEngine::new(opts(2), 1, Instant::now());
         let t = Instant::now();
         let old = e.join(member("a"), t).unwrap();
         let new = e.join(member("a"), t).unwrap();
@@ -1155,7 +1610,7 @@ mod tests {
 
     #[test]
     fn heartbeat_records_pruned() {
-        let mut e = QuorumEngine::new(opts(1), 1);
+        let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         let t = Instant::now();
         for i in 0..50 {
             e.heartbeat(&format!("r{i}"), t).unwrap();
@@ -1168,7 +1623,7 @@ mod tests {
 
     #[test]
     fn waiting_participant_not_pruned() {
-        let mut e = QuorumEngine::new(opts(2), 1);
+        let mut e = QuorumEngine::new(opts(2), 1, Instant::now());
         let t = Instant::now();
         e.join(member("a"), t).unwrap();
         e.tick(t + Duration::from_secs(100));
@@ -1179,7 +1634,7 @@ mod tests {
     #[test]
     fn ids_start_at_initial_and_increase_across_restarts() {
         let t = Instant::now();
-        let mut e1 = QuorumEngine::new(opts(1), 1_000);
+        let mut e1 = QuorumEngine::new(opts(1), 1_000, Instant::now());
         e1.join(member("a"), t).unwrap();
         let q1 = e1.poll(t).unwrap();
         assert_eq!(q1.quorum_id, 1_000);
@@ -1188,10 +1643,10 @@ mod tests {
         let q2 = e1.poll(t).unwrap();
         assert_eq!(q2.quorum_id, 1_001);
         // A restart seeds with a later clock reading.
-        let mut e2 = QuorumEngine::new(opts(1), 2_000);
+        let mut e2 = QuorumEngine::new(opts(1), 2_000, Instant::now());
         e2.join(member("a"), t).unwrap();
         assert!(e2.poll(t).unwrap().quorum_id > q2.quorum_id);
-        assert_eq!(QuorumEngine::new(opts(1), -5).next_id, 1);
+        assert_eq!(QuorumEngine::new(opts(1), -5, Instant::now()).next_id, 1);
     }
 
     #[test]
@@ -1242,7 +1697,7 @@ mod tests {
         ];
         let t = Instant::now();
         for (m, what) in cases {
-            let mut e = QuorumEngine::new(opts(1), 1);
+            let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
             let err = e.join(m, t).unwrap_err();
             assert!(
                 matches!(&err, Error::InvalidArgument(msg) if msg.contains(what)),
@@ -1252,7 +1707,7 @@ mod tests {
             assert_eq!(e.num_heartbeat_records(), 0);
             assert!(e.poll(t).is_none());
         }
-        let mut e = QuorumEngine::new(opts(1), 1);
+        let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         assert!(e.heartbeat("", t).is_err());
         assert_eq!(e.num_heartbeat_records(), 0);
     }
@@ -1267,7 +1722,7 @@ mod tests {
             v.to_string(),
             "waiting for 1 more replica to reach min_replicas=2"
         );
-        let mut e = QuorumEngine::new(opts(2), 1);
+        let mut e = QuorumEngine::new(opts(2), 1, Instant::now());
         let t = Instant::now();
         assert_eq!(e.snapshot(t).verdict, Verdict::NoParticipants);
         e.join(member("a"), t).unwrap();
@@ -1277,6 +1732,372 @@ mod tests {
             s.verdict.to_string(),
             "waiting for 1 more replica to reach min_replicas=2"
         );
+    }
+
+    /// Options of the no-regression scenarios: 5 s heartbeat timeout (so a 5 s startup hold),
+    /// 1 s join timeout, 10 s progress wait.
+    fn progress_opts() -> LighthouseOptions {
+        LighthouseOptions {
+            min_replicas: 1,
+            join_timeout: Duration::from_secs(1),
+            quorum_tick: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(5),
+            progress_wait: Duration::from_secs(10),
+            state_file: None,
+        }
+    }
+
+    fn at(id: &str, step: i64) -> QuorumMember {
+        QuorumMember { step, ..member(id) }
+    }
+
+    /// An engine past its startup hold with a quorum {a, b, c} at `step`, and the time.
+    fn running(step: i64) -> (QuorumEngine, Instant) {
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        let t = t0 + Duration::from_secs(6);
+        let q = full_round(&mut e, &at_steps(&["a", "b", "c"], step), t);
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        assert!(e.take_regressions().is_empty());
+        (e, t)
+    }
+
+    fn at_steps(ids: &[&str], step: i64) -> Vec<QuorumMember> {
+        ids.iter().map(|id| at(id, step)).collect()
+    }
+
+    #[test]
+    fn round_behind_a_heartbeating_holder_waits_for_it_to_join() {
+        let (mut e, mut t) = running(100);
+        // a and b die and come back fresh (new incarnations at step 0); c, at step 101, is
+        // busy in a blocking call but heartbeats its step.
+        e.lost("a", t);
+        e.lost("b", t);
+        e.heartbeat_with_step("c", Some(101), t).unwrap();
+        e.join(at("a2", 0), t).unwrap();
+        e.join(at("b2", 0), t).unwrap();
+        assert!(e.poll(t).is_none());
+        // Past the join timeout, 2 of 3 healthy would be enough: the round waits for c.
+        for _ in 0..80 {
+            t += Duration::from_millis(100);
+            e.heartbeat_with_step("c", Some(101), t).unwrap();
+            assert!(e.tick(t).is_none(), "issued behind a live holder");
+        }
+        match e.verdict(t) {
+            Verdict::WaitingForProgress {
+                holder,
+                step,
+                candidates_step,
+                remaining,
+            } => {
+                assert_eq!((holder.as_str(), step, candidates_step), ("c", 101, 0));
+                assert!(remaining <= Duration::from_secs(2), "{remaining:?}");
+            }
+            v => panic!("unexpected verdict {v}"),
+        }
+        assert!(e.verdict(t).to_string().contains("c (at step 101)"));
+        // c asks: everyone takes part, the fresh groups will heal from it; no regression.
+        e.join(at("c", 101), t).unwrap();
+        let q = e.poll(t).expect("issued once the holder joins");
+        assert_eq!(ids(&q), ["a2", "b2", "c"]);
+        assert!(e.take_regressions().is_empty());
+        assert_eq!(e.best_known_step(), Some(101));
+    }
+
+    #[test]
+    fn silent_holder_with_open_session_is_waited_for_until_the_bound_then_given_up() {
+        let (mut e, t0) = running(50);
+        e.session_opened("c", t0).unwrap();
+        e.heartbeat_with_step("c", Some(51), t0).unwrap();
+        // c is stopped: silent, its session still open. a and b restart fresh.
+        e.lost("a", t0);
+        e.lost("b", t0);
+        let mut t = t0 + Duration::from_secs(6);
+        e.tick(t);
+        e.join(at("a2", 0), t).unwrap();
+        e.join(at("b2", 0), t).unwrap();
+        let round = t;
+        // c is not healthy (no heartbeat for 6 s), so the round is otherwise ready at once.
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { ref holder, step: 51, .. } if holder == "c"
+        ));
+        while t < round + Duration::from_millis(9_900) {
+            t += Duration::from_millis(100);
+            assert!(e.tick(t).is_none(), "gave up too early at {:?}", t - round);
+        }
+        t += Duration::from_millis(200);
+        let q = e.tick(t).expect("the wait is bounded");
+        assert_eq!(ids(&q), ["a2", "b2"]);
+        assert_eq!(
+            e.take_regressions(),
+            vec![Regression {
+                from_step: 51,
+                to_step: 0,
+                quorum_id: q.quorum_id,
+                alive_holders: vec!["c".into()],
+            }]
+        );
+        // Given up on at step 51: neither its heartbeats nor the next rounds wait for it again.
+        e.heartbeat_with_step("c", Some(51), t).unwrap();
+        e.join(at("a2", 1), t).unwrap();
+        e.join(at("b2", 1), t).unwrap();
+        let q2 = e.poll(t).expect("fast path, no second wait");
+        assert_eq!(q2.quorum_id, q.quorum_id);
+        assert!(e.take_regressions().is_empty(), "reported once");
+        // If it reports newer progress it is waited for again.
+        e.heartbeat_with_step("c", Some(52), t).unwrap();
+        e.join(at("a2", 2), t).unwrap();
+        e.join(at("b2", 2), t).unwrap();
+        assert!(e.poll(t).is_none());
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 52, .. }
+        ));
+    }
+
+    #[test]
+    fn regression_when_every_holder_is_dead_is_issued_at_once_and_reported_once() {
+        let (mut e, t) = running(200);
+        for id in ["a", "b", "c"] {
+            e.lost(id, t);
+        }
+        e.join(at("a2", 0), t).unwrap();
+        let q = e.poll(t).expect("no live holder: nothing to wait for");
+        assert_eq!(ids(&q), ["a2"]);
+        let r = e.take_regressions();
+        assert_eq!(
+            r,
+            vec![Regression {
+                from_step: 200,
+                to_step: 0,
+                quorum_id: q.quorum_id,
+                alive_holders: vec![],
+            }]
+        );
+        e.join(at("a2", 1), t).unwrap();
+        assert!(e.poll(t).is_some());
+        assert!(e.take_regressions().is_empty());
+        assert_eq!(e.best_known_step(), Some(1));
+    }
+
+    #[test]
+    fn restarted_lighthouse_holds_the_first_quorum_until_heartbeats_are_heard() {
+        // The lighthouse restarts at t0. A fresh group asks first; the group holding step 900
+        // reaches it 2 s later (its heartbeats back off while the lighthouse is down).
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        let mut t = t0 + Duration::from_millis(100);
+        e.join(at("fresh", 0), t).unwrap();
+        e.join(at("fresh2", 0), t).unwrap();
+        assert!(e.poll(t).is_none());
+        assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
+        assert!(e.verdict(t).to_string().contains("just started"));
+        t = t0 + Duration::from_secs(2);
+        e.heartbeat_with_step("old", Some(900), t).unwrap();
+        assert!(e.tick(t).is_none());
+        // After the hold the round waits for the holder, which then joins.
+        t = t0 + Duration::from_millis(5_100);
+        e.heartbeat_with_step("old", Some(900), t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 900, .. }
+        ));
+        e.join(at("old", 900), t).unwrap();
+        let q = e.poll(t).unwrap();
+        assert_eq!(ids(&q), ["fresh", "fresh2", "old"]);
+        assert!(e.take_regressions().is_empty());
+
+        // Nobody else alive: the first quorum comes right at the end of the hold.
+        let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        e.join(at("only", 7), t0).unwrap();
+        assert!(e.tick(t0 + Duration::from_millis(4_900)).is_none());
+        assert_eq!(ids(&e.tick(t0 + Duration::from_secs(5)).unwrap()), ["only"]);
+        // The hold is min(heartbeat timeout, progress wait); no wait at all disables it.
+        for (wait, ready_at) in [(Duration::from_secs(2), 2_000), (Duration::ZERO, 0)] {
+            let o = LighthouseOptions {
+                progress_wait: wait,
+                ..progress_opts()
+            };
+            let mut e = QuorumEngine::new(o, 100, t0);
+            e.join(at("only", 7), t0).unwrap();
+            if ready_at > 0 {
+                assert!(e.tick(t0 + Duration::from_millis(ready_at - 1)).is_none());
+            }
+            assert!(e.tick(t0 + Duration::from_millis(ready_at)).is_some());
+        }
+    }
+
+    #[test]
+    fn holders_not_ahead_and_asking_replicas_never_delay_a_round() {
+        let (mut e, t) = running(10);
+        // A heartbeating group at the same step, and one behind: no wait.
+        e.heartbeat_with_step("d", Some(10), t).unwrap();
+        e.heartbeat_with_step("e", Some(3), t).unwrap();
+        for id in ["a", "b", "c"] {
+            e.join(at(id, 11), t).unwrap();
+        }
+        assert!(e.poll(t).is_some(), "fast path");
+        // A holder ahead that is itself asking is a candidate, not a reason to wait.
+        for (id, step) in [("a", 12), ("b", 12), ("c", 12), ("d", 40)] {
+            e.join(at(id, step), t).unwrap();
+        }
+        let q = e.tick(t + Duration::from_secs(1)).unwrap();
+        assert_eq!(ids(&q), ["a", "b", "c", "d"]);
+        assert!(e.take_regressions().is_empty());
+        assert_eq!(e.best_known_step(), Some(40));
+    }
+
+    #[test]
+    fn shrink_only_round_waits_for_a_live_holder_outside_it() {
+        let (mut e, t) = running(5);
+        // c went ahead alone?! It cannot, but its heartbeat may say more than a and b know
+        // (a commit the others missed). A shrink-only round of a and b waits for it too.
+        e.heartbeat_with_step("c", Some(6), t).unwrap();
+        e.join(
+            QuorumMember {
+                shrink_only: true,
+                ..at("a", 5)
+            },
+            t,
+        )
+        .unwrap();
+        e.join(at("b", 5), t).unwrap();
+        let later = t + Duration::from_secs(2);
+        e.heartbeat_with_step("c", Some(6), later).unwrap();
+        assert!(e.tick(later).is_none());
+        assert!(matches!(
+            e.verdict(later),
+            Verdict::WaitingForProgress { step: 6, .. }
+        ));
+    }
+
+    #[test]
+    fn heartbeat_step_and_session_inputs_are_validated() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(progress_opts(), 1, t);
+        let err = e.heartbeat_with_step("a", Some(-1), t).unwrap_err();
+        assert!(
+            err.to_string().contains("step must not be negative"),
+            "{err}"
+        );
+        assert!(e.heartbeat_with_step(" ", Some(1), t).is_err());
+        assert!(e.session_opened("", t).is_err());
+        assert_eq!(e.num_heartbeat_records(), 0);
+        assert_eq!(e.best_known_step(), None);
+        // A later, lower step does not lower what is known (steps only grow per incarnation).
+        e.heartbeat_with_step("a", Some(9), t).unwrap();
+        e.heartbeat_with_step("a", Some(4), t).unwrap();
+        assert_eq!(e.best_known_step(), Some(9));
+    }
+
+    #[test]
+    fn randomized_no_quorum_behind_a_live_unwaived_holder_before_the_bound() {
+        for seed in 1..=150u64 {
+            let mut rng = XorShift(seed.wrapping_mul(0xA24B_AED4_963E_E407) | 1);
+            let o = LighthouseOptions {
+                min_replicas: 1,
+                join_timeout: Duration::from_millis(200 + rng.below(800)),
+                quorum_tick: Duration::from_millis(100),
+                heartbeat_timeout: Duration::from_millis(1000 + rng.below(2000)),
+                progress_wait: Duration::from_millis(500 + rng.below(4000)),
+                state_file: None,
+            };
+            let t0 = Instant::now();
+            let mut e = QuorumEngine::new(o.clone(), 1, t0);
+            let mut now = t0;
+            // The model: each replica's step, last heartbeat, open session, waiver.
+            let mut step: HashMap<String, i64> = HashMap::new();
+            let mut seen: HashMap<String, Instant> = HashMap::new();
+            let mut session: HashSet<String> = HashSet::new();
+            let mut asking: HashMap<String, (i64, Instant)> = HashMap::new();
+            let mut round_start: Option<Instant> = None;
+            let mut waived: HashMap<String, i64> = HashMap::new();
+            let mut first = true;
+            for _ in 0..500 {
+                let id = format!("r{}", rng.below(5));
+                let issued = match rng.below(10) {
+                    0..=2 => {
+                        let s = *step.entry(id.clone()).or_insert(0);
+                        e.join(at(&id, s), now).unwrap();
+                        seen.insert(id.clone(), now);
+                        asking.insert(id.clone(), (s, now));
+                        round_start.get_or_insert(now);
+                        e.poll(now)
+                    }
+                    3 => {
+                        let s = step.entry(id.clone()).or_insert(0);
+                        *s += rng.below(3) as i64;
+                        e.heartbeat_with_step(&id, Some(*s), now).unwrap();
+                        seen.insert(id.clone(), now);
+                        None
+                    }
+                    4 => {
+                        e.session_opened(&id, now).unwrap();
+                        seen.insert(id.clone(), now);
+                        session.insert(id.clone());
+                        None
+                    }
+                    5 => {
+                        // Dies: a new incarnation will use another id.
+                        e.lost(&id, now);
+                        seen.remove(&id);
+                        session.remove(&id);
+                        asking.remove(&id);
+                        waived.remove(&id);
+                        step.remove(&id);
+                        if asking.is_empty() {
+                            round_start = None;
+                        }
+                        e.poll(now)
+                    }
+                    6 | 7 => {
+                        now += Duration::from_millis(rng.below(1200));
+                        None
+                    }
+                    _ => e.tick(now),
+                };
+                let Some(q) = issued else { continue };
+                let members: HashSet<String> = q
+                    .participants
+                    .iter()
+                    .map(|m| m.replica_id.clone())
+                    .collect();
+                let to = q.participants.iter().map(|m| m.step).max().unwrap();
+                let started = round_start.unwrap_or(now);
+                if first {
+                    let hold = o.heartbeat_timeout.min(o.progress_wait);
+                    assert!(
+                        now >= t0 + hold,
+                        "seed {seed}: first quorum inside the hold"
+                    );
+                    first = false;
+                }
+                for (h, s) in &step {
+                    let alive = session.contains(h)
+                        || seen.get(h).is_some_and(|t| {
+                            now.saturating_duration_since(*t) <= o.heartbeat_timeout
+                        });
+                    let behind = *s > to && !members.contains(h) && !asking.contains_key(h);
+                    let given_up = waived.get(h).is_some_and(|w| *s <= *w);
+                    if alive && behind && !given_up {
+                        assert!(
+                            now >= started + o.progress_wait,
+                            "seed {seed}: issued at step {to} behind live {h} at {s} \
+                             after {:?}",
+                            now - started
+                        );
+                        waived.insert(h.clone(), *s);
+                    }
+                }
+                for m in &q.participants {
+                    asking.remove(&m.replica_id);
+                }
+                round_start = if asking.is_empty() { None } else { Some(now) };
+            }
+            let _ = e.take_regressions();
+        }
     }
 
     /// Small deterministic PRNG so the randomized test is reproducible without extra crates.
@@ -1303,8 +2124,10 @@ mod tests {
                 join_timeout: Duration::from_millis(500 + rng.below(2000)),
                 quorum_tick: Duration::from_millis(100),
                 heartbeat_timeout: Duration::from_millis(1000 + rng.below(3000)),
+                progress_wait: Duration::ZERO,
+                state_file: None,
             };
-            let mut e = QuorumEngine::new(o.clone(), 1 + rng.below(1000) as i64);
+            let mut e = QuorumEngine::new(o.clone(), 1 + rng.below(1000) as i64, Instant::now());
             let t0 = Instant::now();
             let mut now = t0;
             let mut gens: HashMap<String, u64> = HashMap::new();
@@ -1461,7 +2284,7 @@ mod tests {
             ),
         ];
         for (name, edit, same_id, steps_only) in cases {
-            let mut e = QuorumEngine::new(opts(1), 100);
+            let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
             let t0 = Instant::now();
             let mut ms = at_step(&["b", "c", "d"], 1);
             let q1 = full_round(&mut e, &ms, t0);
@@ -1519,7 +2342,7 @@ mod tests {
 
     #[test]
     fn shrink_only_round_with_unchanged_members_is_not_compact_for_older_holders() {
-        let mut e = QuorumEngine::new(opts(1), 1);
+        let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         let t0 = Instant::now();
         let q1 = full_round(&mut e, &at_step(&["a", "b"], 1), t0);
         let mut ms = at_step(&["a", "b"], 2);
@@ -1559,8 +2382,10 @@ mod tests {
                 join_timeout: Duration::from_millis(300),
                 quorum_tick: Duration::from_millis(100),
                 heartbeat_timeout: Duration::from_millis(1000),
+                progress_wait: Duration::ZERO,
+                state_file: None,
             };
-            let mut e = QuorumEngine::new(o, 1 + rng.below(100) as i64);
+            let mut e = QuorumEngine::new(o, 1 + rng.below(100) as i64, Instant::now());
             let mut now = Instant::now();
             let mut steps: HashMap<String, i64> = HashMap::new();
             let mut history: Vec<Quorum> = Vec::new();
@@ -1633,5 +2458,268 @@ mod tests {
             compact_used > 100,
             "compact form exercised {compact_used} times"
         );
+    }
+
+    // ------------------------------------------------------------------ write-ahead commits
+
+    fn refused(v: CommitVerdict) -> String {
+        match v {
+            CommitVerdict::Refused(why) => why,
+            CommitVerdict::Accepted => panic!("accepted"),
+        }
+    }
+
+    #[test]
+    fn a_commit_under_the_current_quorum_is_accepted_and_waited_for_while_silent() {
+        let (mut e, mut t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        for id in ["a", "b", "c"] {
+            e.session_opened(id, t).unwrap();
+        }
+        // a announces step 101 and stops (SIGSTOP) before it heartbeats again: alive but
+        // silent, its session open. b and c abandoned the step and ask at 100.
+        assert_eq!(e.commit("a", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+        assert_eq!(e.best_known_step(), Some(101));
+        t += Duration::from_secs(1);
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        // Past the heartbeat timeout (a is declared lost for its quorum, but its session is
+        // open) the round still waits for a, up to progress_wait.
+        for _ in 0..80 {
+            t += Duration::from_millis(100);
+            e.heartbeat("b", t).unwrap();
+            e.heartbeat("c", t).unwrap();
+            assert!(e.tick(t).is_none(), "issued behind the holder of step 101");
+        }
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { ref holder, step: 101, candidates_step: 100, .. }
+                if holder == "a"
+        ));
+        // a resumes and asks at 101: one quorum, nobody regressed.
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("a quorum once the holder asks");
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        assert!(e.take_regressions().is_empty());
+    }
+
+    #[test]
+    fn a_commit_under_a_replaced_quorum_is_refused() {
+        let (mut e, mut t) = running(100);
+        let old = e.previous().unwrap().quorum_id;
+        e.session_opened("a", t).unwrap();
+        // a stops mid-step; its heartbeats expire, b and c go on without it at 100 ...
+        t += Duration::from_secs(6);
+        e.heartbeat("b", t).unwrap();
+        e.heartbeat("c", t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert_eq!(e.take_lost().len(), 1);
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        let q = e.poll(t).expect("b and c go on: a holds nothing newer");
+        assert_eq!(ids(&q), ["b", "c"]);
+        assert_eq!(
+            e.commit("b", q.quorum_id, 101, t).unwrap(),
+            CommitVerdict::Accepted
+        );
+        // ... so when a resumes and finishes the step of the old quorum, it may not commit.
+        let why = refused(e.commit("a", old, 101, t).unwrap());
+        assert!(
+            why.contains("replaced") && why.contains("without this replica"),
+            "{why}"
+        );
+        // A member of the current quorum announcing under an old id is refused too.
+        assert!(matches!(
+            e.commit("c", old, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert_eq!(e.best_known_step(), Some(101));
+    }
+
+    #[test]
+    fn a_member_declared_lost_may_not_commit_in_that_quorum() {
+        let (mut e, mut t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        t += Duration::from_secs(6);
+        e.heartbeat("b", t).unwrap();
+        e.heartbeat("c", t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert_eq!(e.take_lost()[0].replica_id, "a");
+        // No newer quorum yet: the others were told a is lost and abandon the step.
+        let why = refused(e.commit("a", qid, 101, t).unwrap());
+        assert!(why.contains("declared lost"), "{why}");
+        assert_eq!(e.best_known_step(), Some(100));
+        // The members still alive may.
+        assert_eq!(e.commit("b", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+    }
+
+    #[test]
+    fn bad_commit_announcements_are_refused_and_change_nothing() {
+        let (mut e, t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        let rev = e.durable_revision();
+        assert!(matches!(
+            e.commit("", qid, 101, t),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            e.commit("a", qid, -1, t),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(e.durable_revision(), rev);
+        assert_eq!(e.best_known_step(), Some(100));
+    }
+
+    #[test]
+    fn a_fresh_lighthouse_without_memory_accepts_commits() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(progress_opts(), 100, t);
+        assert_eq!(e.commit("a", 7, 12, t).unwrap(), CommitVerdict::Accepted);
+        assert_eq!(e.best_known_step(), Some(12));
+    }
+
+    /// A lighthouse at quorum {a, b, c} where a announced step 101 (b and c are still at
+    /// 100), its durable state, and the time.
+    fn before_restart() -> (Durable, i64, Instant) {
+        let (mut e, t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        assert_eq!(e.commit("a", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+        let d = e.durable();
+        assert_eq!(d.quorum_id, Some(qid));
+        assert_eq!(d.members, ["a", "b", "c"]);
+        assert_eq!(
+            (d.best_step, d.holders.clone()),
+            (Some(101), vec!["a".to_string()])
+        );
+        (d, qid, t)
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_waits_for_the_holder_of_the_best_step_it_remembers() {
+        let (d, _, t0) = before_restart();
+        // Restarted while a is stopped: b and c ask at 100; a is silent and has no session.
+        let mut t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        assert_eq!(e.best_known_step(), Some(101));
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        // The restored holder is not counted healthy (b and c are a majority) but is waited
+        // for, past the startup hold, up to progress_wait after the restart.
+        for _ in 0..95 {
+            t += Duration::from_millis(100);
+            e.heartbeat("b", t).unwrap();
+            e.heartbeat("c", t).unwrap();
+            assert!(e.tick(t).is_none(), "issued behind the remembered holder");
+        }
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 101, .. }
+        ));
+        // a resumes: its heartbeat (and then its request) end the wait without regression.
+        e.heartbeat_with_step("a", Some(101), t).unwrap();
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("a quorum");
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        assert!(q.quorum_id > 50);
+        assert!(e.take_regressions().is_empty());
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_gives_up_on_a_remembered_holder_after_progress_wait() {
+        let (d, _, t0) = before_restart();
+        let t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        let later = t + progress_opts().progress_wait;
+        e.heartbeat("b", later).unwrap();
+        e.heartbeat("c", later).unwrap();
+        let q = e.tick(later).expect("issued once the holder is waited out");
+        assert_eq!(ids(&q), ["b", "c"]);
+        let r = e.take_regressions();
+        assert_eq!(r.len(), 1);
+        assert_eq!((r[0].from_step, r[0].to_step), (101, 100));
+        assert_eq!(r[0].alive_holders, ["a"]);
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_refuses_commits_under_quorums_it_had_replaced() {
+        let (d, qid, t0) = before_restart();
+        let t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d.clone());
+        // Ids stay above the remembered one even with an initial id below it.
+        assert!(matches!(
+            e.commit("b", qid - 1, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert!(matches!(
+            e.commit("z", qid, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert_eq!(e.commit("b", qid, 101, t).unwrap(), CommitVerdict::Accepted);
+        // Once this life issues a quorum without c, c's commit under the old one is refused.
+        let mut t = t + Duration::from_secs(6);
+        e.heartbeat_with_step("a", Some(101), t).unwrap();
+        e.join(at("a", 101), t).unwrap();
+        e.join(at("b", 101), t).unwrap();
+        t += progress_opts().join_timeout;
+        let q = e.tick(t).expect("a and b");
+        assert!(q.quorum_id > qid);
+        assert!(matches!(
+            e.commit("c", qid, 101, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        let d2 = e.durable();
+        assert_eq!(
+            (d2.quorum_id, d2.members),
+            (Some(q.quorum_id), vec!["a".into(), "b".into()])
+        );
+    }
+
+    #[test]
+    fn durable_state_changes_with_progress_and_membership_only() {
+        let (mut e, t) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        let r0 = e.durable_revision();
+        e.heartbeat_with_step("a", Some(100), t).unwrap();
+        assert_eq!(e.durable_revision(), r0, "nothing new");
+        e.commit("a", qid, 101, t).unwrap();
+        let r1 = e.durable_revision();
+        assert!(r1 > r0);
+        e.lost("a", t);
+        assert!(e.durable_revision() > r1);
+        assert_eq!(e.durable().holders, Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_remembered_holder_heard_once_then_silent_without_a_session_is_still_waited_for() {
+        let (d, _, t0) = before_restart();
+        let mut t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        // a asks once right after the restart, then stops before its manager reopens its
+        // session; its request is answered by a quorum with a fresh b.
+        e.join(at("a", 101), t).unwrap();
+        e.join(at("b2", 0), t).unwrap();
+        t += Duration::from_secs(6);
+        let q = e.tick(t).expect("a and b2 past the startup hold");
+        assert_eq!(ids(&q), ["a", "b2"]);
+        // a is declared lost (silent past the heartbeat timeout) and b2 asks alone at 0: it
+        // waits for a, which may still come back, until progress_wait after the restart.
+        t += Duration::from_secs(3);
+        e.heartbeat("b2", t).unwrap();
+        assert!(e.tick(t).is_none());
+        assert_eq!(e.take_lost().len(), 1);
+        e.join(at("b2", 0), t).unwrap();
+        assert!(e.tick(t).is_none(), "issued behind the remembered holder");
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 101, .. }
+        ));
+        // Once a's session opens, its liveness is the session's.
+        e.session_opened("a", t).unwrap();
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("a is back");
+        assert_eq!(ids(&q), ["a", "b2"]);
+        assert!(e.take_regressions().is_empty());
     }
 }

@@ -103,7 +103,7 @@ impl LighthouseServer {
             initial_quorum_id(),
             hub,
             access.security.clone(),
-        ));
+        )?);
         let (stop, stop_rx) = watch::channel(false);
 
         let app = super::grpc::router(shared.clone(), access.max_request_bytes)

@@ -24,7 +24,7 @@ use tonic::Status;
 use tracing::{debug, info, warn};
 
 use super::hub::Hub;
-use super::quorum::{LostMember, QuorumEngine, Snapshot};
+use super::quorum::{CommitVerdict, Durable, LostMember, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
@@ -71,6 +71,8 @@ struct State {
     shutting_down: bool,
     /// The last issued quorum (the base of the next one's delta reply).
     last: Option<Arc<Issued>>,
+    /// The engine's durable revision last written to the state file.
+    saved_revision: u64,
 }
 
 /// State shared by the gRPC handlers, the tick task and the HTTP pages.
@@ -110,6 +112,45 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     }
 }
 
+/// Reads a state file written by [`save_state`]; None if there is none yet.
+fn load_state(path: &std::path::Path) -> Result<Option<Durable>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(Error::InvalidArgument(format!(
+                "cannot read the state file {}: {e}",
+                path.display()
+            )))
+        }
+    };
+    serde_json::from_str(&text).map(Some).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "the state file {} is not a lighthouse state ({e}); move it away to start from \
+             nothing",
+            path.display()
+        ))
+    })
+}
+
+/// Writes `durable` to `path` atomically: a temporary file next to it, then a rename (a
+/// reader, or the lighthouse after a crash, sees the old or the new state, never a mix).
+fn save_state(path: &std::path::Path, durable: &Durable) -> Result<()> {
+    let text = serde_json::to_vec(durable)
+        .map_err(|e| Error::Remote(format!("cannot encode the lighthouse state: {e}")))?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            Error::Unavailable(format!(
+                "cannot write the state file {}: {e}",
+                path.display()
+            ))
+        })
+}
+
 impl Shared {
     /// Fresh state around a new engine, without event log or kill action.
     #[cfg(test)]
@@ -120,31 +161,105 @@ impl Shared {
             opts.min_replicas,
         )
         .expect("default observability options are valid");
-        Self::with_hub(opts, initial_id, hub, Security::none())
+        Self::with_hub(opts, initial_id, hub, Security::none()).expect("no state file")
     }
 
-    /// Fresh state around a new engine and the given telemetry hub.
+    /// State around a new engine and the given telemetry hub; the engine continues from the
+    /// options' state file when it holds the state of a previous life. A state file that
+    /// exists but cannot be read is an error (starting from nothing could fork the job).
     pub(crate) fn with_hub(
         opts: LighthouseOptions,
         initial_id: i64,
         hub: Hub,
         security: Security,
-    ) -> Self {
-        Self {
+    ) -> Result<Self> {
+        let now = now_instant();
+        let engine = match opts
+            .state_file
+            .as_deref()
+            .map(load_state)
+            .transpose()?
+            .flatten()
+        {
+            Some(durable) => {
+                info!(
+                    quorum_id = ?durable.quorum_id,
+                    best_step = ?durable.best_step,
+                    holders = durable.holders.len(),
+                    "continuing from the state file"
+                );
+                QuorumEngine::restored(opts, initial_id, now, durable)
+            }
+            None => QuorumEngine::new(opts, initial_id, now),
+        };
+        Ok(Self {
             state: Mutex::new(State {
-                engine: QuorumEngine::new(opts, initial_id),
+                engine,
                 waiters: HashMap::new(),
                 sessions: HashMap::new(),
                 next_session: 1,
                 lost: std::collections::VecDeque::new(),
                 shutting_down: false,
                 last: None,
+                saved_revision: 0,
             }),
             started: SystemTime::now(),
             replies_full: AtomicU64::new(0),
             replies_compact: AtomicU64::new(0),
             hub,
             security,
+        })
+    }
+
+    /// Writes the engine's durable state to the state file if it changed since the last
+    /// write (no-op without a state file).
+    fn persist(&self, state: &mut State) -> Result<()> {
+        let revision = state.engine.durable_revision();
+        if revision == state.saved_revision {
+            return Ok(());
+        }
+        let Some(path) = state.engine.options().state_file.clone() else {
+            return Ok(());
+        };
+        save_state(&path, &state.engine.durable())?;
+        state.saved_revision = revision;
+        Ok(())
+    }
+
+    /// [`Shared::persist`] where a failure cannot refuse anything: logged loudly.
+    fn persist_or_warn(&self, state: &mut State) {
+        if let Err(e) = self.persist(state) {
+            warn!(error = %e, "cannot write the lighthouse state file; a restart would forget \
+                the job's progress");
+        }
+    }
+
+    /// A write-ahead commit announcement (see [`QuorumEngine::commit`]): `Ok(None)` when
+    /// accepted (and saved to the state file, if any), `Ok(Some(reason))` when refused.
+    pub(crate) fn commit(
+        &self,
+        replica_id: &str,
+        quorum_id: i64,
+        step: i64,
+    ) -> Result<Option<String>> {
+        let now = now_instant();
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if state.shutting_down {
+            return Err(Error::Shutdown);
+        }
+        match state.engine.commit(replica_id, quorum_id, step, now)? {
+            CommitVerdict::Accepted => {
+                // Durable before the group applies the commit, or not accepted at all.
+                self.persist(state)?;
+                Ok(None)
+            }
+            CommitVerdict::Refused(reason) => {
+                warn!(replica_id = %replica_id, quorum_id, step, reason = %reason,
+                    "commit refused");
+                self.hub.with(|t| t.commit_refused());
+                Ok(Some(reason))
+            }
         }
     }
 
@@ -190,6 +305,25 @@ impl Shared {
             self.hub
                 .with(|t| t.on_quorum(quorum.quorum_id, &members, now));
         }
+        for r in state.engine.take_regressions() {
+            // Loud: the job's progress went back (see the no-regression rule).
+            warn!(
+                quorum_id = r.quorum_id,
+                from_step = r.from_step,
+                to_step = r.to_step,
+                alive_holders = ?r.alive_holders,
+                "progress regressed: the quorum continues from an older step{}",
+                if r.alive_holders.is_empty() {
+                    " (every holder of the newer state is gone)"
+                } else {
+                    " (gave up waiting for the holders of the newer state)"
+                }
+            );
+            let now = now_instant();
+            self.hub.with(|t| t.on_progress_regressed(&r, now));
+        }
+        // A changed quorum is durable before its members learn it.
+        self.persist_or_warn(state);
         let previous = state.last.as_ref().map(|l| &l.quorum);
         let issued = Arc::new(Issued::new(quorum, stable_since, previous));
         state.last = Some(issued.clone());
@@ -244,14 +378,15 @@ impl Shared {
         }
     }
 
-    /// Records a heartbeat; returns the heartbeat timeout (the caller's lease).
-    pub(crate) fn heartbeat(&self, replica_id: &str) -> Result<Duration> {
+    /// Records a heartbeat (and the group's committed step, if sent); returns the heartbeat
+    /// timeout (the caller's lease).
+    pub(crate) fn heartbeat(&self, replica_id: &str, step: Option<i64>) -> Result<Duration> {
         let now = now_instant();
         let mut state = self.lock();
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        state.engine.heartbeat(replica_id, now)?;
+        state.engine.heartbeat_with_step(replica_id, step, now)?;
         Ok(state.engine.options().heartbeat_timeout)
     }
 
@@ -267,6 +402,8 @@ impl Shared {
             self.deliver(state, q);
         }
         Self::announce_lost(state, before);
+        // Steps heard in heartbeats and losses reach the state file within a tick.
+        self.persist_or_warn(state);
     }
 
     /// Sends each loss the engine declared to the other members of the quorum it was in.
@@ -323,7 +460,7 @@ impl Shared {
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        state.engine.heartbeat(replica_id, now)?;
+        state.engine.session_opened(replica_id, now)?;
         let (tx, rx) = mpsc::channel(SESSION_BUFFER);
         // The first message tells the manager its session is established.
         let _ = tx.try_send(Ok(SessionEvent { lost: None }));
@@ -538,8 +675,39 @@ mod tests {
     fn opts() -> LighthouseOptions {
         LighthouseOptions {
             min_replicas: 2,
+            // No startup hold: the rounds below are issued at once.
+            progress_wait: Duration::ZERO,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_regression_is_counted_and_announced() {
+        let shared = Shared::new(opts(), 10);
+        let mut feed = shared.hub.subscribe().unwrap();
+        round(&shared, &[member("a", 40), member("b", 40)]);
+        let now = now_instant();
+        {
+            let mut state = shared.lock();
+            state.engine.lost("a", now);
+            state.engine.lost("b", now);
+        }
+        let issued = round(&shared, &[member("c", 0), member("d", 0)]);
+        assert_eq!(issued[0].quorum.participants.len(), 2);
+        let counted = shared.hub.read(|t| t.counters().progress_regressions);
+        assert_eq!(counted, 1);
+        let mut found = None;
+        while let Ok(item) = feed.try_recv() {
+            if item.1.contains("progress_regressed") {
+                found = Some(item.1.clone());
+            }
+        }
+        let event: serde_json::Value = serde_json::from_str(&found.expect("event")).unwrap();
+        assert_eq!(event["from_step"], 40);
+        assert_eq!(event["to_step"], 0);
+        assert_eq!(event["steps_lost"], 40);
+        assert_eq!(event["unavoidable"], true);
+        assert_eq!(event["quorum_id"], issued[0].quorum.quorum_id);
     }
 
     fn member(id: &str, step: i64) -> QuorumMember {

@@ -346,6 +346,10 @@ pub struct GlobalCounters {
     pub reports_rejected: u64,
     /// Events emitted.
     pub events: u64,
+    /// Quorums issued behind the best committed step known (`progress_regressed`).
+    pub progress_regressions: u64,
+    /// Write-ahead commits refused (the group's quorum was replaced or it was declared lost).
+    pub commits_refused: u64,
 }
 
 /// The derived health of every replica group.
@@ -430,6 +434,29 @@ impl Telemetry {
     /// Job-wide counters.
     pub fn counters(&self) -> &GlobalCounters {
         &self.counters
+    }
+
+    /// A quorum continued from an older step than the best known: counted, and announced as
+    /// a `progress_regressed` event.
+    pub fn on_progress_regressed(&mut self, r: &super::quorum::Regression, now: Instant) {
+        self.counters.progress_regressions += 1;
+        self.emit(
+            now,
+            EventKind::ProgressRegressed,
+            json!({
+                "quorum_id": r.quorum_id,
+                "from_step": r.from_step,
+                "to_step": r.to_step,
+                "steps_lost": r.from_step - r.to_step,
+                "alive_holders": r.alive_holders,
+                "unavoidable": r.alive_holders.is_empty(),
+            }),
+        );
+    }
+
+    /// Counts a refused write-ahead commit.
+    pub fn commit_refused(&mut self) {
+        self.counters.commits_refused += 1;
     }
 
     /// Counts a refused batch of `n` reports.

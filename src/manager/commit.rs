@@ -12,8 +12,16 @@
 //!   `FailedPrecondition` (it would otherwise never be answered).
 //! - A voter whose deadline passes (or whose request is dropped) leaves the round, so a later
 //!   vote by the same rank counts once and a decision never includes a vote nobody waits on.
+//! - [`CommitBarrier::abort_round`] (a member of the group's quorum was declared lost) decides
+//!   the round in progress "no" at once: the waiting ranks get false now, and so do the ranks
+//!   of that step that vote later, instead of waiting on a rank held up by the lost peer.
+//! - [`CommitBarrier::vote_gated`]: a "yes" round only stands if its gate (the write-ahead
+//!   commit announcement to the lighthouse) says so. The gate runs once per round, started by
+//!   the rank that completes it, in a task of its own (a cancelled caller cannot leave the
+//!   others waiting); every rank gets the gated decision.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -32,6 +40,8 @@ pub struct CommitBarrier {
 struct State {
     round: Option<Round>,
     next_ticket: u64,
+    /// A step decided "no" by `abort_round`: its remaining votes get false at once.
+    aborted_step: Option<i64>,
 }
 
 #[derive(Debug)]
@@ -100,6 +110,47 @@ impl CommitBarrier {
         vote: bool,
         timeout: Duration,
     ) -> Result<bool> {
+        self.vote_inner(
+            group_rank,
+            step,
+            vote,
+            timeout,
+            None::<fn(i64) -> std::future::Ready<bool>>,
+        )
+        .await
+    }
+
+    /// Like [`CommitBarrier::vote`], but a "yes" decision only stands if `gate(step)`
+    /// resolves to true (the gate must bound its own time). The rank completing the round runs the gate (once, in its own task);
+    /// every rank of the round gets the gated decision.
+    pub async fn vote_gated<G, F>(
+        &self,
+        group_rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+        gate: G,
+    ) -> Result<bool>
+    where
+        G: FnOnce(i64) -> F,
+        F: Future<Output = bool> + Send + 'static,
+    {
+        self.vote_inner(group_rank, step, vote, timeout, Some(gate))
+            .await
+    }
+
+    async fn vote_inner<G, F>(
+        &self,
+        group_rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+        gate: Option<G>,
+    ) -> Result<bool>
+    where
+        G: FnOnce(i64) -> F,
+        F: Future<Output = bool> + Send + 'static,
+    {
         if group_rank < 0 || group_rank as u64 >= self.world_size {
             return Err(Error::InvalidArgument(format!(
                 "group_rank {group_rank} is outside [0, {})",
@@ -111,8 +162,19 @@ impl CommitBarrier {
                 "step must not be negative, got {step}"
             )));
         }
-        let (ticket, rx) = {
+        // Ok: this rank waits for the round; Err: it completed the round (decision, the
+        // other voters to answer).
+        #[allow(clippy::type_complexity)]
+        let waiting: std::result::Result<
+            (u64, oneshot::Receiver<Result<bool>>),
+            (bool, Vec<oneshot::Sender<Result<bool>>>),
+        > = {
             let mut state = self.lock();
+            match state.aborted_step {
+                Some(aborted) if aborted == step => return Ok(false),
+                Some(_) => state.aborted_step = None,
+                None => {}
+            }
             if let Some(round) = state.round.as_ref() {
                 if round.step != step {
                     let msg = format!(
@@ -144,16 +206,34 @@ impl CommitBarrier {
             }
             if round.voters.len() as u64 == world_size {
                 let decision = round.voters.values().all(|v| v.vote);
-                if let Some(round) = state.round.take() {
-                    for (rank, v) in round.voters {
-                        if rank != group_rank {
-                            let _ = v.tx.send(Ok(decision));
-                        }
-                    }
+                let others: Vec<oneshot::Sender<Result<bool>>> = state
+                    .round
+                    .take()
+                    .map(|round| {
+                        round
+                            .voters
+                            .into_iter()
+                            .filter(|(rank, _)| *rank != group_rank)
+                            .map(|(_, v)| v.tx)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Err((decision, others))
+            } else {
+                Ok((ticket, rx))
+            }
+        };
+        let (ticket, rx) = match (waiting, gate) {
+            (Ok(waiting), _) => waiting,
+            (Err((true, others)), Some(gate)) => {
+                return Self::run_gate(gate(step), others).await;
+            }
+            (Err((decision, others)), _) => {
+                for tx in others {
+                    let _ = tx.send(Ok(decision));
                 }
                 return Ok(decision);
             }
-            (ticket, rx)
         };
         let _guard = LeaveGuard {
             barrier: self,
@@ -170,9 +250,38 @@ impl CommitBarrier {
         }
     }
 
+    /// Runs a round's gate in its own task and hands its decision to the round's other
+    /// voters. The gate bounds itself (it is given the round's budget).
+    async fn run_gate<F>(gate: F, others: Vec<oneshot::Sender<Result<bool>>>) -> Result<bool>
+    where
+        F: Future<Output = bool> + Send + 'static,
+    {
+        let task = tokio::spawn(async move {
+            let decision = gate.await;
+            for tx in others {
+                let _ = tx.send(Ok(decision));
+            }
+            decision
+        });
+        task.await.map_err(|_| Error::Shutdown)
+    }
+
     /// Number of votes in the round in progress (for tests and status).
     pub fn pending_votes(&self) -> usize {
         self.lock().round.as_ref().map_or(0, |r| r.voters.len())
+    }
+
+    /// Decides the round in progress "no" (a member of the quorum was lost): its waiting
+    /// voters get false now, and later votes for the same step get false at once. Returns
+    /// the step decided, if a round was in progress.
+    pub fn abort_round(&self) -> Option<i64> {
+        let mut state = self.lock();
+        let round = state.round.take()?;
+        state.aborted_step = Some(round.step);
+        for (_, v) in round.voters {
+            let _ = v.tx.send(Ok(false));
+        }
+        Some(round.step)
     }
 
     /// Fails every waiting voter with `Shutdown` (the server is going away).
@@ -335,11 +444,94 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn abort_round_decides_no_for_waiting_and_late_voters_of_that_step_only() {
+        let b = Arc::new(CommitBarrier::new(3).unwrap());
+        assert_eq!(b.abort_round(), None, "nothing to abort");
+        let r0 = spawn_vote(&b, 0, 9, true, LONG);
+        let r1 = spawn_vote(&b, 1, 9, true, LONG);
+        settle().await;
+        assert_eq!(b.abort_round(), Some(9));
+        assert!(!r0.await.unwrap().unwrap());
+        assert!(!r1.await.unwrap().unwrap());
+        // The rank that was held up votes later: the same decision, at once.
+        let start = tokio::time::Instant::now();
+        assert!(!b.vote(2, 9, true, LONG).await.unwrap());
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // The next step is voted normally.
+        let r0 = spawn_vote(&b, 0, 10, true, LONG);
+        let r1 = spawn_vote(&b, 1, 10, true, LONG);
+        settle().await;
+        assert!(b.vote(2, 10, true, LONG).await.unwrap());
+        assert!(r0.await.unwrap().unwrap() && r1.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn fail_all_answers_waiters() {
         let b = Arc::new(CommitBarrier::new(2).unwrap());
         let r0 = spawn_vote(&b, 0, 3, true, LONG);
         settle().await;
         b.fail_all();
         assert!(matches!(r0.await.unwrap(), Err(Error::Shutdown)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gated_round_gives_every_rank_the_gate_decision_once() {
+        for gate_says in [true, false] {
+            let b = Arc::new(CommitBarrier::new(3).unwrap());
+            let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let gated = |rank: i64| {
+                let b = b.clone();
+                let calls = calls.clone();
+                tokio::spawn(async move {
+                    b.vote_gated(rank, 4, true, LONG, move |step| {
+                        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        async move {
+                            assert_eq!(step, 4);
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            gate_says
+                        }
+                    })
+                    .await
+                })
+            };
+            let handles: Vec<_> = (0..3).map(gated).collect();
+            for h in handles {
+                assert_eq!(h.await.unwrap().unwrap(), gate_says);
+            }
+            assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_no_round_never_runs_the_gate() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 4, false, LONG);
+        settle().await;
+        let decided = b
+            .vote_gated(1, 4, true, LONG, |_| async { panic!("gate run on a no") })
+            .await
+            .unwrap();
+        assert!(!decided);
+        assert!(!r0.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_completer_still_answers_the_others() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 4, true, LONG);
+        settle().await;
+        let completer = {
+            let b = b.clone();
+            tokio::spawn(async move {
+                b.vote_gated(1, 4, true, LONG, |_| async {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    true
+                })
+                .await
+            })
+        };
+        settle().await;
+        completer.abort();
+        assert!(r0.await.unwrap().unwrap());
     }
 }

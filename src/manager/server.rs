@@ -14,6 +14,7 @@
 //! the lighthouse's lost-member events, which ranks collect with the `WatchEvents` long-poll.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -188,6 +189,16 @@ struct Inner {
     shutdown: watch::Receiver<bool>,
     /// The ranks' telemetry reports, waiting to be forwarded to the lighthouse.
     reports: ReportQueue,
+    /// The group's committed step as last seen (a quorum round, or a commit noted by the
+    /// hosting rank); -1 before either. Heartbeats carry it to the lighthouse, which then
+    /// knows this group's progress while it is not asking for a quorum.
+    committed_step: AtomicI64,
+    /// Id of the last quorum received (-1 before any): a loss reported for it ends the commit
+    /// vote in progress, and commits are announced under it.
+    quorum_id: AtomicI64,
+    /// The lighthouse answered a commit announcement UNIMPLEMENTED (an upstream lighthouse):
+    /// commits go ahead without one (warned once).
+    commit_unsupported: AtomicBool,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -273,6 +284,9 @@ impl ManagerServer {
             lighthouse,
             shutdown: shutdown_rx.clone(),
             reports: ReportQueue::default(),
+            committed_step: AtomicI64::new(-1),
+            quorum_id: AtomicI64::new(-1),
+            commit_unsupported: AtomicBool::new(false),
             opts,
         });
 
@@ -317,6 +331,30 @@ impl ManagerServer {
     /// the step must then not commit. Single-rank groups that vote locally ask this.
     pub fn lease_held(&self) -> bool {
         self.inner.lease_held()
+    }
+
+    /// Whether this group may commit the step `step` (its committed step count before the
+    /// commit): its lease held, and the lighthouse accepted the write-ahead announcement of
+    /// `step + 1` under the group's quorum (retried until `timeout` while the lighthouse is
+    /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
+    /// groups get the same gate through `ShouldCommit`.
+    pub async fn may_commit(&self, step: i64, timeout: Duration) -> bool {
+        if !self.inner.lease_held() {
+            return false;
+        }
+        tokio::select! {
+            ok = self.inner.announce_commit(step, timeout) => ok,
+            _ = shutting_down(self.inner.shutdown.clone()) => false,
+        }
+    }
+
+    /// Notes that the group has committed `step` (called by the hosting rank after each
+    /// commit): heartbeats report it, so the lighthouse knows this group's progress between
+    /// quorum requests. Negative values are ignored.
+    pub fn note_committed_step(&self, step: i64) {
+        if step >= 0 {
+            self.inner.committed_step.store(step, Ordering::Relaxed);
+        }
     }
 
     /// The address other groups and this group's ranks dial: `http://{hostname}:{port}`.
@@ -372,9 +410,10 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
             _ = shutdown.wait_for(|down| *down) => return,
         }
         let sent = Instant::now();
+        let step = inner.committed_step.load(Ordering::Relaxed);
         let result = inner
             .lighthouse
-            .heartbeat_lease(&inner.opts.replica_id, period)
+            .heartbeat_lease(&inner.opts.replica_id, (step >= 0).then_some(step), period)
             .await;
         match result {
             Ok(timeout) => {
@@ -434,7 +473,7 @@ async fn session_loop(inner: Arc<Inner>) {
                             if let Some(lost) = event.lost {
                                 warn!(lost = %lost.replica_id, quorum_id = lost.quorum_id,
                                     "lighthouse reports a lost replica group");
-                                inner.events.push(lost);
+                                inner.on_lost(lost);
                             }
                         }
                         Ok(None) => break "the lighthouse closed it".to_string(),
@@ -458,6 +497,18 @@ async fn session_loop(inner: Arc<Inner>) {
 }
 
 impl Inner {
+    /// A member of a quorum was declared lost: ranks learn it through `WatchEvents`, and a
+    /// commit vote of the current quorum in progress is decided "no" at once (a rank of this
+    /// group may be held up by the lost peer; the step cannot commit anyway).
+    fn on_lost(&self, lost: LostEvent) {
+        if lost.quorum_id == self.quorum_id.load(Ordering::Relaxed) {
+            if let Some(step) = self.barrier.abort_round() {
+                info!(step, lost = %lost.replica_id, "commit vote ended: a quorum member was lost");
+            }
+        }
+        self.events.push(lost);
+    }
+
     /// Sends the queued telemetry reports now (bounded by [`REPORT_FLUSH`]).
     async fn flush_reports(&self) {
         self.reports.flush(&self.lighthouse, REPORT_FLUSH).await;
@@ -495,6 +546,64 @@ impl Inner {
                  voting not to commit");
         }
         held
+    }
+
+    /// The write-ahead commit: tells the lighthouse this group is about to commit `step + 1`
+    /// under its quorum; true if the lighthouse accepted (or predates announcements). A
+    /// refusal (the quorum was replaced, or the group was declared lost in it) and a
+    /// lighthouse unreachable until `timeout` are a "no": the group rejoins and heals.
+    async fn announce_commit(&self, step: i64, timeout: Duration) -> bool {
+        if self.commit_unsupported.load(Ordering::Relaxed) {
+            return true;
+        }
+        let quorum_id = self.quorum_id.load(Ordering::Relaxed);
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                warn!(step, quorum_id, lighthouse = %self.lighthouse_addr,
+                    "cannot reach the lighthouse to announce the commit; not committing");
+                return false;
+            }
+            let answer = self
+                .lighthouse
+                .commit(&self.opts.replica_id, quorum_id, step + 1, remaining)
+                .await;
+            let status = match answer {
+                Ok(None) => return true,
+                Ok(Some(reason)) => {
+                    warn!(step, quorum_id, reason = %reason,
+                        "the lighthouse refused the commit; rejoining to heal");
+                    return false;
+                }
+                Err(status) => status,
+            };
+            match status.code() {
+                tonic::Code::Unimplemented => {
+                    if !self.commit_unsupported.swap(true, Ordering::Relaxed) {
+                        warn!(lighthouse = %self.lighthouse_addr,
+                            "the lighthouse does not take commit announcements (an older or \
+                             upstream lighthouse): committing without them, so a group frozen \
+                             mid-step may commit a step the others redid");
+                    }
+                    return true;
+                }
+                tonic::Code::InvalidArgument
+                | tonic::Code::Unauthenticated
+                | tonic::Code::PermissionDenied => {
+                    warn!(step, error = %status.message(), "commit announcement refused");
+                    return false;
+                }
+                _ => {
+                    let delay = backoff.next_delay();
+                    debug!(step, error = %status.message(),
+                        "commit announcement failed; retrying in {delay:?}");
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    tokio::time::sleep(delay.min(remaining)).await;
+                }
+            }
+        }
     }
 
     /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
@@ -555,12 +664,14 @@ impl Inner {
 
     /// Runs the lighthouse request of a complete round and answers every rank of it.
     async fn answer_round(self: Arc<Self>, round: ReadyRound) {
+        self.committed_step.store(round.step, Ordering::Relaxed);
         let result = tokio::select! {
             r = self.lighthouse_quorum(&round) => r,
             _ = shutting_down(self.shutdown.clone()) => Err(Error::Shutdown),
         };
         match result {
             Ok(quorum) => {
+                self.quorum_id.store(quorum.quorum_id, Ordering::Relaxed);
                 self.lease
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -673,10 +784,22 @@ impl ManagerService for Service {
         let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
         let local = req.should_commit && self.inner.lease_held();
-        let vote = self
-            .inner
-            .barrier
-            .vote(req.group_rank, req.step, local, timeout);
+        let inner = self.inner.clone();
+        // The gate answers every rank of the round, some of which started waiting before
+        // this one: it keeps a quarter of the budget in hand.
+        let gate_budget = timeout.mul_f64(0.75);
+        let vote = self.inner.barrier.vote_gated(
+            req.group_rank,
+            req.step,
+            local,
+            timeout,
+            move |step| async move {
+                tokio::select! {
+                    ok = inner.announce_commit(step, gate_budget) => ok,
+                    _ = shutting_down(inner.shutdown.clone()) => false,
+                }
+            },
+        );
         let should_commit = tokio::select! {
             r = vote => r?,
             _ = shutting_down(self.inner.shutdown.clone()) => return Err(Error::Shutdown.into()),

@@ -61,6 +61,16 @@ _BASE_PATH = "/checkpoint"
 _MAX_ERROR_BODY = 64 << 10
 
 
+@dataclass
+class _Receiving:
+    """One receive in progress: its cancel flag, its open fetches, and whether it was broken
+    by ``abort_recv`` (rather than by one of its own failed fetches)."""
+
+    cancel: threading.Event
+    fetches: list[_Fetch]
+    lost: bool = False
+
+
 class _Aborted(Exception):
     """The transfer was cancelled (checkpoint disallowed or transport shut down)."""
 
@@ -276,6 +286,9 @@ class HTTPTransport(CheckpointTransport[T]):
         # connection socket -> generation being streamed on it (None: idle/not streaming)
         self._conns: dict[socket.socket, str | None] = {}
         self._conn_threads: set[threading.Thread] = set()
+        # Receives in progress: their cancel flags and open fetches (see abort_recv).
+        self._receiving: list[_Receiving] = []
+        self._recv_lock = threading.Lock()
 
         self._server = _listen(self, hostname, bind, self._security.server_context())
         self._port = int(self._server.server_address[1])
@@ -567,10 +580,23 @@ class HTTPTransport(CheckpointTransport[T]):
         base = base._replace(scheme=scheme)
         prefix = base.path.rstrip("/")
         t0 = time.monotonic()
-        if self._num_chunks <= 0:
-            state, nbytes = self._recv_full(base, prefix, step, deadline, src_rank)
-        else:
-            state, nbytes = self._recv_chunked(base, prefix, step, deadline, src_rank)
+        entry = _Receiving(threading.Event(), [])
+        with self._recv_lock:
+            self._receiving.append(entry)
+        try:
+            if self._num_chunks <= 0:
+                state, nbytes = self._recv_full(base, prefix, step, deadline, src_rank, entry)
+            else:
+                state, nbytes = self._recv_chunked(base, prefix, step, deadline, src_rank, entry)
+        except (ConnectionError, ser.CheckpointFormatError, _Aborted, TimeoutError) as e:
+            if entry.lost:
+                raise ConnectionError(
+                    f"checkpoint transfer from replica {src_rank} aborted: the source was lost"
+                ) from e
+            raise
+        finally:
+            with self._recv_lock:
+                self._receiving.remove(entry)
         elapsed = time.monotonic() - t0
         logger.info(
             "received checkpoint step=%d from replica %d (%d bytes in %.3fs, %.1f MB/s)",
@@ -582,11 +608,39 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         return state
 
+    def abort_recv(self) -> None:
+        """Breaks every receive in progress (see ``CheckpointTransport.abort_recv``)."""
+        with self._recv_lock:
+            for r in self._receiving:
+                r.lost = True
+            receiving = [(r.cancel, list(r.fetches)) for r in self._receiving]
+        for cancel, fetches in receiving:
+            cancel.set()
+            for f in fetches:
+                f.abort()
+
+    def _open(self, entry: _Receiving, fetch: _Fetch) -> _Fetch:
+        """Registers ``fetch`` with its receive so ``abort_recv`` can break it."""
+        with self._recv_lock:
+            entry.fetches.append(fetch)
+        if entry.cancel.is_set():
+            fetch.abort()
+            raise _Aborted("cancelled")
+        return fetch
+
     def _recv_full(
-        self, base: urllib.parse.SplitResult, prefix: str, step: int, deadline: float, src: int
+        self,
+        base: urllib.parse.SplitResult,
+        prefix: str,
+        step: int,
+        deadline: float,
+        src: int,
+        entry: _Receiving,
     ) -> tuple[Any, int]:
         path = f"{prefix}/{step}/full?wait={_wait_param(deadline)}"
-        with _Fetch(base, path, deadline, src, self._fetch_opts()) as f:
+        with self._open(
+            entry, _Fetch(base, path, deadline, src, self._fetch_opts(), entry.cancel)
+        ) as f:
             header = ser.read_header(f.readinto)
             _check_meta(header, step, src)
             out: list[torch.Tensor | None] = [None] * len(header.specs)
@@ -595,30 +649,30 @@ class HTTPTransport(CheckpointTransport[T]):
         return ser.build(header, out), sum(s.nbytes for s in header.specs)
 
     def _recv_chunked(
-        self, base: urllib.parse.SplitResult, prefix: str, step: int, deadline: float, src: int
+        self,
+        base: urllib.parse.SplitResult,
+        prefix: str,
+        step: int,
+        deadline: float,
+        src: int,
+        entry: _Receiving,
     ) -> tuple[Any, int]:
-        with _Fetch(
-            base,
-            f"{prefix}/{step}/header?wait={_wait_param(deadline)}",
-            deadline,
-            src,
-            self._fetch_opts(),
+        cancel, fetches = entry.cancel, entry.fetches
+        header_path = f"{prefix}/{step}/header?wait={_wait_param(deadline)}"
+        with self._open(
+            entry, _Fetch(base, header_path, deadline, src, self._fetch_opts(), cancel)
         ) as f:
             header = ser.read_header(f.readinto)
             f.expect_eof()
         gen = _check_meta(header, step, src)
         out: list[torch.Tensor | None] = [None] * len(header.specs)
         ranges = ser.split_ranges(header.specs, self._num_chunks)
-        cancel = threading.Event()
-        fetches: list[_Fetch] = []
-        fetch_lock = threading.Lock()
 
         def fetch(start: int, end: int) -> None:
             path = f"{prefix}/{step}/range/{start}/{end}?gen={gen}"
-            fetch = _Fetch(base, path, deadline, src, self._fetch_opts(), cancel)
-            with fetch_lock:
-                fetches.append(fetch)
-            with fetch:
+            with self._open(
+                entry, _Fetch(base, path, deadline, src, self._fetch_opts(), cancel)
+            ) as fetch:
                 ser.read_range(fetch.readinto, header, start, end, out, check=fetch.check)
                 fetch.expect_eof()
 
@@ -636,9 +690,10 @@ class HTTPTransport(CheckpointTransport[T]):
                 failed = [f for f in done if f.exception() is not None]
                 if failed or pending:
                     cancel.set()
-                    with fetch_lock:
-                        for fe in fetches:
-                            fe.abort()
+                    with self._recv_lock:
+                        opened = list(fetches)
+                    for fe in opened:
+                        fe.abort()
                     if failed:
                         raise failed[0].exception()  # type: ignore[misc]
                     raise TimeoutError(f"checkpoint transfer from replica {src} timed out")
@@ -758,6 +813,8 @@ class _Fetch:
         try:
             conn.connect()
             self._sock = conn.sock
+            if self._cancel is not None and self._cancel.is_set():
+                raise _Aborted("cancelled")
             conn.putrequest("GET", self._path)
             for name, value in self._opts.headers.items():
                 conn.putheader(name, value)

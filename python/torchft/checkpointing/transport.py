@@ -82,6 +82,14 @@ class CheckpointTransport(Generic[T], ABC):
             RuntimeError: wrong step, refused request or corrupted data.
         """
 
+    def abort_recv(self) -> None:
+        """Makes a :meth:`recv_checkpoint` in progress fail promptly.
+
+        Called from another thread when the source was declared lost: its state will never
+        arrive, and the next quorum needs this rank now. A transport without a way to break
+        a transfer leaves this as a no-op (the transfer then ends at its timeout).
+        """
+
     def shutdown(self, wait: bool = True) -> None:
         """Releases the transport's resources (servers, threads).
 

@@ -4,12 +4,19 @@
 reconfigurable group (given none): ``configure`` connects to the store prefix of the new
 quorum and builds a fresh torch group with ``_create_pg``, releasing the old one on a helper
 thread so a backend stuck with a dead peer never blocks reconfiguration.
+
+The blocking part of ``configure`` (store connect and the backend's rendezvous, which waits for
+every rank of the new group) runs on a helper thread, and ``abort`` ends it at once: when a
+member of the quorum being configured is declared lost the rendezvous can never complete, so
+the caller gets an error now instead of at the store or backend timeout. A build that finishes
+after its configure was abandoned is released, never installed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -40,6 +47,30 @@ if TYPE_CHECKING:
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+class _PendingBuild:
+    """One ``configure`` whose store connect and rendezvous run on a helper thread.
+
+    Whoever learns last that the build is not wanted releases it: the helper thread when it
+    finishes after ``cancel``, the waiting ``configure`` when ``cancel`` came after the
+    finish. ``wake`` fires on either.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.cancelled: str | None = None
+        self.finished = False
+        self.pg: BaseProcessGroup | None = None
+        self.store: Store | None = None
+        self.error: BaseException | None = None
+
+    def cancel(self, why: str) -> None:
+        with self.lock:
+            if self.cancelled is None:
+                self.cancelled = why
+        self.wake.set()
+
+
 class ProcessGroupWrapper(ProcessGroup):
     """Forwards every call to a wrapped group, or to one it builds itself.
 
@@ -68,6 +99,11 @@ class ProcessGroupWrapper(ProcessGroup):
         self._error: Exception | None = None
         self._replica_id: str | None = None
         self._inflight = _InFlight()
+        # Helper threads still releasing aborted groups: shutdown waits for them, since a
+        # backend torn down by the interpreter's exit mid-release ends the process.
+        self._releasing: list[threading.Thread] = []
+        # The configure in progress (its rendezvous may be abandoned by abort()).
+        self._pending: _PendingBuild | None = None
 
     @property
     def parent(self) -> BaseProcessGroup | None:
@@ -92,30 +128,72 @@ class ProcessGroupWrapper(ProcessGroup):
                 self._rank = rank
                 self._world_size = world_size
             return
-        store = create_store_client(store_addr, timeout=self._timeout)
-        self._configure_store(store, rank, world_size, replica_id)
+        self._build(
+            lambda: create_store_client(store_addr, timeout=self._timeout),
+            rank,
+            world_size,
+            replica_id,
+        )
 
     def _configure_store(
         self, store: Store, rank: int, world_size: int, replica_id: str | None = None
     ) -> None:
         """Builds a new group on an already scoped store (also used by backend factories)."""
         _check_rank(rank, world_size)
+        self._build(lambda: store, rank, world_size, replica_id)
+
+    def _build(self, connect: Any, rank: int, world_size: int, replica_id: str | None) -> None:
+        """Replaces the group with one built on the store ``connect()`` returns.
+
+        Raises:
+            RuntimeError: ``abort`` was called meanwhile (a member of the new group is gone).
+            Exception: the store connect or the backend failed (recorded as the group's error).
+        """
         # Operations of the previous configuration fail (and are recorded) first; the new
         # configuration then starts without an error.
         self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
+        pending = _PendingBuild()
         with self._lock:
             old = self._pg
             self._pg = None
             self._error = None
+            previous = self._pending
+            self._pending = pending
+        if previous is not None:
+            previous.cancel("superseded by a newer configure")
         if old is not None:
             box = [old]
             del old
             self._teardown(box)
-        try:
-            pg = self._create_pg(store, rank, world_size)
-        except Exception as e:
-            self._record_error(e)
-            raise
+        thread = threading.Thread(
+            target=self._run_build,
+            args=(pending, connect, rank, world_size),
+            name="torchft_pg_configure",
+            daemon=True,
+        )
+        thread.start()
+        # The store connect and the rendezvous are bounded by the timeout; this is a backstop.
+        if not pending.wake.wait(2 * self._timeout.total_seconds() + 5.0):
+            pending.cancel(f"configure did not finish within {2 * self._timeout}")
+        with pending.lock:
+            why = pending.cancelled
+            pg, store, error = pending.pg, pending.store, pending.error
+            pending.pg = None
+        with self._lock:
+            if self._pending is pending:
+                self._pending = None
+        if why is not None:
+            if pg is not None:
+                self._teardown([pg])
+            del pg
+            err = RuntimeError(f"{type(self).__name__} configure aborted: {why}")
+            self._record_error(err)
+            raise err
+        if error is not None:
+            if isinstance(error, Exception):
+                self._record_error(error)
+            raise error
+        assert pg is not None and store is not None
         with self._lock:
             self._pg = pg
             self._rank = rank
@@ -129,6 +207,26 @@ class ProcessGroupWrapper(ProcessGroup):
             rank,
             world_size,
         )
+
+    def _run_build(self, pending: _PendingBuild, connect: Any, rank: int, world_size: int) -> None:
+        """The helper thread of ``_build``: connect, rendezvous, hand over (or release)."""
+        pg: BaseProcessGroup | None = None
+        store: Store | None = None
+        error: BaseException | None = None
+        try:
+            store = connect()
+            pg = self._create_pg(store, rank, world_size)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting configure
+            error = e
+        with pending.lock:
+            pending.finished = True
+            orphan = pending.cancelled is not None
+            if not orphan:
+                pending.pg, pending.store, pending.error = pg, store, error
+        pending.wake.set()
+        if orphan and pg is not None:
+            # The configure gave up on this build: release it, never install it.
+            self._teardown([pg])
 
     def _teardown(self, box: list[BaseProcessGroup], wait: float = 0.0) -> None:
         """Aborts and releases an old group on a helper thread.
@@ -144,14 +242,23 @@ class ProcessGroupWrapper(ProcessGroup):
         thread = threading.Thread(
             target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=True
         )
+        with self._lock:
+            self._releasing = [t for t in self._releasing if t.is_alive()]
+            self._releasing.append(thread)
         thread.start()
         if wait > 0:
             thread.join(wait)
 
     def abort(self) -> None:
-        """Aborts the current group; it must be reconfigured before further use."""
+        """Aborts the current group; it must be reconfigured before further use.
+
+        A ``configure`` in progress raises at once (its rendezvous is abandoned).
+        """
         with self._lock:
             pg = self._pg
+            pending = self._pending
+        if pending is not None:
+            pending.cancel("the group was aborted (a member of the new quorum is gone)")
         if pg is None:
             return
         if self._wrapped:
@@ -169,20 +276,27 @@ class ProcessGroupWrapper(ProcessGroup):
         self._teardown(box)
 
     def shutdown(self) -> None:
-        """Releases the current group."""
+        """Releases the current group (and abandons a configure in progress); waits (up to
+        5 s) for groups aborted earlier to finish their release."""
         with self._lock:
             pg = self._pg
+            pending = self._pending
             if not self._wrapped:
                 self._pg = None
-        if pg is None:
-            return
-        if self._wrapped:
+        if pending is not None:
+            pending.cancel("the group was shut down")
+        if pg is not None and self._wrapped:
             pg.shutdown()
-            return
-        self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
-        box = [pg]
-        del pg
-        self._teardown(box, wait=5.0)
+        elif pg is not None:
+            self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was shut down"))
+            box = [pg]
+            del pg
+            self._teardown(box, wait=5.0)
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            releasing, self._releasing = self._releasing, []
+        for t in releasing:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def errored(self) -> Exception | None:
         """The first error seen since the last ``configure`` (or the wrapped group's)."""

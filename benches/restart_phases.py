@@ -1,0 +1,135 @@
+"""Where the time of a restarted replica group goes, next to the import floor (same run).
+
+A long-running group trains under an in-process lighthouse. A fresh group process is then
+started R times (each one like a restart after a kill) and timestamps its phases: interpreter
+start + ``import torch``/``torchft``, ``Manager`` construction, first quorum (including the
+heal from the running group), first commit. The import floor is a bare
+``python -c "import torch"`` measured in the same run. (The Manager row includes building the model, DDP and optimizer.) Prints medians and the overhead over
+the floor (target: process start → first commit ≤ floor + 0.5 s).
+
+Usage: ``python benches/restart_phases.py [--runs R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = "TORCHFT_BENCH_RESTART_CHILD"
+
+
+def child() -> None:
+    """One restarted group: reports the wall time of each phase as JSON on stdout."""
+    t = {"exec": float(os.environ["TORCHFT_BENCH_T0"])}
+    from datetime import timedelta
+
+    import torch
+    from torch import nn
+
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    t["imported"] = time.time()
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        timeout=timedelta(seconds=10),
+        replica_id=os.environ["BENCH_GROUP"],
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    t["manager"] = time.time()
+    stop = os.environ.get("BENCH_STOP_AFTER_COMMIT") == "1"
+    while True:
+        optim.zero_grad()
+        manager.wait_quorum() if "quorum" in t else None
+        loss = ddp(torch.randn(8, 16)).sum()
+        loss.backward()
+        t.setdefault("quorum", time.time())
+        if optim.step() is not False and manager.current_step() > 0 and "commit" not in t:
+            if manager.errored() is None:
+                t["commit"] = time.time()
+                print(json.dumps(t), flush=True)
+                if stop:
+                    break
+        time.sleep(0.02)
+    manager.shutdown(wait=False)
+
+
+def spawn(group: str, store_port: int, lighthouse: str, stop: bool) -> subprocess.Popen[str]:
+    env = dict(
+        os.environ,
+        **{CHILD: "1"},
+        RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        TORCHFT_LIGHTHOUSE=lighthouse,
+        OMP_NUM_THREADS="1",
+        BENCH_GROUP=group,
+        BENCH_STOP_AFTER_COMMIT="1" if stop else "0",
+        TORCHFT_BENCH_T0=repr(time.time()),
+    )
+    return subprocess.Popen([sys.executable, __file__], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def main() -> int:
+    """Runs the measurement and prints the table; exit 0 (a report, not a gate)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=5)
+    args = p.parse_args()
+    from torch.distributed import TCPStore
+
+    from torchft._torchft import LighthouseServer
+
+    lh = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    runner = spawn("steady", stores[0].port, lh.address(), stop=False)
+    try:
+        assert runner.stdout is not None
+        runner.stdout.readline()  # it committed: the job is running
+        floors, phases = [], []
+        for _ in range(args.runs):
+            t0 = time.time()
+            subprocess.run([sys.executable, "-c", "import torch"], check=True)
+            floors.append(time.time() - t0)
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            c = spawn("restarted", store.port, lh.address(), stop=True)
+            out, _ = c.communicate(timeout=120)
+            phases.append(json.loads(out.strip().splitlines()[-1]))
+        med = statistics.median
+        floor = med(floors)
+        rows = {
+            "interpreter + imports": med(ph["imported"] - ph["exec"] for ph in phases),
+            "Manager + model setup": med(ph["manager"] - ph["imported"] for ph in phases),
+            "first quorum + heal": med(ph["quorum"] - ph["manager"] for ph in phases),
+            "first commit": med(ph["commit"] - ph["quorum"] for ph in phases),
+        }
+        total = med(ph["commit"] - ph["exec"] for ph in phases)
+        print(f"restart phases, median of {args.runs} restarts (load {os.getloadavg()[0]:.1f})")
+        print(f"  import floor (python -c 'import torch'): {floor:.3f}s")
+        for k, v in rows.items():
+            print(f"  {k:<24} {v:.3f}s")
+        print(f"  process start -> first commit: {total:.3f}s = floor + {total - floor:.3f}s")
+    finally:
+        runner.kill()
+        runner.wait()
+        lh.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get(CHILD):
+        child()
+    else:
+        sys.exit(main())

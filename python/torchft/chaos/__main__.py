@@ -1,0 +1,100 @@
+"""``python -m torchft.chaos``: one chaos run; prints the report, exits 1 on violations."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from torchft.chaos.harness import FAULT_KINDS, Chaos, ChaosConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses the flags, runs, prints the report; 0 when no invariant was violated."""
+    p = argparse.ArgumentParser(prog="python -m torchft.chaos", description=__doc__)
+    p.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
+    p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--faults", type=int, default=200)
+    p.add_argument("--mtbf", type=float, default=1.5, help="mean seconds between faults")
+    p.add_argument("--restart-delay", type=float, default=0.5)
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+    p.add_argument("--progress-wait-ms", type=int, default=30000)
+    p.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        metavar="KIND=W",
+        help=f"fault kind weight (kinds: {', '.join(FAULT_KINDS)})",
+    )
+    p.add_argument(
+        "--lighthouse-bin",
+        default=None,
+        help="the torchft_lighthouse binary to run (default: found on PATH)",
+    )
+    p.add_argument(
+        "--no-restart-while-stopped",
+        dest="restart_while_stopped",
+        action="store_false",
+        help="do not restart the lighthouse while a group is stopped",
+    )
+    p.add_argument(
+        "--check",
+        default=None,
+        metavar="RUN_DIR",
+        help="only re-check the history of an earlier run (no processes are started)",
+    )
+    p.add_argument("--out", default=None, help="run directory (default: a new temp dir)")
+    args = p.parse_args(argv)
+    if args.check:
+        return _recheck(Path(args.check))
+    weights = dict(FAULT_KINDS)
+    for w in args.weight:
+        kind, _, value = w.partition("=")
+        try:
+            weights[kind] = float(value)
+        except ValueError:
+            p.error(f"--weight wants KIND=NUMBER, got {w!r}")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"torchft-chaos-{seed}-"))
+    try:
+        cfg = ChaosConfig(
+            seed=seed,
+            groups=args.groups,
+            faults=args.faults,
+            mtbf=args.mtbf,
+            restart_delay=args.restart_delay,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            progress_wait_ms=args.progress_wait_ms,
+            weights=weights,
+            lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
+            restart_while_stopped=args.restart_while_stopped,
+        )
+        cfg.validate()
+    except ValueError as e:
+        p.error(str(e))
+    report = Chaos(cfg, out).run()
+    print(f"==== chaos report (seed {seed}; rerun: python -m torchft.chaos --seed {seed}) ====")
+    print(report.text())
+    print(f"run dir: {out}")
+    print("RESULT: " + ("OK" if not report.violations else "VIOLATIONS"))
+    return 0 if not report.violations else 1
+
+
+def _recheck(run: Path) -> int:
+    """Runs the offline checker on the files of an earlier run."""
+    from torchft.chaos.history import check, read_jsonl
+
+    if not (run / "processes.jsonl").exists():
+        print(f"{run} is not a chaos run directory (no processes.jsonl)", file=sys.stderr)
+        return 2
+    groups = sorted({r["group"] for r in read_jsonl(run / "processes.jsonl")})
+    report = check(run, int((run / "target").read_text()), 1, groups)
+    print(report.text())
+    print("RESULT: " + ("OK" if not report.violations else "VIOLATIONS"))
+    return 0 if not report.violations else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

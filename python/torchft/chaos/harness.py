@@ -1,0 +1,495 @@
+"""Runs replica groups under a lighthouse daemon and injects random compound faults.
+
+The supervisor starts the ``torchft_lighthouse`` daemon and N one-rank replica groups
+(:mod:`torchft.chaos.worker`, each with its own TCPStore hosted here, as torchrun's agent
+would), restarts every group that is killed after ``restart_delay``, and records each
+process's start and exit. The injector draws faults with an exponential time between them
+(``mtbf``) and weighted kinds (:data:`FAULT_KINDS`), records each one, then applies it. After
+the last fault every group is resumed and trains to a common target; the offline checker
+(:mod:`torchft.chaos.history`) then judges the recorded history.
+
+A run is reproducible from its seed: the seed fixes the fault kinds, targets and times
+(the processes' own timing still varies with the machine's load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from torch.distributed import TCPStore
+
+from torchft.chaos.history import Report, check, read_jsonl
+from torchft.launch import _ADDRESS_RE, _find_lighthouse_cmd
+
+#: Fault kinds and their default weights. Each kind is a method ``_fault_<kind>`` of
+#: :class:`Chaos` returning the groups it hit, or None when it does not apply right now
+#: (another kind is drawn). New kinds only need a method and a weight.
+FAULT_KINDS: dict[str, float] = {
+    "kill_one": 3.0,
+    "kill_two": 1.0,
+    "stop": 2.0,
+    "kill_healing": 1.0,
+    "kill_heal_source": 1.0,
+    "kill_in_commit": 1.5,
+    "kill_lighthouse": 0.5,
+}
+
+
+@dataclass
+class ChaosConfig:
+    """What a chaos run does."""
+
+    seed: int
+    groups: int = 3
+    faults: int = 200
+    mtbf: float = 1.5
+    restart_delay: float = 0.5
+    heartbeat_timeout_ms: int = 2000
+    progress_wait_ms: int = 30000
+    join_timeout_ms: int = 1000
+    min_replicas: int = 1
+    stop_range: tuple[float, float] = (1.0, 8.0)
+    weights: dict[str, float] = field(default_factory=lambda: dict(FAULT_KINDS))
+    finish_steps: int = 20
+    timeout: float = 1800.0
+    #: The daemon command (default: the ``torchft_lighthouse`` found like the launcher does;
+    #: the Rust binary restarts in milliseconds, the Python console script in seconds).
+    lighthouse_cmd: list[str] | None = None
+    #: Also restart the lighthouse while a group is stopped (the lighthouse keeps its
+    #: state file in the run directory, so the restarted one knows the progress of a group
+    #: that is silent through its whole startup hold). Off: such restarts are skipped.
+    restart_while_stopped: bool = True
+
+    def validate(self) -> None:
+        """Raises ValueError on settings that cannot make a meaningful run."""
+        if self.groups < 2:
+            raise ValueError(f"groups must be at least 2, got {self.groups}")
+        if self.faults < 0 or self.mtbf <= 0 or self.restart_delay < 0:
+            raise ValueError("faults must be >= 0, mtbf > 0, restart_delay >= 0")
+        unknown = set(self.weights) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {list(FAULT_KINDS)}")
+        if not any(w > 0 for w in self.weights.values()):
+            raise ValueError("at least one fault kind needs a positive weight")
+
+
+@dataclass
+class _Proc:
+    group: str
+    proc: subprocess.Popen[bytes]
+    store: TCPStore
+    phase: Path
+    started: float
+    killed: bool = False
+
+
+class Chaos:
+    """One chaos run in ``run_dir`` (see the module documentation)."""
+
+    def __init__(self, cfg: ChaosConfig, run_dir: Path, log: Callable[[str], None] = print):
+        cfg.validate()
+        self.cfg = cfg
+        self.dir = run_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(cfg.seed)
+        self.log = log
+        self.names = [f"g{i}" for i in range(cfg.groups)]
+        self.procs: dict[str, _Proc] = {}
+        self.stopped: set[str] = set()
+        self.lock = threading.RLock()
+        self.closing = False
+        self.target_file = self.dir / "target"
+        self._records: IO[str] = open(self.dir / "processes.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._faults: IO[str] = open(self.dir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.lighthouse: subprocess.Popen[str] | None = None
+        self.address = ""
+        self._restarts: list[threading.Timer] = []
+
+    # ---- processes ---------------------------------------------------------------------
+
+    def _record(self, f: IO[str], rec: dict[str, Any]) -> None:
+        rec.setdefault("t", time.time())
+        f.write(json.dumps(rec) + "\n")
+
+    def _start_lighthouse(self, bind: str) -> None:
+        cmd = (self.cfg.lighthouse_cmd or _find_lighthouse_cmd()) + [
+            "--min_replicas",
+            str(self.cfg.min_replicas),
+            "--bind",
+            bind,
+            "--join_timeout_ms",
+            str(self.cfg.join_timeout_ms),
+            "--heartbeat_timeout_ms",
+            str(self.cfg.heartbeat_timeout_ms),
+            "--progress_wait_ms",
+            str(self.cfg.progress_wait_ms),
+            "--quorum_tick_ms",
+            "50",
+            "--event_log",
+            str(self.dir / "events.jsonl"),
+            "--state_file",
+            str(self.dir / "lighthouse.state"),
+        ]
+        log = open(self.dir / "lighthouse.log", "a")  # noqa: SIM115 - owned by the thread
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stderr:
+            log.write(line)
+            m = _ADDRESS_RE.search(line)
+            if m:
+                self.address = m.group(1)
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.address or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"lighthouse did not start; see {self.dir / 'lighthouse.log'}")
+
+        def drain() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                log.write(line)
+            log.close()
+
+        threading.Thread(target=drain, name="chaos-lighthouse-log", daemon=True).start()
+        self.lighthouse = proc
+
+    def _start_group(self, group: str) -> None:
+        with self.lock:
+            running = self.procs.get(group)
+            if self.closing or (running is not None and running.proc.poll() is None):
+                return  # closing, or already restarted (a timer and the final phase race)
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            n = sum(1 for p in self.dir.glob(f"{group}.*.history.jsonl"))
+            tag = f"{group}.{n}"
+            phase = self.dir / f"{tag}.phase"
+            inherited = dict(os.environ)
+            env = dict(
+                inherited,
+                RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.port),
+                TORCHFT_LIGHTHOUSE=self.address,
+                OMP_NUM_THREADS="1",
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "torchft.chaos.worker",
+                "--group",
+                group,
+                "--history",
+                str(self.dir / f"{tag}.history.jsonl"),
+                "--phase",
+                str(phase),
+                "--target-file",
+                str(self.target_file),
+                "--min-replicas",
+                str(self.cfg.min_replicas),
+            ]
+            (self.dir / f"{tag}.history.jsonl").touch()
+            with open(self.dir / f"{tag}.log", "wb") as out:
+                proc = subprocess.Popen(
+                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            self.procs[group] = _Proc(group, proc, store, phase, time.time())
+            self._record(self._records, {"kind": "start", "group": group, "pid": proc.pid})
+
+    def _reap(self) -> None:
+        """Records exits; schedules the restart of killed groups."""
+        with self.lock:
+            for group, p in list(self.procs.items()):
+                rc = p.proc.poll()
+                if rc is None:
+                    continue
+                del self.procs[group]
+                self.stopped.discard(group)
+                self._record(
+                    self._records,
+                    {
+                        "kind": "exit",
+                        "group": group,
+                        "pid": p.proc.pid,
+                        "rc": rc,
+                        "killed": p.killed,
+                    },
+                )
+                if p.killed and not self.closing:
+                    timer = threading.Timer(self.cfg.restart_delay, self._start_group, [group])
+                    timer.daemon = True
+                    timer.start()
+                    self._restarts.append(timer)
+                elif rc != 0:
+                    self.log(f"{group} (pid {p.proc.pid}) exited with {rc}; see its log")
+
+    def _kill(self, group: str) -> None:
+        p = self.procs.get(group)
+        if p is None:
+            return
+        p.killed = True
+        try:
+            os.killpg(p.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    # ---- faults ------------------------------------------------------------------------
+
+    def _running(self) -> list[str]:
+        # A group killed a moment ago may not be reaped yet: it is not running.
+        return sorted(g for g, p in self.procs.items() if g not in self.stopped and not p.killed)
+
+    def _committed(self, group: str) -> bool:
+        p = self.procs.get(group)
+        if p is None:
+            return False
+        n = self.dir / f"{group}.{self._incarnation(group)}.history.jsonl"
+        return n.exists() and n.stat().st_size > 0
+
+    def _incarnation(self, group: str) -> int:
+        return sum(1 for _ in self.dir.glob(f"{group}.*.history.jsonl")) - 1
+
+    def _fault(self, kind: str, groups: list[str], **detail: Any) -> None:
+        self._record(self._faults, {"kind": "fault", "fault": kind, "groups": groups, **detail})
+
+    def _spares(self, victims: list[str]) -> bool:
+        """True if, without ``victims``, a running group that committed in its current
+        incarnation remains (the injector never kills the last holder of the progress:
+        that regression would be unavoidable, not a finding)."""
+        return any(self._committed(g) for g in self._running() if g not in victims)
+
+    def _fault_kill_one(self) -> list[str] | None:
+        running = self._running()
+        if len(running) < 2:
+            return None
+        g = self.rng.choice(running)
+        if not self._spares([g]):
+            return None
+        self._fault("kill_one", [g])
+        self._kill(g)
+        return [g]
+
+    def _fault_kill_two(self) -> list[str] | None:
+        running = self._running()
+        if len(running) < 3:
+            return None
+        gs = self.rng.sample(running, 2)
+        if not self._spares(gs):
+            return None
+        self._fault("kill_two", gs)
+        for g in gs:
+            self._kill(g)
+        return gs
+
+    def _fault_stop(self) -> list[str] | None:
+        running = self._running()
+        if len(running) < 2:
+            return None
+        g = self.rng.choice(running)
+        secs = self.rng.uniform(*self.cfg.stop_range)
+        p = self.procs[g]
+        self._fault("stop", [g], seconds=round(secs, 2))
+        self.stopped.add(g)
+        os.killpg(p.proc.pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            with self.lock:
+                self.stopped.discard(g)
+                if self.procs.get(g) is p:
+                    try:
+                        os.killpg(p.proc.pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+
+        timer = threading.Timer(secs, resume)
+        timer.daemon = True
+        timer.start()
+        self._restarts.append(timer)
+        return [g]
+
+    def _healing(self) -> list[str]:
+        """Running groups that started recently and have not committed yet (joining/healing)."""
+        now = time.time()
+        return [
+            g
+            for g in self._running()
+            if not self._committed(g) and now - self.procs[g].started < 10
+        ]
+
+    def _fault_kill_healing(self) -> list[str] | None:
+        healing = self._healing()
+        if not healing or len(self._running()) < 2:
+            return None
+        g = self.rng.choice(healing)
+        if not self._spares([g]):
+            return None
+        self._fault("kill_healing", [g])
+        self._kill(g)
+        return [g]
+
+    def _fault_kill_heal_source(self) -> list[str] | None:
+        if not self._healing():
+            return None
+        sources = [g for g in self._running() if self._committed(g)]
+        if len(sources) < 1 or len(self._running()) < 2:
+            return None
+        g = self.rng.choice(sources)
+        if not self._spares([g]):
+            return None
+        self._fault("kill_heal_source", [g])
+        self._kill(g)
+        return [g]
+
+    def _fault_kill_in_commit(self) -> list[str] | None:
+        running = [g for g in self._running() if self._committed(g)]
+        if len(running) < 1 or len(self._running()) < 2:
+            return None
+        g = self.rng.choice(running)
+        if not self._spares([g]):
+            return None
+        p = self.procs[g]
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                if p.phase.read_bytes()[:1] == b"c":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.001)
+        self._fault("kill_in_commit", [g])
+        self._kill(g)
+        return [g]
+
+    def _fault_kill_lighthouse(self) -> list[str] | None:
+        assert self.lighthouse is not None
+        if self.stopped and not self.cfg.restart_while_stopped:
+            return None
+        port = self.address.rsplit(":", 1)[1]
+        down = self.rng.uniform(0.2, 1.5)
+        self._fault("kill_lighthouse", [], down_s=round(down, 2))
+        self.lighthouse.kill()
+        self.lighthouse.wait()
+        time.sleep(down)
+        self.address = ""
+        self._start_lighthouse(f"127.0.0.1:{port}")
+        return []
+
+    # ---- the run -----------------------------------------------------------------------
+
+    def run(self) -> Report:
+        """Runs the whole chaos run and returns the checker's report."""
+        cfg = self.cfg
+        t0 = time.monotonic()
+        self.log(
+            f"chaos seed {cfg.seed}: {cfg.groups} groups, {cfg.faults} faults, mtbf "
+            f"{cfg.mtbf}s, run dir {self.dir}"
+        )
+        kinds = [k for k, w in cfg.weights.items() if w > 0]
+        weights = [cfg.weights[k] for k in kinds]
+        try:
+            self._start_lighthouse("127.0.0.1:0")
+            for g in self.names:
+                self._start_group(g)
+            self._wait(lambda: all(self._committed(g) for g in self.names), 120, "first commits")
+            done = 0
+            while done < cfg.faults:
+                pause = self.rng.expovariate(1.0 / cfg.mtbf)
+                self._sleep_reaping(pause)
+                for _ in range(10):
+                    kind = self.rng.choices(kinds, weights)[0]
+                    with self.lock:
+                        hit = getattr(self, f"_fault_{kind}")()
+                    if hit is not None:
+                        done += 1
+                        break
+                if time.monotonic() - t0 > cfg.timeout:
+                    raise TimeoutError(f"chaos run exceeded {cfg.timeout}s")
+                if done and done % 25 == 0:
+                    self.log(f"[{time.monotonic() - t0:6.1f}s] {done} faults")
+            # Resume and let every group catch up, then train to a common target.
+            with self.lock:
+                for timer in self._restarts:
+                    timer.cancel()
+                for g in list(self.stopped):
+                    os.killpg(self.procs[g].proc.pid, signal.SIGCONT)
+                self.stopped.clear()
+            self._sleep_reaping(0.1)
+            for g in self.names:
+                if g not in self.procs:
+                    self._start_group(g)
+            self._wait(lambda: all(self._committed(g) for g in self.names), 180, "recovery")
+            best = max(self._steps())
+            target = best + cfg.finish_steps
+            self.target_file.write_text(str(target))
+            self._wait(lambda: not self.procs, 300, "every group to finish")
+            self.log(f"[{time.monotonic() - t0:6.1f}s] all groups finished at step {target}")
+        finally:
+            self.close()
+        return check(self.dir, target, cfg.min_replicas, self.names)
+
+    def _steps(self) -> list[int]:
+        steps = [0]
+        for p in self.dir.glob("*.history.jsonl"):
+            recs = read_jsonl(p)
+            steps += [r["step"] for r in recs if r["kind"] == "commit"]
+        return steps
+
+    def _sleep_reaping(self, secs: float) -> None:
+        end = time.monotonic() + secs
+        while True:
+            self._reap()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+    def _wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                raise TimeoutError(f"chaos run: timed out waiting for {what}")
+            self._sleep_reaping(0.1)
+
+    def close(self) -> None:
+        """Ends every process this run started (and records the exits)."""
+        with self.lock:
+            self.closing = True
+            for timer in self._restarts:
+                timer.cancel()
+            for p in self.procs.values():
+                if p.proc.poll() is None:
+                    p.killed = True
+                    try:
+                        os.killpg(p.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        for p in list(self.procs.values()):
+            p.proc.wait(timeout=30)
+        self._reap()
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            self.lighthouse.terminate()
+            try:
+                self.lighthouse.wait(10)
+            except subprocess.TimeoutExpired:
+                self.lighthouse.kill()
+                self.lighthouse.wait()
+        self._records.close()
+        self._faults.close()
