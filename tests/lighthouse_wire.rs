@@ -433,6 +433,17 @@ impl Drop for TempDir {
     }
 }
 
+/// Heartbeats for `replica_id` every 100 ms, as a manager does, until aborted.
+fn heartbeats(c: &LighthouseClient, replica_id: &'static str) -> tokio::task::JoinHandle<()> {
+    let c = c.clone();
+    tokio::spawn(async move {
+        loop {
+            let _ = c.heartbeat(replica_id, TEST_TIMEOUT).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
     bounded(async {
@@ -445,9 +456,11 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
             ..opts(1, 0)
         };
         let (server, c) = start(o.clone()).await;
+        // a heartbeats throughout, as a manager does: the quorum waits out the startup hold
+        // (one heartbeat timeout), and a member silent that long is declared lost.
+        let beats = heartbeats(&c, "a");
         // Past the startup hold (1 s), a alone at step 3.
         let q = ask(&c, member("a"), 5_000).await.unwrap();
-        c.heartbeat("a", TEST_TIMEOUT).await.unwrap();
         assert_eq!(
             c.commit("a", q.quorum_id, 4, TEST_TIMEOUT).await.unwrap(),
             None
@@ -473,11 +486,13 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
         assert_eq!(saved["quorum_id"], q.quorum_id);
         assert_eq!(saved["best_step"], 4);
         assert_eq!(saved["holders"], serde_json::json!(["a"]));
+        beats.abort();
         server.shutdown().await;
 
         // Restarted with the same file while a is silent: b at step 3 waits for a (the
         // remembered holder of step 4) beyond the startup hold ...
         let (server, c) = start(o.clone()).await;
+        let b_beats = heartbeats(&c, "b");
         let err = ask(
             &c,
             QuorumMember {
@@ -494,7 +509,8 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
             c.commit("a", q.quorum_id, 5, TEST_TIMEOUT).await.unwrap(),
             None
         );
-        // ... and once a asks at step 5, both go on from there.
+        // ... and once a is back and asks at step 5, both go on from there.
+        let a_beats = heartbeats(&c, "a");
         let (qa, qb) = tokio::join!(
             ask(
                 &c,
@@ -523,6 +539,8 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
             .await
             .unwrap()
             .is_some());
+        a_beats.abort();
+        b_beats.abort();
         server.shutdown().await;
 
         // A state file that is not one is refused at start, with the path in the message.

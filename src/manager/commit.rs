@@ -18,7 +18,9 @@
 //! - [`CommitBarrier::vote_gated`]: a "yes" round only stands if its gate (the write-ahead
 //!   commit announcement to the lighthouse) says so. The gate runs once per round, started by
 //!   the rank that completes it, in a task of its own (a cancelled caller cannot leave the
-//!   others waiting); every rank gets the gated decision.
+//!   others waiting); every rank gets the gated decision. The gate's budget runs to the
+//!   earliest deadline among the round's voters (less a tenth, for the answer to travel),
+//!   so a rank that voted long before the last one is still answered in time.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -26,6 +28,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
@@ -54,6 +57,8 @@ struct Round {
 struct Voter {
     vote: bool,
     ticket: u64,
+    /// When this voter stops waiting.
+    deadline: Instant,
     tx: oneshot::Sender<Result<bool>>,
 }
 
@@ -115,14 +120,15 @@ impl CommitBarrier {
             step,
             vote,
             timeout,
-            None::<fn(i64) -> std::future::Ready<bool>>,
+            None::<fn(i64, Duration) -> std::future::Ready<bool>>,
         )
         .await
     }
 
-    /// Like [`CommitBarrier::vote`], but a "yes" decision only stands if `gate(step)`
-    /// resolves to true (the gate must bound its own time). The rank completing the round runs the gate (once, in its own task);
-    /// every rank of the round gets the gated decision.
+    /// Like [`CommitBarrier::vote`], but a "yes" decision only stands if `gate(step, budget)`
+    /// resolves to true; the gate must answer within `budget` (the time left before the
+    /// round's earliest voter stops waiting, less a margin). The rank completing the round
+    /// runs the gate (once, in its own task); every rank of the round gets the gated decision.
     pub async fn vote_gated<G, F>(
         &self,
         group_rank: i64,
@@ -132,7 +138,7 @@ impl CommitBarrier {
         gate: G,
     ) -> Result<bool>
     where
-        G: FnOnce(i64) -> F,
+        G: FnOnce(i64, Duration) -> F,
         F: Future<Output = bool> + Send + 'static,
     {
         self.vote_inner(group_rank, step, vote, timeout, Some(gate))
@@ -148,7 +154,7 @@ impl CommitBarrier {
         gate: Option<G>,
     ) -> Result<bool>
     where
-        G: FnOnce(i64) -> F,
+        G: FnOnce(i64, Duration) -> F,
         F: Future<Output = bool> + Send + 'static,
     {
         if group_rank < 0 || group_rank as u64 >= self.world_size {
@@ -167,8 +173,9 @@ impl CommitBarrier {
         #[allow(clippy::type_complexity)]
         let waiting: std::result::Result<
             (u64, oneshot::Receiver<Result<bool>>),
-            (bool, Vec<oneshot::Sender<Result<bool>>>),
+            (bool, Instant, Vec<oneshot::Sender<Result<bool>>>),
         > = {
+            let deadline = Instant::now() + timeout;
             let mut state = self.lock();
             match state.aborted_step {
                 Some(aborted) if aborted == step => return Ok(false),
@@ -198,7 +205,15 @@ impl CommitBarrier {
                 voters: HashMap::new(),
             });
             let (tx, rx) = oneshot::channel();
-            if let Some(old) = round.voters.insert(group_rank, Voter { vote, ticket, tx }) {
+            if let Some(old) = round.voters.insert(
+                group_rank,
+                Voter {
+                    vote,
+                    ticket,
+                    deadline,
+                    tx,
+                },
+            ) {
                 let _ = old.tx.send(Err(Error::FailedPrecondition(format!(
                     "group rank {group_rank} voted again for step {step}; this earlier vote \
                      was replaced"
@@ -206,6 +221,12 @@ impl CommitBarrier {
             }
             if round.voters.len() as u64 == world_size {
                 let decision = round.voters.values().all(|v| v.vote);
+                let earliest = round
+                    .voters
+                    .values()
+                    .map(|v| v.deadline)
+                    .min()
+                    .unwrap_or(deadline);
                 let others: Vec<oneshot::Sender<Result<bool>>> = state
                     .round
                     .take()
@@ -218,17 +239,18 @@ impl CommitBarrier {
                             .collect()
                     })
                     .unwrap_or_default();
-                Err((decision, others))
+                Err((decision, earliest, others))
             } else {
                 Ok((ticket, rx))
             }
         };
         let (ticket, rx) = match (waiting, gate) {
             (Ok(waiting), _) => waiting,
-            (Err((true, others)), Some(gate)) => {
-                return Self::run_gate(gate(step), others).await;
+            (Err((true, earliest, others)), Some(gate)) => {
+                let left = earliest.saturating_duration_since(Instant::now());
+                return Self::run_gate(gate(step, left.mul_f64(0.9)), others).await;
             }
-            (Err((decision, others)), _) => {
+            (Err((decision, _, others)), _) => {
                 for tx in others {
                     let _ = tx.send(Ok(decision));
                 }
@@ -483,7 +505,7 @@ mod tests {
                 let b = b.clone();
                 let calls = calls.clone();
                 tokio::spawn(async move {
-                    b.vote_gated(rank, 4, true, LONG, move |step| {
+                    b.vote_gated(rank, 4, true, LONG, move |step, _| {
                         calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         async move {
                             assert_eq!(step, 4);
@@ -503,12 +525,36 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn the_gate_budget_ends_before_the_earliest_voter_stops_waiting() {
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        // Rank 0 waits at most 1 s; rank 1 completes the round 600 ms later with a long
+        // timeout: the gate gets what rank 0 has left, less the margin.
+        let r0 = spawn_vote(&b, 0, 4, true, Duration::from_secs(1));
+        settle().await;
+        tokio::time::advance(Duration::from_millis(600)).await;
+        let (budget_tx, budget_rx) = oneshot::channel();
+        let decided = b
+            .vote_gated(1, 4, true, LONG, move |_, budget| {
+                let _ = budget_tx.send(budget);
+                async { true }
+            })
+            .await
+            .unwrap();
+        assert!(decided);
+        assert!(r0.await.unwrap().unwrap(), "rank 0 was answered in time");
+        let budget = budget_rx.await.unwrap();
+        assert_eq!(budget, Duration::from_millis(360));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_no_round_never_runs_the_gate() {
         let b = Arc::new(CommitBarrier::new(2).unwrap());
         let r0 = spawn_vote(&b, 0, 4, false, LONG);
         settle().await;
         let decided = b
-            .vote_gated(1, 4, true, LONG, |_| async { panic!("gate run on a no") })
+            .vote_gated(1, 4, true, LONG, |_, _| async {
+                panic!("gate run on a no")
+            })
             .await
             .unwrap();
         assert!(!decided);
@@ -523,7 +569,7 @@ mod tests {
         let completer = {
             let b = b.clone();
             tokio::spawn(async move {
-                b.vote_gated(1, 4, true, LONG, |_| async {
+                b.vote_gated(1, 4, true, LONG, |_, _| async {
                     tokio::time::sleep(Duration::from_secs(1)).await;
                     true
                 })

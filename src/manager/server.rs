@@ -785,15 +785,12 @@ impl ManagerService for Service {
         let req = request.into_inner();
         let local = req.should_commit && self.inner.lease_held();
         let inner = self.inner.clone();
-        // The gate answers every rank of the round, some of which started waiting before
-        // this one: it keeps a quarter of the budget in hand.
-        let gate_budget = timeout.mul_f64(0.75);
         let vote = self.inner.barrier.vote_gated(
             req.group_rank,
             req.step,
             local,
             timeout,
-            move |step| async move {
+            move |step, gate_budget| async move {
                 tokio::select! {
                     ok = inner.announce_commit(step, gate_budget) => ok,
                     _ = shutting_down(inner.shutdown.clone()) => false,
