@@ -85,7 +85,9 @@ class Job:
             raise
 
     def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.event_log.read_text().splitlines() if line]
+        """The complete lines of the event log (one being written may be cut short)."""
+        text = self.event_log.read_text()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
 
     def close(self) -> None:
         self.cluster.close()
@@ -178,6 +180,14 @@ def test_sigkill_walks_lost_joining_healing_healthy_and_is_logged(job: Job) -> N
     assert reps["g1"]["counters"]["heals"] >= 1
     assert reps["g1"]["counters"]["heal_bytes"] > 0
 
+    def healed_in_log() -> bool:
+        walk = transitions(job.events(), "g1")
+        if ("healthy", "lost") not in walk:
+            return False
+        return "healthy" in [to for _, to in walk[walk.index(("healthy", "lost")) + 1 :]]
+
+    # The event log is written by its own thread: /status can be a moment ahead of it.
+    job.cluster.wait_until(healed_in_log, 30, "g1's return logged")
     events = job.events()
     assert events[0]["kind"] == "lighthouse_started"
     seqs = [e["seq"] for e in events]
