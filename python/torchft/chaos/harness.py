@@ -409,6 +409,7 @@ class Chaos:
             for g in self.names:
                 self._start_group(g)
             self._wait(lambda: all(self._committed(g) for g in self.names), 120, "first commits")
+            self._measure_floor()
             done = 0
             while done < cfg.faults:
                 pause = self.rng.expovariate(1.0 / cfg.mtbf)
@@ -444,6 +445,32 @@ class Chaos:
         finally:
             self.close()
         return check(self.dir, target, cfg.min_replicas, self.names)
+
+    def _measure_floor(self, runs: int = 3) -> None:
+        """The floors under the run's own load (groups training), for the report: median
+        over a few spawns of spawn -> ``import torch`` done, and of spawn -> ``import torch,
+        torch._dynamo`` done (what torch imports before any training step: building an
+        optimizer imports dynamo). Written to ``floor.json``."""
+        floors = {}
+        for name, modules in (("import_s", "torch"), ("torch_s", "torch, torch._dynamo")):
+            took = []
+            for _ in range(runs):
+                t0 = time.time()
+                out = subprocess.run(
+                    [sys.executable, "-c", f"import time, {modules}; print(time.time())"],
+                    check=True,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"),
+                ).stdout
+                took.append(float(out.strip().splitlines()[-1]) - t0)
+                self._reap()
+            floors[name] = sorted(took)[len(took) // 2]
+        (self.dir / "floor.json").write_text(json.dumps(floors))
+        self.log(
+            f"floors under load: import torch {floors['import_s']:.2f}s, with torch._dynamo "
+            f"{floors['torch_s']:.2f}s"
+        )
 
     def _steps(self) -> list[int]:
         steps = [0]
