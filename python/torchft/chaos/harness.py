@@ -70,13 +70,16 @@ class ChaosConfig:
     #: state file in the run directory, so the restarted one knows the progress of a group
     #: that is silent through its whole startup hold). Off: such restarts are skipped.
     restart_while_stopped: bool = True
+    #: Spawns per floor measured for the report (import torch, and with torch._dynamo);
+    #: 0 skips the measurement.
+    floor_runs: int = 3
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot make a meaningful run."""
         if self.groups < 2:
             raise ValueError(f"groups must be at least 2, got {self.groups}")
-        if self.faults < 0 or self.mtbf <= 0 or self.restart_delay < 0:
-            raise ValueError("faults must be >= 0, mtbf > 0, restart_delay >= 0")
+        if self.faults < 0 or self.mtbf <= 0 or self.restart_delay < 0 or self.floor_runs < 0:
+            raise ValueError("faults must be >= 0, mtbf > 0, restart_delay >= 0, floor_runs >= 0")
         unknown = set(self.weights) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {list(FAULT_KINDS)}")
@@ -409,7 +412,8 @@ class Chaos:
             for g in self.names:
                 self._start_group(g)
             self._wait(lambda: all(self._committed(g) for g in self.names), 120, "first commits")
-            self._measure_floor()
+            if cfg.floor_runs:
+                self._measure_floor(cfg.floor_runs)
             done = 0
             while done < cfg.faults:
                 pause = self.rng.expovariate(1.0 / cfg.mtbf)
@@ -446,7 +450,7 @@ class Chaos:
             self.close()
         return check(self.dir, target, cfg.min_replicas, self.names)
 
-    def _measure_floor(self, runs: int = 3) -> None:
+    def _measure_floor(self, runs: int) -> None:
         """The floors under the run's own load (groups training), for the report: median
         over a few spawns of spawn -> ``import torch`` done, and of spawn -> ``import torch,
         torch._dynamo`` done (what torch imports before any training step: building an
