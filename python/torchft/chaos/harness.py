@@ -456,6 +456,8 @@ class Chaos:
         torch._dynamo`` done (what torch imports before any training step: building an
         optimizer imports dynamo). Written to ``floor.json``."""
         floors = {}
+        env = dict(os.environ)  # inherited like the groups' environment
+        env["OMP_NUM_THREADS"] = "1"
         for name, modules in (("import_s", "torch"), ("torch_s", "torch, torch._dynamo")):
             took = []
             for _ in range(runs):
@@ -465,7 +467,7 @@ class Chaos:
                     check=True,
                     stdout=subprocess.PIPE,
                     text=True,
-                    env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    env=env,
                 ).stdout
                 took.append(float(out.strip().splitlines()[-1]) - t0)
                 self._reap()
