@@ -31,9 +31,10 @@
 //! `min(heartbeat_timeout, progress_wait)` after its start, so every replica that is still
 //! heartbeating has been heard — unless it continues a previous life (its durable state)
 //! and every member of the quorum it remembers asks at or above the best step it remembers:
-//! nobody outside that quorum can be ahead of it then. A quorum issued behind the best step known anyway (the holders
-//! died, or the wait ran out) is reported once through [`QuorumEngine::take_regressions`];
-//! a holder given up on at a step is not waited for again at that step.
+//! nobody outside that quorum can be ahead of it then. A quorum issued behind the best step
+//! known anyway (the holders died, or the wait ran out) is reported once through
+//! [`QuorumEngine::take_regressions`]; a holder given up on at a step is not waited for
+//! again at that step.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
