@@ -26,7 +26,7 @@ def test_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     """30 random compound faults (kills, stops, kills while healing or voting, lighthouse
     restarts) against three groups: the offline checker finds no violation and every group
     ends at the target with one state."""
-    cfg = ChaosConfig(seed=7, faults=30, mtbf=1.0, lighthouse_cmd=_lighthouse_bin())
+    cfg = ChaosConfig(seed=7, faults=30, mtbf=1.0, lighthouse_cmd=_lighthouse_bin(), floor_runs=0)
     report = Chaos(cfg, tmp_path / "run").run()
     print(report.text())
     assert sum(report.faults.values()) == 30
@@ -93,3 +93,66 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert not any("progress regressed" in v for v in rep.violations), rep.violations
     assert len(rep.regressions) == 1
+
+
+def test_report_splits_recoveries_into_phases_and_isolated_or_overlapped(tmp_path: Path) -> None:
+    """Each kill's recovery carries its own restart delay, the worker's phases and the excess
+    over the floors; a kill whose window meets another fault's is overlapped, a restart
+    killed again before it commits is counted apart, and stalls follow the same split."""
+    big = 10**6  # pids that are surely not running here
+    a0, b0, b1, c0, c1, c2 = (big + i for i in range(6))
+    commits = {
+        # a survives throughout; b is killed at 10 (isolated); c at 30, its restart again at 31.
+        "a": [
+            _commit("a", a0, s, 1, f"s{s}", t)
+            for s, t in ((1, 1.0), (2, 10.2), (3, 16.0), (4, 32.0), (5, 45.0))
+        ],
+        "b0": [_commit("b", b0, 1, 1, "s1", 1.0)],
+        "b1": [
+            {"kind": "ready", "group": "b", "pid": b1, "imported": 13.0, "t": 14.5},
+            _commit("b", b1, 3, 1, "s3", 14.8),
+        ],
+        "c0": [_commit("c", c0, 1, 1, "s1", 1.0)],
+        "c2": [_commit("c", c2, 3, 1, "s3", 40.0)],
+    }
+    for name, recs in commits.items():
+        _write(tmp_path / f"{name}.history.jsonl", recs)
+    _write(
+        tmp_path / "processes.jsonl",
+        [
+            {"kind": "start", "group": "a", "pid": a0, "t": 0.0},
+            {"kind": "start", "group": "b", "pid": b0, "t": 0.0},
+            {"kind": "start", "group": "c", "pid": c0, "t": 0.0},
+            {"kind": "exit", "group": "b", "pid": b0, "rc": -9, "killed": True, "t": 10.0},
+            {"kind": "start", "group": "b", "pid": b1, "t": 10.5},
+            {"kind": "exit", "group": "c", "pid": c0, "rc": -9, "killed": True, "t": 30.0},
+            {"kind": "start", "group": "c", "pid": c1, "t": 30.5},
+            {"kind": "exit", "group": "c", "pid": c1, "rc": -9, "killed": True, "t": 31.0},
+            {"kind": "start", "group": "c", "pid": c2, "t": 31.5},
+        ],
+    )
+    _write(
+        tmp_path / "faults.jsonl",
+        [
+            {"kind": "fault", "fault": "kill_one", "groups": ["b"], "t": 10.0},
+            {"kind": "fault", "fault": "kill_one", "groups": ["c"], "t": 30.0},
+            {"kind": "fault", "fault": "kill_healing", "groups": ["c"], "t": 31.0},
+        ],
+    )
+    (tmp_path / "floor.json").write_text(json.dumps({"import_s": 2.0, "torch_s": 3.5}))
+    rep = check(tmp_path, target=3, min_replicas=1, groups=[])
+    assert rep.floors == {"import": 2.0, "torch": 3.5}
+    by_t = {(r.fault, r.group, r.again): r for r in rep.recoveries}
+    b = by_t[("kill_one", "b", False)]
+    assert b.isolated and b.delay == pytest.approx(0.5) and b.total == pytest.approx(4.8)
+    assert (b.imports, b.setup, b.join) == pytest.approx((2.5, 1.5, 0.3))
+    assert b.excess(3.5) == pytest.approx(0.8)
+    c = by_t[("kill_one", "c", True)]  # its restart was killed while healing
+    assert not c.isolated and c.total == pytest.approx(10.0) and c.join is None
+    assert not by_t[("kill_healing", "c", False)].isolated
+    # a's stall after b's kill: 10 -> 10.2, isolated; after c's kills (30, 31 -> 32): overlapped.
+    assert rep.stalls == {"kill_one": pytest.approx(0.2)}
+    assert rep.stalls_all == {"kill_one": pytest.approx(2.0), "kill_healing": pytest.approx(1.0)}
+    text = rep.text()
+    assert "isolated     1: p50 4.80s" in text and "+0.80s (torch floor)" in text
+    assert "restarts killed again before their first commit: 1" in text

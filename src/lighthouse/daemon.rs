@@ -64,7 +64,8 @@ pub struct Args {
     /// How long a round whose replica groups are all behind a group that may still come back
     /// (heartbeating, or silent with its session open) waits for it before training goes on
     /// from the older state, announced as `progress_regressed` (ms). A restarted lighthouse
-    /// also holds its first quorum for min(heartbeat timeout, this). 0: never wait.
+    /// also holds its first quorum for min(heartbeat timeout, this), or until every member
+    /// of the quorum its state file remembers asks at the remembered best step. 0: never wait.
     #[arg(
         long = "progress_wait_ms",
         alias = "progress-wait-ms",

@@ -29,9 +29,12 @@
 //! or with its session open even if silent), waits for that replica until `progress_wait`
 //! after the round's first request. A (re)started engine issues no first quorum before
 //! `min(heartbeat_timeout, progress_wait)` after its start, so every replica that is still
-//! heartbeating has been heard. A quorum issued behind the best step known anyway (the holders
-//! died, or the wait ran out) is reported once through [`QuorumEngine::take_regressions`];
-//! a holder given up on at a step is not waited for again at that step.
+//! heartbeating has been heard — unless it continues a previous life (its durable state)
+//! and every member of the quorum it remembers asks at or above the best step it remembers:
+//! nobody outside that quorum can be ahead of it then. A quorum issued behind the best step
+//! known anyway (the holders died, or the wait ran out) is reported once through
+//! [`QuorumEngine::take_regressions`]; a holder given up on at a step is not waited for
+//! again at that step.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -817,7 +820,7 @@ impl QuorumEngine {
     /// the wait for a live replica ahead of every candidate. None: issue now.
     fn hold_for_progress(&self, now: Instant) -> Option<Verdict> {
         let hold = self.startup_hold();
-        if self.previous.is_none() && !hold.is_zero() {
+        if self.previous.is_none() && !hold.is_zero() && !self.remembered_quorum_asks() {
             if let Some(end) = self.started.checked_add(hold) {
                 if now < end {
                     return Some(Verdict::StartupHold {
@@ -843,6 +846,23 @@ impl QuorumEngine {
             candidates_step,
             remaining: deadline - now,
         })
+    }
+
+    /// A restored engine's startup hold can end early: every member of the quorum it
+    /// remembers asks, at or above the best step it remembers. Only a member of the last
+    /// quorum can have committed since it was issued, and a commit acknowledged under the
+    /// write-ahead rule raised the remembered best step first, so no replica that is not
+    /// heard yet holds more than the round's candidates. (O(members of that quorum), only
+    /// while no quorum was issued in this life.)
+    fn remembered_quorum_asks(&self) -> bool {
+        let Some((_, members)) = &self.restored_quorum else {
+            return false;
+        };
+        !members.is_empty()
+            && members.iter().all(|id| self.participants.contains_key(id))
+            && self
+                .high_water
+                .is_none_or(|best| self.candidates_step() >= best)
     }
 
     fn is_candidate(&self, replica_id: &str) -> bool {
@@ -2640,6 +2660,41 @@ mod tests {
         assert_eq!(r.len(), 1);
         assert_eq!((r[0].from_step, r[0].to_step), (101, 100));
         assert_eq!(r[0].alive_holders, ["a"]);
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_ends_its_startup_hold_once_the_remembered_quorum_asks() {
+        let (d, _, t0) = before_restart();
+        let t = t0 + Duration::from_secs(1);
+        // Every member of the remembered quorum asks, one at the remembered best step: the
+        // first quorum is issued at once, not at the end of the startup hold.
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d.clone());
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("c", 100), t).unwrap();
+        assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
+        e.join(at("a", 101), t).unwrap();
+        let q = e.poll(t).expect("issued without the hold");
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+        assert!(e.take_regressions().is_empty());
+
+        // A member missing, or every member behind the remembered best step: the hold stays.
+        let hold = progress_opts().heartbeat_timeout;
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d.clone());
+        e.join(at("a", 101), t).unwrap();
+        e.join(at("b", 100), t).unwrap();
+        e.join(at("z", 0), t).unwrap();
+        assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d.clone());
+        for id in ["a", "b", "c"] {
+            e.join(at(id, 100), t).unwrap();
+        }
+        assert!(e.tick(t + hold - Duration::from_millis(1)).is_none());
+        assert!(e.tick(t + hold).is_some());
+
+        // A fresh lighthouse remembers no quorum: the hold always runs.
+        let mut e = QuorumEngine::new(progress_opts(), 50, t);
+        e.join(at("a", 0), t).unwrap();
+        assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
     }
 
     #[test]

@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
     p.add_argument("--progress-wait-ms", type=int, default=30000)
     p.add_argument(
+        "--floor-runs",
+        type=int,
+        default=3,
+        help="spawns per floor (import torch, and with torch._dynamo) timed for the report; 0 skips",
+    )
+    p.add_argument(
         "--weight",
         action="append",
         default=[],
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             weights=weights,
             lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
             restart_while_stopped=args.restart_while_stopped,
+            floor_runs=args.floor_runs,
         )
         cfg.validate()
     except ValueError as e:

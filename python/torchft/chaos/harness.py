@@ -70,13 +70,16 @@ class ChaosConfig:
     #: state file in the run directory, so the restarted one knows the progress of a group
     #: that is silent through its whole startup hold). Off: such restarts are skipped.
     restart_while_stopped: bool = True
+    #: Spawns per floor measured for the report (import torch, and with torch._dynamo);
+    #: 0 skips the measurement.
+    floor_runs: int = 3
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot make a meaningful run."""
         if self.groups < 2:
             raise ValueError(f"groups must be at least 2, got {self.groups}")
-        if self.faults < 0 or self.mtbf <= 0 or self.restart_delay < 0:
-            raise ValueError("faults must be >= 0, mtbf > 0, restart_delay >= 0")
+        if self.faults < 0 or self.mtbf <= 0 or self.restart_delay < 0 or self.floor_runs < 0:
+            raise ValueError("faults must be >= 0, mtbf > 0, restart_delay >= 0, floor_runs >= 0")
         unknown = set(self.weights) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {list(FAULT_KINDS)}")
@@ -409,6 +412,8 @@ class Chaos:
             for g in self.names:
                 self._start_group(g)
             self._wait(lambda: all(self._committed(g) for g in self.names), 120, "first commits")
+            if cfg.floor_runs:
+                self._measure_floor(cfg.floor_runs)
             done = 0
             while done < cfg.faults:
                 pause = self.rng.expovariate(1.0 / cfg.mtbf)
@@ -444,6 +449,34 @@ class Chaos:
         finally:
             self.close()
         return check(self.dir, target, cfg.min_replicas, self.names)
+
+    def _measure_floor(self, runs: int) -> None:
+        """The floors under the run's own load (groups training), for the report: median
+        over a few spawns of spawn -> ``import torch`` done, and of spawn -> ``import torch,
+        torch._dynamo`` done (what torch imports before any training step: building an
+        optimizer imports dynamo). Written to ``floor.json``."""
+        floors = {}
+        env = dict(os.environ)  # inherited like the groups' environment
+        env["OMP_NUM_THREADS"] = "1"
+        for name, modules in (("import_s", "torch"), ("torch_s", "torch, torch._dynamo")):
+            took = []
+            for _ in range(runs):
+                t0 = time.time()
+                out = subprocess.run(
+                    [sys.executable, "-c", f"import time, {modules}; print(time.time())"],
+                    check=True,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                ).stdout
+                took.append(float(out.strip().splitlines()[-1]) - t0)
+                self._reap()
+            floors[name] = sorted(took)[len(took) // 2]
+        (self.dir / "floor.json").write_text(json.dumps(floors))
+        self.log(
+            f"floors under load: import torch {floors['import_s']:.2f}s, with torch._dynamo "
+            f"{floors['torch_s']:.2f}s"
+        )
 
     def _steps(self) -> list[int]:
         steps = [0]

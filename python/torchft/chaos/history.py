@@ -2,11 +2,16 @@
 
 Three kinds of files in a run directory, written by three independent parties:
 
-* ``*.history.jsonl`` (one per process, by the worker): a ``commit`` line per committed step
-  (``step``, ``quorum_id``, ``participants``, ``state`` hash, wall time ``t``) and a ``finish``
-  line at the target.
+* ``*.history.jsonl`` (one per process, by the worker): a ``ready`` line once the process
+  is set up (``imported``: wall time after the imports, ``t``: after the Manager, model, DDP
+  and optimizer are built), a ``commit`` line per committed step (``step``, ``quorum_id``,
+  ``participants``, ``state`` hash, wall time ``t``) and a ``finish`` line at the target.
 * ``processes.jsonl`` (by the supervisor): ``start`` and ``exit`` of every process it ran
   (``group``, ``pid``, ``t``, and on exit ``rc`` and whether it was ``killed``).
+* ``floor.json`` (by the supervisor, optional): the floors measured during the run, under
+  its load (median of a few spawns each): ``import_s``, spawn -> ``import torch`` done, and
+  ``torch_s``, spawn -> ``import torch, torch._dynamo`` done (torch imports dynamo when the
+  first optimizer is built, so every training process pays it before its first step).
 * ``faults.jsonl`` (by the fault injector): what was done when (``fault``, ``groups``, ``t``).
 
 :func:`check` reads them and returns a :class:`Report`. The invariants use only the history
@@ -67,6 +72,10 @@ class HistoryWriter:
         rec.update(group=self._group, pid=self._pid, t=_now())
         self._f.write(json.dumps(rec) + "\n")
 
+    def ready(self, imported: float) -> None:
+        """Records that the process is set up; ``imported`` is when its imports were done."""
+        self._write({"kind": "ready", "imported": imported})
+
     def commit(self, step: int, quorum_id: int, participants: int, state: str) -> None:
         """Records that ``step`` committed in ``quorum_id`` with ``participants`` groups."""
         self._write(
@@ -102,6 +111,32 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 @dataclass
+class Recovery:
+    """One killed group's way back: fault -> restart -> set up -> first commit (seconds)."""
+
+    fault: str
+    group: str
+    #: Fault -> the restarted process's start (the supervisor's restart delay plus reaping).
+    delay: float
+    #: Start -> imports done (None when the process recorded no ``ready`` line).
+    imports: float | None
+    #: Imports done -> Manager, model, DDP and optimizer built.
+    setup: float | None
+    #: Set up -> first commit (first quorum, heal, the step, the commit vote).
+    join: float | None
+    total: float
+    #: No other fault was in effect at any time during this recovery.
+    isolated: bool
+    #: The first restart was killed before it committed: ``total`` runs to the first commit
+    #: of a later restart (phases are None).
+    again: bool = False
+
+    def excess(self, floor: float) -> float:
+        """The time beyond this recovery's own restart delay and ``floor``."""
+        return self.total - self.delay - floor
+
+
+@dataclass
 class Report:
     """What a run did and whether its history keeps the invariants."""
 
@@ -109,8 +144,12 @@ class Report:
     violations: list[str] = field(default_factory=list)
     regressions: list[str] = field(default_factory=list)
     steps_lost: int = 0
-    recoveries: list[float] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
+    #: The floors measured in the run (seconds; ``import``, ``torch``), if they were.
+    floors: dict[str, float] = field(default_factory=dict)
+    #: Longest survivor stall per fault kind, over isolated faults / over all faults.
     stalls: dict[str, float] = field(default_factory=dict)
+    stalls_all: dict[str, float] = field(default_factory=dict)
     stalls_overlapped: int = 0
     commits: int = 0
     final: dict[str, Any] = field(default_factory=dict)
@@ -121,19 +160,20 @@ class Report:
         for kind, n in sorted(self.faults.items()):
             lines.append(f"  {kind:<18} {n}")
         lines.append(f"commits recorded: {self.commits}")
-        if self.recoveries:
-            r = sorted(self.recoveries)
+        if self.floors:
             lines.append(
-                "recovery (kill -> first commit of the restarted group, "
-                f"{len(r)} restarts): p50 {_pct(r, 50):.2f}s  p95 {_pct(r, 95):.2f}s  "
-                f"max {r[-1]:.2f}s"
+                "floors in this run: import (spawn -> import torch done) "
+                f"{self.floors['import']:.2f}s, torch (+ import torch._dynamo, which "
+                f"torch.optim does) {self.floors['torch']:.2f}s"
             )
+        lines += self._recovery_lines()
         lines.append(
-            "longest survivor stall per fault kind (faults with no other fault inside the "
-            f"stall; {self.stalls_overlapped} overlapped stalls left out):"
+            "longest survivor stall per fault kind (fault -> a survivor's next commit), "
+            f"isolated faults / all ({self.stalls_overlapped} overlapped stalls):"
         )
-        for kind, s in sorted(self.stalls.items()):
-            lines.append(f"  {kind:<18} {s:.2f}s")
+        for kind in sorted(set(self.stalls) | set(self.stalls_all)):
+            iso = f"{self.stalls[kind]:.2f}s" if kind in self.stalls else "-"
+            lines.append(f"  {kind:<18} {iso:>7} / {self.stalls_all[kind]:.2f}s")
         lines.append(
             f"unavoidable regressions: {len(self.regressions)} (steps lost {self.steps_lost})"
         )
@@ -144,6 +184,53 @@ class Report:
         for v in self.violations[:50]:
             lines.append(f"  VIOLATION {v}")
         return "\n".join(lines)
+
+    def _recovery_lines(self) -> list[str]:
+        once = [r for r in self.recoveries if not r.again]
+        again = sorted(r.total for r in self.recoveries if r.again)
+        if not self.recoveries:
+            return []
+        lines = [
+            "recovery (kill -> first commit of the restarted group); per kill: delay = kill "
+            "-> restart of that group, excess = recovery - delay - floor:"
+        ]
+        for label, rs in (
+            ("all", once),
+            ("isolated", [r for r in once if r.isolated]),
+            ("overlapped", [r for r in once if not r.isolated]),
+        ):
+            if not rs:
+                lines.append(f"  {label:<10} none")
+                continue
+            total = sorted(r.total for r in rs)
+            line = (
+                f"  {label:<10} {len(rs):>3}: p50 {_pct(total, 50):.2f}s  "
+                f"p95 {_pct(total, 95):.2f}s  max {total[-1]:.2f}s  "
+                f"delay p50 {_pct(sorted(r.delay for r in rs), 50):.2f}s"
+            )
+            if self.floors:
+                line += "  excess p50 " + " / ".join(
+                    f"{_pct(sorted(r.excess(f) for r in rs), 50):+.2f}s ({name} floor)"
+                    for name, f in self.floors.items()
+                )
+            lines.append(line)
+            phased = [r for r in rs if r.join is not None]
+            if phased:
+                med = {
+                    k: _pct(sorted(getattr(r, k) for r in phased), 50)
+                    for k in ("imports", "setup", "join")
+                }
+                lines.append(
+                    f"  {'':<10}      phases p50: imports {med['imports']:.2f}s  setup "
+                    f"(Manager, model, DDP) {med['setup']:.2f}s  join (quorum, heal, "
+                    f"first commit) {med['join']:.2f}s"
+                )
+        if again:
+            lines.append(
+                f"  restarts killed again before their first commit: {len(again)} (kill -> "
+                f"the group's first commit p50 {_pct(again, 50):.2f}s, max {again[-1]:.2f}s)"
+            )
+        return lines
 
 
 def _pct(sorted_vals: list[float], p: float) -> float:
@@ -168,9 +255,18 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     rep = Report()
     commits: list[dict[str, Any]] = []
     finishes: list[dict[str, Any]] = []
+    ready: dict[int, dict[str, Any]] = {}
     for p in sorted(run_dir.glob("*.history.jsonl")):
         for rec in read_jsonl(p):
-            (commits if rec["kind"] == "commit" else finishes).append(rec)
+            if rec["kind"] == "commit":
+                commits.append(rec)
+            elif rec["kind"] == "finish":
+                finishes.append(rec)
+            elif rec["kind"] == "ready":
+                ready[rec["pid"]] = rec
+    if (run_dir / "floor.json").exists():
+        floors = json.loads((run_dir / "floor.json").read_text())
+        rep.floors = {"import": floors["import_s"], "torch": floors["torch_s"]}
     commits.sort(key=lambda r: r["t"])
     rep.commits = len(commits)
     procs = read_jsonl(run_dir / "processes.jsonl")
@@ -262,7 +358,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if r["kind"] == "start" and _alive(r["pid"]):
             rep.violations.append(f"process {r['pid']} ({r['group']}) is still running")
 
-    _timings(rep, commits, procs, faults)
+    _timings(rep, commits, procs, faults, ready)
     return rep
 
 
@@ -285,36 +381,86 @@ def _timings(
     commits: list[dict[str, Any]],
     procs: list[dict[str, Any]],
     faults: list[dict[str, Any]],
+    ready: dict[int, dict[str, Any]],
 ) -> None:
-    """Fills faults by kind, recovery times and the longest isolated survivor stalls."""
+    """Fills faults by kind, the recoveries and the longest survivor stalls.
+
+    Each fault is in effect over a window: a kill until the first commit of every group it
+    restarted, a stop until the stopped process's next commit, a lighthouse restart until
+    the first commit of any group after the daemon is back. A fault is isolated when no
+    other fault's window overlaps its own.
+    """
     by_pid: dict[int, list[float]] = defaultdict(list)
     for c in commits:
         by_pid[c["pid"]].append(c["t"])
     starts = [r for r in procs if r["kind"] == "start"]
-    fault_times = sorted(f["t"] for f in faults)
+    group_of = {s["pid"]: s["group"] for s in starts}
+    all_commits = sorted(c["t"] for c in commits)
     for f in faults:
         rep.faults[f["fault"]] = rep.faults.get(f["fault"], 0) + 1
+
+    def first_after(times: list[float], t: float) -> float | None:
+        return next((x for x in times if x > t), None)
+
+    # Per fault: its window, and per killed group (restart start, restarted pid, first commit).
+    windows: list[tuple[float, float]] = []
+    restarts: list[list[tuple[str, dict[str, Any], dict[str, Any], float]]] = []
     for f in faults:
-        t = f["t"]
-        if f["fault"].startswith("kill") and f["fault"] != "kill_lighthouse":
+        t, end, back = f["t"], f["t"], []
+        if f["fault"] == "kill_lighthouse":
+            end = first_after(all_commits, t + f.get("down_s", 0.0)) or t
+        elif f["fault"] == "stop":
+            pid = next(
+                (s["pid"] for s in reversed(starts) if s["group"] == f["groups"][0] and s["t"] < t),
+                None,
+            )
+            end = first_after(by_pid.get(pid, []), t) or t + f.get("seconds", 0.0)
+        elif f["fault"].startswith("kill"):
             for g in f["groups"]:
-                nxt = [s for s in starts if s["group"] == g and s["t"] > t]
-                if not nxt:
-                    continue
-                first = [x for x in by_pid.get(nxt[0]["pid"], []) if x > t]
-                if first:
-                    rep.recoveries.append(min(first) - t)
+                # The group is back at the first commit of any later process of it (the
+                # first restart may itself be killed before it commits).
+                later = [s for s in starts if s["group"] == g and s["t"] > t]
+                firsts = [(x, s) for s in later if (x := first_after(by_pid.get(s["pid"], []), t))]
+                if later and firsts:
+                    first, back_proc = min(firsts, key=lambda xs: xs[0])
+                    back.append((g, later[0], back_proc, first))
+                    end = max(end, first)
+        windows.append((t, end))
+        restarts.append(back)
+
+    def isolated(i: int, lo: float, hi: float) -> bool:
+        return not any(j != i and a <= hi and b >= lo for j, (a, b) in enumerate(windows))
+
+    for i, f in enumerate(faults):
+        t = f["t"]
+        alone = isolated(i, *windows[i])
+        for g, start, back_proc, first in restarts[i]:
+            again = back_proc is not start
+            r = None if again else ready.get(start["pid"])
+            rep.recoveries.append(
+                Recovery(
+                    fault=f["fault"],
+                    group=g,
+                    delay=start["t"] - t,
+                    imports=r["imported"] - start["t"] if r else None,
+                    setup=r["t"] - r["imported"] if r else None,
+                    join=first - r["t"] if r else None,
+                    total=first - t,
+                    isolated=alone,
+                    again=again,
+                )
+            )
         targets = set(f["groups"])
         for pid, times in by_pid.items():
-            group = next((s["group"] for s in starts if s["pid"] == pid), None)
-            if group in targets:
+            if group_of.get(pid) in targets:
                 continue
-            before = [x for x in times if x <= t]
-            after = [x for x in times if x > t]
-            if not before or not after:
+            lo = max((x for x in times if x <= t), default=None)
+            hi = first_after(times, t)
+            if lo is None or hi is None:
                 continue
-            lo, hi = before[-1], after[0]
-            if any(lo < ft < hi and ft != t for ft in fault_times):
+            stall = hi - t
+            rep.stalls_all[f["fault"]] = max(rep.stalls_all.get(f["fault"], 0.0), stall)
+            if not isolated(i, lo, hi):
                 rep.stalls_overlapped += 1
                 continue
-            rep.stalls[f["fault"]] = max(rep.stalls.get(f["fault"], 0.0), hi - t)
+            rep.stalls[f["fault"]] = max(rep.stalls.get(f["fault"], 0.0), stall)

@@ -25,6 +25,8 @@ from torch import nn
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 from torchft.chaos.history import HistoryWriter, state_hash
 
+_IMPORTED = time.time()
+
 
 def _read_target(path: str) -> int | None:
     try:
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
     history = HistoryWriter(args.history, args.group, os.getpid())
+    history.ready(imported=_IMPORTED)
     phase = os.open(args.phase, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         while True:
