@@ -6,7 +6,7 @@
 //! at once. A source that dies ends its streams with EOF or a reset, which fails the fetch at
 //! once; one that stops answering fails it at the deadline.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -138,7 +138,10 @@ impl Fetch {
             .map_err(|e| FetchError::Connect(format!("{}: {e}", spec.addr)))?
             .collect();
         if addrs.is_empty() {
-            return Err(FetchError::Connect(format!("{} resolves to nothing", spec.addr)));
+            return Err(FetchError::Connect(format!(
+                "{} resolves to nothing",
+                spec.addr
+            )));
         }
         let first_error: Mutex<Option<FetchError>> = Mutex::new(None);
         std::thread::scope(|scope| {
@@ -242,7 +245,9 @@ impl Fetch {
             let mut got = [0u8; 4];
             io.read_exact(&mut got, "a tensor checksum")?;
             if u32::from_le_bytes(got) != crc.finalize() {
-                return Err(FetchError::Corrupt(format!("checksum mismatch in tensor {i}")));
+                return Err(FetchError::Corrupt(format!(
+                    "checksum mismatch in tensor {i}"
+                )));
             }
             crcs.extend_from_slice(&got);
         }
@@ -323,6 +328,8 @@ fn is_timeout(e: &std::io::Error) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+
     use super::*;
     use crate::checkpoint::server::{DataServer, Offer, OfferHooks, Source};
     use crate::security::Token;
@@ -376,8 +383,7 @@ mod tests {
     #[test]
     fn fetches_memory_and_staged_tensors_over_parallel_streams() {
         let token = Token::new("s3cret").unwrap();
-        let server =
-            DataServer::bind("127.0.0.1", Some(token), Duration::from_secs(5)).unwrap();
+        let server = DataServer::bind("127.0.0.1", Some(token), Duration::from_secs(5)).unwrap();
         let data: Vec<Vec<u8>> = (0..5)
             .map(|i| (0..(3 << 20) + i).map(|k| (k * 7 + i) as u8).collect())
             .collect();
@@ -393,8 +399,13 @@ mod tests {
             })
             .collect();
         let f = Fetch::new();
-        let n = unsafe { f.run(&spec(&server, Some("s3cret"), vec![(0, 2), (2, 4), (4, 6)]), &dests) }
-            .unwrap();
+        let n = unsafe {
+            f.run(
+                &spec(&server, Some("s3cret"), vec![(0, 2), (2, 4), (4, 6)]),
+                &dests,
+            )
+        }
+        .unwrap();
         assert_eq!(n, out.iter().map(|v| v.len() as u64).sum::<u64>());
         assert_eq!(&out[..5], &data[..]);
         let expect: Vec<u8> = (0..staged_len).map(|k| (5 + k) as u8).collect();
@@ -402,16 +413,25 @@ mod tests {
 
         // Wrong token, wrong generation: refused, nothing served.
         let e = unsafe { Fetch::new().run(&spec(&server, Some("nope"), vec![(0, 1)]), &dests) };
-        assert!(matches!(e, Err(FetchError::Refused { status: 401, .. })), "{e:?}");
+        assert!(
+            matches!(e, Err(FetchError::Refused { status: 401, .. })),
+            "{e:?}"
+        );
         let mut s = spec(&server, Some("s3cret"), vec![(0, 1)]);
         s.gen = "other".into();
         let e = unsafe { Fetch::new().run(&s, &dests) };
-        assert!(matches!(e, Err(FetchError::Refused { status: 409, .. })), "{e:?}");
+        assert!(
+            matches!(e, Err(FetchError::Refused { status: 409, .. })),
+            "{e:?}"
+        );
 
         // Revoked: refused too.
         assert!(server.revoke());
         let e = unsafe { Fetch::new().run(&spec(&server, Some("s3cret"), vec![(0, 1)]), &dests) };
-        assert!(matches!(e, Err(FetchError::Refused { status: 409, .. })), "{e:?}");
+        assert!(
+            matches!(e, Err(FetchError::Refused { status: 409, .. })),
+            "{e:?}"
+        );
         server.shutdown();
     }
 
@@ -439,7 +459,10 @@ mod tests {
             deadline: Instant::now() + Duration::from_secs(5),
         };
         let e = unsafe { Fetch::new().run(&s, &dests) }.unwrap_err();
-        assert!(matches!(e, FetchError::Corrupt(ref m) if m.contains("not a torchft")), "{e:?}");
+        assert!(
+            matches!(e, FetchError::Corrupt(ref m) if m.contains("not a torchft")),
+            "{e:?}"
+        );
         t.join().unwrap();
     }
 
