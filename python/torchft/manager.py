@@ -368,7 +368,9 @@ class Manager:
             hostname: host name other replica groups use to reach this one.
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
-                (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``).
+                (default: ``HTTPTransport(timeout=timeout, num_chunks=0,
+                state_dict=<this manager's state>)``, so a heal writes into the
+                group's own tensors).
             init_sync: at step 0 make every replica group heal from one primary so all start
                 from identical weights.
             max_retries: raise ``RuntimeError`` after more than this many consecutive failed
@@ -473,6 +475,8 @@ class Manager:
             checkpoint_transport = HTTPTransport(
                 timeout=cfg.timeout,
                 num_chunks=0,
+                # A heal writes straight into this group's own tensors.
+                state_dict=self._manager_state_dict,
                 state_dict_lock=self._state_dict_lock.read,
                 hostname=cfg.hostname,
             )
