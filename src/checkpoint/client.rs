@@ -218,11 +218,23 @@ impl Fetch {
             start: start as u64,
             end: end as u64,
         };
+        // Until the source answers, a broken connection means it could not serve at all.
+        let unanswered = |e: FetchError| match e {
+            FetchError::Broken(m) => FetchError::Connect(m),
+            e => e,
+        };
         io.set_timeouts()?;
-        wire::write_request(&mut &stream, &req).map_err(|e| io.error(e, "sending the request"))?;
+        wire::write_request(&mut &stream, &req)
+            .map_err(|e| unanswered(io.error(e, "sending the request")))?;
         io.set_timeouts()?;
-        let (status, message) =
-            wire::read_reply(&mut &stream).map_err(|e| io.error(e, "reading the reply"))?;
+        let (status, message) = wire::read_reply(&mut &stream).map_err(|e| {
+            let e = if e.kind() == ErrorKind::UnexpectedEof {
+                std::io::Error::new(ErrorKind::UnexpectedEof, "closed before answering")
+            } else {
+                e
+            };
+            unanswered(io.error(e, "the reply"))
+        })?;
         if status != wire::STATUS_OK {
             return Err(FetchError::Refused { status, message });
         }
@@ -432,6 +444,86 @@ mod tests {
             matches!(e, Err(FetchError::Refused { status: 409, .. })),
             "{e:?}"
         );
+        server.shutdown();
+    }
+
+    /// A one-connection proxy that flips the byte at `flip_at` of the server's answer, or
+    /// cuts the answer at `cut_at`.
+    fn tamper(target: SocketAddr, flip_at: Option<usize>, cut_at: Option<usize>) -> SocketAddr {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut client, _) = listener.accept().unwrap();
+            let mut server = TcpStream::connect(target).unwrap();
+            let mut req = vec![0u8; 4096];
+            let n = client.read(&mut req).unwrap();
+            server.write_all(&req[..n]).unwrap();
+            let mut pos = 0usize;
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = match server.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let mut n = n;
+                if let Some(cut) = cut_at {
+                    if pos + n >= cut {
+                        n = cut - pos;
+                        let _ = client.write_all(&buf[..n]);
+                        break;
+                    }
+                }
+                if let Some(f) = flip_at {
+                    if (pos..pos + n).contains(&f) {
+                        buf[f - pos] ^= 0x40;
+                    }
+                }
+                if client.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                pos += n;
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn tampered_or_cut_streams_fail_and_say_why() {
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![7u8; 100_000], vec![9u8; 50_000]];
+        offer(&server, &data, 10);
+        let mut out: Vec<Vec<u8>> = vec![vec![0u8; 100_000], vec![0u8; 50_000], vec![0u8; 10]];
+        let dests: Vec<Dest> = out
+            .iter_mut()
+            .map(|v| Dest {
+                addr: v.as_mut_ptr() as usize,
+                len: v.len(),
+            })
+            .collect();
+        // Reply (16) + range prefix (24) come first: flip inside tensor 0, a CRC, the trailer.
+        for flip in [40 + 5_000, 40 + 100_000 + 1, 40 + 150_008 + 10 + 4 + 3] {
+            let mut s = spec(&server, None, vec![(0, 3)]);
+            s.addr = tamper(server.local_addr(), Some(flip), None).to_string();
+            let e = unsafe { Fetch::new().run(&s, &dests) };
+            assert!(
+                matches!(e, Err(FetchError::Corrupt(_))),
+                "flip at {flip}: {e:?}"
+            );
+        }
+        for cut in [8, 30, 70_000] {
+            let mut s = spec(&server, None, vec![(0, 3)]);
+            s.addr = tamper(server.local_addr(), None, Some(cut)).to_string();
+            let e = unsafe { Fetch::new().run(&s, &dests) };
+            let want_connect = cut < 16;
+            assert!(
+                if want_connect {
+                    matches!(e, Err(FetchError::Connect(_)))
+                } else {
+                    matches!(e, Err(FetchError::Broken(_)))
+                },
+                "cut at {cut}: {e:?}"
+            );
+        }
         server.shutdown();
     }
 
