@@ -142,8 +142,11 @@ def _receiver(args: argparse.Namespace) -> None:
     in_place = 0
     if args.row == "raw":
         for _ in range(args.repeat):
+            for t in _tensors(state):
+                t.zero_()
             times.append(_recv_raw(args.addr, state))
             ok = ok and _check(state)
+        in_place = len(_tensors(state))  # by construction: recv_into its own tensors
     else:
         from torchft.checkpointing import HTTPTransport
 
