@@ -368,6 +368,11 @@ class HTTPTransport(CheckpointTransport[T]):
         """Returns the base URL receivers fetch this rank's state from."""
         return f"{self._security.scheme}://{_format_host(self._host)}:{self._port}{_BASE_PATH}"
 
+    @property
+    def receives_in_place(self) -> bool:
+        """True when given ``state_dict``: receives write into the local tensors."""
+        return self._state_dict is not None
+
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
     ) -> None:

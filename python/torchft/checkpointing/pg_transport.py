@@ -83,6 +83,11 @@ class PGTransport(CheckpointTransport[T]):
             if ok is False:
                 raise TimeoutError(f"checkpoint {what} timed out")
 
+    @property
+    def receives_in_place(self) -> bool:
+        """True when given ``state_dict``: receives write into the local tensors."""
+        return self._state_dict is not None
+
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
     ) -> None:
