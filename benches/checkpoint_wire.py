@@ -82,8 +82,7 @@ def _tensors(state: dict[str, Any]) -> list[Any]:
 
 def _check(state: dict[str, Any]) -> bool:
     return state.get("step") == STEP and all(
-        float(t[0]) == i + 0.5 and float(t[-1]) == -(i + 0.5)
-        for i, t in enumerate(_tensors(state))
+        float(t[0]) == i + 0.5 and float(t[-1]) == -(i + 0.5) for i, t in enumerate(_tensors(state))
     )
 
 

@@ -244,9 +244,7 @@ def test_a_pickle_serving_source_is_refused_without_unpickling() -> None:
         with conn:
             conn.recv(65536)
             body = pickle.dumps({"model": list(range(100))})
-            conn.sendall(
-                b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-            )
+            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
