@@ -187,7 +187,9 @@ def _receiver(args: argparse.Namespace) -> None:
     )
 
 
-def _run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
+def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
+    """Runs one row in a fresh sender/receiver process pair; returns the receiver's report
+    with the sender's under ``"sender"``."""
     common = [
         "--mb",
         str(args.mb),
@@ -256,7 +258,7 @@ def main() -> int:
     if args.mb < args.tensor_mb or args.tensor_mb < 1 or args.repeat < 1 or args.streams < 1:
         parser.error("need --mb >= --tensor-mb >= 1, --repeat >= 1 and --streams >= 1")
 
-    results = {row: _run_row(args, row) for row in args.rows}
+    results = {row: run_row(args, row) for row in args.rows}
     first = next(iter(results.values()))
     print(
         f"state: {first['bytes'] / 2**30:.2f} GiB in {first['tensors']} float32 tensors, "
