@@ -339,13 +339,19 @@ class HTTPTransport(CheckpointTransport[T]):
         # The native data server: not on TLS links (its streams are not encrypted), where
         # the HTTPS path carries the bytes instead.
         self._data: _torchft.CheckpointDataServer | None = None
-        try:
-            if native and not self._security.serves_tls:
+        if native and not self._security.serves_tls:
+            try:
                 self._data = _torchft.CheckpointDataServer(
                     str(self._server.server_address[0]),
                     token=self._security.token,
                     request_timeout=self._timeout,
                 )
+            except (OSError, ValueError) as e:
+                # Healing still works, over HTTP: slower, never wrong.
+                logger.warning(
+                    "native checkpoint data server unavailable, serving over HTTP: %s", e
+                )
+        try:
             bound = str(self._server.server_address[0])
             if hostname:
                 self._host = hostname
