@@ -773,9 +773,12 @@ class HTTPTransport(CheckpointTransport[T]):
         out: list[torch.Tensor | None] = [None] * len(header.specs)
         if self._state_dict is None:
             return out
-        accept: Callable[[torch.Tensor], bool] = (
-            (lambda t: t.device.type == "cpu") if cpu_only else (lambda t: True)
-        )
+        # Device (CUDA) tensors only natively, staged through pinned host memory.
+        devices = ("cpu",) if cpu_only else ("cpu", "cuda")
+
+        def accept(t: torch.Tensor) -> bool:
+            return t.device.type in devices
+
         for i, t in ser.inplace_targets(header, self._state_dict(), accept).items():
             out[i] = t
         return out
