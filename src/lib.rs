@@ -4,6 +4,7 @@
 //! manager server and the clients of both. Everything here is plain Rust; the Python module
 //! `torchft._torchft` lives in [`bindings`] behind the `python` feature.
 
+pub mod checkpoint;
 pub mod error;
 pub mod lighthouse;
 pub mod logging;

@@ -795,9 +795,10 @@ def test_http_server_deadline_bounds_a_slow_receiver() -> None:
 @pytest.mark.parametrize("num_chunks", [0, 4])
 @pytest.mark.parametrize("where", ["header", "tensor"])
 def test_http_corrupted_stream_is_detected(num_chunks: int, where: str) -> None:
-    """A byte flipped in transit (tampering proxy) raises, nothing is returned."""
+    """A byte flipped in transit (tampering proxy) raises, nothing is returned (the HTTP
+    path; the native one has its own tampering tests)."""
     state = {"a": torch.randn(64, 64), "b": torch.randn(1000), "c": [torch.arange(100)], "n": 1}
-    with http_pair(num_chunks=num_chunks) as (sender, receiver):
+    with http_pair(num_chunks=num_chunks, native=False) as (sender, receiver):
         sender.send_checkpoint([1], 1, state, TIMEOUT)
         flip_at = 30 if where == "header" else 3000
         if where == "header" and num_chunks:
@@ -817,9 +818,10 @@ def test_http_corrupted_stream_is_detected(num_chunks: int, where: str) -> None:
 @pytest.mark.parametrize("num_chunks", [0, 4])
 @pytest.mark.parametrize("cut_at", [0, 10, 5000, 16_000])
 def test_http_truncated_stream_is_detected(num_chunks: int, cut_at: int) -> None:
-    """A body cut short by the network raises instead of returning partial state."""
+    """A body cut short by the network raises instead of returning partial state (the HTTP
+    path)."""
     state = {"a": torch.randn(64, 64), "b": torch.randn(1000), "c": [torch.arange(100)]}
-    with http_pair(num_chunks=num_chunks) as (sender, receiver):
+    with http_pair(num_chunks=num_chunks, native=False) as (sender, receiver):
         sender.send_checkpoint([1], 1, state, TIMEOUT)
         port = int(sender.metadata().split(":")[2].split("/")[0])
         proxy = TamperProxy(port, cut_at=cut_at)
@@ -1039,7 +1041,8 @@ def test_http_hung_or_killed_sender_fails_receiver_promptly() -> None:
             thread = threading.Thread(target=fetch)
             thread.start()
             assert proc.stdout is not None
-            assert proc.stdout.readline().strip() == "LOCKED"
+            # Each parallel stream takes the lock: one or more LOCKED on the line.
+            assert proc.stdout.readline().startswith("LOCKED")
             t0 = time.monotonic()
             proc.kill()
             thread.join(timeout=8)

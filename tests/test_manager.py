@@ -762,6 +762,31 @@ def test_heal_failure_blocks_commit(harness: Any) -> None:
     assert h.loaded == []
 
 
+def test_failed_in_place_heal_is_never_trained_on(harness: Any) -> None:
+    """A heal that wrote into the group's own tensors and failed leaves a state no step had:
+    the group does not commit on it unless a later heal makes it whole again."""
+    h = harness(use_async_quorum=False)
+    h.transport.receives_in_place = True  # type: ignore[attr-defined]
+    _serve(h, 4, torch.full((3,), 3.0))  # the source fails the heal (wrong step)
+    h.native.quorums = [_heal_quorum(max_step=5)]
+    m = h.manager
+    m.start_quorum()
+    assert "wrong step" in str(m.errored())
+    assert not m.should_commit()
+    # No group ahead is left: the quorum does not heal this one, and it must not go on.
+    h.native.quorums = [make_quorum(max_step=0)]
+    m.start_quorum()
+    assert "partly overwritten" in str(m.errored())
+    assert not m.should_commit()
+    # A heal that succeeds makes the state whole: the group commits again.
+    _serve(h, 5, torch.full((3,), 2.0))
+    h.native.quorums = [_heal_quorum(max_step=5)]
+    m.start_quorum()
+    assert m.errored() is None
+    assert m.should_commit()
+    assert torch.equal(h.user_state["w"], torch.full((3,), 2.0))
+
+
 def test_sends_checkpoint_to_recovering_peers(harness: Any) -> None:
     """An up-to-date replica serves its user state and counters for the max step."""
     h = harness()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import Any, final
 
 __all__ = [
+    "CheckpointDataServer",
+    "CheckpointFetch",
     "LighthouseClient",
     "LighthouseServer",
     "ManagerClient",
@@ -291,6 +295,56 @@ class ManagerClient:
         quorum_id)])``, empty when none arrived within ``timeout``."""
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
+
+@final
+class CheckpointDataServer:
+    """Serves one offered state's tensor bytes to ``CheckpointFetch`` receivers over TCP
+    (the native checkpoint data path; streams read the tensors' memory directly)."""
+
+    def __new__(
+        cls, host: str, token: str | None = None, request_timeout: timedelta = ...
+    ) -> CheckpointDataServer: ...
+    @property
+    def port(self) -> int:
+        """The port the server listens on."""
+    def offer(
+        self,
+        step: int,
+        gen: str,
+        tensors: list[tuple[int, int]],
+        timeout: timedelta,
+        keepalive: object,
+        enter: Callable[[], AbstractContextManager[object]] | None = None,
+        stage: Callable[[int, int, memoryview], None] | None = None,
+    ) -> bool:
+        """Serves ``tensors`` (per tensor ``(address, length)``, address 0: copied by
+        ``stage(index, offset, view)``) as the state of ``step`` until ``revoke``; the memory
+        must stay valid and unchanged until then. ``enter`` is held while a stream reads."""
+    def revoke(self) -> bool:
+        """Stops serving the offer; True once no stream reads it (waits a few seconds)."""
+    def shutdown(self) -> None:
+        """Revokes the offer, closes every connection and stops listening."""
+
+@final
+class CheckpointFetch:
+    """One receive from a ``CheckpointDataServer``; ``abort`` breaks it from another thread."""
+
+    def __new__(cls) -> CheckpointFetch: ...
+    def abort(self) -> None:
+        """Breaks the fetch: ``run`` returns ``("aborted", 0, ...)`` promptly."""
+    def run(
+        self,
+        addr: str,
+        token: str | None,
+        step: int,
+        gen: str,
+        ranges: list[tuple[int, int]],
+        dests: list[tuple[int, int]],
+        timeout: timedelta,
+    ) -> tuple[str, int, str] | None:
+        """Receives tensor ``ranges`` (one connection each) into ``dests`` (per tensor
+        ``(address, length)``); None on success, else ``(kind, status, message)`` with kind
+        timeout, connect, broken, corrupt, refused or aborted. The GIL is released."""
 
 @final
 class PendingQuorum:

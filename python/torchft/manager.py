@@ -368,7 +368,9 @@ class Manager:
             hostname: host name other replica groups use to reach this one.
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
-                (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``).
+                (default: ``HTTPTransport(timeout=timeout, num_chunks=0,
+                state_dict=<this manager's state>)``, so a heal writes into the
+                group's own tensors).
             init_sync: at step 0 make every replica group heal from one primary so all start
                 from identical weights.
             max_retries: raise ``RuntimeError`` after more than this many consecutive failed
@@ -436,6 +438,8 @@ class Manager:
         self._errored: ExceptionWithTraceback | None = None
         self._error_lock = threading.Lock()
         self._healing = False
+        # A failed in-place heal left the local tensors partly overwritten (see _heal).
+        self._state_torn = False
         self._pending_state_dict: dict[str, Any] | None = None
         self._pending_futures: list[Future[Any]] = []
         self._quorum_future: ConcurrentFuture[None] | _PendingQuorumFuture | None = None
@@ -473,6 +477,8 @@ class Manager:
             checkpoint_transport = HTTPTransport(
                 timeout=cfg.timeout,
                 num_chunks=0,
+                # A heal writes straight into this group's own tensors.
+                state_dict=self._manager_state_dict,
                 state_dict_lock=self._state_dict_lock.read,
                 hostname=cfg.hostname,
             )
@@ -889,6 +895,15 @@ class Manager:
         replica_world_size: int = quorum.replica_world_size
         max_step: int = quorum.max_step
         heal: bool = bool(quorum.heal) and allow_heal
+        if self._state_torn and not heal:
+            # A failed in-place heal left this group's tensors partly overwritten, and this
+            # quorum does not heal it (no group ahead of it is left): going on would train,
+            # and later serve, a state no step ever had.
+            raise RuntimeError(
+                "this replica group's state was partly overwritten by a heal that failed, and "
+                "no up-to-date replica group is left to heal it again: restart the group "
+                "(it then heals from a live peer or loads a durable checkpoint)"
+            )
 
         # Who contributes gradients this step. A rank that heals in the background (async
         # quorum), or that is behind and may not heal, has stale weights: it sits out and
@@ -993,9 +1008,16 @@ class Manager:
                 lambda t: src_client._checkpoint_metadata(self._group_rank, timeout=t),
                 f"checkpoint metadata from {src_addr}",
             )
-            received = self._checkpoint_transport.recv_checkpoint(
-                src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
-            )
+            try:
+                received = self._checkpoint_transport.recv_checkpoint(
+                    src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
+                )
+            except BaseException:
+                if getattr(self._checkpoint_transport, "receives_in_place", False):
+                    # Part of this group's tensors may hold the source's bytes now: only a
+                    # later heal makes the state whole again (see _apply_quorum).
+                    self._state_torn = True
+                raise
         finally:
             with self._reconfig_lock:
                 self._heal_source = None
@@ -1005,6 +1027,7 @@ class Manager:
             tel.heal_done(time.perf_counter() - heal_t0, received)
         # The counters apply at once so the commit vote is for the healed step.
         self.load_state_dict(received["torchft"])
+        self._state_torn = False
         self._pending_state_dict = received["user"]
         if not self._use_async_quorum:
             self._apply_pending_state_dict()

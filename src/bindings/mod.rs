@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 
 use crate::error::Error;
 
+mod checkpoint;
 mod lighthouse;
 mod manager;
 
@@ -75,6 +76,7 @@ fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EVENT_KINDS", kinds)?;
     lighthouse::register(m)?;
     manager::register(m)?;
+    checkpoint::register(m)?;
     m.add_function(wrap_pyfunction!(security_settings, m)?)?;
     Ok(())
 }

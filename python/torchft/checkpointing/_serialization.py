@@ -531,7 +531,10 @@ def read_header(readinto: ReadInto) -> Header:
     """
     magic, length, crc = _read_struct(readinto, _HEADER_PREFIX, "header prefix")
     if magic != MAGIC_HEADER:
-        raise CheckpointFormatError("not a torchft checkpoint stream (bad header magic)")
+        raise CheckpointFormatError(
+            "not a torchft checkpoint stream (bad header magic): the peer may be a "
+            "pickle-based HTTPTransport, whose checkpoints this version never unpickles"
+        )
     if length > MAX_HEADER_BYTES:
         raise CheckpointFormatError(f"checkpoint header too large ({length} bytes)")
     # The length is the peer's claim: read it in bounded pieces so memory grows with what
@@ -861,3 +864,66 @@ def tensor_paths(header: Header) -> list[tuple[tuple[Any, ...], int]]:
 
     walk(header.root, (), 0)
     return found
+
+
+def lookup(root: Any, path: Sequence[Any]) -> Any:
+    """The value at ``path`` (dict keys / list indices) in ``root``, or None if absent."""
+    node = root
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def inplace_targets(
+    header: Header, local: Any, accept: Callable[[torch.Tensor], bool]
+) -> dict[int, torch.Tensor]:
+    """Picks, for each tensor of ``header``, the local tensor it can be received into.
+
+    A local tensor at the same path qualifies when ``accept`` takes it and it has the
+    announced dtype and shape, is contiguous and neither conjugated nor negated. A tensor's
+    memory is given to one header tensor at most: locals that share or overlap memory (tied
+    weights, views) are used once, so no two receives ever write the same bytes.
+
+    Args:
+        header: the validated header of the incoming state.
+        local: the receiver's current state (same structure as the sender's).
+        accept: extra condition (e.g. the device).
+
+    Returns:
+        Header tensor index -> detached local tensor to write into.
+    """
+    candidates: list[tuple[str, int, int, int, torch.Tensor]] = []
+    seen: set[int] = set()
+    for path, idx in tensor_paths(header):
+        if idx in seen or not 0 <= idx < len(header.specs):
+            continue
+        t = lookup(local, path)
+        spec = header.specs[idx]
+        if not (
+            isinstance(t, torch.Tensor)
+            and accept(t)
+            and t.dtype == spec.torch_dtype
+            and tuple(t.shape) == spec.shape
+            and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
+        ):
+            continue
+        seen.add(idx)
+        start = t.data_ptr()
+        candidates.append((str(t.device), start, start + spec.nbytes, idx, t.detach()))
+    targets: dict[int, torch.Tensor] = {}
+    candidates.sort(key=lambda c: (c[0], c[1], c[2]))
+    last_device, last_end = None, 0
+    for device, start, end, idx, t in candidates:
+        if start == end:  # empty: nothing is written
+            targets[idx] = t
+            continue
+        if device == last_device and start < last_end:
+            continue  # overlaps memory already given to another tensor
+        targets[idx] = t
+        last_device, last_end = device, end
+    return targets

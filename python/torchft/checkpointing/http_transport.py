@@ -1,5 +1,16 @@
 """HTTP checkpoint transport: every rank serves its live state, healing ranks pull it.
 
+Two paths carry the tensor bytes:
+
+- **native** (default, when the link is not TLS): the control exchange stays HTTP (the
+  receiver fetches the JSON header, which names the source's data port), and the bytes move
+  over the native data path (:mod:`torchft._torchft` ``CheckpointDataServer`` /
+  ``CheckpointFetch``): streamed from the sender's tensor memory over several TCP
+  connections, written straight into the receiver's tensors, CRC per tensor, the GIL
+  released. With ``state_dict=`` the receiver writes into its own existing tensors.
+- **HTTP** (TLS links, peers without a data port, ``native=False``): the stdlib server
+  below streams the same frames over HTTP(S).
+
 The sender runs a small threaded HTTP server (stdlib) listening on the address of the host
 name the manager advertises (see :mod:`torchft.checkpointing._security` for binding, the
 shared-secret token and TLS, which every request goes through). Between
@@ -39,10 +50,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from torchft import _torchft
 from torchft.checkpointing import _serialization as ser
 from torchft.checkpointing._security import (
     CheckpointAuthError,
@@ -56,9 +68,21 @@ from torchft.checkpointing.transport import CheckpointTransport, _timeout_from_e
 logger: logging.Logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_F = TypeVar("_F", bound="_Abortable")
 
 _BASE_PATH = "/checkpoint"
 _MAX_ERROR_BODY = 64 << 10
+# Parallel connections of a native receive when ``num_chunks`` is 0.
+DEFAULT_STREAMS = 4
+_NOT_OURS = (
+    "this checkpoint server speaks torchft's typed checkpoint format (JSON header and raw "
+    "tensor bytes, never pickle) under {base}/<step>/full; a pickle-based HTTPTransport "
+    "cannot heal from it: run the same torchft version on every replica group"
+)
+
+
+class _Abortable(Protocol):
+    def abort(self) -> None: ...
 
 
 @dataclass
@@ -67,7 +91,7 @@ class _Receiving:
     by ``abort_recv`` (rather than by one of its own failed fetches)."""
 
     cancel: threading.Event
-    fetches: list[_Fetch]
+    fetches: list[_Abortable]
     lost: bool = False
 
 
@@ -246,8 +270,13 @@ class HTTPTransport(CheckpointTransport[T]):
     Args:
         timeout: default bound for serving one request and for waiting for a step to be
             offered (overridden by ``TORCHFT_TIMEOUT_SEC``).
-        num_chunks: if > 0, receivers fetch the tensors with this many parallel range
-            requests; 0 fetches everything with one streamed request.
+        num_chunks: parallel connections of a receive: native receives use this many
+            (0: ``DEFAULT_STREAMS``); HTTP receives use this many range requests (0: one
+            streamed request).
+        state_dict: optional callable returning this rank's current state; a receive
+            writes each tensor into the local tensor at the same place (same dtype and
+            shape, contiguous) instead of allocating a new one (the Manager passes its
+            own). A failed receive then leaves those tensors partly overwritten.
         state_dict_lock: optional factory of a context manager held while the state is
             read for a transfer (the Manager passes its state-dict read lock, so an
             optimizer step cannot race a transfer).
@@ -257,24 +286,32 @@ class HTTPTransport(CheckpointTransport[T]):
             env ``TORCHFT_CHECKPOINT_BIND``.
         security: token and TLS settings (default: from ``TORCHFT_TOKEN_FILE`` /
             ``TORCHFT_TOKEN`` / ``TORCHFT_TLS_*``, as the manager server reads them).
+        native: serve and fetch tensor bytes over the native data path when the link is
+            not TLS (False: HTTP only, as before it existed).
     """
 
     def __init__(
         self,
         timeout: timedelta,
         num_chunks: int = 0,
+        state_dict: Callable[[], T] | None = None,
         state_dict_lock: Callable[[], AbstractContextManager[object]] | None = None,
         *,
         hostname: str | None = None,
         bind: str | None = None,
         security: TransportSecurity | None = None,
+        native: bool = True,
     ) -> None:
         if num_chunks < 0:
             raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
         self._timeout = _timeout_from_env(timeout)
         if self._timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if state_dict is not None and not callable(state_dict):
+            raise TypeError("state_dict must be a callable returning the local state")
         self._num_chunks = num_chunks
+        self._state_dict = state_dict
+        self._native = native
         self._state_dict_lock = state_dict_lock
         self._security = security if security is not None else TransportSecurity.from_env()
         self._client_tls = self._security.client_context()
@@ -299,6 +336,21 @@ class HTTPTransport(CheckpointTransport[T]):
             daemon=True,
         )
         self._thread.start()
+        # The native data server: not on TLS links (its streams are not encrypted), where
+        # the HTTPS path carries the bytes instead.
+        self._data: _torchft.CheckpointDataServer | None = None
+        if native and not self._security.serves_tls:
+            try:
+                self._data = _torchft.CheckpointDataServer(
+                    str(self._server.server_address[0]),
+                    token=self._security.token,
+                    request_timeout=self._timeout,
+                )
+            except (OSError, ValueError) as e:
+                # Healing still works, over HTTP: slower, never wrong.
+                logger.warning(
+                    "native checkpoint data server unavailable, serving over HTTP: %s", e
+                )
         try:
             bound = str(self._server.server_address[0])
             if hostname:
@@ -322,6 +374,11 @@ class HTTPTransport(CheckpointTransport[T]):
         """Returns the base URL receivers fetch this rank's state from."""
         return f"{self._security.scheme}://{_format_host(self._host)}:{self._port}{_BASE_PATH}"
 
+    @property
+    def receives_in_place(self) -> bool:
+        """True when given ``state_dict``: receives write into the local tensors."""
+        return self._state_dict is not None
+
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
     ) -> None:
@@ -342,10 +399,26 @@ class HTTPTransport(CheckpointTransport[T]):
             RuntimeError: the transport was shut down.
         """
         gen = uuid.uuid4().hex
-        enc = ser.encode(state_dict, meta={"step": step, "gen": gen})
+        meta: dict[str, Any] = {"step": step, "gen": gen}
+        data = self._data
+        if data is not None:
+            meta["data_port"] = data.port
+        enc = ser.encode(state_dict, meta=meta)
         serve_timeout = timeout.total_seconds()
         if serve_timeout <= 0:
             serve_timeout = self._timeout.total_seconds()
+        if data is not None:
+            # Offered before the header is served: a receiver reading the header may ask
+            # for the bytes at once.
+            data.offer(
+                step,
+                gen,
+                _native_sources(enc),
+                timedelta(seconds=serve_timeout),
+                keepalive=enc,
+                enter=self._state_dict_lock,
+                stage=_Stager(enc.tensors).stage,
+            )
         served = _Served(
             step=step,
             gen=gen,
@@ -376,6 +449,8 @@ class HTTPTransport(CheckpointTransport[T]):
             served = self._served
             self._served = None
             self._cond.notify_all()
+        if self._data is not None and not self._data.revoke():
+            logger.warning("a native checkpoint stream still reads the state after its revoke")
         if served is not None:
             self._abort_transfers(served.gen)
 
@@ -443,8 +518,11 @@ class HTTPTransport(CheckpointTransport[T]):
             raise _HTTPError(401, refused)
         query = urllib.parse.parse_qs(url.query)
         # "", "checkpoint", step, kind, ...
-        if len(parts) < 4 or parts[1] != _BASE_PATH.strip("/"):
+        if len(parts) < 3 or parts[1] != _BASE_PATH.strip("/"):
             raise _HTTPError(404, f"unknown path {url.path!r}")
+        if len(parts) == 3 or parts[3].isdigit():
+            # /checkpoint/<step>[/<chunk>]: a pickle-based HTTPTransport's request.
+            raise _HTTPError(400, _NOT_OURS.format(base=_BASE_PATH))
         try:
             step = int(parts[2])
             wait_s = float(query.get("wait", ["0"])[0])
@@ -584,7 +662,9 @@ class HTTPTransport(CheckpointTransport[T]):
         with self._recv_lock:
             self._receiving.append(entry)
         try:
-            if self._num_chunks <= 0:
+            if self._native:
+                state, nbytes = self._recv_ranges(base, prefix, step, deadline, src_rank, entry)
+            elif self._num_chunks <= 0:
                 state, nbytes = self._recv_full(base, prefix, step, deadline, src_rank, entry)
             else:
                 state, nbytes = self._recv_chunked(base, prefix, step, deadline, src_rank, entry)
@@ -619,7 +699,7 @@ class HTTPTransport(CheckpointTransport[T]):
             for f in fetches:
                 f.abort()
 
-    def _open(self, entry: _Receiving, fetch: _Fetch) -> _Fetch:
+    def _open(self, entry: _Receiving, fetch: _F) -> _F:
         """Registers ``fetch`` with its receive so ``abort_recv`` can break it."""
         with self._recv_lock:
             entry.fetches.append(fetch)
@@ -643,7 +723,7 @@ class HTTPTransport(CheckpointTransport[T]):
         ) as f:
             header = ser.read_header(f.readinto)
             _check_meta(header, step, src)
-            out: list[torch.Tensor | None] = [None] * len(header.specs)
+            out = self._destinations(header, cpu_only=True)
             ser.read_range(f.readinto, header, 0, len(out), out, check=f.check)
             f.expect_eof()
         return ser.build(header, out), sum(s.nbytes for s in header.specs)
@@ -657,16 +737,133 @@ class HTTPTransport(CheckpointTransport[T]):
         src: int,
         entry: _Receiving,
     ) -> tuple[Any, int]:
-        cancel, fetches = entry.cancel, entry.fetches
+        header = self._fetch_header(base, prefix, step, deadline, src, entry)
+        gen = _check_meta(header, step, src)
+        out = self._destinations(header, cpu_only=True)
+        ranges = ser.split_ranges(header.specs, self._num_chunks)
+        self._fetch_http_ranges(base, prefix, header, gen, ranges, out, deadline, src, entry)
+        return ser.build(header, out), sum(s.nbytes for s in header.specs)
+
+    def _recv_ranges(
+        self,
+        base: urllib.parse.SplitResult,
+        prefix: str,
+        step: int,
+        deadline: float,
+        src: int,
+        entry: _Receiving,
+    ) -> tuple[Any, int]:
+        """Header over HTTP, then the bytes natively when the source offers a data port
+        (else as HTTP range requests)."""
+        header = self._fetch_header(base, prefix, step, deadline, src, entry)
+        gen = _check_meta(header, step, src)
+        port = header.meta.get("data_port")
+        native = type(port) is int and 0 < port < 65536 and not self._security.dials_tls
+        out = self._destinations(header, cpu_only=not native)
+        if native:
+            assert base.hostname is not None and isinstance(port, int)
+            self._fetch_native(base.hostname, port, header, gen, out, deadline, src, entry)
+        else:
+            ranges = ser.split_ranges(header.specs, max(self._num_chunks, 1))
+            self._fetch_http_ranges(base, prefix, header, gen, ranges, out, deadline, src, entry)
+        return ser.build(header, out), sum(s.nbytes for s in header.specs)
+
+    def _destinations(self, header: ser.Header, cpu_only: bool) -> list[torch.Tensor | None]:
+        """Per header tensor, the local tensor to receive into (None: allocate one)."""
+        out: list[torch.Tensor | None] = [None] * len(header.specs)
+        if self._state_dict is None:
+            return out
+        # Device (CUDA) tensors only natively, staged through pinned host memory.
+        devices = ("cpu",) if cpu_only else ("cpu", "cuda")
+
+        def accept(t: torch.Tensor) -> bool:
+            return t.device.type in devices
+
+        for i, t in ser.inplace_targets(header, self._state_dict(), accept).items():
+            out[i] = t
+        return out
+
+    def _fetch_header(
+        self,
+        base: urllib.parse.SplitResult,
+        prefix: str,
+        step: int,
+        deadline: float,
+        src: int,
+        entry: _Receiving,
+    ) -> ser.Header:
         header_path = f"{prefix}/{step}/header?wait={_wait_param(deadline)}"
         with self._open(
-            entry, _Fetch(base, header_path, deadline, src, self._fetch_opts(), cancel)
+            entry, _Fetch(base, header_path, deadline, src, self._fetch_opts(), entry.cancel)
         ) as f:
             header = ser.read_header(f.readinto)
             f.expect_eof()
-        gen = _check_meta(header, step, src)
-        out: list[torch.Tensor | None] = [None] * len(header.specs)
-        ranges = ser.split_ranges(header.specs, self._num_chunks)
+        return header
+
+    def _fetch_native(
+        self,
+        host: str,
+        port: int,
+        header: ser.Header,
+        gen: str,
+        out: list[torch.Tensor | None],
+        deadline: float,
+        src: int,
+        entry: _Receiving,
+    ) -> None:
+        """Receives every tensor over the native data path into ``out`` (filled in)."""
+        dests: list[tuple[int, int]] = []
+        staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for i, spec in enumerate(header.specs):
+            t = out[i]
+            if t is None:
+                t = out[i] = ser.alloc_tensor(spec)
+            elif t.device.type != "cpu":
+                # A device tensor: received into a pinned host buffer, then copied over.
+                buf = torch.empty(
+                    spec.shape, dtype=spec.torch_dtype, pin_memory=torch.cuda.is_available()
+                )
+                staged.append((i, buf, t))
+                t = buf
+            dests.append((t.data_ptr() if spec.nbytes else 0, spec.nbytes))
+        streams = self._num_chunks if self._num_chunks > 0 else DEFAULT_STREAMS
+        ranges = ser.split_ranges(header.specs, streams)
+        fetch = self._open(entry, _torchft.CheckpointFetch())
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"checkpoint transfer from replica {src} timed out")
+        addr = f"{_format_host(host)}:{port}"
+        failure = fetch.run(
+            addr,
+            self._security.token,
+            int(header.meta["step"]),
+            gen,
+            ranges,
+            dests,
+            timedelta(seconds=remaining),
+        )
+        if failure is not None:
+            raise _native_error(failure, src, addr)
+        for i, buf, target in staged:
+            target.copy_(buf)
+            out[i] = target
+        if staged and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _fetch_http_ranges(
+        self,
+        base: urllib.parse.SplitResult,
+        prefix: str,
+        header: ser.Header,
+        gen: str,
+        ranges: list[tuple[int, int]],
+        out: list[torch.Tensor | None],
+        deadline: float,
+        src: int,
+        entry: _Receiving,
+    ) -> None:
+        cancel, fetches = entry.cancel, entry.fetches
+        step = header.meta["step"]
 
         def fetch(start: int, end: int) -> None:
             path = f"{prefix}/{step}/range/{start}/{end}?gen={gen}"
@@ -699,7 +896,6 @@ class HTTPTransport(CheckpointTransport[T]):
                     raise TimeoutError(f"checkpoint transfer from replica {src} timed out")
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
-        return ser.build(header, out), sum(s.nbytes for s in header.specs)
 
     def _fetch_opts(self) -> _FetchOpts:
         return _FetchOpts(tls=self._client_tls, headers=self._security.headers())
@@ -721,6 +917,8 @@ class HTTPTransport(CheckpointTransport[T]):
         for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
+        if self._data is not None:
+            self._data.shutdown()
         self._server.shutdown()
         self._server.server_close()
         if wait:
@@ -728,6 +926,75 @@ class HTTPTransport(CheckpointTransport[T]):
             self._thread.join(max(deadline - time.monotonic(), 0))
             for t in threads:
                 t.join(max(deadline - time.monotonic(), 0))
+
+
+def _native_sources(enc: ser.Encoded) -> list[tuple[int, int]]:
+    """Per tensor ``(address, length)`` for the native server: the tensor's own memory when it
+    is a plain contiguous CPU tensor, else address 0 (staged by :class:`_Stager`)."""
+    sources = []
+    for t, spec in zip(enc.tensors, enc.specs, strict=True):
+        direct = (
+            t.device.type == "cpu"
+            and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
+            and spec.nbytes > 0
+        )
+        sources.append((t.data_ptr() if direct else 0, spec.nbytes))
+    return sources
+
+
+class _Stager:
+    """Copies pieces of the tensors the native server cannot read directly into its stream
+    buffers: device tensors through a pinned host buffer of one piece per stream thread,
+    non-contiguous CPU tensors from a contiguous copy of the tensor being sent (one per
+    stream thread at a time)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._local = threading.local()
+
+    def stage(self, index: int, offset: int, view: memoryview) -> None:
+        """Fills ``view`` with bytes ``[offset, offset + len(view))`` of tensor ``index``."""
+        t = self._tensors[index]
+        n = len(view)
+        dst = torch.frombuffer(view, dtype=torch.uint8)
+        if t.device.type == "cpu":
+            cached = getattr(self._local, "flat", None)
+            if cached is None or cached[0] is not t:
+                cached = self._local.flat = (t, ser.tensor_bytes(t))
+            dst.copy_(cached[1][offset : offset + n])
+            return
+        flat = t.detach()
+        if flat.is_conj():
+            flat = flat.resolve_conj()
+        if flat.is_neg():
+            flat = flat.resolve_neg()
+        flat = flat.contiguous().reshape(-1).view(torch.uint8)
+        pinned = getattr(self._local, "pinned", None)
+        if pinned is None or pinned.numel() < n:
+            pinned = self._local.pinned = torch.empty(
+                max(n, 1 << 20), dtype=torch.uint8, pin_memory=True
+            )
+        pinned[:n].copy_(flat[offset : offset + n])
+        dst.copy_(pinned[:n])
+
+
+def _native_error(failure: tuple[str, int, str], src: int, addr: str) -> Exception:
+    """The exception for a failed native fetch (same types as the HTTP path raises)."""
+    kind, status, message = failure
+    where = f"replica {src} ({addr})"
+    if kind == "timeout":
+        return TimeoutError(f"timed out fetching checkpoint from {where}: {message}")
+    if kind == "connect":
+        return ConnectionError(f"could not fetch checkpoint from {where}: {message}")
+    if kind in ("broken", "corrupt"):
+        return ser.CheckpointFormatError(f"checkpoint stream from {where}: {message}")
+    if kind == "aborted":
+        return _Aborted("cancelled")
+    if status == 401:
+        return CheckpointAuthError(f"{where}'s checkpoint server refused the token: {message}")
+    return RuntimeError(f"checkpoint request to {where} failed ({status}): {message}")
 
 
 def _wait_param(deadline: float) -> str:

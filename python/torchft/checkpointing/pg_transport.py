@@ -41,16 +41,6 @@ def _wire_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _lookup(root: Any, path: tuple[Any, ...]) -> Any:
-    node = root
-    for key in path:
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return node
-
-
 class PGTransport(CheckpointTransport[T]):
     """Sends checkpoints with point-to-point ops on a torch ``ProcessGroup``.
 
@@ -92,6 +82,11 @@ class PGTransport(CheckpointTransport[T]):
                 raise
             if ok is False:
                 raise TimeoutError(f"checkpoint {what} timed out")
+
+    @property
+    def receives_in_place(self) -> bool:
+        """True when given ``state_dict``: receives write into the local tensors."""
+        return self._state_dict is not None
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
@@ -186,24 +181,4 @@ class PGTransport(CheckpointTransport[T]):
     def _inplace_targets(self, header: ser.Header) -> dict[int, torch.Tensor]:
         if self._state_dict is None:
             return {}
-        local = self._state_dict()
-        targets: dict[int, torch.Tensor] = {}
-        used: set[int] = set()
-        for path, idx in ser.tensor_paths(header):
-            if idx in targets or not 0 <= idx < len(header.specs):
-                continue
-            t = _lookup(local, path)
-            spec = header.specs[idx]
-            if (
-                isinstance(t, torch.Tensor)
-                and id(t) not in used
-                and t.device == self._device
-                and t.dtype == spec.torch_dtype
-                and tuple(t.shape) == spec.shape
-                and t.is_contiguous()
-                and not t.is_conj()
-                and not t.is_neg()
-            ):
-                targets[idx] = t.detach()
-                used.add(id(t))
-        return targets
+        return ser.inplace_targets(header, self._state_dict(), lambda t: t.device == self._device)

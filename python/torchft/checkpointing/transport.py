@@ -61,6 +61,13 @@ class CheckpointTransport(Generic[T], ABC):
             timeout: bound on the whole operation.
         """
 
+    @property
+    def receives_in_place(self) -> bool:
+        """True if :meth:`recv_checkpoint` writes into the receiver's existing tensors: a
+        receive that fails then leaves them partly overwritten (the Manager must not go on
+        with that state)."""
+        return False
+
     def disallow_checkpoint(self) -> None:
         """Stops serving the current state (it is about to change). Returns promptly."""
 

@@ -1,0 +1,597 @@
+//! The receiving side: pulls ranges of an offered state over parallel connections, writing
+//! every piece straight into its destination memory.
+//!
+//! A [`Fetch`] is one receive. It can be broken from another thread ([`Fetch::abort`], e.g.
+//! when the source is declared lost): every connection is shut down, so blocked reads return
+//! at once. A source that dies ends its streams with EOF or a reset, which fails the fetch at
+//! once; one that stops answering fails it at the deadline.
+
+use std::io::{ErrorKind, Read};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::wire::{self, Request};
+
+/// Bytes read per call before checksumming them (small enough to still be in cache).
+pub const READ_PIECE_BYTES: usize = 512 << 10;
+
+/// Where one tensor's bytes go.
+#[derive(Debug, Clone, Copy)]
+pub struct Dest {
+    /// Address of the first byte.
+    pub addr: usize,
+    /// Number of bytes (must equal the tensor's length in the header).
+    pub len: usize,
+}
+
+/// What to fetch and from where.
+#[derive(Debug, Clone)]
+pub struct FetchSpec {
+    /// `host:port` of the source's data server.
+    pub addr: String,
+    /// The job's shared secret, when it has one.
+    pub token: Option<String>,
+    /// The step to heal to.
+    pub step: i64,
+    /// The offer's generation id (from the header).
+    pub gen: String,
+    /// Disjoint `[start, end)` tensor ranges, one connection each.
+    pub ranges: Vec<(usize, usize)>,
+    /// Deadline of the whole fetch.
+    pub deadline: Instant,
+}
+
+/// Why a fetch failed. Nothing received is valid then: the caller must not use it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FetchError {
+    /// The deadline passed.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// The source could not be reached.
+    #[error("could not connect: {0}")]
+    Connect(String),
+    /// The stream ended early or broke (the source died or closed it).
+    #[error("stream broke: {0}")]
+    Broken(String),
+    /// The bytes do not check out (CRC, framing, lengths).
+    #[error("corrupted stream: {0}")]
+    Corrupt(String),
+    /// The source answered with a refusal.
+    #[error("refused ({status}): {message}")]
+    Refused {
+        /// The reply status (see `wire::STATUS_*`).
+        status: u32,
+        /// The source's explanation.
+        message: String,
+    },
+    /// [`Fetch::abort`] was called.
+    #[error("aborted")]
+    Aborted,
+}
+
+/// One receive in progress (see the module doc).
+#[derive(Default)]
+pub struct Fetch {
+    aborted: AtomicBool,
+    failed: AtomicBool,
+    socks: Mutex<Vec<TcpStream>>,
+}
+
+impl Fetch {
+    /// A fetch not started yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Breaks the fetch: its connections are shut down and it fails with
+    /// [`FetchError::Aborted`]. Safe from any thread, before or during [`Fetch::run`].
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.stop_all();
+    }
+
+    fn stop_all(&self) {
+        for s in self.socks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn stopped(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst) || self.failed.load(Ordering::SeqCst)
+    }
+
+    fn register(&self, s: &TcpStream) -> Result<(), FetchError> {
+        let clone = s
+            .try_clone()
+            .map_err(|e| FetchError::Connect(e.to_string()))?;
+        self.socks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(clone);
+        if self.stopped() {
+            let _ = s.shutdown(Shutdown::Both);
+            return Err(FetchError::Aborted);
+        }
+        Ok(())
+    }
+
+    /// Fetches every range of `spec` into `dests` (indexed by tensor), one connection per
+    /// range, in parallel. Returns the number of tensor bytes received.
+    ///
+    /// # Safety
+    /// Every `dests[i]` must be valid for writes of `len` bytes for the whole call and not
+    /// overlap any other destination; nothing else may access that memory meanwhile.
+    pub unsafe fn run(&self, spec: &FetchSpec, dests: &[Dest]) -> Result<u64, FetchError> {
+        for &(a, b) in &spec.ranges {
+            if a > b || b > dests.len() {
+                return Err(FetchError::Corrupt(format!(
+                    "range [{a}, {b}) out of {} tensors",
+                    dests.len()
+                )));
+            }
+        }
+        let addrs: Vec<SocketAddr> = spec
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| FetchError::Connect(format!("{}: {e}", spec.addr)))?
+            .collect();
+        if addrs.is_empty() {
+            return Err(FetchError::Connect(format!(
+                "{} resolves to nothing",
+                spec.addr
+            )));
+        }
+        let first_error: Mutex<Option<FetchError>> = Mutex::new(None);
+        std::thread::scope(|scope| {
+            for &(start, end) in &spec.ranges {
+                let (addrs, first_error) = (&addrs, &first_error);
+                scope.spawn(move || {
+                    // SAFETY: forwarded from this function's contract; ranges are disjoint.
+                    let r = unsafe { self.fetch_range(spec, addrs, start, end, dests) };
+                    if let Err(e) = r {
+                        let mut first = first_error.lock().unwrap_or_else(|e| e.into_inner());
+                        // The first real failure wins over the breakage it causes elsewhere.
+                        if first.is_none() && !self.failed.load(Ordering::SeqCst) {
+                            *first = Some(e);
+                        }
+                        self.failed.store(true, Ordering::SeqCst);
+                        drop(first);
+                        self.stop_all();
+                    }
+                });
+            }
+        });
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(FetchError::Aborted);
+        }
+        if let Some(e) = first_error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
+        Ok(spec
+            .ranges
+            .iter()
+            .flat_map(|&(a, b)| dests[a..b].iter())
+            .map(|d| d.len as u64)
+            .sum())
+    }
+
+    fn connect(&self, spec: &FetchSpec, addrs: &[SocketAddr]) -> Result<TcpStream, FetchError> {
+        let mut last = String::new();
+        for addr in addrs {
+            let remaining = remaining(spec, "connecting")?;
+            match TcpStream::connect_timeout(addr, remaining) {
+                Ok(s) => return Ok(s),
+                Err(e) if is_timeout(&e) => {
+                    return Err(FetchError::Timeout(format!("connecting to {addr}")))
+                }
+                Err(e) => last = format!("{addr}: {e}"),
+            }
+        }
+        Err(FetchError::Connect(last))
+    }
+
+    unsafe fn fetch_range(
+        &self,
+        spec: &FetchSpec,
+        addrs: &[SocketAddr],
+        start: usize,
+        end: usize,
+        dests: &[Dest],
+    ) -> Result<(), FetchError> {
+        if self.stopped() {
+            return Err(FetchError::Aborted);
+        }
+        let stream = self.connect(spec, addrs)?;
+        self.register(&stream)?;
+        let _ = stream.set_nodelay(true);
+        let mut io = Io {
+            fetch: self,
+            spec,
+            stream: &stream,
+        };
+        let req = Request {
+            token: spec.token.clone(),
+            step: spec.step,
+            gen: spec.gen.clone(),
+            start: start as u64,
+            end: end as u64,
+        };
+        // Until the source answers, a broken connection means it could not serve at all.
+        let unanswered = |e: FetchError| match e {
+            FetchError::Broken(m) => FetchError::Connect(m),
+            e => e,
+        };
+        io.set_timeouts()?;
+        wire::write_request(&mut &stream, &req)
+            .map_err(|e| unanswered(io.error(e, "sending the request")))?;
+        io.set_timeouts()?;
+        let (status, message) = wire::read_reply(&mut &stream).map_err(|e| {
+            let e = if e.kind() == ErrorKind::UnexpectedEof {
+                std::io::Error::new(ErrorKind::UnexpectedEof, "closed before answering")
+            } else {
+                e
+            };
+            unanswered(io.error(e, "the reply"))
+        })?;
+        if status != wire::STATUS_OK {
+            return Err(FetchError::Refused { status, message });
+        }
+        let mut prefix = [0u8; 24];
+        io.read_exact(&mut prefix, "the range prefix")?;
+        if prefix != wire::range_prefix(start as u64, end as u64) {
+            return Err(FetchError::Corrupt(format!(
+                "expected the frame of tensors [{start}, {end})"
+            )));
+        }
+        let mut crcs = Vec::with_capacity(4 * (end - start));
+        for (i, dest) in dests.iter().enumerate().take(end).skip(start) {
+            // SAFETY: the caller's contract on `dests`.
+            let out = unsafe { std::slice::from_raw_parts_mut(dest.addr as *mut u8, dest.len) };
+            let mut crc = crc32fast::Hasher::new();
+            for piece in out.chunks_mut(READ_PIECE_BYTES) {
+                io.read_exact(piece, "tensor bytes")?;
+                crc.update(piece);
+            }
+            let mut got = [0u8; 4];
+            io.read_exact(&mut got, "a tensor checksum")?;
+            if u32::from_le_bytes(got) != crc.finalize() {
+                return Err(FetchError::Corrupt(format!(
+                    "checksum mismatch in tensor {i}"
+                )));
+            }
+            crcs.extend_from_slice(&got);
+        }
+        let mut trailer = [0u8; 20];
+        io.read_exact(&mut trailer, "the range trailer")?;
+        if trailer != wire::range_trailer((end - start) as u64, &crcs) {
+            return Err(FetchError::Corrupt("bad range trailer".into()));
+        }
+        let mut extra = [0u8; 1];
+        match (&stream).read(&mut extra) {
+            Ok(0) => Ok(()),
+            Ok(_) => Err(FetchError::Corrupt("trailing bytes after the range".into())),
+            Err(e) => Err(io.error(e, "closing")),
+        }
+    }
+}
+
+struct Io<'a> {
+    fetch: &'a Fetch,
+    spec: &'a FetchSpec,
+    stream: &'a TcpStream,
+}
+
+impl Io<'_> {
+    fn set_timeouts(&mut self) -> Result<(), FetchError> {
+        let r = remaining(self.spec, "receiving")?;
+        self.stream
+            .set_read_timeout(Some(r))
+            .and_then(|_| self.stream.set_write_timeout(Some(r)))
+            .map_err(|e| FetchError::Broken(e.to_string()))
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8], what: &str) -> Result<(), FetchError> {
+        self.set_timeouts()?;
+        let mut got = 0;
+        while got < buf.len() {
+            match (&*self.stream).read(&mut buf[got..]) {
+                Ok(0) => {
+                    if self.fetch.stopped() {
+                        return Err(FetchError::Aborted);
+                    }
+                    return Err(FetchError::Broken(format!(
+                        "the source closed the stream while sending {what}"
+                    )));
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.error(e, what)),
+            }
+        }
+        Ok(())
+    }
+
+    fn error(&self, e: std::io::Error, what: &str) -> FetchError {
+        if self.fetch.stopped() {
+            FetchError::Aborted
+        } else if is_timeout(&e) {
+            FetchError::Timeout(format!("{what} from {}", self.spec.addr))
+        } else if e.kind() == ErrorKind::InvalidData {
+            FetchError::Corrupt(e.to_string())
+        } else {
+            FetchError::Broken(format!("{what} from {}: {e}", self.spec.addr))
+        }
+    }
+}
+
+fn remaining(spec: &FetchSpec, what: &str) -> Result<Duration, FetchError> {
+    let r = spec.deadline.saturating_duration_since(Instant::now());
+    if r.is_zero() {
+        return Err(FetchError::Timeout(format!("{what} from {}", spec.addr)));
+    }
+    Ok(r)
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::checkpoint::server::{DataServer, Offer, OfferHooks, Source};
+    use crate::security::Token;
+
+    struct Hooks;
+    impl OfferHooks for Hooks {
+        fn enter(&self) -> Result<Box<dyn Send>, String> {
+            Ok(Box::new(()))
+        }
+        fn stage(&self, index: usize, offset: u64, out: &mut [u8]) -> Result<(), String> {
+            for (k, b) in out.iter_mut().enumerate() {
+                *b = (index as u64 + offset + k as u64) as u8;
+            }
+            Ok(())
+        }
+    }
+
+    fn offer(server: &DataServer, data: &[Vec<u8>], staged_len: usize) {
+        let mut sources: Vec<Source> = data
+            .iter()
+            .map(|v| Source::Memory {
+                addr: v.as_ptr() as usize,
+                len: v.len(),
+            })
+            .collect();
+        sources.push(Source::Staged { len: staged_len });
+        // SAFETY: `data` outlives the server in every test below.
+        let o = unsafe {
+            Offer::new(
+                3,
+                "g1".into(),
+                sources,
+                Duration::from_secs(10),
+                Box::new(Hooks),
+            )
+        };
+        server.offer(o);
+    }
+
+    fn spec(server: &DataServer, token: Option<&str>, ranges: Vec<(usize, usize)>) -> FetchSpec {
+        FetchSpec {
+            addr: server.local_addr().to_string(),
+            token: token.map(str::to_string),
+            step: 3,
+            gen: "g1".into(),
+            ranges,
+            deadline: Instant::now() + Duration::from_secs(10),
+        }
+    }
+
+    #[test]
+    fn fetches_memory_and_staged_tensors_over_parallel_streams() {
+        let token = Token::new("s3cret").unwrap();
+        let server = DataServer::bind("127.0.0.1", Some(token), Duration::from_secs(5)).unwrap();
+        let data: Vec<Vec<u8>> = (0..5)
+            .map(|i| (0..(3 << 20) + i).map(|k| (k * 7 + i) as u8).collect())
+            .collect();
+        let staged_len = (2 << 20) + 3;
+        offer(&server, &data, staged_len);
+        let mut out: Vec<Vec<u8>> = data.iter().map(|v| vec![0u8; v.len()]).collect();
+        out.push(vec![0u8; staged_len]);
+        let dests: Vec<Dest> = out
+            .iter_mut()
+            .map(|v| Dest {
+                addr: v.as_mut_ptr() as usize,
+                len: v.len(),
+            })
+            .collect();
+        let f = Fetch::new();
+        let n = unsafe {
+            f.run(
+                &spec(&server, Some("s3cret"), vec![(0, 2), (2, 4), (4, 6)]),
+                &dests,
+            )
+        }
+        .unwrap();
+        assert_eq!(n, out.iter().map(|v| v.len() as u64).sum::<u64>());
+        assert_eq!(&out[..5], &data[..]);
+        let expect: Vec<u8> = (0..staged_len).map(|k| (5 + k) as u8).collect();
+        assert_eq!(out[5], expect);
+
+        // Wrong token, wrong generation: refused, nothing served.
+        let e = unsafe { Fetch::new().run(&spec(&server, Some("nope"), vec![(0, 1)]), &dests) };
+        assert!(
+            matches!(e, Err(FetchError::Refused { status: 401, .. })),
+            "{e:?}"
+        );
+        let mut s = spec(&server, Some("s3cret"), vec![(0, 1)]);
+        s.gen = "other".into();
+        let e = unsafe { Fetch::new().run(&s, &dests) };
+        assert!(
+            matches!(e, Err(FetchError::Refused { status: 409, .. })),
+            "{e:?}"
+        );
+
+        // Revoked: refused too.
+        assert!(server.revoke());
+        let e = unsafe { Fetch::new().run(&spec(&server, Some("s3cret"), vec![(0, 1)]), &dests) };
+        assert!(
+            matches!(e, Err(FetchError::Refused { status: 409, .. })),
+            "{e:?}"
+        );
+        server.shutdown();
+    }
+
+    /// A one-connection proxy that flips the byte at `flip_at` of the server's answer, or
+    /// cuts the answer at `cut_at`.
+    fn tamper(target: SocketAddr, flip_at: Option<usize>, cut_at: Option<usize>) -> SocketAddr {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut client, _) = listener.accept().unwrap();
+            let mut server = TcpStream::connect(target).unwrap();
+            let mut req = vec![0u8; 4096];
+            let n = client.read(&mut req).unwrap();
+            server.write_all(&req[..n]).unwrap();
+            let mut pos = 0usize;
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = match server.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let mut n = n;
+                if let Some(cut) = cut_at {
+                    if pos + n >= cut {
+                        n = cut - pos;
+                        let _ = client.write_all(&buf[..n]);
+                        break;
+                    }
+                }
+                if let Some(f) = flip_at {
+                    if (pos..pos + n).contains(&f) {
+                        buf[f - pos] ^= 0x40;
+                    }
+                }
+                if client.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                pos += n;
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn tampered_or_cut_streams_fail_and_say_why() {
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![7u8; 100_000], vec![9u8; 50_000]];
+        offer(&server, &data, 10);
+        let mut out: Vec<Vec<u8>> = vec![vec![0u8; 100_000], vec![0u8; 50_000], vec![0u8; 10]];
+        let dests: Vec<Dest> = out
+            .iter_mut()
+            .map(|v| Dest {
+                addr: v.as_mut_ptr() as usize,
+                len: v.len(),
+            })
+            .collect();
+        // Reply (16) + range prefix (24) come first: flip inside tensor 0, a CRC, the trailer.
+        for flip in [40 + 5_000, 40 + 100_000 + 1, 40 + 150_008 + 10 + 4 + 3] {
+            let mut s = spec(&server, None, vec![(0, 3)]);
+            s.addr = tamper(server.local_addr(), Some(flip), None).to_string();
+            let e = unsafe { Fetch::new().run(&s, &dests) };
+            assert!(
+                matches!(e, Err(FetchError::Corrupt(_))),
+                "flip at {flip}: {e:?}"
+            );
+        }
+        for cut in [8, 30, 70_000] {
+            let mut s = spec(&server, None, vec![(0, 3)]);
+            s.addr = tamper(server.local_addr(), None, Some(cut)).to_string();
+            let e = unsafe { Fetch::new().run(&s, &dests) };
+            let want_connect = cut < 16;
+            assert!(
+                if want_connect {
+                    matches!(e, Err(FetchError::Connect(_)))
+                } else {
+                    matches!(e, Err(FetchError::Broken(_)))
+                },
+                "cut at {cut}: {e:?}"
+            );
+        }
+        server.shutdown();
+    }
+
+    #[test]
+    fn a_source_that_is_not_a_data_server_fails_clearly() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 64];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n");
+        });
+        let mut out = vec![0u8; 16];
+        let dests = [Dest {
+            addr: out.as_mut_ptr() as usize,
+            len: out.len(),
+        }];
+        let s = FetchSpec {
+            addr: addr.to_string(),
+            token: None,
+            step: 1,
+            gen: "g".into(),
+            ranges: vec![(0, 1)],
+            deadline: Instant::now() + Duration::from_secs(5),
+        };
+        let e = unsafe { Fetch::new().run(&s, &dests) }.unwrap_err();
+        assert!(
+            matches!(e, FetchError::Corrupt(ref m) if m.contains("not a torchft")),
+            "{e:?}"
+        );
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn abort_breaks_a_fetch_stuck_on_a_silent_source() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            let (_s, _) = listener.accept().unwrap();
+            let _ = rx.recv_timeout(Duration::from_secs(30));
+        });
+        let mut out = vec![0u8; 16];
+        let dests = [Dest {
+            addr: out.as_mut_ptr() as usize,
+            len: out.len(),
+        }];
+        let s = FetchSpec {
+            addr: addr.to_string(),
+            token: None,
+            step: 1,
+            gen: "g".into(),
+            ranges: vec![(0, 1)],
+            deadline: Instant::now() + Duration::from_secs(30),
+        };
+        let f = Fetch::new();
+        let t0 = Instant::now();
+        let e = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                f.abort();
+            });
+            unsafe { f.run(&s, &dests) }
+        });
+        assert!(matches!(e, Err(FetchError::Aborted)), "{e:?}");
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        let _ = tx.send(());
+        t.join().unwrap();
+    }
+}

@@ -1,0 +1,519 @@
+//! The sending side: serves ranges of one offered state straight from its memory.
+//!
+//! The owner offers a state ([`DataServer::offer`]) and revokes it before the state may change
+//! ([`DataServer::revoke`]): revoking stops every stream of the offer at its next piece (their
+//! sockets are shut down, so a stream blocked on a slow receiver returns at once) and waits,
+//! bounded, until none reads the state any more. Each stream also has a deadline (the offer's
+//! timeout): a slow or stalled receiver never holds the sender longer.
+
+use std::collections::HashMap;
+use std::io::{BufReader, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use socket2::{Domain, Protocol, Socket, Type};
+
+use super::wire::{self, Request};
+use crate::security::Token;
+
+/// Bytes written per socket call: the granularity of revocation and deadline checks, and
+/// the size of a stream's staging buffer.
+pub const PIECE_BYTES: usize = 1 << 20;
+/// Connections served at once; more are answered "unavailable".
+pub const MAX_CONNECTIONS: usize = 64;
+/// Longest a revoke waits for streams to let go of the state.
+const REVOKE_WAIT: Duration = Duration::from_secs(5);
+
+/// Where one tensor's bytes come from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source {
+    /// Plain memory the core reads directly (a contiguous CPU tensor).
+    Memory {
+        /// Address of the first byte.
+        addr: usize,
+        /// Number of bytes.
+        len: usize,
+    },
+    /// Memory only the owner can read (a GPU or non-contiguous tensor): copied piece by
+    /// piece into the stream's staging buffer by [`OfferHooks::stage`].
+    Staged {
+        /// Number of bytes.
+        len: usize,
+    },
+}
+
+impl Source {
+    /// Number of bytes of the tensor.
+    pub fn len(&self) -> usize {
+        match *self {
+            Source::Memory { len, .. } | Source::Staged { len } => len,
+        }
+    }
+
+    /// True for an empty tensor.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What the owner of an offer does for the streams that read it.
+pub trait OfferHooks: Send + Sync {
+    /// Called before a stream reads the state; the guard is dropped when the stream ends
+    /// (the owner's read lock, so the state cannot change under a stream).
+    fn enter(&self) -> Result<Box<dyn Send>, String>;
+    /// Copies bytes `[offset, offset + out.len())` of tensor `index` (a [`Source::Staged`]
+    /// one) into `out`.
+    fn stage(&self, index: usize, offset: u64, out: &mut [u8]) -> Result<(), String>;
+}
+
+/// One state offered to receivers.
+pub struct Offer {
+    step: i64,
+    gen: String,
+    sources: Vec<Source>,
+    timeout: Duration,
+    hooks: Box<dyn OfferHooks>,
+    revoked: AtomicBool,
+}
+
+impl Offer {
+    /// An offer of `sources` as the state of `step`, generation `gen`.
+    ///
+    /// # Safety
+    /// Every [`Source::Memory`] range must stay valid for reads, and unchanged, for as long
+    /// as the offer is alive (streams hold it until they end): the owner keeps the memory
+    /// alive through `hooks` and does not change it before [`DataServer::revoke`] returned
+    /// true (its `enter` guard blocks writers while a stream runs).
+    pub unsafe fn new(
+        step: i64,
+        gen: String,
+        sources: Vec<Source>,
+        timeout: Duration,
+        hooks: Box<dyn OfferHooks>,
+    ) -> Self {
+        Offer {
+            step,
+            gen,
+            sources,
+            timeout,
+            hooks,
+            revoked: AtomicBool::new(false),
+        }
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    gen: Option<String>,
+}
+
+#[derive(Default)]
+struct State {
+    offer: Option<Arc<Offer>>,
+    conns: HashMap<u64, Conn>,
+    next_id: u64,
+    closed: bool,
+}
+
+struct Shared {
+    token: Option<Token>,
+    request_timeout: Duration,
+    state: Mutex<State>,
+    cond: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Serves the current offer to receivers over TCP.
+pub struct DataServer {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl DataServer {
+    /// Listens on `host` (an IP address; `::` also accepts IPv4) at an ephemeral port.
+    ///
+    /// `request_timeout` bounds reading a request from a new connection.
+    pub fn bind(
+        host: &str,
+        token: Option<Token>,
+        request_timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let ip: std::net::IpAddr = host.trim_matches(['[', ']']).parse().map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("invalid listen address {host:?}: {e}"),
+            )
+        })?;
+        let addr = SocketAddr::new(ip, 0);
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        if ip.is_ipv6() && ip.is_unspecified() {
+            socket.set_only_v6(false)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(128)?;
+        let listener: TcpListener = socket.into();
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            token,
+            request_timeout,
+            state: Mutex::new(State::default()),
+            cond: Condvar::new(),
+        });
+        let accept_shared = shared.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("torchft-ckpt-data-{}", addr.port()))
+            .spawn(move || accept_loop(listener, accept_shared))?;
+        Ok(DataServer {
+            shared,
+            addr,
+            accept: Mutex::new(Some(handle)),
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Makes `offer` the served state (revoking the previous one first).
+    pub fn offer(&self, offer: Offer) -> bool {
+        let stopped = self.revoke();
+        let mut st = self.shared.lock();
+        if !st.closed {
+            st.offer = Some(Arc::new(offer));
+        }
+        stopped
+    }
+
+    /// Stops serving the current offer: streams of it end at their next piece (their sockets
+    /// are shut down). Waits up to a few seconds for them; returns false if some stream still
+    /// holds the offer then (it stops at its next piece, and keeps the offer alive until).
+    pub fn revoke(&self) -> bool {
+        let mut st = self.shared.lock();
+        let Some(offer) = st.offer.take() else {
+            return true;
+        };
+        offer.revoked.store(true, Ordering::SeqCst);
+        for c in st.conns.values() {
+            if c.gen.as_deref() == Some(offer.gen.as_str()) {
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
+        }
+        let deadline = Instant::now() + REVOKE_WAIT;
+        while st
+            .conns
+            .values()
+            .any(|c| c.gen.as_deref() == Some(offer.gen.as_str()))
+        {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(gen = %offer.gen, "checkpoint streams still running after revoke");
+                return false;
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Number of connections open right now (for tests and diagnostics).
+    pub fn connections(&self) -> usize {
+        self.shared.lock().conns.len()
+    }
+
+    /// Revokes the offer, closes every connection and stops accepting.
+    pub fn shutdown(&self) {
+        self.revoke();
+        {
+            let mut st = self.shared.lock();
+            st.closed = true;
+            for c in st.conns.values() {
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
+        }
+        // Wake the accept loop, which checks `closed` after every connection.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        let handle = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for DataServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.lock().closed {
+            return;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "checkpoint data accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let id = {
+            let mut st = shared.lock();
+            if st.conns.len() >= MAX_CONNECTIONS {
+                drop(st);
+                refuse(stream, "too many checkpoint connections");
+                continue;
+            }
+            let Ok(clone) = stream.try_clone() else {
+                continue;
+            };
+            st.next_id += 1;
+            let id = st.next_id;
+            st.conns.insert(
+                id,
+                Conn {
+                    stream: clone,
+                    gen: None,
+                },
+            );
+            id
+        };
+        let conn_shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("torchft-ckpt-send".into())
+            .spawn(move || {
+                serve_connection(&conn_shared, id, stream);
+                let mut st = conn_shared.lock();
+                st.conns.remove(&id);
+                conn_shared.cond.notify_all();
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "could not start a checkpoint stream thread");
+            shared.lock().conns.remove(&id);
+        }
+    }
+}
+
+fn refuse(mut stream: TcpStream, why: &str) {
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = wire::write_reply(&mut stream, wire::STATUS_UNAVAILABLE, why);
+}
+
+fn serve_connection(shared: &Shared, id: u64, stream: TcpStream) {
+    let _ = stream.set_read_timeout(Some(shared.request_timeout));
+    let _ = stream.set_write_timeout(Some(shared.request_timeout));
+    let _ = stream.set_nodelay(true);
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let mut reader = BufReader::with_capacity(256, &stream);
+    let req = match wire::read_request(&mut reader) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "bad checkpoint data request");
+            let _ = wire::write_reply(&mut &stream, wire::STATUS_BAD_REQUEST, &e);
+            return;
+        }
+    };
+    drop(reader);
+    if let Err((status, msg)) = check_request(shared, &req) {
+        let _ = wire::write_reply(&mut &stream, status, &msg);
+        return;
+    }
+    let offer = {
+        let st = shared.lock();
+        match &st.offer {
+            Some(o) if o.step == req.step && o.gen == req.gen => o.clone(),
+            _ => {
+                drop(st);
+                let msg = format!("the state of step {} is no longer served", req.step);
+                let _ = wire::write_reply(&mut &stream, wire::STATUS_NOT_SERVED, &msg);
+                return;
+            }
+        }
+    };
+    let (start, end) = (req.start as usize, req.end as usize);
+    if !(start <= end && end <= offer.sources.len()) {
+        let msg = format!(
+            "range [{start}, {end}) out of bounds ({} tensors)",
+            offer.sources.len()
+        );
+        let _ = wire::write_reply(&mut &stream, wire::STATUS_BAD_REQUEST, &msg);
+        return;
+    }
+    // The owner's read lock first, then the registration revoke waits for: a revoke between
+    // the two is seen by the check below.
+    let guard = match offer.hooks.enter() {
+        Ok(g) => g,
+        Err(e) => {
+            let _ = wire::write_reply(&mut &stream, wire::STATUS_UNAVAILABLE, &e);
+            return;
+        }
+    };
+    {
+        let mut st = shared.lock();
+        let current = st.offer.as_ref().is_some_and(|o| Arc::ptr_eq(o, &offer));
+        if !current || offer.revoked.load(Ordering::SeqCst) {
+            drop(st);
+            drop(guard);
+            let msg = format!("the state of step {} is no longer served", req.step);
+            let _ = wire::write_reply(&mut &stream, wire::STATUS_NOT_SERVED, &msg);
+            return;
+        }
+        if let Some(c) = st.conns.get_mut(&id) {
+            c.gen = Some(offer.gen.clone());
+        }
+    }
+    let t0 = Instant::now();
+    let result = stream_range(&offer, &stream, start, end);
+    drop(guard);
+    match result {
+        Ok(bytes) => tracing::debug!(
+            %peer, step = offer.step, start, end, bytes,
+            secs = t0.elapsed().as_secs_f64(), "checkpoint range sent"
+        ),
+        Err(e) => tracing::info!(%peer, step = offer.step, error = %e, "checkpoint range not sent"),
+    }
+}
+
+fn check_request(shared: &Shared, req: &Request) -> Result<(), (u32, String)> {
+    if let Some(token) = &shared.token {
+        let presented = req.token.as_deref().unwrap_or("");
+        if presented.is_empty() {
+            return Err((
+                wire::STATUS_UNAUTHORIZED,
+                "missing token: this checkpoint server requires the job's shared secret; set \
+                 TORCHFT_TOKEN_FILE (or TORCHFT_TOKEN)"
+                    .into(),
+            ));
+        }
+        if !token.matches(presented.as_bytes()) {
+            return Err((
+                wire::STATUS_UNAUTHORIZED,
+                "wrong token: the shared secret sent does not match this checkpoint server's; \
+                 check TORCHFT_TOKEN_FILE / TORCHFT_TOKEN on both sides"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Why a stream stopped early.
+#[derive(Debug, thiserror::Error)]
+enum StreamError {
+    /// The offer was revoked.
+    #[error("the offer was revoked")]
+    Revoked,
+    /// The offer's timeout passed.
+    #[error("the transfer exceeded its {0:?} deadline")]
+    Deadline(Duration),
+    /// The owner could not stage a piece.
+    #[error("staging failed: {0}")]
+    Stage(String),
+    /// The receiver went away or the socket failed.
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn stream_range(
+    offer: &Offer,
+    stream: &TcpStream,
+    start: usize,
+    end: usize,
+) -> Result<u64, StreamError> {
+    let deadline = Instant::now() + offer.timeout;
+    let mut out = stream;
+    let mut sent = 0u64;
+    let mut write = |bytes: &[u8]| -> Result<(), StreamError> {
+        if offer.revoked.load(Ordering::Relaxed) {
+            return Err(StreamError::Revoked);
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(StreamError::Deadline(offer.timeout));
+        }
+        out.set_write_timeout(Some(remaining))?;
+        out.write_all(bytes).map_err(|e| {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                StreamError::Deadline(offer.timeout)
+            } else if offer.revoked.load(Ordering::Relaxed) {
+                StreamError::Revoked
+            } else {
+                StreamError::Io(e)
+            }
+        })?;
+        sent += bytes.len() as u64;
+        Ok(())
+    };
+    let mut reply = Vec::with_capacity(16);
+    wire::write_reply(&mut reply, wire::STATUS_OK, "")?;
+    reply.extend_from_slice(&wire::range_prefix(start as u64, end as u64));
+    write(&reply)?;
+    let mut crcs = Vec::with_capacity(4 * (end - start));
+    let mut staging: Vec<u8> = Vec::new();
+    for (index, source) in offer.sources[start..end].iter().enumerate() {
+        let index = start + index;
+        let mut crc = crc32fast::Hasher::new();
+        match *source {
+            Source::Memory { addr, len } => {
+                // SAFETY: `Offer::new`'s contract: the range is valid and unchanged while the
+                // offer lives, and this stream holds the offer and the owner's read guard.
+                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                for piece in bytes.chunks(PIECE_BYTES) {
+                    crc.update(piece);
+                    write(piece)?;
+                }
+            }
+            Source::Staged { len } => {
+                if staging.len() < PIECE_BYTES.min(len) {
+                    staging = vec![0u8; PIECE_BYTES.min(len)];
+                }
+                let mut offset = 0usize;
+                while offset < len {
+                    let n = (len - offset).min(staging.len());
+                    let piece = &mut staging[..n];
+                    offer
+                        .hooks
+                        .stage(index, offset as u64, piece)
+                        .map_err(StreamError::Stage)?;
+                    crc.update(piece);
+                    write(piece)?;
+                    offset += n;
+                }
+            }
+        }
+        let c = crc.finalize().to_le_bytes();
+        crcs.extend_from_slice(&c);
+        write(&c)?;
+    }
+    write(&wire::range_trailer((end - start) as u64, &crcs))?;
+    Ok(sent)
+}
