@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _ft_worker import DATA_BATCH, DATA_SAMPLES
 from _cluster import Cluster
+from _ft_worker import DATA_BATCH, DATA_SAMPLES
 from test_fault_tolerance import assert_identical
 
 from torchft._torchft import LighthouseServer
