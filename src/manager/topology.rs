@@ -713,7 +713,7 @@ mod tests {
     fn same_host_source_is_preferred() {
         // Sources a (host x), b (host y); healers c (host y), d (host x): round-robin would
         // give c → a and d → b, locality gives the reverse.
-        let ms = vec![
+        let ms = [
             member("a", "x", String::new()),
             member("b", "y", String::new()),
             member("c", "y", String::new()),
@@ -722,7 +722,7 @@ mod tests {
         let ps: Vec<&QuorumMember> = ms.iter().collect();
         assert_eq!(assign_sources(&ps, &[0, 1], &[2, 3], 0, None), [1, 0]);
         // Both healers on host y: the local source is shared (ten times better connected).
-        let ms2 = vec![
+        let ms2 = [
             member("a", "x", String::new()),
             member("b", "y", String::new()),
             member("c", "y", String::new()),
