@@ -324,7 +324,7 @@ impl HealRecord {
             seconds: round6(r.heal_s),
             bytes: r.heal_bytes,
             gbps: (r.heal_s > 0.0 && r.heal_bytes > 0)
-                .then(|| round3(r.heal_bytes as f64 / r.heal_s / 1e9)),
+                .then(|| round6(r.heal_bytes as f64 / r.heal_s / 1e9)),
         }
     }
 }
@@ -1146,22 +1146,40 @@ mod tests {
         r.healed = true;
         r.heal_s = 0.5;
         r.heal_bytes = 1000;
+        r.heal_source = "g0".into();
         j.t.on_report(&r, j.now);
         assert_eq!(j.state("g1"), GroupState::Healthy);
         assert_eq!(j.t.groups["g1"].counters.heals, 1);
         assert_eq!(j.t.groups["g1"].counters.heal_bytes, 1000);
-        let transitions: Vec<(String, String)> =
-            j.t.take_events()
-                .into_iter()
-                .chain(std::iter::empty())
-                .filter(|e| e.kind == EventKind::StateChanged)
-                .map(|e| {
-                    (
-                        e.fields["from"].as_str().unwrap().to_string(),
-                        e.fields["to"].as_str().unwrap().to_string(),
-                    )
-                })
-                .collect();
+        let status = j.t.replicas(j.now);
+        let g1 = status.iter().find(|s| s.replica_id == "g1").unwrap();
+        assert_eq!(
+            g1.last_heal,
+            Some(HealRecord {
+                source: "g0".into(),
+                step: 1,
+                seconds: 0.5,
+                bytes: 1000,
+                gbps: Some(0.000002),
+            })
+        );
+        let events = j.t.take_events();
+        let healed = events
+            .iter()
+            .find(|e| e.kind == EventKind::ReplicaHealed)
+            .unwrap();
+        assert_eq!(healed.fields["source"], "g0");
+        assert_eq!(healed.fields["heal_bytes"], 1000);
+        let transitions: Vec<(String, String)> = events
+            .into_iter()
+            .filter(|e| e.kind == EventKind::StateChanged)
+            .map(|e| {
+                (
+                    e.fields["from"].as_str().unwrap().to_string(),
+                    e.fields["to"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
         let want = [
             ("healthy", "lost"),
             ("lost", "joining"),
