@@ -377,7 +377,10 @@ class Manager:
             replica_id: stable name of the replica group; a fresh uuid is appended per start.
             port: port of the manager server on group rank 0 (default env
                 ``TORCHFT_MANAGER_PORT`` or 0 = any free port).
-            hostname: host name other replica groups use to reach this one.
+            hostname: host name other replica groups use to reach this one; a healing group
+                prefers an up-to-date group on its own host, or, with env
+                ``WORLD_TOPOLOGY_FILE`` (and ``REPLICA_GROUP_ID``), the best-connected one
+                (see docs/healing.md).
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
                 (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``).
