@@ -397,8 +397,17 @@ impl Locality<'_> {
                 world_size,
                 group_rank,
             } => {
-                let rank = |i: usize| groups[i] * world_size + group_rank;
-                match topology.link(rank(dst), rank(src)) {
+                // Group indices come from the other members: out-of-range ones (overflow)
+                // simply have no connection.
+                let rank = |i: usize| {
+                    groups[i]
+                        .checked_mul(*world_size)
+                        .and_then(|r| r.checked_add(*group_rank))
+                };
+                match rank(dst)
+                    .zip(rank(src))
+                    .and_then(|(d, s)| topology.link(d, s))
+                {
                     Some(l) => Connection {
                         latency_s: l.latency_s.unwrap_or(0.0),
                         bandwidth: l.bandwidth_bps.unwrap_or(topology.default_bandwidth_bps),
@@ -844,6 +853,23 @@ mod tests {
         assert_eq!(
             assign_sources(&ps_of(&ms), &[0, 1], &[2, 3], 0, None),
             [0, 1]
+        );
+    }
+
+    #[test]
+    fn huge_announced_group_indices_do_not_overflow() {
+        let t = pairs();
+        let mut ms: Vec<QuorumMember> = (0..4)
+            .map(|i| member(&format!("g{i}"), "h", placed(&t, i)))
+            .collect();
+        for m in &mut ms {
+            m.world_size = 2;
+        }
+        ms[3].data = placed(&t, u64::MAX);
+        // g3's ranks overflow: it has no connection, so it takes the sources round-robin.
+        assert_eq!(
+            assign_sources(&ps_of(&ms), &[0, 1], &[2, 3], 1, Some(&t)).len(),
+            2
         );
     }
 
