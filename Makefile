@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate torchdata
 # Only `make test-integrations` needs these (large): installed there, not by the bootstrap.
 INTEGRATION_DEPS := ray[train]
 # The extension is rebuilt whenever Rust sources, the proto or the manifests change.

@@ -380,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  {r['replica_id']}: {r['state']} at step {r['step']}, "
             f"incarnations {c.get('incarnations')}, lost {c.get('lost')}, heals {c.get('heals')}"
         )
+        heal = r.get("last_heal")
+        if isinstance(heal, dict):
+            print(
+                f"    last heal: from {heal.get('source') or '?'} to step {heal.get('step')}, "
+                f"{heal.get('bytes')} bytes in {heal.get('seconds')}s ({heal.get('gbps')} GB/s)"
+            )
     if event_log.exists():
         events, _ = read_events(event_log)
         summary = summarize(events)

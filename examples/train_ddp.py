@@ -41,6 +41,7 @@ from torchft import (
     ProcessGroupGloo,
     ProcessGroupNCCL,
 )
+from torchft.data import StepAlignedLoader
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,32 +192,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     first_commit_s: float | None = None
     loss_value = float("nan")
-    epoch = 0
+    # Batch s of this group's shard for committed step s: a retried step reads the same
+    # batch, a restarted group resumes its shard at the step it healed to.
+    batches = StepAlignedLoader(loader, manager)
     try:
         while manager.current_step() < args.steps:
-            sampler.set_epoch(epoch)
-            epoch += 1
-            for x, y in loader:
-                if manager.current_step() >= args.steps:
-                    break
-                x, y = x.to(device), y.to(device)
-                optimizer.zero_grad()
-                loss = loss_fn(ddp_model(x), y)
-                loss.backward()
-                before = manager.current_step()
-                optimizer.step()
-                committed = manager.current_step() > before
-                loss_value = loss.item()
-                if committed and first_commit_s is None:
-                    first_commit_s = time.monotonic() - started
-                print(
-                    f"[group {replica_group} rank {rank}] step={manager.current_step()} "
-                    f"loss={loss_value:.4f} participants={manager.num_participants()} "
-                    f"committed={committed}",
-                    flush=True,
-                )
-                if args.step_sleep:
-                    time.sleep(args.step_sleep)
+            optimizer.zero_grad()
+            x, y = next(batches)
+            x, y = x.to(device), y.to(device)
+            loss = loss_fn(ddp_model(x), y)
+            loss.backward()
+            before = manager.current_step()
+            optimizer.step()
+            committed = manager.current_step() > before
+            loss_value = loss.item()
+            if committed and first_commit_s is None:
+                first_commit_s = time.monotonic() - started
+            print(
+                f"[group {replica_group} rank {rank}] step={manager.current_step()} "
+                f"loss={loss_value:.4f} participants={manager.num_participants()} "
+                f"committed={committed}",
+                flush=True,
+            )
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
         digest = state_hash({"model": model.state_dict(), "optim": inner_optim.state_dict()})
         result = {
             "replica_group": replica_group,

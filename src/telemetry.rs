@@ -37,7 +37,8 @@ pub enum EventKind {
     StateChanged,
     /// A replica group died or went silent (`replica_id`, `incarnation`, `reason`).
     ReplicaLost,
-    /// A replica group healed from a peer (`replica_id`, `step`, `heal_s`, `heal_bytes`).
+    /// A replica group healed from a peer (`replica_id`, `step`, `heal_s`, `heal_bytes`,
+    /// `source`, `gbps`).
     ReplicaHealed,
     /// A replica group's step did not commit (`replica_id`, `step`, `error`).
     CommitFailed,
@@ -143,6 +144,9 @@ pub fn validate_report(r: &TelemetryReport) -> Result<()> {
             "incarnation {:?} does not belong to replica_id {:?}",
             r.incarnation, r.replica_id
         ));
+    }
+    if r.heal_source.len() > MAX_ID_BYTES {
+        return bad(format!("heal_source longer than {MAX_ID_BYTES} bytes"));
     }
     if r.hostname.len() > MAX_HOSTNAME_BYTES {
         return bad(format!("hostname longer than {MAX_HOSTNAME_BYTES} bytes"));

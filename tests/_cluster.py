@@ -66,23 +66,26 @@ class Cluster:
         sync: bool = False,
         seed: int = 0,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Group:
-        """Starts an incarnation of replica group ``name`` with ``ranks`` processes."""
+        """Starts an incarnation of replica group ``name`` with ``ranks`` processes
+        (``env``: extra environment of every rank)."""
         incarnation = sum(1 for g in self.groups if g.name == name)
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         procs, progress, results, logs = [], [], [], []
         for rank in range(ranks):
             tag = f"{name}_{incarnation}_r{rank}"
-            env = dict(os.environ)
-            env.update(
+            proc_env = dict(os.environ)
+            proc_env.update(
                 {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(ranks),
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(store.port),
                     "TORCHFT_LIGHTHOUSE": self.lighthouse_addr,
-                    "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
+                    "PYTHONPATH": REPO_PYTHON + os.pathsep + proc_env.get("PYTHONPATH", ""),
                     "OMP_NUM_THREADS": "1",
+                    **(env or {}),
                 }
             )
             cmd = [
@@ -104,7 +107,9 @@ class Cluster:
             cmd += extra or []
             log = self.tmp / f"{tag}.log"
             with open(log, "wb") as out:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(cmd, env=proc_env, stdout=out, stderr=subprocess.STDOUT)
+                )
             progress.append(self.tmp / f"{tag}.progress")
             results.append(self.tmp / f"{tag}.result")
             logs.append(log)

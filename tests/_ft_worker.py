@@ -20,6 +20,10 @@ Fault hooks for the failure-detection tests (a marker file records the wall time
   step ≥ 5 to a healing peer, unless another group already did (the marker is created
   exclusively).
 
+- ``--data-groups N``: the data comes from a ``torchft.data.DistributedSampler`` shard
+  (``REPLICA_GROUP_ID`` of N groups) through ``StepAlignedLoader``; ``--data-log`` receives a
+  JSON line per step attempt: ``[position, step, committed, participating, sample ids]``.
+
 With env ``FT_DEBUG=1`` every committed optimizer step logs hashes of parameters, gradients
 and optimizer state, which pinpoints the first step where replica groups diverge.
 """
@@ -39,8 +43,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft.data import DistributedSampler, StepAlignedLoader
 from torchft.process_group import FakeProcessGroupWrapper
 
 logger = logging.getLogger("ft_worker")
@@ -129,6 +135,27 @@ def install_fault_hooks(args: argparse.Namespace, pg: Any, manager: Manager) -> 
         transport.send_checkpoint = stopping_send  # type: ignore[method-assign]
 
 
+DATA_SAMPLES = 480
+DATA_BATCH = 4
+
+
+def make_stream(groups: int, group_rank: int, manager: Manager) -> StepAlignedLoader:
+    """This rank's shard of DATA_SAMPLES sample ids, read through the step-aligned stream."""
+    dataset = TensorDataset(torch.arange(DATA_SAMPLES))
+    sampler = DistributedSampler(
+        dataset,
+        replica_rank=int(os.environ["REPLICA_GROUP_ID"]),
+        num_replica_groups=groups,
+        group_rank=group_rank,
+        num_replicas=int(os.environ["WORLD_SIZE"]),
+        shuffle=True,
+        seed=11,
+        drop_last=True,
+    )
+    loader = DataLoader(dataset, batch_size=DATA_BATCH, sampler=sampler, drop_last=True)
+    return StepAlignedLoader(loader, manager)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--replica-id", required=True)
@@ -148,6 +175,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--kill-self-in-configure", default="")
     parser.add_argument("--stop-self-when-serving", default="")
+    parser.add_argument("--data-groups", type=int, default=0)
+    parser.add_argument("--data-log", default="")
     args = parser.parse_args()
 
     logging.basicConfig(
@@ -201,6 +230,12 @@ def main() -> int:
     attempts: list[list[Any]] = []
     commit_times: list[list[float]] = []  # [step, wall time] of every committed step
     data_gen = torch.Generator().manual_seed(7 * args.seed + group_rank)
+    stream: StepAlignedLoader | None = None
+    if args.data_groups:
+        stream = make_stream(args.data_groups, group_rank, manager)
+        table = torch.Generator().manual_seed(5)
+        features = torch.randn(DATA_SAMPLES, 16, generator=table)
+        labels = torch.randint(0, 4, (DATA_SAMPLES,), generator=table)
     try:
         while True:
             target = read_stop(args.stop)
@@ -211,8 +246,15 @@ def main() -> int:
             if step in fail_steps and step not in injected:
                 injected.add(step)
                 pg.report_future_error(RuntimeError(f"injected allreduce failure at step {step}"))
-            x = torch.randn(32, 16, generator=data_gen)
-            y = torch.randint(0, 4, (32,), generator=data_gen)
+            ids: list[int] = []
+            if stream is not None:
+                # After zero_grad: in sync mode the quorum (and any heal) is done.
+                (batch,) = next(stream)
+                ids = batch.tolist()
+                x, y = features[batch], labels[batch]
+            else:
+                x = torch.randn(32, 16, generator=data_gen)
+                y = torch.randint(0, 4, (32,), generator=data_gen)
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             # The quorum finished inside backward (allreduce waits for it): healed counters
@@ -223,6 +265,10 @@ def main() -> int:
             attempts.append([before, committed, hash_state(model.state_dict())[:12]])
             if committed:
                 commit_times.append([before, time.time()])
+            if args.data_log and stream is not None:
+                record = [stream.position, before, committed, manager.is_participating(), ids]
+                with open(args.data_log, "a") as f:
+                    f.write(json.dumps(record) + "\n")
             write_json(args.progress, {"step": manager.current_step(), "pid": os.getpid()})
             if args.step_sleep:
                 time.sleep(args.step_sleep)

@@ -87,6 +87,7 @@ BAD_VALUES = {
     "RANK": ["first"],
     "WORLD_SIZE": ["0"],
     "MASTER_PORT": ["0", "port"],
+    "REPLICA_GROUP_ID": ["-1", "first"],
 }
 
 
@@ -99,10 +100,21 @@ def test_bad_variable_is_a_clear_error_naming_it(name: str, raw: str) -> None:
         resolve({name: raw})
 
 
+def test_topology_file_needs_the_replica_group_index() -> None:
+    """WORLD_TOPOLOGY_FILE places the group by REPLICA_GROUP_ID: one without the other is
+    refused at once, naming both; together they resolve."""
+    with pytest.raises(ValueError, match="WORLD_TOPOLOGY_FILE.*REPLICA_GROUP_ID"):
+        resolve({"WORLD_TOPOLOGY_FILE": "/etc/topology.json"})
+    cfg = resolve({"WORLD_TOPOLOGY_FILE": "/etc/topology.json", "REPLICA_GROUP_ID": "2"})
+    assert (cfg.topology_file, cfg.replica_group_index) == ("/etc/topology.json", 2)
+    assert resolve().topology_file is None
+
+
 def test_every_manager_variable_is_registered() -> None:
     """ENV_VARS lists every variable ManagerConfig reads, plus the native ones."""
     assert set(BAD_VALUES) <= set(ENV_VARS)
     assert {"TORCHFT_LOG", "TORCHFT_RUNTIME_THREADS", "JOB_ID"} <= set(ENV_VARS)
+    assert {"WORLD_TOPOLOGY_FILE", "REPLICA_GROUP_ID"} <= set(ENV_VARS)
     assert set(SECURITY_VARS) | {"TORCHFT_CHECKPOINT_BIND"} <= set(ENV_VARS)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-from torchft.data import DistributedSampler
+from torchft.data import DistributedSampler, StepAlignedLoader
 
 
 def _dataset(n: int) -> TensorDataset:
@@ -106,3 +108,95 @@ def test_rank_kwargs_are_rejected() -> None:
     """rank/num_replicas are derived, so passing torch's own kwargs is an error."""
     with pytest.raises(ValueError, match="rank"):
         DistributedSampler(_dataset(4), 0, 1, 0, 1, rank=0)
+
+
+# ----------------------------------------------------------------------------- StepAlignedLoader
+
+
+class _Steps:
+    """A stand-in for the Manager: only the committed step matters to the data stream."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def current_step(self) -> int:
+        return self.step
+
+
+def _shard_batches(
+    n: int, groups: int, replica_rank: int, batch: int, epoch: int
+) -> list[list[int]]:
+    """The batches of one group's shard in one epoch, computed independently of the loader."""
+    sampler = DistributedSampler(
+        _dataset(n), replica_rank, groups, 0, 1, shuffle=True, seed=3, drop_last=True
+    )
+    sampler.set_epoch(epoch)
+    ids = list(sampler)
+    return [ids[i : i + batch] for i in range(0, len(ids) - batch + 1, batch)]
+
+
+def _expected(step: int, n: int = 40, groups: int = 2, rank: int = 1, batch: int = 4) -> list[int]:
+    per_epoch = (n // groups) // batch
+    epoch, offset = divmod(step, per_epoch)
+    return _shard_batches(n, groups, rank, batch, epoch)[offset]
+
+
+def _loader(kind: str, num_workers: int = 0) -> Any:
+    sampler = DistributedSampler(_dataset(40), 1, 2, 0, 1, shuffle=True, seed=3, drop_last=True)
+    if kind == "stateful":
+        stateful = pytest.importorskip("torchdata.stateful_dataloader")
+        return stateful.StatefulDataLoader(
+            _dataset(40), batch_size=4, sampler=sampler, drop_last=True, num_workers=num_workers
+        )
+    return DataLoader(
+        _dataset(40), batch_size=4, sampler=sampler, drop_last=True, num_workers=num_workers
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "workers"), [("torch", 0), ("torch", 2), ("stateful", 0), ("stateful", 2)]
+)
+def test_step_aligned_loader_follows_the_committed_step(kind: str, workers: int) -> None:
+    """Batch s of the shard for step s: retries repeat it, heals and restarts jump to it,
+    epochs wrap; with prefetching workers too."""
+    steps = _Steps()
+    stream = StepAlignedLoader(_loader(kind, workers), steps)
+    assert stream.batches_per_epoch == 5
+    # Commits 0..6 (across the epoch boundary at 5), a failed attempt of step 7 retried,
+    # a heal to step 23, then a jump back (a stream that cannot continue is rebuilt).
+    sequence = [0, 1, 2, 3, 4, 5, 6, 7, 7, 8, 23, 24, 25, 3]
+    for step in sequence:
+        steps.step = step
+        (ids,) = next(stream)
+        assert ids.tolist() == _expected(step), f"step {step}"
+        assert stream.position == step
+
+
+def test_restarted_stream_resumes_at_the_healed_step() -> None:
+    """A fresh process (new loader, new stream) whose Manager healed to step 12 reads batch
+    12 first, never batch 0."""
+    steps = _Steps()
+    steps.step = 12
+    stream = StepAlignedLoader(_loader("torch"), steps)
+    (ids,) = next(stream)
+    assert ids.tolist() == _expected(12)
+    steps.step = 13
+    (ids,) = next(stream)
+    assert ids.tolist() == _expected(13)
+
+
+def test_step_aligned_loader_rejects_what_it_cannot_position() -> None:
+    """A loader without a torchft DistributedSampler or batch size, or too small a shard,
+    is refused with a clear message."""
+    steps = _Steps()
+    with pytest.raises(ValueError, match="DistributedSampler"):
+        StepAlignedLoader(DataLoader(_dataset(8), batch_size=2), steps)
+    sampler = DistributedSampler(_dataset(8), 0, 1, 0, 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        StepAlignedLoader(DataLoader(_dataset(8), batch_size=None, sampler=sampler), steps)
+    with pytest.raises(ValueError, match="no complete batch"):
+        StepAlignedLoader(
+            DataLoader(_dataset(8), batch_size=16, sampler=sampler, drop_last=True), steps
+        )
+    with pytest.raises(ValueError, match="start index"):
+        sampler.set_start(9)

@@ -132,6 +132,8 @@ def _scenario() -> list[dict[str, Any]]:
                 step=41,
                 heal_s=2.5,
                 heal_bytes=1048576,
+                source="train_2",
+                gbps=0.000419,
             ),
             _state(30.0, "train_0", "healing", "healthy", "committed", 42),
             _ev(40.0, "replica_finished", replica_id="train_2", step=90),
@@ -223,6 +225,7 @@ def test_summary_numbers(scenario_log: Path) -> None:
     assert r0["heals"] == 1
     assert r0["heal_bytes"] == 1048576
     assert r0["heal_s"] == 2.5
+    assert r0["heal_sources"] == {"train_2": 1}
     assert r0["commit_failures"] == 0
     assert r0["straggler_flags"] == 0
     assert r0["final_state"] == "healthy"
@@ -367,6 +370,7 @@ def test_format_summary(scenario_log: Path) -> None:
         "  hostname         node-0",
         "  times lost       1",
         "  heals            1, 1048576 bytes (1.0 MiB), 2.5s",
+        "  healed from      train_2 x1",
         "  commit failures  0",
         "  straggler        flagged 0, cleared 0",
         "  downtime         10.0s over 1 recovery",

@@ -205,6 +205,7 @@ class FakeNative:
                 busy_s: float = 0.0,
                 heal_s: float = 0.0,
                 heal_bytes: int = 0,
+                heal_source: str = "",
                 error: str = "",
                 unix_s: float = 0.0,
             ) -> bool:

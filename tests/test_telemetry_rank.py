@@ -59,25 +59,32 @@ def _end(t: RankTelemetry, **kw: Any) -> None:
 def test_busy_time_is_step_time_minus_the_waits() -> None:
     rec = Recorder()
     t = _tel(rec)
+    # Upper bounds are the windows measured around each part (a loaded machine stretches
+    # sleeps), not fixed times.
+    q0 = time.perf_counter()
     with t.quorum_wait():
         time.sleep(0.05)
+    quorum_window = time.perf_counter() - q0
+    c0 = time.perf_counter()
     tok_a = t.collective_started()
     tok_b = t.collective_started()  # overlapping collectives count once
     time.sleep(0.05)
     t.collective_finished(tok_a)
     t.collective_finished(tok_b)
+    collective_window = time.perf_counter() - c0
     time.sleep(0.05)  # compute
     _end(t, should_commit_s=0.01)
     r = rec.reports[-1]
     assert r["phase"] == "step" and r["committed"] and r["step"] == 3 and r["rank"] == 3
     assert r["replica_id"] == "g" and r["incarnation"] == "g:x" and r["group_rank"] == 1
-    assert 0.05 <= r["quorum_wait_s"] < 0.09
-    assert 0.05 <= r["collective_s"] < 0.09
+    assert 0.05 <= r["quorum_wait_s"] <= quorum_window
+    # Counted twice, the overlap would exceed the window it happened in.
+    assert 0.05 <= r["collective_s"] <= collective_window
     assert r["should_commit_s"] == 0.01
     assert r["step_s"] >= 0.15
     expected = r["step_s"] - r["quorum_wait_s"] - r["collective_s"] - 0.01
     assert abs(r["busy_s"] - expected) < 1e-9
-    assert 0.04 <= r["busy_s"] < 0.09
+    assert r["busy_s"] >= 0.04
     # The next step starts from zero; a late completion of the old step is ignored.
     t.collective_finished(tok_a)
     _end(t)

@@ -193,7 +193,13 @@ class ManagerServer:
         heartbeat_interval: timedelta = ...,
         connect_timeout: timedelta = ...,
         quorum_retries: int = 0,
-    ) -> ManagerServer: ...
+        topology_file: str | None = None,
+        topology_group: int | None = None,
+    ) -> ManagerServer:
+        """Starts the server. With ``topology_file`` (the job's topology, JSON version 0.1)
+        and ``topology_group`` (this group's index; its ranks there are
+        ``topology_group * world_size + group_rank``) heal sources follow the file. Raises
+        ValueError on a malformed file (naming the field) or one lacking this group's ranks."""
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""
@@ -238,6 +244,7 @@ class ManagerClient:
         busy_s: float = 0.0,
         heal_s: float = 0.0,
         heal_bytes: int = 0,
+        heal_source: str = ...,
         error: str = ...,
         unix_s: float = 0.0,
     ) -> bool:

@@ -292,6 +292,18 @@ class ManagerConfig:
         SWITCH, True, env="TORCHFT_TELEMETRY", help="per-step telemetry to the lighthouse"
     )
     job_id: str = _setting(TEXT, "unknown", env="JOB_ID", help="job name in structured logs")
+    topology_file: str | None = _setting(
+        TEXT,
+        env="WORLD_TOPOLOGY_FILE",
+        help="the job's topology file (JSON, version 0.1): healing groups pull from the "
+        "best-connected up-to-date group (else one on the same host)",
+    )
+    replica_group_index: int | None = _setting(
+        COUNT,
+        env="REPLICA_GROUP_ID",
+        help="this replica group's index in the job; its ranks in WORLD_TOPOLOGY_FILE are "
+        "REPLICA_GROUP_ID * WORLD_SIZE + RANK",
+    )
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **args: Any) -> ManagerConfig:
@@ -333,6 +345,11 @@ class ManagerConfig:
             values[name] = value
         if not values["rank"] < values["world_size"]:
             raise ValueError(f"rank must be in [0, {values['world_size']}), got {values['rank']}")
+        if values["topology_file"] is not None and values["replica_group_index"] is None:
+            raise ValueError(
+                "env WORLD_TOPOLOGY_FILE is set but REPLICA_GROUP_ID is not: the file's ranks "
+                "are REPLICA_GROUP_ID * WORLD_SIZE + RANK, so each replica group needs its index"
+            )
         if not values["hostname"]:
             values["hostname"] = socket.gethostname()
         return cls(**values)

@@ -166,6 +166,7 @@ class NativeManagerClient(Protocol):
         busy_s: float = 0.0,
         heal_s: float = 0.0,
         heal_bytes: int = 0,
+        heal_source: str = "",
         error: str = "",
         unix_s: float = 0.0,
     ) -> bool:

@@ -1,14 +1,30 @@
-"""Data sharding across replica groups.
+"""Data sharding across replica groups, and a data stream that follows the committed step.
 
 Each replica group is a torchrun job with its own ``RANK``/``WORLD_SIZE``; data must be split
 across every rank of every replica group. ``DistributedSampler`` maps (replica group, group
 rank) to one global rank so that no two ranks read the same samples.
+
+:class:`StepAlignedLoader` makes each rank read, for committed step ``s``, batch ``s`` of its
+own shard (epoch ``s // batches_per_epoch``): a step that did not commit is retried with the
+same batch, and a group that healed or restarted continues its shard at the step it healed
+to — no batch of its shard is used twice and none is skipped while it trains.
+
+Why the position is derived from the step rather than carried in the healed state: a healing
+group receives another group's state, and that group's loader position describes *its* shard,
+not the healer's; a restarted group has no saved position for the steps committed while it
+was away. The committed step is the one number every group agrees on after a heal (it is part
+of the healed state), so ``position = step`` needs no extra bytes on the wire and works with
+any loader that re-reads its sampler when iterated again — ``torch.utils.data.DataLoader`` and
+torchdata's ``StatefulDataLoader`` alike (the latter's own ``state_dict`` is not needed).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Any
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 from torch.utils import data
 
@@ -16,7 +32,7 @@ from torchft.config import env_value
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedSampler"]
+__all__ = ["DistributedSampler", "StepAlignedLoader"]
 
 
 def _env_int(name: str) -> int:
@@ -93,3 +109,123 @@ class DistributedSampler(data.distributed.DistributedSampler):
         super().__init__(dataset, num_replicas=global_world, rank=global_rank, **kwargs)
         self.global_rank = global_rank
         self.global_world_size = global_world
+        self._start = 0
+
+    def set_start(self, index: int) -> None:
+        """Makes the next iterations begin at sample ``index`` of this epoch's shard.
+
+        Args:
+            index: samples of the shard to skip, in ``[0, num_samples]``.
+
+        Raises:
+            ValueError: ``index`` is out of range.
+        """
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"start index must be an int, got {index!r}")
+        if not 0 <= index <= self.num_samples:
+            raise ValueError(f"start index must be in [0, {self.num_samples}], got {index}")
+        self._start = index
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(super().__iter__(), self._start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self._start
+
+
+class _Stepper(Protocol):
+    def current_step(self) -> int: ...
+
+
+class StepAlignedLoader:
+    """Yields, for committed step ``s``, batch ``s`` of this rank's shard (see module docs).
+
+    Wraps a loader (``torch.utils.data.DataLoader`` or torchdata's ``StatefulDataLoader``)
+    whose sampler is a :class:`DistributedSampler`. Each ``next()`` reads the Manager's
+    committed step; when it is the one after the previous batch's, the loader's iterator
+    simply continues (prefetching stays useful); otherwise — a step that did not commit is
+    retried, or the group healed or restarted at another step — the sampler is positioned at
+    that step's epoch and offset and the loader is iterated afresh. The stream is endless:
+    epochs follow from the step (``set_epoch(step // batches_per_epoch)``), so stop on the
+    step, not on the data.
+
+    Draw the batch after ``optimizer.zero_grad()`` (which starts the quorum): in synchronous
+    quorum mode a healing group has then already healed and trains this step with the batch
+    of the step it healed to. In asynchronous mode a healing group sits the healing step out
+    either way (its batch of that step is not trained, as for any group that is down).
+
+    One batch per step: with gradient accumulation, make the batch larger instead.
+    """
+
+    def __init__(self, loader: Iterable[Any], manager: _Stepper) -> None:
+        """Wraps ``loader``.
+
+        Args:
+            loader: a loader with ``batch_size``, ``drop_last`` and a ``sampler`` that is a
+                :class:`DistributedSampler` (``DataLoader(ds, batch_size=B, sampler=s)``).
+            manager: the :class:`~torchft.Manager` (anything with ``current_step()``).
+
+        Raises:
+            ValueError: the loader has no batch size or its sampler is not a
+                :class:`DistributedSampler`, or the shard holds no complete batch.
+        """
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                "StepAlignedLoader needs a loader whose sampler is torchft.data."
+                f"DistributedSampler, got {type(sampler).__name__}"
+            )
+        batch_size = getattr(loader, "batch_size", None)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"the loader needs a batch_size >= 1, got {batch_size!r}")
+        drop_last = bool(getattr(loader, "drop_last", False))
+        samples = sampler.num_samples
+        per_epoch = samples // batch_size if drop_last else math.ceil(samples / batch_size)
+        if per_epoch < 1:
+            raise ValueError(
+                f"the shard of {samples} samples holds no complete batch of {batch_size}"
+            )
+        self._loader = loader
+        self._sampler = sampler
+        self._manager = manager
+        self.batch_size = batch_size
+        #: Batches of this rank's shard per epoch.
+        self.batches_per_epoch = per_epoch
+        self._it: Iterator[Any] | None = None
+        self._next_position = -1
+        #: The step of the last batch returned (-1 before the first).
+        self.position = -1
+
+    def __iter__(self) -> StepAlignedLoader:
+        return self
+
+    def _restart_at(self, position: int) -> None:
+        epoch, offset = divmod(position, self.batches_per_epoch)
+        self._sampler.set_epoch(epoch)
+        self._sampler.set_start(offset * self.batch_size)
+        self._it = iter(self._loader)
+        self._next_position = position
+
+    def __next__(self) -> Any:
+        """The batch of the Manager's current committed step."""
+        position = self._manager.current_step()
+        if position < 0:
+            raise ValueError(f"the manager's step must not be negative, got {position}")
+        if self._it is None or position != self._next_position:
+            if self._it is not None:
+                logger.info(
+                    "data stream repositioned to step %d (expected %d)",
+                    position,
+                    self._next_position,
+                )
+            self._restart_at(position)
+        assert self._it is not None
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            # The epoch ended exactly here: the next epoch begins at this position.
+            self._restart_at(position)
+            batch = next(self._it)
+        self._next_position = position + 1
+        self.position = position
+        return batch

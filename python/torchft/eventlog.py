@@ -211,6 +211,7 @@ def _new_replica(replica_id: str) -> dict[str, Any]:
         "heals": 0,
         "heal_bytes": 0,
         "heal_s": 0.0,
+        "heal_sources": {},
         "commit_failures": 0,
         "straggler_flags": 0,
         "straggler_clears": 0,
@@ -317,7 +318,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         ``quorum_changes``, ``first_quorum_id``, ``last_quorum_id``, ``min_participants``,
         ``max_participants`` and ``replicas``: one record per ``replica_id``, sorted by id,
         with ``incarnations``, ``last_incarnation``, ``hostname``, ``lost``, ``heals``,
-        ``heal_bytes``, ``heal_s``, ``commit_failures``, ``straggler_flags``,
+        ``heal_bytes``, ``heal_s``, ``heal_sources`` (heals per source group),
+        ``commit_failures``, ``straggler_flags``,
         ``straggler_clears``, ``failures``, ``finished``, ``final_state``, ``last_step``,
         ``transitions`` (``ts``, ``from``, ``to``, ``reason``, ``step``), ``time_in_state_s``,
         ``downtime_s``, ``recoveries``, ``startup_s``, ``down_at_end_s`` and ``first_error``
@@ -397,6 +399,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 heal_s = event.get("heal_s")
                 if _is_number(heal_s):
                     rec["heal_s"] += float(heal_s)
+                source = event.get("source")
+                if isinstance(source, str) and source:
+                    rec["heal_sources"][source] = rec["heal_sources"].get(source, 0) + 1
             elif kind == "commit_failed":
                 rec["commit_failures"] += 1
             elif kind == "straggler_flagged":
@@ -600,6 +605,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"  heals            {rec['heals']}, {_bytes(rec['heal_bytes'])},"
                 f" {rec['heal_s']:.1f}s"
             )
+            if rec["heal_sources"]:
+                sources = ", ".join(f"{k} x{v}" for k, v in sorted(rec["heal_sources"].items()))
+                lines.append(f"  healed from      {sources}")
         else:
             lines.append("  heals            0")
         lines.append(f"  commit failures  {rec['commit_failures']}")

@@ -79,6 +79,18 @@ DEFAULT_STATE_DICT_KEY = "default"
 _SOURCE_POLL_S = 1.0
 
 
+def _group_name(incarnation: str) -> str:
+    """The user-given name of a replica group incarnation (``{name}:{uuid}`` → ``name``)."""
+    base, sep, tail = incarnation.rpartition(":")
+    if sep:
+        try:
+            uuid.UUID(tail)
+            return base
+        except ValueError:
+            pass
+    return incarnation
+
+
 class ExceptionWithTraceback(Exception):
     """An error recorded during a step, with the traceback captured where it was reported.
 
@@ -365,7 +377,10 @@ class Manager:
             replica_id: stable name of the replica group; a fresh uuid is appended per start.
             port: port of the manager server on group rank 0 (default env
                 ``TORCHFT_MANAGER_PORT`` or 0 = any free port).
-            hostname: host name other replica groups use to reach this one.
+            hostname: host name other replica groups use to reach this one; a healing group
+                prefers an up-to-date group on its own host, or, with env
+                ``WORLD_TOPOLOGY_FILE`` (and ``REPLICA_GROUP_ID``), the best-connected one
+                (see docs/healing.md).
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
                 (default: ``HTTPTransport(timeout=timeout, num_chunks=0,
@@ -509,6 +524,8 @@ class Manager:
                     heartbeat_interval=cfg.heartbeat_interval,
                     connect_timeout=cfg.connect_timeout,
                     quorum_retries=cfg.quorum_retries,
+                    topology_file=cfg.topology_file,
+                    topology_group=cfg.replica_group_index,
                 )
                 published = json.dumps({"address": self._manager.address(), "replica_id": full_id})
                 self._store.set(key, published)
@@ -1023,8 +1040,17 @@ class Manager:
                 self._heal_source = None
         if not isinstance(received, dict) or "torchft" not in received or "user" not in received:
             raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
-        if tel is not None and tel.enabled:
-            tel.heal_done(time.perf_counter() - heal_t0, received)
+        heal_s = time.perf_counter() - heal_t0
+        source = _group_name(src_id) if src_id is not None else src_addr
+        heal_bytes = tel.heal_done(heal_s, received, source) if tel is not None else 0
+        self._log_info(
+            "healed to step %d from %s: %d bytes in %.3fs (%.3f GB/s)",
+            max_step,
+            source,
+            heal_bytes,
+            heal_s,
+            heal_bytes / heal_s / 1e9 if heal_s > 0 else 0.0,
+        )
         # The counters apply at once so the commit vote is for the healed step.
         self.load_state_dict(received["torchft"])
         self._state_torn = False

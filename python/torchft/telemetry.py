@@ -41,6 +41,8 @@ ENV_TELEMETRY = "TORCHFT_TELEMETRY"
 MAX_ERROR_CHARS = 4000
 #: Longest host name sent (bytes).
 MAX_HOSTNAME_BYTES = 255
+#: Longest heal source name sent (the core refuses longer replica ids).
+MAX_SOURCE_BYTES = 256
 #: How long the last report waits to be delivered at shutdown.
 FINAL_FLUSH_S = 1.0
 
@@ -140,6 +142,7 @@ class RankTelemetry:
         self._quorum_wait = 0.0
         self._heal_s = 0.0
         self._heal_bytes = 0
+        self._heal_source = ""
         self._outstanding = 0
         self._coll_since = 0.0
         self._coll_total = 0.0
@@ -190,12 +193,19 @@ class RankTelemetry:
         """Reports that this rank starts fetching live state (the group shows ``healing``)."""
         self._send(phase="heal_started", step=step, quorum_id=quorum_id)
 
-    def heal_done(self, seconds: float, received: object) -> None:
-        """Records a finished heal: its duration and the bytes of state received."""
+    def heal_done(self, seconds: float, received: object, source: str = "") -> int:
+        """Records a finished heal: its duration, the bytes of state received and the replica
+        group (its name) it came from.
+
+        Returns:
+            The bytes of tensor data received.
+        """
         size = tensor_bytes(received)
         with self._lock:
             self._heal_s += seconds
             self._heal_bytes += size
+            self._heal_source = _truncate_utf8(source, MAX_SOURCE_BYTES)
+        return size
 
     def step_ended(
         self,
@@ -230,9 +240,11 @@ class RankTelemetry:
             step_s = now - self._last_end
             quorum_wait, collective = self._quorum_wait, self._coll_total
             heal_s, heal_bytes = self._heal_s, self._heal_bytes
+            heal_source = self._heal_source
             self._last_end = now
             self._quorum_wait = self._coll_total = self._heal_s = 0.0
             self._heal_bytes = 0
+            self._heal_source = ""
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)
@@ -250,6 +262,7 @@ class RankTelemetry:
             busy_s=busy,
             heal_s=heal_s,
             heal_bytes=heal_bytes,
+            heal_source=heal_source,
             error=error[:MAX_ERROR_CHARS] if error else "",
             rank=rank,
         )

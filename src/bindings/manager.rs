@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 
 use super::{block_on, check_duration, TorchFTError};
 use crate::manager::reports::ReportQueue;
+use crate::manager::topology::{Placement, Topology};
 use crate::manager::{
     ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -38,9 +39,14 @@ use crate::telemetry::validate_report;
 ///     heartbeat_interval: how often to heartbeat the lighthouse (a `timedelta`).
 ///     connect_timeout: how long to keep retrying the lighthouse connection.
 ///     quorum_retries: extra attempts of a failed lighthouse quorum request (>= 0).
+///     topology_file: the job's topology file (`WORLD_TOPOLOGY_FILE`); heal sources then
+///         follow it when every group of a quorum announced the same file.
+///     topology_group: this replica group's index in the job (its ranks in the file are
+///         `topology_group * world_size + group_rank`); required with `topology_file`.
 ///
 /// Raises:
-///     ValueError: an argument is out of range.
+///     ValueError: an argument is out of range, or the topology file is unreadable or
+///         malformed (the message names the field) or lacks this group's ranks.
 ///     TimeoutError: the lighthouse cannot be reached within `connect_timeout`.
 #[pyclass(module = "torchft._torchft", name = "ManagerServer", frozen)]
 pub struct PyManagerServer {
@@ -61,6 +67,8 @@ impl PyManagerServer {
         heartbeat_interval = Duration::from_millis(100),
         connect_timeout = Duration::from_secs(60),
         quorum_retries = 0,
+        topology_file = None,
+        topology_group = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -74,6 +82,8 @@ impl PyManagerServer {
         heartbeat_interval: Duration,
         connect_timeout: Duration,
         quorum_retries: i64,
+        topology_file: Option<std::path::PathBuf>,
+        topology_group: Option<i64>,
     ) -> PyResult<Self> {
         if world_size < 1 {
             return Err(PyValueError::new_err(format!(
@@ -85,6 +95,22 @@ impl PyManagerServer {
                 "quorum_retries must not be negative, got {quorum_retries}"
             )));
         }
+        let placement =
+            match (topology_file, topology_group) {
+                (None, _) => None,
+                (Some(_), None) => return Err(PyValueError::new_err(
+                    "topology_file needs topology_group (this replica group's index in the job)",
+                )),
+                (Some(_), Some(g)) if g < 0 => {
+                    return Err(PyValueError::new_err(format!(
+                        "topology_group must not be negative, got {g}"
+                    )))
+                }
+                (Some(path), Some(g)) => Some(Placement {
+                    topology: std::sync::Arc::new(Topology::load(&path)?),
+                    group: g as u64,
+                }),
+            };
         let opts = ManagerOptions {
             replica_id,
             lighthouse_addr,
@@ -97,6 +123,7 @@ impl PyManagerServer {
             quorum_retries: quorum_retries as u64,
             security: Security::from_env()?,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            placement,
         };
         let server = block_on(py, CoreServer::start(opts))?;
         Ok(Self { server })
@@ -251,6 +278,7 @@ impl PyManagerClient {
         busy_s = 0.0,
         heal_s = 0.0,
         heal_bytes = 0,
+        heal_source = String::new(),
         error = String::new(),
         unix_s = 0.0,
     ))]
@@ -277,6 +305,7 @@ impl PyManagerClient {
         busy_s: f64,
         heal_s: f64,
         heal_bytes: u64,
+        heal_source: String,
         error: String,
         unix_s: f64,
     ) -> PyResult<bool> {
@@ -300,6 +329,7 @@ impl PyManagerClient {
             busy_s,
             heal_s,
             heal_bytes,
+            heal_source,
             error,
             phase: parse_phase(phase)? as i32,
             unix_s,

@@ -180,6 +180,7 @@ struct Group {
     last_error: Option<String>,
     samples: VecDeque<Sample>,
     last_heal_s: f64,
+    last_heal: Option<HealRecord>,
     healing: bool,
     committed: bool,
     lifecycle: Lifecycle,
@@ -212,6 +213,7 @@ impl Group {
             last_error: None,
             samples: VecDeque::new(),
             last_heal_s: 0.0,
+            last_heal: None,
             healing: false,
             committed: false,
             lifecycle: Lifecycle::Running,
@@ -299,6 +301,34 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     }
 }
 
+/// The last heal of a replica group, as its group rank 0 measured it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HealRecord {
+    /// The replica group it healed from (empty if the reporter did not say).
+    pub source: String,
+    /// The step it healed to.
+    pub step: i64,
+    /// Seconds from asking the source to holding its state.
+    pub seconds: f64,
+    /// Bytes of state received.
+    pub bytes: u64,
+    /// `bytes / seconds` in GB/s (None when either is zero).
+    pub gbps: Option<f64>,
+}
+
+impl HealRecord {
+    fn from_report(r: &TelemetryReport) -> Self {
+        Self {
+            source: r.heal_source.clone(),
+            step: r.step,
+            seconds: round6(r.heal_s),
+            bytes: r.heal_bytes,
+            gbps: (r.heal_s > 0.0 && r.heal_bytes > 0)
+                .then(|| round6(r.heal_bytes as f64 / r.heal_s / 1e9)),
+        }
+    }
+}
+
 /// Per-replica view for `/status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReplicaStatus {
@@ -322,6 +352,8 @@ pub struct ReplicaStatus {
     pub steps_per_s: Option<f64>,
     pub timings: Timings,
     pub counters: Counters,
+    /// The group's last heal: source, bytes, seconds and GB/s.
+    pub last_heal: Option<HealRecord>,
 }
 
 /// Median timings over the window (seconds); `heal_s` is the last heal.
@@ -674,11 +706,14 @@ impl Telemetry {
                     g.last_heal_s = r.heal_s;
                     if lead {
                         g.counters.heals += 1;
+                        let heal = HealRecord::from_report(r);
                         events.push((
                             EventKind::ReplicaHealed,
                             json!({"replica_id": name, "step": r.step, "heal_s": r.heal_s,
-                                   "heal_bytes": r.heal_bytes}),
+                                   "heal_bytes": r.heal_bytes, "source": heal.source,
+                                   "gbps": heal.gbps}),
                         ));
+                        g.last_heal = Some(heal);
                     }
                 }
                 g.participants = r.participants;
@@ -906,6 +941,7 @@ impl Telemetry {
                     heal_s: (g.counters.heals > 0).then_some(g.last_heal_s),
                 },
                 counters: g.counters.clone(),
+                last_heal: g.last_heal.clone(),
             })
             .collect();
         out.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
@@ -1110,22 +1146,40 @@ mod tests {
         r.healed = true;
         r.heal_s = 0.5;
         r.heal_bytes = 1000;
+        r.heal_source = "g0".into();
         j.t.on_report(&r, j.now);
         assert_eq!(j.state("g1"), GroupState::Healthy);
         assert_eq!(j.t.groups["g1"].counters.heals, 1);
         assert_eq!(j.t.groups["g1"].counters.heal_bytes, 1000);
-        let transitions: Vec<(String, String)> =
-            j.t.take_events()
-                .into_iter()
-                .chain(std::iter::empty())
-                .filter(|e| e.kind == EventKind::StateChanged)
-                .map(|e| {
-                    (
-                        e.fields["from"].as_str().unwrap().to_string(),
-                        e.fields["to"].as_str().unwrap().to_string(),
-                    )
-                })
-                .collect();
+        let status = j.t.replicas(j.now);
+        let g1 = status.iter().find(|s| s.replica_id == "g1").unwrap();
+        assert_eq!(
+            g1.last_heal,
+            Some(HealRecord {
+                source: "g0".into(),
+                step: 1,
+                seconds: 0.5,
+                bytes: 1000,
+                gbps: Some(0.000002),
+            })
+        );
+        let events = j.t.take_events();
+        let healed = events
+            .iter()
+            .find(|e| e.kind == EventKind::ReplicaHealed)
+            .unwrap();
+        assert_eq!(healed.fields["source"], "g0");
+        assert_eq!(healed.fields["heal_bytes"], 1000);
+        let transitions: Vec<(String, String)> = events
+            .into_iter()
+            .filter(|e| e.kind == EventKind::StateChanged)
+            .map(|e| {
+                (
+                    e.fields["from"].as_str().unwrap().to_string(),
+                    e.fields["to"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
         let want = [
             ("healthy", "lost"),
             ("lost", "joining"),

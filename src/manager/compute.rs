@@ -4,6 +4,7 @@
 //! Pure: no I/O, no clocks. Every group of the quorum computes the same assignment from the same
 //! quorum, so the sources and destinations agree without talking to each other.
 
+use super::topology::{assign_sources, Topology};
 use crate::error::{Error, Result};
 use crate::proto::{ManagerQuorumResponse, Quorum, QuorumMember};
 
@@ -13,8 +14,11 @@ use crate::proto::{ManagerQuorumResponse, Quorum, QuorumMember};
 /// - Members at the highest step are up to date; the others heal. With `init_sync` and every
 ///   member at step 0, only the first of them (the primary) is a source and everyone else heals,
 ///   so all groups start from identical state.
-/// - Healers are spread over the sources round-robin, offset by `group_rank`, so the ranks of
-///   one healthy group do not all serve everyone (each group rank heals independently).
+/// - Each healer gets the best connected source ([`assign_sources`]: the topology file when
+///   `topology` is given and every member announced the same one, else same host), and
+///   several healers are spread over the sources; with no locality difference this is
+///   round-robin, offset by `group_rank`, so the ranks of one healthy group do not all serve
+///   everyone (each group rank heals independently).
 /// - The rendezvous store is an up-to-date group's store, chosen per group rank to spread load;
 ///   every group computes the same choice for a given group rank.
 ///
@@ -26,6 +30,7 @@ pub fn compute_quorum_results(
     group_rank: i64,
     quorum: &Quorum,
     init_sync: bool,
+    topology: Option<&Topology>,
 ) -> Result<ManagerQuorumResponse> {
     if group_rank < 0 {
         return Err(Error::InvalidArgument(format!(
@@ -81,9 +86,15 @@ pub fn compute_quorum_results(
         .filter(|i| !sources.contains(i))
         .collect();
 
-    // Destination k heals from source (k + group_rank) mod |sources|.
+    let assigned = assign_sources(
+        &participants,
+        &sources,
+        &destinations,
+        group_rank as u64,
+        topology,
+    );
+    let source_of = |k: usize| assigned[k];
     let offset = group_rank as usize;
-    let source_of = |k: usize| sources[(k + offset) % sources.len()];
 
     let heal = destinations.contains(&replica_rank);
     let mut recover_src_manager_address = String::new();
@@ -163,7 +174,7 @@ mod tests {
     fn results(q: &Quorum, group_rank: i64, init_sync: bool) -> Vec<ManagerQuorumResponse> {
         ["a", "b", "c", "d", "e"]
             .iter()
-            .map(|id| compute_quorum_results(id, group_rank, q, init_sync).unwrap())
+            .map(|id| compute_quorum_results(id, group_rank, q, init_sync, None).unwrap())
             .collect()
     }
 
@@ -308,7 +319,7 @@ mod tests {
     #[test]
     fn unequal_world_sizes_are_refused() {
         let q = quorum(vec![member("a", 1, 2), member("b", 1, 3)]);
-        let err = compute_quorum_results("a", 0, &q, true).unwrap_err();
+        let err = compute_quorum_results("a", 0, &q, true, None).unwrap_err();
         assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
         assert!(err.to_string().contains("world size"), "{err}");
     }
@@ -317,15 +328,15 @@ mod tests {
     fn missing_replica_and_bad_input_are_refused() {
         let q = quorum(vec![member("a", 1, 1)]);
         assert!(matches!(
-            compute_quorum_results("zz", 0, &q, true),
+            compute_quorum_results("zz", 0, &q, true, None),
             Err(Error::FailedPrecondition(_))
         ));
         assert!(matches!(
-            compute_quorum_results("a", -1, &q, true),
+            compute_quorum_results("a", -1, &q, true, None),
             Err(Error::InvalidArgument(_))
         ));
         assert!(matches!(
-            compute_quorum_results("a", 0, &quorum(vec![]), true),
+            compute_quorum_results("a", 0, &quorum(vec![]), true, None),
             Err(Error::FailedPrecondition(_))
         ));
     }
@@ -333,7 +344,7 @@ mod tests {
     #[test]
     fn single_group_is_its_own_source() {
         let q = quorum(vec![member("a", 4, 1)]);
-        let r = compute_quorum_results("a", 0, &q, true).unwrap();
+        let r = compute_quorum_results("a", 0, &q, true, None).unwrap();
         assert!(!r.heal);
         assert_eq!(r.max_replica_rank, Some(0));
         assert_eq!(r.store_address, "a:2");
@@ -347,7 +358,7 @@ mod tests {
         init_sync: bool,
     ) -> Vec<ManagerQuorumResponse> {
         ids.iter()
-            .map(|id| compute_quorum_results(id, group_rank, q, init_sync).unwrap())
+            .map(|id| compute_quorum_results(id, group_rank, q, init_sync, None).unwrap())
             .collect()
     }
 }

@@ -8,6 +8,7 @@
 //! - [`commit`]: the `should_commit` barrier (AND over the group's ranks, keyed by step).
 //! - [`server`]: the gRPC service, the lighthouse calls and the heartbeat loop.
 //! - [`client`]: the client every rank uses to talk to its group's manager server.
+//! - [`topology`]: the topology file and the choice of each healer's source by locality.
 
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ pub mod compute;
 pub mod gather;
 pub mod reports;
 pub mod server;
+pub mod topology;
 
 pub use client::ManagerClient;
 pub use compute::compute_quorum_results;
@@ -81,6 +83,9 @@ pub struct ManagerOptions {
     /// Largest request message accepted (larger ones fail with a clear status, changing
     /// nothing).
     pub max_request_bytes: usize,
+    /// This group's place in the job's topology file (`WORLD_TOPOLOGY_FILE`), announced to
+    /// the other groups so heal sources follow the file; None: locality by host name only.
+    pub placement: Option<topology::Placement>,
 }
 
 /// Default bound on one request to a manager server (ranks' reports are the largest).
@@ -100,6 +105,7 @@ impl Default for ManagerOptions {
             quorum_retries: 0,
             security: crate::security::Security::none(),
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            placement: None,
         }
     }
 }

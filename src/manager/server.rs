@@ -253,6 +253,9 @@ impl ManagerServer {
                 "max_request_bytes must be at least {MIN_REQUEST_LIMIT}"
             )));
         }
+        if let Some(p) = &opts.placement {
+            p.topology.check_group(p.group, opts.world_size)?;
+        }
         let tls = crate::security::server::acceptor(&opts.security)?;
         let endpoint = crate::security::client::endpoint(
             &opts.lighthouse_addr,
@@ -616,7 +619,12 @@ impl Inner {
             world_size: self.opts.world_size,
             shrink_only: round.shrink_only,
             commit_failures: round.commit_failures,
-            data: String::new(),
+            data: self
+                .opts
+                .placement
+                .as_ref()
+                .map(|p| p.member_data())
+                .unwrap_or_default(),
         };
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         let mut attempt: u64 = 0;
@@ -688,6 +696,7 @@ impl Inner {
                         rank,
                         &quorum,
                         round.init_sync,
+                        self.opts.placement.as_ref().map(|p| &*p.topology),
                     );
                     let _ = tx.send(answer);
                 }
