@@ -434,6 +434,35 @@ def test_abort_recv_breaks_a_native_receive_from_a_frozen_source() -> None:
         _stop(sender)
 
 
+def test_in_place_receive_leaves_the_parameters_autograd_versions_alone() -> None:
+    """A heal may run on the quorum thread while a backward is paused in a communication
+    hook: writing the received bytes must not bump a parameter's autograd version counter,
+    or the resumed backward fails with "modified by an inplace operation"."""
+    model = torch.nn.Linear(64, 32)
+    x = torch.randn(4, 64)
+    loss = model(x).square().sum()  # the graph saved the weight (its version now)
+    params = dict(model.named_parameters())
+    versions = {k: p._version for k, p in params.items()}
+    sent = {k: torch.randn_like(p) for k, p in params.items()}
+    with transports(receiver_kw={"state_dict": lambda: params}) as (s, r):
+        s.send_checkpoint([1], 1, sent, TIMEOUT)
+        got = r.recv_checkpoint(0, s.metadata(), 1, TIMEOUT)
+    for k, p in params.items():
+        assert got[k].data_ptr() == p.data_ptr(), k
+        assert torch.equal(p.detach(), sent[k]), k
+        assert p._version == versions[k], k
+    # The device path copies into the targets with ``copy_``: those copies must not reach
+    # the parameters' version counters either.
+    enc = ser.encode(sent)
+    header = ser.parse_header(enc.header)
+    targets = ser.inplace_targets(header, params, lambda t: True)
+    assert len(targets) == len(params)
+    for i, t in targets.items():
+        t.copy_(enc.tensors[i])
+    assert {k: p._version for k, p in params.items()} == versions
+    loss.backward()  # raised "modified by an inplace operation" before
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_go_through_pinned_staging() -> None:
     """GPU state is sent through staging and received into the receiver's GPU tensors."""

@@ -893,7 +893,11 @@ def inplace_targets(
         accept: extra condition (e.g. the device).
 
     Returns:
-        Header tensor index -> detached local tensor to write into.
+        Header tensor index -> a view of the local tensor's memory to write into. The view
+        has its own autograd version counter (``t.data``, not ``t.detach()``): a receive that
+        writes it on another thread (a device copy on the quorum thread) must not bump the
+        version counter of a live parameter, or a backward paused in a communication hook
+        would fail with "modified by an inplace operation" when it resumes.
     """
     candidates: list[tuple[str, int, int, int, torch.Tensor]] = []
     seen: set[int] = set()
@@ -914,7 +918,7 @@ def inplace_targets(
             continue
         seen.add(idx)
         start = t.data_ptr()
-        candidates.append((str(t.device), start, start + spec.nbytes, idx, t.detach()))
+        candidates.append((str(t.device), start, start + spec.nbytes, idx, t.data))
     targets: dict[int, torch.Tensor] = {}
     candidates.sort(key=lambda c: (c[0], c[1], c[2]))
     last_device, last_end = None, 0
