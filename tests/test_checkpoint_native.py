@@ -434,6 +434,36 @@ def test_abort_recv_breaks_a_native_receive_from_a_frozen_source() -> None:
         _stop(sender)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_state_changed_after_its_offer_fails_the_receive_instead_of_mixing(
+    native: bool,
+) -> None:
+    """A write between the offer and a stream (DiLoCo's inner steps while a delayed sync's
+    offer lives), or a tensor moved under the offer, fails the receive with a clear error:
+    ranges of two different states are never handed out as one."""
+    from torchft.manager import _ReadWriteLock
+
+    lock = _ReadWriteLock()
+    state = {"a": torch.zeros(1 << 18), "b": torch.zeros(1 << 18), "c": torch.zeros(3)}
+    sender_kw = {"state_dict_lock": lock.read, "state_version": lock.version, "native": native}
+    with transports(sender_kw=sender_kw, receiver_kw={"num_chunks": 2}) as (s, r):
+        s.send_checkpoint([1], 3, state, TIMEOUT)
+        assert_same(r.recv_checkpoint(0, s.metadata(), 3, TIMEOUT), state)
+        assert lock.acquire_write()  # what disallow_state_dict_read does around a step
+        state["a"].add_(1)
+        lock.release_write()
+        with pytest.raises(RuntimeError, match="changed since it was offered"):
+            r.recv_checkpoint(0, s.metadata(), 3, TIMEOUT)
+        # A new offer of the new state is served again.
+        s.send_checkpoint([1], 4, state, TIMEOUT)
+        assert_same(r.recv_checkpoint(0, s.metadata(), 4, TIMEOUT), state)
+        if native:
+            # A tensor read straight from memory moved: never read through the old address.
+            state["b"].set_(torch.ones(1 << 18))
+            with pytest.raises(RuntimeError, match="moved or resized"):
+                r.recv_checkpoint(0, s.metadata(), 4, TIMEOUT)
+
+
 def test_in_place_receive_leaves_the_parameters_autograd_versions_alone() -> None:
     """A heal may run on the quorum thread while a backward is paused in a communication
     hook: writing the received bytes must not bump a parameter's autograd version counter,

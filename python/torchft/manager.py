@@ -193,14 +193,17 @@ class _ReadWriteLock:
     """A writer-preferring read/write lock.
 
     Checkpoint transports take the read side while serialising the state dict; the optimizer
-    step takes the write side so a peer never reads half-updated parameters.
+    step takes the write side so a peer never reads half-updated parameters. Every write
+    bumps :meth:`version`, so a transport can tell that the state it offered changed since.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._writer = False
+        self._writer_thread: int | None = None
         self._writers_waiting = 0
+        self._version = 0
 
     def acquire_read(self) -> None:
         with self._cond:
@@ -214,20 +217,40 @@ class _ReadWriteLock:
             if self._readers == 0:
                 self._cond.notify_all()
 
-    def acquire_write(self) -> None:
+    def acquire_write(self, timeout: float | None = None) -> bool:
+        """Takes the write side (waiting at most ``timeout`` seconds); False if it could not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._writers_waiting += 1
             try:
                 while self._writer or self._readers:
-                    self._cond.wait()
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self._cond.notify_all()  # readers held back by this waiting writer
+                        return False
+                    self._cond.wait(remaining)
             finally:
                 self._writers_waiting -= 1
             self._writer = True
+            self._writer_thread = threading.get_ident()
+            self._version += 1
+            return True
 
     def release_write(self) -> None:
         with self._cond:
             self._writer = False
+            self._writer_thread = None
             self._cond.notify_all()
+
+    def version(self) -> int:
+        """Number of writes begun so far."""
+        with self._cond:
+            return self._version
+
+    def held_by_me(self) -> bool:
+        """True when the calling thread holds the write side."""
+        with self._cond:
+            return self._writer and self._writer_thread == threading.get_ident()
 
     @contextmanager
     def read(self) -> Iterator[None]:
@@ -495,6 +518,7 @@ class Manager:
                 # A heal writes straight into this group's own tensors.
                 state_dict=self._manager_state_dict,
                 state_dict_lock=self._state_dict_lock.read,
+                state_version=self._state_dict_lock.version,
                 hostname=cfg.hostname,
             )
         self._checkpoint_transport: CheckpointTransport[dict[str, Any]] = checkpoint_transport
@@ -1025,12 +1049,14 @@ class Manager:
                 lambda t: src_client._checkpoint_metadata(self._group_rank, timeout=t),
                 f"checkpoint metadata from {src_addr}",
             )
+            in_place = bool(getattr(self._checkpoint_transport, "receives_in_place", False))
             try:
-                received = self._checkpoint_transport.recv_checkpoint(
-                    src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
-                )
+                with self._writing_state(in_place):
+                    received = self._checkpoint_transport.recv_checkpoint(
+                        src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
+                    )
             except BaseException:
-                if getattr(self._checkpoint_transport, "receives_in_place", False):
+                if in_place:
                     # Part of this group's tensors may hold the source's bytes now: only a
                     # later heal makes the state whole again (see _apply_quorum).
                     self._state_torn = True
@@ -1057,6 +1083,23 @@ class Manager:
         self._pending_state_dict = received["user"]
         if not self._use_async_quorum:
             self._apply_pending_state_dict()
+
+    @contextmanager
+    def _writing_state(self, in_place: bool) -> Iterator[None]:
+        """Holds the state's write lock while a receive writes into this group's own tensors,
+        so an optimizer step on the training thread (a DiLoCo inner step during an async
+        quorum) waits instead of racing it, and no reader serves the half-written state."""
+        if not in_place or self._state_dict_lock.held_by_me():
+            yield
+            return
+        if not self._state_dict_lock.acquire_write(self._timeout.total_seconds()):
+            raise TimeoutError(
+                f"the state stayed locked by a writer for {self._timeout}; cannot heal into it"
+            )
+        try:
+            yield
+        finally:
+            self._state_dict_lock.release_write()
 
     def _until_source_lost(self, call: Callable[[timedelta], T], what: str) -> T:
         """Runs ``call(timeout)`` within ``timeout`` in slices of at most a second, so a

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 
 use super::check_duration;
 use crate::checkpoint::client::{Dest, Fetch, FetchError, FetchSpec};
-use crate::checkpoint::server::{DataServer, Offer, OfferHooks, Source};
+use crate::checkpoint::server::{DataServer, EnterError, Offer, OfferHooks, Source};
 use crate::security::Token;
 
 /// `PyBUF_WRITE` of CPython's buffer protocol (a writable memoryview).
@@ -55,16 +55,28 @@ impl Drop for PyGuard {
 }
 
 impl OfferHooks for PyHooks {
-    fn enter(&self) -> Result<Box<dyn Send>, String> {
+    fn enter(&self) -> Result<Box<dyn Send>, EnterError> {
         let Some(enter) = &self.enter else {
             return Ok(Box::new(()));
         };
-        Python::attach(|py| -> PyResult<Box<dyn Send>> {
-            let cm = enter.call0(py)?;
-            cm.call_method0(py, "__enter__")?;
-            Ok(Box::new(PyGuard(cm)))
+        Python::attach(|py| {
+            let entered = || -> PyResult<(Py<PyAny>, Option<String>)> {
+                let cm = enter.call0(py)?;
+                let answer = cm.call_method0(py, "__enter__")?;
+                Ok((cm, answer.extract::<Option<String>>(py).unwrap_or(None)))
+            };
+            match entered() {
+                Ok((cm, None)) => Ok(Box::new(PyGuard(cm)) as Box<dyn Send>),
+                // Released at once (the guard's drop exits the context manager).
+                Ok((cm, Some(why))) => {
+                    drop(PyGuard(cm));
+                    Err(EnterError::Changed(why))
+                }
+                Err(e) => Err(EnterError::Failed(format!(
+                    "the state could not be locked for reading: {e}"
+                ))),
+            }
         })
-        .map_err(|e| format!("the state could not be locked for reading: {e}"))
     }
 
     fn stage(&self, index: usize, offset: u64, out: &mut [u8]) -> Result<(), String> {
@@ -116,7 +128,9 @@ impl PyDataServer {
     ///         copied by `stage(index, offset, view)` into the stream's buffer.
     ///     timeout: bound on one stream.
     ///     keepalive: kept referenced while the offer may be read (owns the tensors).
-    ///     enter: factory of a context manager held while a stream reads the state.
+    ///     enter: factory of a context manager held while a stream reads the state; its
+    ///         `__enter__` returns None, or a message saying why the state is no longer the
+    ///         one offered (the stream is then refused as "no longer served").
     ///     stage: the staging copy for staged tensors.
     ///
     /// The memory must stay valid and unchanged until `revoke` returned True.

@@ -342,14 +342,27 @@ fn is_timeout(e: &std::io::Error) -> bool {
 mod tests {
     use std::io::Write;
 
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+
     use super::*;
-    use crate::checkpoint::server::{DataServer, Offer, OfferHooks, Source};
+    use crate::checkpoint::server::{DataServer, EnterError, Offer, OfferHooks, Source};
     use crate::security::Token;
 
-    struct Hooks;
+    /// The owner's hooks: an optional state version (bumped by a write), compared with the
+    /// version the offer was made at.
+    #[derive(Default)]
+    struct Hooks {
+        version: Option<(Arc<AtomicU64>, u64)>,
+    }
     impl OfferHooks for Hooks {
-        fn enter(&self) -> Result<Box<dyn Send>, String> {
-            Ok(Box::new(()))
+        fn enter(&self) -> Result<Box<dyn Send>, EnterError> {
+            match &self.version {
+                Some((now, offered)) if now.load(Ordering::SeqCst) != *offered => {
+                    Err(EnterError::Changed("written since".into()))
+                }
+                _ => Ok(Box::new(())),
+            }
         }
         fn stage(&self, index: usize, offset: u64, out: &mut [u8]) -> Result<(), String> {
             for (k, b) in out.iter_mut().enumerate() {
@@ -360,6 +373,10 @@ mod tests {
     }
 
     fn offer(server: &DataServer, data: &[Vec<u8>], staged_len: usize) {
+        offer_with(server, data, staged_len, Hooks::default());
+    }
+
+    fn offer_with(server: &DataServer, data: &[Vec<u8>], staged_len: usize, hooks: Hooks) {
         let mut sources: Vec<Source> = data
             .iter()
             .map(|v| Source::Memory {
@@ -375,7 +392,7 @@ mod tests {
                 "g1".into(),
                 sources,
                 Duration::from_secs(10),
-                Box::new(Hooks),
+                Box::new(hooks),
             )
         };
         server.offer(o);
@@ -442,6 +459,35 @@ mod tests {
         let e = unsafe { Fetch::new().run(&spec(&server, Some("s3cret"), vec![(0, 1)]), &dests) };
         assert!(
             matches!(e, Err(FetchError::Refused { status: 409, .. })),
+            "{e:?}"
+        );
+        server.shutdown();
+    }
+
+    #[test]
+    fn a_state_written_after_its_offer_is_never_served() {
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![1u8; 1000], vec![2u8; 1000]];
+        let version = Arc::new(AtomicU64::new(7));
+        let hooks = Hooks {
+            version: Some((version.clone(), 7)),
+        };
+        offer_with(&server, &data, 10, hooks);
+        let mut out: Vec<Vec<u8>> = vec![vec![0u8; 1000], vec![0u8; 1000], vec![0u8; 10]];
+        let dests: Vec<Dest> = out
+            .iter_mut()
+            .map(|v| Dest {
+                addr: v.as_mut_ptr() as usize,
+                len: v.len(),
+            })
+            .collect();
+        let ok = unsafe { Fetch::new().run(&spec(&server, None, vec![(0, 1), (1, 3)]), &dests) };
+        assert!(ok.is_ok(), "{ok:?}");
+        // A write: no range of the offer is served any more, whatever was sent before.
+        version.fetch_add(1, Ordering::SeqCst);
+        let e = unsafe { Fetch::new().run(&spec(&server, None, vec![(1, 3)]), &dests) };
+        assert!(
+            matches!(&e, Err(FetchError::Refused { status: 409, message }) if message.contains("changed")),
             "{e:?}"
         );
         server.shutdown();

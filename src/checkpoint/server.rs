@@ -59,11 +59,23 @@ impl Source {
     }
 }
 
+/// Why a stream may not read the offered state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnterError {
+    /// The state changed since it was offered (a write, or a tensor moved): every range
+    /// must come from one state, so the offer cannot be served any more.
+    Changed(String),
+    /// The state could not be locked for reading.
+    Failed(String),
+}
+
 /// What the owner of an offer does for the streams that read it.
 pub trait OfferHooks: Send + Sync {
     /// Called before a stream reads the state; the guard is dropped when the stream ends
-    /// (the owner's read lock, so the state cannot change under a stream).
-    fn enter(&self) -> Result<Box<dyn Send>, String>;
+    /// (the owner's read lock, so the state cannot change under a stream). Refuses with
+    /// [`EnterError::Changed`] once the state is no longer the one offered, so the ranges
+    /// of one receive never mix two states.
+    fn enter(&self) -> Result<Box<dyn Send>, EnterError>;
     /// Copies bytes `[offset, offset + out.len())` of tensor `index` (a [`Source::Staged`]
     /// one) into `out`.
     fn stage(&self, index: usize, offset: u64, out: &mut [u8]) -> Result<(), String>;
@@ -369,8 +381,17 @@ fn serve_connection(shared: &Shared, id: u64, stream: TcpStream) {
     // the two is seen by the check below.
     let guard = match offer.hooks.enter() {
         Ok(g) => g,
-        Err(e) => {
-            let _ = wire::write_reply(&mut &stream, wire::STATUS_UNAVAILABLE, &e);
+        Err(EnterError::Changed(why)) => {
+            let msg = format!(
+                "the state of step {} changed since it was offered ({why}); it is no longer \
+                 served",
+                req.step
+            );
+            let _ = wire::write_reply(&mut &stream, wire::STATUS_NOT_SERVED, &msg);
+            return;
+        }
+        Err(EnterError::Failed(e)) => {
+            let _ = wire::write_reply(&mut &stream, wire::STATUS_INTERNAL, &e);
             return;
         }
     };

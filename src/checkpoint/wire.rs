@@ -39,6 +39,8 @@ pub const STATUS_BAD_REQUEST: u32 = 400;
 pub const STATUS_UNAUTHORIZED: u32 = 401;
 /// Reply status: the requested state (step and generation) is not served (any more).
 pub const STATUS_NOT_SERVED: u32 = 409;
+/// Reply status: the server failed to read its own state (not worth retrying).
+pub const STATUS_INTERNAL: u32 = 500;
 /// Reply status: the server is at its connection limit or shutting down.
 pub const STATUS_UNAVAILABLE: u32 = 503;
 

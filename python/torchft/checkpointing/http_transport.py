@@ -45,7 +45,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -99,6 +99,45 @@ class _Aborted(Exception):
     """The transfer was cancelled (checkpoint disallowed or transport shut down)."""
 
 
+class _OfferRead:
+    """The read guard of one offer, entered by every stream that reads its tensors.
+
+    Holds the state's read lock (when the owner gave one) while the stream runs, and its
+    ``__enter__`` says why the state is no longer the one offered: written since the offer
+    (the state version moved), or a tensor read straight from memory was moved or resized.
+    The streams of one receive each enter separately, so without this a write between two
+    of them would hand the receiver ranges of two different states, every CRC correct.
+    """
+
+    def __init__(
+        self,
+        lock: Callable[[], AbstractContextManager[object]] | None,
+        version: Callable[[], int] | None,
+        enc: ser.Encoded,
+        sources: list[tuple[int, int]],
+    ) -> None:
+        self._lock = lock
+        self._version = version
+        self._offered = version() if version is not None else None
+        self._memory = [
+            (t, addr, n) for t, (addr, n) in zip(enc.tensors, sources, strict=True) if addr
+        ]
+
+    def changed(self) -> str | None:
+        """Why the state differs from the offered one (None: it is the same)."""
+        if self._version is not None and self._version() != self._offered:
+            return "the state was written since"
+        for t, addr, n in self._memory:
+            if t.data_ptr() != addr or t.nbytes != n:
+                return "a tensor's memory was moved or resized"
+        return None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[str | None]:
+        with self._lock() if self._lock is not None else contextlib.nullcontext():
+            yield self.changed()
+
+
 @dataclass
 class _Served:
     """The state currently offered to receivers."""
@@ -110,6 +149,8 @@ class _Served:
     # Bound (seconds) on serving one request of this offer, so a stalled receiver cannot
     # hold the state (and its read lock) longer.
     timeout: float
+    # Entered by every stream that reads the tensors.
+    read: _OfferRead
 
 
 class _HTTPError(Exception):
@@ -280,6 +321,11 @@ class HTTPTransport(CheckpointTransport[T]):
         state_dict_lock: optional factory of a context manager held while the state is
             read for a transfer (the Manager passes its state-dict read lock, so an
             optimizer step cannot race a transfer).
+        state_version: optional callable returning a number that changes whenever the
+            state is written (the Manager passes its lock's write count). An offer is
+            served only while the number is the one it had when offered, so a receive
+            never gets some tensors from before a write and others from after it: it
+            fails instead (and the heal is retried).
         hostname: the host name receivers fetch from (the Manager passes the one it
             advertises; default: this machine's). The server listens on its addresses only.
         bind: listen here instead (``"::"`` or ``"0.0.0.0"`` for every interface); default
@@ -297,6 +343,7 @@ class HTTPTransport(CheckpointTransport[T]):
         state_dict: Callable[[], T] | None = None,
         state_dict_lock: Callable[[], AbstractContextManager[object]] | None = None,
         *,
+        state_version: Callable[[], int] | None = None,
         hostname: str | None = None,
         bind: str | None = None,
         security: TransportSecurity | None = None,
@@ -313,6 +360,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._state_dict = state_dict
         self._native = native
         self._state_dict_lock = state_dict_lock
+        self._state_version = state_version
         self._security = security if security is not None else TransportSecurity.from_env()
         self._client_tls = self._security.client_context()
 
@@ -407,16 +455,18 @@ class HTTPTransport(CheckpointTransport[T]):
         serve_timeout = timeout.total_seconds()
         if serve_timeout <= 0:
             serve_timeout = self._timeout.total_seconds()
+        sources = _native_sources(enc)
+        read = _OfferRead(self._state_dict_lock, self._state_version, enc, sources)
         if data is not None:
             # Offered before the header is served: a receiver reading the header may ask
             # for the bytes at once.
             data.offer(
                 step,
                 gen,
-                _native_sources(enc),
+                sources,
                 timedelta(seconds=serve_timeout),
                 keepalive=enc,
-                enter=self._state_dict_lock,
+                enter=read,
                 stage=_Stager(enc.tensors).stage,
             )
         served = _Served(
@@ -425,6 +475,7 @@ class HTTPTransport(CheckpointTransport[T]):
             enc=enc,
             header_frame=ser.header_frame(enc),
             timeout=serve_timeout,
+            read=read,
         )
         with self._cond:
             if self._closed:
@@ -587,12 +638,16 @@ class HTTPTransport(CheckpointTransport[T]):
         lock: bool,
     ) -> None:
         sock = h.connection
-        lock_cm: AbstractContextManager[object] = (
-            self._state_dict_lock()
-            if (lock and self._state_dict_lock is not None)
-            else contextlib.nullcontext()
+        guard: AbstractContextManager[str | None] = (
+            served.read() if lock else contextlib.nullcontext()
         )
-        with lock_cm:
+        with guard as changed:
+            if changed is not None:
+                raise _HTTPError(
+                    409,
+                    f"the state of step {served.step} changed since it was offered ({changed}); "
+                    "it is no longer served",
+                )
             with self._cond:
                 if self._served is not served:
                     raise _HTTPError(409, f"step {served.step} is no longer served")
