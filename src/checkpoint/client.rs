@@ -16,6 +16,10 @@ use super::wire::{self, Request};
 
 /// Bytes read per call before checksumming them (small enough to still be in cache).
 pub const READ_PIECE_BYTES: usize = 512 << 10;
+/// Most connections one fetch opens (the source serves a bounded number of streams).
+pub const MAX_STREAMS_PER_FETCH: usize = 16;
+/// Longest pause between two attempts at a source that answered "busy".
+const BUSY_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Where one tensor's bytes go.
 #[derive(Debug, Clone, Copy)]
@@ -124,14 +128,7 @@ impl Fetch {
     /// Every `dests[i]` must be valid for writes of `len` bytes for the whole call and not
     /// overlap any other destination; nothing else may access that memory meanwhile.
     pub unsafe fn run(&self, spec: &FetchSpec, dests: &[Dest]) -> Result<u64, FetchError> {
-        for &(a, b) in &spec.ranges {
-            if a > b || b > dests.len() {
-                return Err(FetchError::Corrupt(format!(
-                    "range [{a}, {b}) out of {} tensors",
-                    dests.len()
-                )));
-            }
-        }
+        check_ranges(&spec.ranges, dests)?;
         let addrs: Vec<SocketAddr> = spec
             .addr
             .to_socket_addrs()
@@ -177,6 +174,46 @@ impl Fetch {
             .sum())
     }
 
+    /// [`Fetch::fetch_range_once`], again while the source answers "busy" (all its stream
+    /// slots in use, e.g. serving many healing groups at once), until the deadline.
+    unsafe fn fetch_range(
+        &self,
+        spec: &FetchSpec,
+        addrs: &[SocketAddr],
+        start: usize,
+        end: usize,
+        dests: &[Dest],
+    ) -> Result<(), FetchError> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            // SAFETY: forwarded from the caller.
+            match unsafe { self.fetch_range_once(spec, addrs, start, end, dests) } {
+                Err(FetchError::Refused {
+                    status: wire::STATUS_UNAVAILABLE,
+                    message,
+                }) => {
+                    let left = spec.deadline.saturating_duration_since(Instant::now());
+                    if left <= backoff {
+                        return Err(FetchError::Timeout(format!(
+                            "{} stayed busy until the deadline: {message}",
+                            spec.addr
+                        )));
+                    }
+                    // Sleep in short slices so an abort is seen promptly.
+                    let until = Instant::now() + backoff;
+                    while Instant::now() < until {
+                        if self.stopped() {
+                            return Err(FetchError::Aborted);
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn connect(&self, spec: &FetchSpec, addrs: &[SocketAddr]) -> Result<TcpStream, FetchError> {
         let mut last = String::new();
         for addr in addrs {
@@ -192,7 +229,7 @@ impl Fetch {
         Err(FetchError::Connect(last))
     }
 
-    unsafe fn fetch_range(
+    unsafe fn fetch_range_once(
         &self,
         spec: &FetchSpec,
         addrs: &[SocketAddr],
@@ -247,8 +284,12 @@ impl Fetch {
         }
         let mut crcs = Vec::with_capacity(4 * (end - start));
         for (i, dest) in dests.iter().enumerate().take(end).skip(start) {
-            // SAFETY: the caller's contract on `dests`.
-            let out = unsafe { std::slice::from_raw_parts_mut(dest.addr as *mut u8, dest.len) };
+            let out: &mut [u8] = if dest.len == 0 {
+                &mut [] // an empty tensor's address may be null
+            } else {
+                // SAFETY: the caller's contract on `dests` (checked non-null in `run`).
+                unsafe { std::slice::from_raw_parts_mut(dest.addr as *mut u8, dest.len) }
+            };
             let mut crc = crc32fast::Hasher::new();
             for piece in out.chunks_mut(READ_PIECE_BYTES) {
                 io.read_exact(piece, "tensor bytes")?;
@@ -326,6 +367,44 @@ impl Io<'_> {
     }
 }
 
+/// Ranges within `dests`, at most [`MAX_STREAMS_PER_FETCH`] of them, disjoint, and every
+/// non-empty destination they cover non-null and disjoint from the others.
+fn check_ranges(ranges: &[(usize, usize)], dests: &[Dest]) -> Result<(), FetchError> {
+    let bad = |m: String| Err(FetchError::Corrupt(m));
+    if ranges.len() > MAX_STREAMS_PER_FETCH {
+        return bad(format!(
+            "{} ranges asked; a fetch opens at most {MAX_STREAMS_PER_FETCH} streams",
+            ranges.len()
+        ));
+    }
+    let mut sorted = ranges.to_vec();
+    sorted.sort_unstable();
+    let mut last_end = 0;
+    for &(a, b) in &sorted {
+        if a > b || b > dests.len() {
+            return bad(format!("range [{a}, {b}) out of {} tensors", dests.len()));
+        }
+        if a < last_end {
+            return bad(format!("range [{a}, {b}) overlaps another range"));
+        }
+        last_end = b;
+    }
+    let mut spans: Vec<(usize, usize)> = sorted
+        .iter()
+        .flat_map(|&(a, b)| dests[a..b].iter())
+        .filter(|d| d.len > 0)
+        .map(|d| (d.addr, d.addr.saturating_add(d.len)))
+        .collect();
+    if spans.iter().any(|&(a, _)| a == 0) {
+        return bad("a destination has a null address".into());
+    }
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+        return bad("two destinations overlap".into());
+    }
+    Ok(())
+}
+
 fn remaining(spec: &FetchSpec, what: &str) -> Result<Duration, FetchError> {
     let r = spec.deadline.saturating_duration_since(Instant::now());
     if r.is_zero() {
@@ -354,9 +433,19 @@ mod tests {
     #[derive(Default)]
     struct Hooks {
         version: Option<(Arc<AtomicU64>, u64)>,
+        /// Streams wait in `enter` until the flag is set (holding their stream slot).
+        gate: Option<Arc<(Mutex<bool>, std::sync::Condvar)>>,
+        entered: Arc<AtomicU64>,
     }
     impl OfferHooks for Hooks {
         fn enter(&self) -> Result<Box<dyn Send>, EnterError> {
+            self.entered.fetch_add(1, Ordering::SeqCst);
+            if let Some(gate) = &self.gate {
+                let mut open = gate.0.lock().unwrap();
+                while !*open {
+                    open = gate.1.wait(open).unwrap();
+                }
+            }
             match &self.version {
                 Some((now, offered)) if now.load(Ordering::SeqCst) != *offered => {
                     Err(EnterError::Changed("written since".into()))
@@ -471,6 +560,7 @@ mod tests {
         let version = Arc::new(AtomicU64::new(7));
         let hooks = Hooks {
             version: Some((version.clone(), 7)),
+            ..Hooks::default()
         };
         offer_with(&server, &data, 10, hooks);
         let mut out: Vec<Vec<u8>> = vec![vec![0u8; 1000], vec![0u8; 1000], vec![0u8; 10]];
@@ -491,6 +581,124 @@ mod tests {
             "{e:?}"
         );
         server.shutdown();
+    }
+
+    fn dests_of(out: &mut [Vec<u8>]) -> Vec<Dest> {
+        out.iter_mut()
+            .map(|v| Dest {
+                addr: v.as_mut_ptr() as usize,
+                len: v.len(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn more_streams_than_slots_queue_instead_of_failing() {
+        use crate::checkpoint::server::MAX_STREAMS;
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(20)).unwrap();
+        let data: Vec<Vec<u8>> = (0..MAX_STREAMS_PER_FETCH)
+            .map(|i| vec![i as u8; 10_000])
+            .collect();
+        let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let entered = Arc::new(AtomicU64::new(0));
+        let hooks = Hooks {
+            gate: Some(gate.clone()),
+            entered: entered.clone(),
+            ..Hooks::default()
+        };
+        offer_with(&server, &data, 0, hooks);
+        // Five healing groups at once, 16 streams each: more than the server's slots.
+        let fetches = 5;
+        assert!(fetches * MAX_STREAMS_PER_FETCH > MAX_STREAMS);
+        let ranges: Vec<(usize, usize)> = (0..MAX_STREAMS_PER_FETCH).map(|i| (i, i + 1)).collect();
+        let results = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..fetches)
+                .map(|_| {
+                    let s = spec(&server, None, ranges.clone());
+                    scope.spawn(move || {
+                        let mut out: Vec<Vec<u8>> = (0..=MAX_STREAMS_PER_FETCH)
+                            .map(|i| vec![0u8; if i < MAX_STREAMS_PER_FETCH { 10_000 } else { 0 }])
+                            .collect();
+                        let dests = dests_of(&mut out);
+                        let r = unsafe { Fetch::new().run(&s, &dests) };
+                        (r, out)
+                    })
+                })
+                .collect();
+            // Every slot is taken by a stream held in `enter`; the rest wait for one.
+            let t0 = Instant::now();
+            while entered.load(Ordering::SeqCst) < MAX_STREAMS as u64 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "streams never entered"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            assert_eq!(entered.load(Ordering::SeqCst), MAX_STREAMS as u64);
+            *gate.0.lock().unwrap() = true;
+            gate.1.notify_all();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (r, out) in results {
+            assert!(r.is_ok(), "{r:?}");
+            assert_eq!(&out[..MAX_STREAMS_PER_FETCH], &data[..]);
+        }
+        server.shutdown();
+    }
+
+    #[test]
+    fn silent_connections_cannot_starve_a_receiver() {
+        use crate::checkpoint::server::MAX_CONNECTIONS;
+        // A one-second request timeout: connections that never send a request are cut then.
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(1)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![5u8; 100_000]];
+        offer(&server, &data, 0);
+        let silent: Vec<TcpStream> = (0..MAX_CONNECTIONS + 20)
+            .filter_map(|_| TcpStream::connect(server.local_addr()).ok())
+            .collect();
+        let mut out: Vec<Vec<u8>> = vec![vec![0u8; 100_000], vec![]];
+        let dests = dests_of(&mut out);
+        let r = unsafe { Fetch::new().run(&spec(&server, None, vec![(0, 2)]), &dests) };
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(out[0], data[0]);
+        drop(silent);
+        server.shutdown();
+    }
+
+    #[test]
+    fn overlapping_or_too_many_ranges_are_refused_before_connecting() {
+        let mut out: Vec<Vec<u8>> = vec![vec![0u8; 8], vec![0u8; 8], vec![]];
+        let mut dests = dests_of(&mut out);
+        let mut s = FetchSpec {
+            addr: "127.0.0.1:1".into(),
+            token: None,
+            step: 1,
+            gen: "g".into(),
+            ranges: vec![(0, 2), (1, 3)],
+            deadline: Instant::now() + Duration::from_secs(5),
+        };
+        let e = unsafe { Fetch::new().run(&s, &dests) };
+        assert!(
+            matches!(&e, Err(FetchError::Corrupt(m)) if m.contains("overlaps")),
+            "{e:?}"
+        );
+        s.ranges = (0..=MAX_STREAMS_PER_FETCH).map(|_| (0, 0)).collect();
+        let e = unsafe { Fetch::new().run(&s, &dests) };
+        assert!(
+            matches!(&e, Err(FetchError::Corrupt(m)) if m.contains("at most")),
+            "{e:?}"
+        );
+        s.ranges = vec![(0, 1), (1, 3)];
+        dests[1].addr = dests[0].addr + 4;
+        let e = unsafe { Fetch::new().run(&s, &dests) };
+        assert!(
+            matches!(&e, Err(FetchError::Corrupt(m)) if m.contains("overlap")),
+            "{e:?}"
+        );
     }
 
     /// A one-connection proxy that flips the byte at `flip_at` of the server's answer, or

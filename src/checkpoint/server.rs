@@ -22,8 +22,15 @@ use crate::security::Token;
 /// Bytes written per socket call: the granularity of revocation and deadline checks, and
 /// the size of a stream's staging buffer.
 pub const PIECE_BYTES: usize = 1 << 20;
-/// Connections served at once; more are answered "unavailable".
-pub const MAX_CONNECTIONS: usize = 64;
+/// Connections open at once (streaming, queued or still sending their request); more are
+/// answered "unavailable" at once (receivers retry that until their deadline).
+pub const MAX_CONNECTIONS: usize = 256;
+/// Streams reading the state at once; authenticated requests beyond it queue for a slot
+/// (bounded by the request timeout), so one source can serve many healing groups in turn.
+pub const MAX_STREAMS: usize = 64;
+/// Longest a new connection may take to send its request: until then it is not
+/// authenticated, so a peer that connects and stays silent cannot hold a slot for long.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest a revoke waits for streams to let go of the state.
 const REVOKE_WAIT: Duration = Duration::from_secs(5);
 
@@ -127,6 +134,8 @@ struct State {
     offer: Option<Arc<Offer>>,
     conns: HashMap<u64, Conn>,
     next_id: u64,
+    /// Stream slots taken (at most [`MAX_STREAMS`]).
+    streaming: usize,
     closed: bool,
 }
 
@@ -140,6 +149,40 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits (until `deadline`) for one of the [`MAX_STREAMS`] stream slots; None when the
+    /// deadline passed or the server closed first.
+    fn stream_slot(&self, deadline: Instant) -> Option<StreamSlot<'_>> {
+        let mut st = self.lock();
+        loop {
+            if st.closed {
+                return None;
+            }
+            if st.streaming < MAX_STREAMS {
+                st.streaming += 1;
+                return Some(StreamSlot(self));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            st = self
+                .cond
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// One taken stream slot, given back on drop.
+struct StreamSlot<'a>(&'a Shared);
+
+impl Drop for StreamSlot<'_> {
+    fn drop(&mut self) {
+        self.0.lock().streaming -= 1;
+        self.0.cond.notify_all();
     }
 }
 
@@ -256,6 +299,8 @@ impl DataServer {
             for c in st.conns.values() {
                 let _ = c.stream.shutdown(Shutdown::Both);
             }
+            // Connections queued for a stream slot give up.
+            self.shared.cond.notify_all();
         }
         // Wake the accept loop, which checks `closed` after every connection.
         let mut wake = self.addr;
@@ -296,7 +341,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             let mut st = shared.lock();
             if st.conns.len() >= MAX_CONNECTIONS {
                 drop(st);
-                refuse(stream, "too many checkpoint connections");
+                refuse(stream, "too many checkpoint connections; retry");
                 continue;
             }
             let Ok(clone) = stream.try_clone() else {
@@ -335,8 +380,9 @@ fn refuse(mut stream: TcpStream, why: &str) {
 }
 
 fn serve_connection(shared: &Shared, id: u64, stream: TcpStream) {
-    let _ = stream.set_read_timeout(Some(shared.request_timeout));
-    let _ = stream.set_write_timeout(Some(shared.request_timeout));
+    let handshake = HANDSHAKE_TIMEOUT.min(shared.request_timeout);
+    let _ = stream.set_read_timeout(Some(handshake));
+    let _ = stream.set_write_timeout(Some(handshake));
     let _ = stream.set_nodelay(true);
     let peer = stream
         .peer_addr()
@@ -356,6 +402,15 @@ fn serve_connection(shared: &Shared, id: u64, stream: TcpStream) {
         let _ = wire::write_reply(&mut &stream, status, &msg);
         return;
     }
+    let _ = stream.set_write_timeout(Some(shared.request_timeout));
+    let Some(_slot) = shared.stream_slot(Instant::now() + shared.request_timeout) else {
+        let msg = format!(
+            "busy: all {MAX_STREAMS} checkpoint streams stayed in use for {:?}; retry",
+            shared.request_timeout
+        );
+        let _ = wire::write_reply(&mut &stream, wire::STATUS_UNAVAILABLE, &msg);
+        return;
+    };
     let offer = {
         let st = shared.lock();
         match &st.offer {

@@ -74,6 +74,9 @@ _BASE_PATH = "/checkpoint"
 _MAX_ERROR_BODY = 64 << 10
 # Parallel connections of a native receive when ``num_chunks`` is 0.
 DEFAULT_STREAMS = 4
+# Most connections of one native receive (the native fetch's own limit): a source serves
+# a bounded number of streams at once, shared by every group healing from it.
+MAX_STREAMS = 16
 _NOT_OURS = (
     "this checkpoint server speaks torchft's typed checkpoint format (JSON header and raw "
     "tensor bytes, never pickle) under {base}/<step>/full; a pickle-based HTTPTransport "
@@ -312,8 +315,8 @@ class HTTPTransport(CheckpointTransport[T]):
         timeout: default bound for serving one request and for waiting for a step to be
             offered (overridden by ``TORCHFT_TIMEOUT_SEC``).
         num_chunks: parallel connections of a receive: native receives use this many
-            (0: ``DEFAULT_STREAMS``); HTTP receives use this many range requests (0: one
-            streamed request).
+            (0: ``DEFAULT_STREAMS``, at most ``MAX_STREAMS``); HTTP receives use this many
+            range requests (0: one streamed request).
         state_dict: optional callable returning this rank's current state; a receive
             writes each tensor into the local tensor at the same place (same dtype and
             shape, contiguous) instead of allocating a new one (the Manager passes its
@@ -881,7 +884,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 staged.append((i, buf, t))
                 t = buf
             dests.append((t.data_ptr() if spec.nbytes else 0, spec.nbytes))
-        streams = self._num_chunks if self._num_chunks > 0 else DEFAULT_STREAMS
+        streams = min(self._num_chunks if self._num_chunks > 0 else DEFAULT_STREAMS, MAX_STREAMS)
         ranges = ser.split_ranges(header.specs, streams)
         fetch = self._open(entry, _torchft.CheckpointFetch())
         remaining = deadline - time.monotonic()
