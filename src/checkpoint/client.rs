@@ -701,6 +701,54 @@ mod tests {
         );
     }
 
+    #[test]
+    fn memory_changing_outside_the_lock_never_fails_an_honest_sender() {
+        // Buffers the owner updates without the write lock (running statistics of a
+        // concurrent forward): what is sent is what was checksummed, so the CRC holds.
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
+        let words: Vec<AtomicU64> = (0..(4 << 20) / 8).map(AtomicU64::new).collect();
+        let len = words.len() * 8;
+        let sources = vec![Source::Memory {
+            addr: words.as_ptr() as usize,
+            len,
+        }];
+        // SAFETY: `words` outlives the server; it changes under the offer on purpose.
+        let o = unsafe {
+            Offer::new(
+                3,
+                "g1".into(),
+                sources,
+                Duration::from_secs(10),
+                Box::new(Hooks::default()),
+            )
+        };
+        server.offer(o);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for w in words.iter().step_by(509) {
+                        w.fetch_add(k, Ordering::Relaxed);
+                    }
+                    k += 1;
+                }
+            });
+            let results: Vec<_> = (0..5)
+                .map(|_| {
+                    let mut out = vec![vec![0u8; len]];
+                    let dests = dests_of(&mut out);
+                    unsafe { Fetch::new().run(&spec(&server, None, vec![(0, 1)]), &dests) }
+                })
+                .collect();
+            stop.store(true, Ordering::Relaxed);
+            for r in results {
+                assert!(r.is_ok(), "{r:?}");
+            }
+        });
+        server.shutdown();
+    }
+
     /// A one-connection proxy that flips the byte at `flip_at` of the server's answer, or
     /// cuts the answer at `cut_at`.
     fn tamper(target: SocketAddr, flip_at: Option<usize>, cut_at: Option<usize>) -> SocketAddr {

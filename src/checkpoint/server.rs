@@ -1,4 +1,5 @@
-//! The sending side: serves ranges of one offered state straight from its memory.
+//! The sending side: serves ranges of one offered state from its memory, one piece at a time
+//! through a per-stream staging buffer (the piece sent is the piece checksummed).
 //!
 //! The owner offers a state ([`DataServer::offer`]) and revokes it before the state may change
 //! ([`DataServer::revoke`]): revoking stops every stream of the offer at its next piece (their
@@ -102,10 +103,11 @@ impl Offer {
     /// An offer of `sources` as the state of `step`, generation `gen`.
     ///
     /// # Safety
-    /// Every [`Source::Memory`] range must stay valid for reads, and unchanged, for as long
-    /// as the offer is alive (streams hold it until they end): the owner keeps the memory
-    /// alive through `hooks` and does not change it before [`DataServer::revoke`] returned
-    /// true (its `enter` guard blocks writers while a stream runs).
+    /// Every [`Source::Memory`] range must stay valid for reads for as long as the offer is
+    /// alive (streams hold it until they end): the owner keeps the memory alive through
+    /// `hooks`, refuses in `enter` once it moved, and does not write it before
+    /// [`DataServer::revoke`] returned true (its `enter` guard blocks writers while a stream
+    /// runs). Bytes changed anyway are sent as copied, with a checksum of that copy.
     pub unsafe fn new(
         step: i64,
         gen: String,
@@ -516,6 +518,13 @@ enum StreamError {
     Io(#[from] std::io::Error),
 }
 
+/// Makes `staging` hold at least one piece of a `len`-byte tensor.
+fn grow(staging: &mut Vec<u8>, len: usize) {
+    if staging.len() < PIECE_BYTES.min(len) {
+        *staging = vec![0u8; PIECE_BYTES.min(len)];
+    }
+}
+
 fn stream_range(
     offer: &Offer,
     stream: &TcpStream,
@@ -560,18 +569,24 @@ fn stream_range(
         let mut crc = crc32fast::Hasher::new();
         match *source {
             Source::Memory { addr, len } => {
-                // SAFETY: `Offer::new`'s contract: the range is valid and unchanged while the
-                // offer lives, and this stream holds the offer and the owner's read guard.
-                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                for piece in bytes.chunks(PIECE_BYTES) {
-                    crc.update(piece);
-                    write(piece)?;
+                if len > 0 {
+                    // SAFETY: `Offer::new`'s contract: the range is valid while the offer
+                    // lives, and this stream holds the offer and the owner's read guard.
+                    let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                    grow(&mut staging, len);
+                    for src in bytes.chunks(PIECE_BYTES) {
+                        // One copy, checksummed and sent: memory the owner changes outside
+                        // its lock (running statistics updated by a concurrent forward)
+                        // cannot make the bytes sent differ from the bytes checksummed.
+                        let piece = &mut staging[..src.len()];
+                        piece.copy_from_slice(src);
+                        crc.update(piece);
+                        write(piece)?;
+                    }
                 }
             }
             Source::Staged { len } => {
-                if staging.len() < PIECE_BYTES.min(len) {
-                    staging = vec![0u8; PIECE_BYTES.min(len)];
-                }
+                grow(&mut staging, len);
                 let mut offset = 0usize;
                 while offset < len {
                     let n = (len - offset).min(staging.len());
