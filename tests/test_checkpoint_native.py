@@ -464,6 +464,31 @@ def test_a_state_changed_after_its_offer_fails_the_receive_instead_of_mixing(
                 r.recv_checkpoint(0, s.metadata(), 4, TIMEOUT)
 
 
+def test_a_large_non_contiguous_tensor_is_copied_once_not_once_per_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-contiguous tensor is staged from one contiguous copy per stream, not a full
+    copy for every 1 MiB piece (a 1 GiB tensor would otherwise cost ~1 TiB of memcpy)."""
+    from torchft.checkpointing import http_transport
+
+    no_http_bytes(monkeypatch)
+    copies: list[int] = []
+    flat_bytes = http_transport._flat_bytes
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        copies.append(t.numel())
+        return flat_bytes(t)
+
+    monkeypatch.setattr(http_transport, "_flat_bytes", counted)
+    state = {"t": torch.randn(1024, 2048).t(), "u": torch.randn(64, 32).t(), "w": torch.ones(5)}
+    assert state["t"].nbytes >= 8 * (1 << 20)  # several pieces
+    with transports(receiver_kw={"num_chunks": 2}) as (s, r):
+        s.send_checkpoint([1], 1, state, TIMEOUT)
+        got = r.recv_checkpoint(0, s.metadata(), 1, TIMEOUT)
+    assert_same(got, state)
+    assert sorted(copies) == sorted([state["t"].numel(), state["u"].numel()]), copies
+
+
 def test_in_place_receive_leaves_the_parameters_autograd_versions_alone() -> None:
     """A heal may run on the quorum thread while a backward is paused in a communication
     hook: writing the received bytes must not bump a parameter's autograd version counter,

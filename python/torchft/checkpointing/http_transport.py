@@ -1004,38 +1004,59 @@ def _native_sources(enc: ser.Encoded) -> list[tuple[int, int]]:
 
 class _Stager:
     """Copies pieces of the tensors the native server cannot read directly into its stream
-    buffers: device tensors through a pinned host buffer of one piece per stream thread,
-    non-contiguous CPU tensors from a contiguous copy of the tensor being sent (one per
-    stream thread at a time)."""
+    buffers: device tensors through a pinned host buffer of one piece per stream thread, and
+    non-contiguous tensors from a contiguous copy of the tensor being sent (one per stream
+    thread at a time, made once per tensor, not once per piece).
+
+    Per-thread state is keyed by the OS thread id: each call from the native server may come
+    with a fresh Python thread state, so ``threading.local`` would not survive between them.
+    """
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._tensors = tensors
-        self._local = threading.local()
+        self._lock = threading.Lock()
+        # thread id -> (tensor index, contiguous bytes of that tensor)
+        self._flat: dict[int, tuple[int, torch.Tensor]] = {}
+        # thread id -> pinned host buffer
+        self._pinned: dict[int, torch.Tensor] = {}
 
     def stage(self, index: int, offset: int, view: memoryview) -> None:
         """Fills ``view`` with bytes ``[offset, offset + len(view))`` of tensor ``index``."""
-        t = self._tensors[index]
         n = len(view)
         dst = torch.frombuffer(view, dtype=torch.uint8)
-        if t.device.type == "cpu":
-            cached = getattr(self._local, "flat", None)
-            if cached is None or cached[0] is not t:
-                cached = self._local.flat = (t, ser.tensor_bytes(t))
-            dst.copy_(cached[1][offset : offset + n])
+        me = threading.get_ident()
+        with self._lock:
+            cached = self._flat.get(me)
+        if cached is None or cached[0] != index:
+            cached = (index, _flat_bytes(self._tensors[index]))
+            with self._lock:
+                self._flat[me] = cached
+        flat = cached[1]
+        if offset + n >= flat.numel():
+            with self._lock:
+                self._flat.pop(me, None)  # the tensor's last piece: free its copy
+        if flat.device.type == "cpu":
+            dst.copy_(flat[offset : offset + n])
             return
-        flat = t.detach()
-        if flat.is_conj():
-            flat = flat.resolve_conj()
-        if flat.is_neg():
-            flat = flat.resolve_neg()
-        flat = flat.contiguous().reshape(-1).view(torch.uint8)
-        pinned = getattr(self._local, "pinned", None)
+        with self._lock:
+            pinned = self._pinned.get(me)
         if pinned is None or pinned.numel() < n:
-            pinned = self._local.pinned = torch.empty(
-                max(n, 1 << 20), dtype=torch.uint8, pin_memory=True
-            )
+            pinned = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            with self._lock:
+                self._pinned[me] = pinned
         pinned[:n].copy_(flat[offset : offset + n])
         dst.copy_(pinned[:n])
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous flat uint8 view of ``t``'s data on its own device (copied only when
+    ``t`` is not contiguous, conjugated or negated)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _native_error(failure: tuple[str, int, str], src: int, addr: str) -> Exception:
