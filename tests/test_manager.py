@@ -788,6 +788,52 @@ def test_failed_in_place_heal_is_never_trained_on(harness: Any) -> None:
     assert torch.equal(h.user_state["w"], torch.full((3,), 2.0))
 
 
+def test_in_place_heal_holds_the_state_write_lock(harness: Any) -> None:
+    """An async in-place heal writes into the group's tensors on the quorum thread: it holds
+    the state's write lock meanwhile, so an optimizer step (disallow_state_dict_read) on
+    the training thread waits for it instead of racing it."""
+    h = harness()
+    h.transport.receives_in_place = True  # type: ignore[attr-defined]
+    _serve(h, 5, torch.full((3,), 3.0))
+    h.native.quorums = [_heal_quorum()]
+    m = h.manager
+    lock = m._state_dict_lock
+    receiving, release = threading.Event(), threading.Event()
+    held: list[bool] = []
+    recv = h.transport.recv_checkpoint
+
+    def slow_recv(*args: Any, **kwargs: Any) -> Any:
+        held.append(lock.held_by_me())
+        receiving.set()
+        assert release.wait(10)
+        return recv(*args, **kwargs)
+
+    h.transport.recv_checkpoint = slow_recv  # type: ignore[method-assign]
+    version = lock.version()
+    m.start_quorum()
+    # The answer is adopted (and the heal run on the worker thread) by the first wait.
+    waiter = threading.Thread(target=m.wait_quorum)
+    waiter.start()
+    assert receiving.wait(10)
+    stepped = threading.Event()
+
+    def optimizer_step() -> None:
+        m.disallow_state_dict_read()
+        stepped.set()
+        m.allow_state_dict_read()
+
+    t = threading.Thread(target=optimizer_step)
+    t.start()
+    assert not stepped.wait(0.3)  # blocked by the heal
+    release.set()
+    assert stepped.wait(10)
+    t.join(10)
+    waiter.join(10)
+    assert held == [True]
+    assert lock.version() == version + 2  # the heal and the step each count as a write
+    assert m.should_commit()
+
+
 def test_sends_checkpoint_to_recovering_peers(harness: Any) -> None:
     """An up-to-date replica serves its user state and counters for the max step."""
     h = harness()
