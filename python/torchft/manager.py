@@ -1055,6 +1055,12 @@ class Manager:
                     received = self._checkpoint_transport.recv_checkpoint(
                         src_rank=src_rank, metadata=metadata, step=max_step, timeout=self._timeout
                     )
+                if (
+                    not isinstance(received, dict)
+                    or "torchft" not in received
+                    or "user" not in received
+                ):
+                    raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
             except BaseException:
                 if in_place:
                     # Part of this group's tensors may hold the source's bytes now: only a
@@ -1064,8 +1070,6 @@ class Manager:
         finally:
             with self._reconfig_lock:
                 self._heal_source = None
-        if not isinstance(received, dict) or "torchft" not in received or "user" not in received:
-            raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
         heal_s = time.perf_counter() - heal_t0
         source = _group_name(src_id) if src_id is not None else src_addr
         heal_bytes = tel.heal_done(heal_s, received, source) if tel is not None else 0

@@ -102,6 +102,14 @@ impl OfferHooks for PyHooks {
     }
 }
 
+impl Drop for PyDataServer {
+    fn drop(&mut self) {
+        // Dropped by Python with the GIL held: shutting down waits for streams, whose read
+        // guards need the GIL to be released, so let go of it meanwhile.
+        Python::attach(|py| py.detach(|| self.server.shutdown()));
+    }
+}
+
 #[pymethods]
 impl PyDataServer {
     #[new]

@@ -6,6 +6,7 @@
 //! at once. A source that dies ends its streams with EOF or a reset, which fails the fetch at
 //! once; one that stops answering fails it at the deadline.
 
+use std::collections::HashMap;
 use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,6 +19,8 @@ use super::wire::{self, Request};
 pub const READ_PIECE_BYTES: usize = 512 << 10;
 /// Most connections one fetch opens (the source serves a bounded number of streams).
 pub const MAX_STREAMS_PER_FETCH: usize = 16;
+/// Longest single connection attempt (an abort is noticed between attempts).
+const CONNECT_SLICE: Duration = Duration::from_secs(1);
 /// Longest pause between two attempts at a source that answered "busy".
 const BUSY_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
@@ -80,7 +83,8 @@ pub enum FetchError {
 pub struct Fetch {
     aborted: AtomicBool,
     failed: AtomicBool,
-    socks: Mutex<Vec<TcpStream>>,
+    /// Open connections by id (so `abort` can shut them down), dropped when done.
+    socks: Mutex<(u64, HashMap<u64, TcpStream>)>,
 }
 
 impl Fetch {
@@ -97,7 +101,13 @@ impl Fetch {
     }
 
     fn stop_all(&self) {
-        for s in self.socks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for s in self
+            .socks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .values()
+        {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -106,19 +116,24 @@ impl Fetch {
         self.aborted.load(Ordering::SeqCst) || self.failed.load(Ordering::SeqCst)
     }
 
-    fn register(&self, s: &TcpStream) -> Result<(), FetchError> {
+    /// Makes `s` reachable by `abort` until the returned registration is dropped.
+    fn register(&self, s: &TcpStream) -> Result<Registered<'_>, FetchError> {
         let clone = s
             .try_clone()
             .map_err(|e| FetchError::Connect(e.to_string()))?;
-        self.socks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(clone);
+        let id = {
+            let mut socks = self.socks.lock().unwrap_or_else(|e| e.into_inner());
+            socks.0 += 1;
+            let id = socks.0;
+            socks.1.insert(id, clone);
+            id
+        };
+        let registered = Registered { fetch: self, id };
         if self.stopped() {
             let _ = s.shutdown(Shutdown::Both);
             return Err(FetchError::Aborted);
         }
-        Ok(())
+        Ok(registered)
     }
 
     /// Fetches every range of `spec` into `dests` (indexed by tensor), one connection per
@@ -214,16 +229,28 @@ impl Fetch {
         }
     }
 
+    /// Connects to the first address that answers, in attempts of at most
+    /// [`CONNECT_SLICE`] so an abort is seen within about that long.
     fn connect(&self, spec: &FetchSpec, addrs: &[SocketAddr]) -> Result<TcpStream, FetchError> {
         let mut last = String::new();
         for addr in addrs {
-            let remaining = remaining(spec, "connecting")?;
-            match TcpStream::connect_timeout(addr, remaining) {
-                Ok(s) => return Ok(s),
-                Err(e) if is_timeout(&e) => {
-                    return Err(FetchError::Timeout(format!("connecting to {addr}")))
+            loop {
+                if self.stopped() {
+                    return Err(FetchError::Aborted);
                 }
-                Err(e) => last = format!("{addr}: {e}"),
+                let remaining = remaining(spec, "connecting")?;
+                match TcpStream::connect_timeout(addr, remaining.min(CONNECT_SLICE)) {
+                    Ok(s) => return Ok(s),
+                    Err(e) if is_timeout(&e) => {
+                        if remaining <= CONNECT_SLICE {
+                            return Err(FetchError::Timeout(format!("connecting to {addr}")));
+                        }
+                    }
+                    Err(e) => {
+                        last = format!("{addr}: {e}");
+                        break;
+                    }
+                }
             }
         }
         Err(FetchError::Connect(last))
@@ -241,7 +268,7 @@ impl Fetch {
             return Err(FetchError::Aborted);
         }
         let stream = self.connect(spec, addrs)?;
-        self.register(&stream)?;
+        let _registered = self.register(&stream)?;
         let _ = stream.set_nodelay(true);
         let mut io = Io {
             fetch: self,
@@ -315,6 +342,19 @@ impl Fetch {
             Ok(_) => Err(FetchError::Corrupt("trailing bytes after the range".into())),
             Err(e) => Err(io.error(e, "closing")),
         }
+    }
+}
+
+/// A connection registered with its fetch; unregistered (its descriptor closed) on drop.
+struct Registered<'a> {
+    fetch: &'a Fetch,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let mut socks = self.fetch.socks.lock().unwrap_or_else(|e| e.into_inner());
+        socks.1.remove(&self.id);
     }
 }
 
