@@ -326,7 +326,9 @@ class CheckpointDataServer:
     ) -> bool:
         """Serves ``tensors`` (per tensor ``(address, length)``, address 0: copied by
         ``stage(index, offset, view)``) as the state of ``step`` until ``revoke``; the memory
-        must stay valid and unchanged until then. ``enter`` is held while a stream reads."""
+        must stay valid and unchanged until then. ``enter`` is held while a stream reads;
+        its ``__enter__`` returns None, or a message saying why the state is no longer the
+        one offered (the stream is then refused as no longer served)."""
     def revoke(self) -> bool:
         """Stops serving the offer; True once no stream reads it (waits a few seconds)."""
     def shutdown(self) -> None:

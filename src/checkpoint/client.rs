@@ -705,8 +705,13 @@ mod tests {
         let r = unsafe { Fetch::new().run(&spec(&server, None, vec![(0, 2)]), &dests) };
         assert!(r.is_ok(), "{r:?}");
         assert_eq!(out[0], data[0]);
-        drop(silent);
+        // Shutdown ends every connection thread, even with the peers still connected.
+        let more: Vec<TcpStream> = (0..10)
+            .filter_map(|_| TcpStream::connect(server.local_addr()).ok())
+            .collect();
         server.shutdown();
+        assert_eq!(server.connections(), 0);
+        drop((silent, more));
     }
 
     #[test]

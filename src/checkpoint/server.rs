@@ -292,7 +292,8 @@ impl DataServer {
         self.shared.lock().conns.len()
     }
 
-    /// Revokes the offer, closes every connection and stops accepting.
+    /// Revokes the offer, closes every connection, stops accepting and waits (a few seconds
+    /// at most) for the connection threads to end.
     pub fn shutdown(&self) {
         self.revoke();
         {
@@ -316,6 +317,26 @@ impl DataServer {
         let handle = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(h) = handle {
             let _ = h.join();
+        }
+        // Every connection thread ends at its next socket call (all were shut down): wait,
+        // bounded, until they did, so no stream outlives the server.
+        let deadline = Instant::now() + REVOKE_WAIT;
+        let mut st = self.shared.lock();
+        while !st.conns.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(
+                    open = st.conns.len(),
+                    "checkpoint connections still open after shutdown"
+                );
+                break;
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 }
