@@ -41,7 +41,7 @@ pub struct Link {
     pub latency_s: Option<f64>,
     /// Bandwidth in bytes per second.
     pub bandwidth_bps: Option<f64>,
-    /// Number of channels.
+    /// Number of channels (read and checked, not used in the cost model).
     pub channels: Option<u64>,
 }
 
@@ -131,7 +131,14 @@ fn measured(
                 format!("unknown unit {unit:?} (one of {})", known.join(", ")),
             )
         })?;
-    Ok(Some(value * factor))
+    let scaled = value * factor;
+    if !scaled.is_finite() {
+        return Err(bad(
+            &format!("{field}.value"),
+            format!("{value} {unit} is out of range"),
+        ));
+    }
+    Ok(Some(scaled))
 }
 
 const LATENCY_UNITS: &[(&str, f64)] = &[("ns", 1e-9), ("us", 1e-6), ("ms", 1e-3), ("s", 1.0)];
@@ -300,17 +307,21 @@ impl Topology {
     /// Checks that every rank of replica group `group` (of `world_size` ranks) is listed, so
     /// a mismatched file fails when the manager starts rather than silently mid-heal.
     pub fn check_group(&self, group: u64, world_size: u64) -> Result<()> {
-        let first = group.checked_mul(world_size).ok_or_else(|| {
-            Error::InvalidArgument(format!("replica group index {group} is too large"))
-        })?;
-        for rank in first..first + world_size {
+        let too_large = || {
+            Error::InvalidArgument(format!(
+                "replica group index {group} is too large for groups of {world_size} rank(s)"
+            ))
+        };
+        let first = group.checked_mul(world_size).ok_or_else(too_large)?;
+        let end = first.checked_add(world_size).ok_or_else(too_large)?;
+        for rank in first..end {
             if !self.has_rank(rank) {
                 return Err(bad(
                     &format!("ranks.\"{rank}\""),
                     format!(
                         "missing: replica group {group} of {world_size} rank(s) holds job-wide \
                          ranks {first}..={}",
-                        first + world_size - 1
+                        end - 1
                     ),
                 ));
             }
@@ -641,6 +652,23 @@ mod tests {
                 "{text}: {err} lacks {want:?}"
             );
         }
+    }
+
+    #[test]
+    fn out_of_range_values_and_group_indices_are_errors() {
+        let text = r#"{"version": "0.1", "ranks": {"0": {"peers": {"1": {"connection":
+            {"bandwidth": {"value": "1e300", "measurement": "TB/s"}}}}}}}"#;
+        let err = Topology::parse(text).unwrap_err().to_string();
+        assert!(
+            err.contains("connection.bandwidth.value") && err.contains("out of range"),
+            "{err}"
+        );
+        let t = pairs();
+        // (u64::MAX / 2) * 2 fits, adding the world size does not.
+        let err = t.check_group(u64::MAX / 2, 2).unwrap_err().to_string();
+        assert!(err.contains("too large"), "{err}");
+        assert!(t.check_group(u64::MAX, 2).is_err());
+        assert!(t.check_group(1, 2).is_ok());
     }
 
     #[test]
