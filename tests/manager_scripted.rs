@@ -302,7 +302,10 @@ async fn one_lighthouse_request_per_round_with_merged_flags() {
             m.commit_failures, 4,
             "commit_failures is max-ed over the ranks"
         );
-        assert_eq!(m.data, "");
+        assert_eq!(
+            m.data, r#"{"heal_sources":1}"#,
+            "the member announces how it chooses heal sources"
+        );
         server.shutdown().await;
         let _ = stop.send(true);
         handle.await.unwrap();

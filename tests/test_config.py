@@ -97,7 +97,19 @@ BAD_VALUES = {
 def test_bad_variable_is_a_clear_error_naming_it(name: str, raw: str) -> None:
     """Every variable has one behaviour on a bad value: ValueError naming the variable."""
     with pytest.raises(ValueError, match=name):
-        resolve({name: raw})
+        resolve({name: raw, **NEEDS.get(name, {})})
+
+
+#: Variables read only next to another one.
+NEEDS = {"REPLICA_GROUP_ID": {"WORLD_TOPOLOGY_FILE": "/etc/topology.json"}}
+
+
+@pytest.mark.parametrize("raw", ["train_a", "-1", "0"])
+def test_replica_group_id_is_ignored_without_a_topology_file(raw: str) -> None:
+    """REPLICA_GROUP_ID only places the group in WORLD_TOPOLOGY_FILE: without the file a job
+    may use the name for anything (e.g. a group name) and the Manager neither reads nor
+    refuses it."""
+    assert resolve({"REPLICA_GROUP_ID": raw}).replica_group_index is None
 
 
 def test_topology_file_needs_the_replica_group_index() -> None:

@@ -185,6 +185,160 @@ def test_restarted_stream_resumes_at_the_healed_step() -> None:
     assert ids.tolist() == _expected(13)
 
 
+class _Votes:
+    """A one-group Manager: the step advances on a commit, failed votes count in a row."""
+
+    def __init__(self, failing_votes: frozenset[int] = frozenset()) -> None:
+        self.step = 0
+        self.failures = 0
+        self.votes = 0
+        self.failing_votes = failing_votes
+
+    def current_step(self) -> int:
+        return self.step
+
+    def commit_failures(self) -> int:
+        return self.failures
+
+    def should_commit(self) -> bool:
+        self.votes += 1
+        if self.votes in self.failing_votes:
+            self.failures += 1
+            return False
+        self.step += 1
+        self.failures = 0
+        return True
+
+    # What LocalSGD needs besides: one group alone, so allreduce is the identity.
+    def start_quorum(self) -> None: ...
+
+    def allreduce(self, t: torch.Tensor, **kw: Any) -> Any:
+        from torchft.work import _DummyWork
+
+        return _DummyWork(t)
+
+    def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None: ...
+    def allow_state_dict_read(self) -> None: ...
+    def disallow_state_dict_read(self) -> None: ...
+
+
+def test_a_retried_step_repeats_its_batch_but_a_second_draw_is_an_error() -> None:
+    """With the Manager's vote count, a batch drawn again after a failed commit is the same
+    batch, while a second batch drawn in one attempt (no vote in between) is refused rather
+    than silently repeated."""
+    manager = _Votes(failing_votes=frozenset({2}))
+    stream = StepAlignedLoader(_loader("torch"), manager)
+    seen = []
+    for _ in range(4):
+        (ids,) = next(stream)
+        seen.append(ids.tolist())
+        manager.should_commit()
+    # Votes: commit (step 1), fail, commit (step 2), commit (step 3).
+    assert seen == [_expected(0), _expected(1), _expected(1), _expected(2)]
+    (ids,) = next(stream)
+    assert ids.tolist() == _expected(3)
+    with pytest.raises(RuntimeError, match="batches_per_commit=sync_every"):
+        next(stream)
+
+
+@pytest.mark.parametrize("failing_vote", [None, 2])
+def test_local_sgd_reads_sync_every_batches_per_commit(failing_vote: int | None) -> None:
+    """LocalSGD commits once every sync_every inner steps: with batches_per_commit=sync_every
+    every inner step gets its own batch, in order, and a sync that does not commit is
+    retried with the same batches."""
+    from torchft.local_sgd import LocalSGD
+
+    sync_every = 3
+    manager = _Votes(frozenset() if failing_vote is None else frozenset({failing_vote}))
+    stream = StepAlignedLoader(_loader("torch"), manager, batches_per_commit=sync_every)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(4, 2)
+    seen = []
+    with LocalSGD(manager, model, optimizer, sync_every=sync_every):  # type: ignore[arg-type]
+        for _ in range(4 * sync_every):
+            (ids,) = next(stream)
+            seen.append(ids.tolist())
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+    assert manager.votes == 4
+    if failing_vote is None:
+        positions = list(range(12))
+    else:
+        # The second sync (after batches 3..5 of step 1) fails: step 1 is retried.
+        positions = [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
+    assert seen == [_expected(p) for p in positions]
+    assert stream.position == positions[-1]
+
+
+def test_local_sgd_with_one_batch_per_commit_is_refused() -> None:
+    """The mistake this guards against: under LocalSGD the step only advances every
+    sync_every inner steps, so one batch per commit would hand the same batch to every inner
+    step. The second inner step's draw raises, naming the fix."""
+    from torchft.local_sgd import LocalSGD
+
+    manager = _Votes()
+    stream = StepAlignedLoader(_loader("torch"), manager)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LocalSGD(manager, model, optimizer, sync_every=3):  # type: ignore[arg-type]
+        next(stream)
+        optimizer.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        with pytest.raises(RuntimeError, match="LocalSGD or DiLoCo"):
+            next(stream)
+
+
+class _Flaky(torch.utils.data.Dataset[tuple[torch.Tensor]]):
+    """The ids 0..n-1, whose read of ``bad`` fails once (a transient storage error)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n = n
+        self.bad: int | None = bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+        if i == self.bad:
+            self.bad = None
+            raise OSError(f"transient read error at {i}")
+        return (torch.tensor(i),)
+
+
+def test_a_failed_read_does_not_skip_the_batch() -> None:
+    """The loader raised mid-batch (its iterator has consumed the batch): the next draw of
+    the same step gets that step's batch, not the one after it."""
+    steps = _Steps()
+    bad = _expected(2)[1]
+    dataset = _Flaky(40, bad)
+    sampler = DistributedSampler(dataset, 1, 2, 0, 1, shuffle=True, seed=3, drop_last=True)
+    stream = StepAlignedLoader(
+        DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True), steps
+    )
+    for step in (0, 1):
+        steps.step = step
+        (ids,) = next(stream)
+        assert ids.tolist() == _expected(step)
+    steps.step = 2
+    with pytest.raises(OSError, match="transient"):
+        next(stream)
+    (ids,) = next(stream)
+    assert ids.tolist() == _expected(2)
+    steps.step = 3
+    (ids,) = next(stream)
+    assert ids.tolist() == _expected(3)
+
+
+def test_batches_per_commit_is_checked() -> None:
+    """batches_per_commit must be a positive int."""
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batches_per_commit"):
+            StepAlignedLoader(_loader("torch"), _Steps(), batches_per_commit=bad)  # type: ignore[arg-type]
+
+
 def test_step_aligned_loader_rejects_what_it_cannot_position() -> None:
     """A loader without a torchft DistributedSampler or batch size, or too small a shard,
     is refused with a clear message."""

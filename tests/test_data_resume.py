@@ -4,9 +4,10 @@ Three replica groups read their shards through ``torchft.data.StepAlignedLoader`
 attempt's sample ids are logged as it happens (so the killed incarnation's log survives it).
 One group is SIGKILLed and restarted; it heals and continues. Checked from the logs: in every
 committed step a group contributed to, it trained batch ``step`` of its own shard (computed
-here independently), never a batch twice; each incarnation trained one contiguous run of
-batches from the step it joined or healed to, up to the last step; the restarted group resumed
-past the kill, not at the start of its shard.
+here independently), never a batch twice; each incarnation trained every step from the one
+it joined or healed to up to the last step, except steps it did not train in (an attempt that
+did not commit, or a step sat out healing); the restarted group resumed past the kill, not at
+the start of its shard.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def test_every_committed_step_trains_its_own_batch_exactly_once(
     cluster.stop_at(target)
     assert_identical(cluster.finish(120), target)
 
-    # Every incarnation trained one contiguous run of its shard's batches, starting at the
+    # Every incarnation trained its shard's batches in step order, starting at the
     # step it joined or healed to (async: or the one after, as it sits the healing step out),
     # ending at the last step for the groups still running.
     runs: dict[str, list[list[int]]] = {}
@@ -136,7 +137,13 @@ def test_every_committed_step_trains_its_own_batch_exactly_once(
             records = read_log(path)
             positions = trained(records, group)
             assert positions, f"{path.name} trained nothing"
-            assert positions == list(range(positions[0], positions[-1] + 1)), path.name
+            # A survivor can miss a step too: its attempt failed (a peer was lost mid-step)
+            # while another group committed that step, and it healed to the step after. A
+            # step missing from the run must be one the group did not train in: an attempt
+            # that did not commit, or a step it sat out healing.
+            sat_out = {step for _, step, committed, part, _ in records if not (committed and part)}
+            missing = set(range(positions[0], positions[-1] + 1)) - set(positions)
+            assert missing <= sat_out, (path.name, sorted(missing - sat_out))
             joined = next(step for _, step, committed, _, _ in records if committed)
             if sync or joined == 0:
                 # Sync: the heal finished before the batch was drawn; at step 0 nobody heals

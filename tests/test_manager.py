@@ -493,12 +493,15 @@ def test_failed_commits_reset_after_success(harness: Any) -> None:
     h.native.commit_result = False
     m.start_quorum()
     assert not m.should_commit()
+    assert (m.current_step(), m.commit_failures()) == (0, 1)
     h.native.commit_result = None
     m.start_quorum()
     assert m.should_commit()
+    assert (m.current_step(), m.commit_failures()) == (1, 0)
     h.native.commit_result = False
     m.start_quorum()
     assert not m.should_commit()  # 1 failure again, not 2: no RuntimeError
+    assert (m.current_step(), m.commit_failures()) == (1, 1)
 
 
 def test_committed_steps_are_noted_for_the_heartbeats(harness: Any) -> None:

@@ -218,9 +218,15 @@ def _setting(
     source: Source = Source.FALLBACK,
     help: str = "",
     required: bool = False,
+    only_with: str | None = None,
 ) -> Any:
-    """Declares one ManagerConfig field (its kind, default and variable)."""
-    meta = {"kind": kind, "required": required}
+    """Declares one ManagerConfig field (its kind, default and variable).
+
+    ``only_with`` names an earlier field: the variable is read (and validated) only when that
+    field resolved to a value, so a job that uses the variable's name for something else is
+    not refused.
+    """
+    meta: dict[str, Any] = {"kind": kind, "required": required, "only_with": only_with}
     if env is not None:
         meta["env"] = EnvVar(env, kind, help, source)
     return dataclasses.field(default=default, metadata=meta)
@@ -302,7 +308,8 @@ class ManagerConfig:
         COUNT,
         env="REPLICA_GROUP_ID",
         help="this replica group's index in the job; its ranks in WORLD_TOPOLOGY_FILE are "
-        "REPLICA_GROUP_ID * WORLD_SIZE + RANK",
+        "REPLICA_GROUP_ID * WORLD_SIZE + RANK (read only when WORLD_TOPOLOGY_FILE is set)",
+        only_with="topology_file",
     )
 
     @classmethod
@@ -333,7 +340,9 @@ class ManagerConfig:
             value = args.get(name)
             if value is not None:
                 value = kind.check(name, value)
-            if var is not None and (value is None or var.source is Source.OVERRIDE):
+            only_with = f.metadata["only_with"]
+            applies = only_with is None or values[only_with] is not None
+            if var is not None and applies and (value is None or var.source is Source.OVERRIDE):
                 from_env = var.read(env)
                 if from_env is not None:
                     value = from_env

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from torch.utils import data
@@ -154,20 +154,34 @@ class StepAlignedLoader:
     of the step it healed to. In asynchronous mode a healing group sits the healing step out
     either way (its batch of that step is not trained, as for any group that is down).
 
-    One batch per step: with gradient accumulation, make the batch larger instead.
+    One batch per commit by default: with gradient accumulation, make the batch larger
+    instead. With :class:`~torchft.local_sgd.LocalSGD` or
+    :class:`~torchft.local_sgd.DiLoCo`, which commit once every ``sync_every`` inner steps,
+    pass ``batches_per_commit=sync_every`` (streaming DiLoCo with ``n`` fragments commits
+    every ``sync_every // n`` inner steps): the ``k``-th batch drawn at step ``s`` is then
+    batch ``s * batches_per_commit + k``, and a sync that does not commit is retried with the
+    same batches. Drawing more batches than that in one attempt at a step (without a commit
+    vote in between) is an error rather than a silently repeated batch.
     """
 
-    def __init__(self, loader: Iterable[Any], manager: _Stepper) -> None:
+    def __init__(
+        self, loader: Iterable[Any], manager: _Stepper, batches_per_commit: int = 1
+    ) -> None:
         """Wraps ``loader``.
 
         Args:
             loader: a loader with ``batch_size``, ``drop_last`` and a ``sampler`` that is a
                 :class:`DistributedSampler` (``DataLoader(ds, batch_size=B, sampler=s)``).
-            manager: the :class:`~torchft.Manager` (anything with ``current_step()``).
+            manager: the :class:`~torchft.Manager` (anything with ``current_step()``; with
+                ``commit_failures()`` too, as the Manager has, a batch drawn too often in one
+                attempt is detected).
+            batches_per_commit: batches drawn per committed step (>= 1): 1 for a commit
+                every step, ``sync_every`` for LocalSGD and DiLoCo.
 
         Raises:
             ValueError: the loader has no batch size or its sampler is not a
-                :class:`DistributedSampler`, or the shard holds no complete batch.
+                :class:`DistributedSampler`, the shard holds no complete batch, or
+                ``batches_per_commit`` is not a positive int.
         """
         sampler = getattr(loader, "sampler", None)
         if not isinstance(sampler, DistributedSampler):
@@ -178,6 +192,12 @@ class StepAlignedLoader:
         batch_size = getattr(loader, "batch_size", None)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"the loader needs a batch_size >= 1, got {batch_size!r}")
+        if (
+            isinstance(batches_per_commit, bool)
+            or not isinstance(batches_per_commit, int)
+            or batches_per_commit < 1
+        ):
+            raise ValueError(f"batches_per_commit must be an int >= 1, got {batches_per_commit!r}")
         drop_last = bool(getattr(loader, "drop_last", False))
         samples = sampler.num_samples
         per_epoch = samples // batch_size if drop_last else math.ceil(samples / batch_size)
@@ -188,12 +208,20 @@ class StepAlignedLoader:
         self._loader = loader
         self._sampler = sampler
         self._manager = manager
+        failures = getattr(manager, "commit_failures", None)
+        self._failures: Callable[[], int] | None = failures if callable(failures) else None
         self.batch_size = batch_size
+        self.batches_per_commit = batches_per_commit
         #: Batches of this rank's shard per epoch.
         self.batches_per_epoch = per_epoch
         self._it: Iterator[Any] | None = None
         self._next_position = -1
-        #: The step of the last batch returned (-1 before the first).
+        # The attempt of the last batch returned — (step, consecutive failed commits), which
+        # changes with every commit vote — and how many batches were drawn in it.
+        self._attempt: tuple[int, int | None] | None = None
+        self._drawn = 0
+        #: The stream position of the last batch returned (-1 before the first):
+        #: ``step * batches_per_commit + k`` for the ``k``-th batch of a step.
         self.position = -1
 
     def __iter__(self) -> StepAlignedLoader:
@@ -206,26 +234,54 @@ class StepAlignedLoader:
         self._it = iter(self._loader)
         self._next_position = position
 
-    def __next__(self) -> Any:
-        """The batch of the Manager's current committed step."""
-        position = self._manager.current_step()
-        if position < 0:
-            raise ValueError(f"the manager's step must not be negative, got {position}")
+    def _draw(self, position: int) -> Any:
         if self._it is None or position != self._next_position:
             if self._it is not None:
                 logger.info(
-                    "data stream repositioned to step %d (expected %d)",
+                    "data stream repositioned to batch %d (expected %d)",
                     position,
                     self._next_position,
                 )
             self._restart_at(position)
         assert self._it is not None
         try:
-            batch = next(self._it)
-        except StopIteration:
-            # The epoch ended exactly here: the next epoch begins at this position.
-            self._restart_at(position)
-            batch = next(self._it)
+            try:
+                return next(self._it)
+            except StopIteration:
+                # The epoch ended exactly here: the next epoch begins at this position.
+                self._restart_at(position)
+                return next(self._it)
+        except BaseException:
+            # The iterator may have consumed the batch: the next call repositions afresh, so
+            # a retry gets this position's batch rather than the one after it.
+            self._it = None
+            raise
+
+    def __next__(self) -> Any:
+        """The next batch of the Manager's current committed step."""
+        step = self._manager.current_step()
+        if step < 0:
+            raise ValueError(f"the manager's step must not be negative, got {step}")
+        failures = self._failures() if self._failures is not None else None
+        attempt = (step, failures)
+        drawn = self._drawn if attempt == self._attempt else 0
+        if drawn >= self.batches_per_commit:
+            if failures is not None:
+                raise RuntimeError(
+                    f"StepAlignedLoader: batch {drawn + 1} drawn at step {step} with no commit "
+                    f"vote since the first, but batches_per_commit={self.batches_per_commit}. "
+                    "The manager's step advances once per commit: with LocalSGD or DiLoCo "
+                    "(one commit every sync_every inner steps) pass "
+                    "batches_per_commit=sync_every (streaming DiLoCo: sync_every // number of "
+                    "fragments); otherwise draw one batch per optimizer step (for gradient "
+                    "accumulation make the batch larger)"
+                )
+            # Without the manager's vote count a repeat at the same step is a retry.
+            drawn = 0
+        position = step * self.batches_per_commit + drawn
+        batch = self._draw(position)
         self._next_position = position + 1
+        self._attempt = attempt
+        self._drawn = drawn + 1
         self.position = position
         return batch

@@ -1355,6 +1355,14 @@ class Manager:
         """Returns the total number of replica-batches committed (sum of participants)."""
         return self._batches_committed
 
+    def commit_failures(self) -> int:
+        """Returns how many commits of the current step failed in a row (0 after a commit).
+
+        Every ``should_commit`` changes either this or :meth:`current_step`, so the pair
+        names one attempt at a step.
+        """
+        return self._commit_failures
+
     def participating_rank(self) -> int | None:
         """Returns this replica group's rank among the step's participants, None if sitting out.
 

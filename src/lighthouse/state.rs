@@ -401,7 +401,7 @@ impl Shared {
         if let Some(q) = state.engine.tick(now) {
             self.deliver(state, q);
         }
-        Self::announce_lost(state, before);
+        Self::announce_lost(&self.hub, state, before);
         // Steps heard in heartbeats and losses reach the state file within a tick.
         self.persist_or_warn(state);
     }
@@ -409,13 +409,18 @@ impl Shared {
     /// Sends each loss the engine declared to the other members of the quorum it was in.
     /// `before` is the last issued quorum before the engine call that declared the losses
     /// (a quorum issued by that same call no longer has the lost member).
-    fn announce_lost(state: &mut State, before: Option<Arc<Issued>>) {
+    fn announce_lost(hub: &Hub, state: &mut State, before: Option<Arc<Issued>>) {
         for LostMember {
             replica_id,
             quorum_id,
         } in state.engine.take_lost()
         {
-            warn!(replica_id = %replica_id, quorum_id, "replica group lost");
+            // A group that shut down cleanly left; anything else is a fault worth a WARN.
+            if hub.with(|t| t.finished(&replica_id)) {
+                info!(replica_id = %replica_id, quorum_id, "replica group left after finishing");
+            } else {
+                warn!(replica_id = %replica_id, quorum_id, "replica group lost");
+            }
             state.lost.push_back(LostRecord {
                 replica_id: replica_id.clone(),
                 quorum_id,
@@ -495,14 +500,14 @@ impl Shared {
             return;
         }
         state.sessions.remove(replica_id);
-        info!(replica_id = %replica_id, "session ended; replica group lost");
+        info!(replica_id = %replica_id, "session ended");
         self.hub.with(|t| t.on_session(replica_id, false, now));
         let before = state.last.clone();
         state.engine.lost(replica_id, now);
         if let Some(q) = state.engine.poll(now) {
             self.deliver(state, q);
         }
-        Self::announce_lost(state, before);
+        Self::announce_lost(&self.hub, state, before);
     }
 
     /// Applies a batch of telemetry reports from a manager server (refused whole if any

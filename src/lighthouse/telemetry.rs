@@ -894,6 +894,14 @@ impl Telemetry {
         }
     }
 
+    /// Whether this incarnation of a group reported a clean shutdown (`finished`), so its
+    /// departure is expected rather than a fault.
+    pub fn finished(&self, incarnation: &str) -> bool {
+        self.groups
+            .get(crate::telemetry::base_id(incarnation))
+            .is_some_and(|g| g.incarnation == incarnation && g.lifecycle == Lifecycle::Finished)
+    }
+
     /// The manager address of a group's current incarnation (for the kill action).
     pub fn manager_address(&self, replica_id: &str) -> Option<(String, String)> {
         let g = self.groups.get(replica_id)?;
@@ -1225,6 +1233,11 @@ mod tests {
         j.t.on_report(&r, j.now);
         j.t.on_session(&j.ids[0].clone(), false, j.now);
         assert_eq!(j.state("g0"), GroupState::Finished);
+        // Its departure is expected; the other group's (not finished) is not, nor is an
+        // older incarnation of the finished one.
+        assert!(j.t.finished(&j.ids[0]));
+        assert!(!j.t.finished(&j.ids[1]));
+        assert!(!j.t.finished(&inc("g0", U2)));
         let mut r = report(&j.ids[1], 2, 0.0);
         r.phase = Phase::Failed as i32;
         r.error = "boom".into();

@@ -15,10 +15,11 @@ use crate::proto::{ManagerQuorumResponse, Quorum, QuorumMember};
 ///   member at step 0, only the first of them (the primary) is a source and everyone else heals,
 ///   so all groups start from identical state.
 /// - Each healer gets the best connected source ([`assign_sources`]: the topology file when
-///   `topology` is given and every member announced the same one, else same host), and
-///   several healers are spread over the sources; with no locality difference this is
-///   round-robin, offset by `group_rank`, so the ranks of one healthy group do not all serve
-///   everyone (each group rank heals independently).
+///   `topology` is given and every member announced the same one, else same host when every
+///   member announced that it chooses so, else exactly the round-robin of older and upstream
+///   managers), and several healers are spread over the sources; with no locality difference
+///   this is round-robin, offset by `group_rank`, so the ranks of one healthy group do not all
+///   serve everyone (each group rank heals independently).
 /// - The rendezvous store is an up-to-date group's store, chosen per group rank to spread load;
 ///   every group computes the same choice for a given group rank.
 ///

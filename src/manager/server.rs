@@ -28,6 +28,7 @@ use super::commit::CommitBarrier;
 use super::compute::compute_quorum_results;
 use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
 use super::reports::ReportQueue;
+use super::topology::{member_data, source_choice, SourceChoice};
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::lighthouse::LighthouseClient;
@@ -199,6 +200,9 @@ struct Inner {
     /// The lighthouse answered a commit announcement UNIMPLEMENTED (an upstream lighthouse):
     /// commits go ahead without one (warned once).
     commit_unsupported: AtomicBool,
+    /// A quorum did not use this group's topology file (its members announced different
+    /// files, or none): warned once.
+    topology_unused: AtomicBool,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -290,6 +294,7 @@ impl ManagerServer {
             committed_step: AtomicI64::new(-1),
             quorum_id: AtomicI64::new(-1),
             commit_unsupported: AtomicBool::new(false),
+            topology_unused: AtomicBool::new(false),
             opts,
         });
 
@@ -609,6 +614,31 @@ impl Inner {
         }
     }
 
+    /// Warns (once per manager) when this group has a topology file that `quorum` does not
+    /// use for choosing heal sources.
+    fn warn_if_topology_unused(&self, quorum: &Quorum) {
+        let Some(placement) = &self.opts.placement else {
+            return;
+        };
+        let participants: Vec<&QuorumMember> = quorum.participants.iter().collect();
+        let choice = source_choice(&participants, Some(&*placement.topology));
+        if choice != SourceChoice::TopologyFile
+            && !self.topology_unused.swap(true, Ordering::Relaxed)
+        {
+            let fallback = match choice {
+                SourceChoice::Hosts => "host locality",
+                _ => "round-robin (a member of an older or upstream build)",
+            };
+            warn!(
+                quorum_id = quorum.quorum_id,
+                digest = placement.topology.digest(),
+                "the quorum's members do not all announce this topology file (a member without \
+                 one, with another file, or with the same replica group index); heal sources \
+                 are chosen by {fallback} (warned once)"
+            );
+        }
+    }
+
     /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
     async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<Quorum> {
         let member = QuorumMember {
@@ -619,12 +649,7 @@ impl Inner {
             world_size: self.opts.world_size,
             shrink_only: round.shrink_only,
             commit_failures: round.commit_failures,
-            data: self
-                .opts
-                .placement
-                .as_ref()
-                .map(|p| p.member_data())
-                .unwrap_or_default(),
+            data: member_data(self.opts.placement.as_ref()),
         };
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         let mut attempt: u64 = 0;
@@ -690,6 +715,7 @@ impl Inner {
                     participants = quorum.participants.len(),
                     "quorum received"
                 );
+                self.warn_if_topology_unused(&quorum);
                 for (rank, tx) in round.replies {
                     let answer = compute_quorum_results(
                         &self.opts.replica_id,
