@@ -928,3 +928,53 @@ def test_init_process_group_with_torchft_baby_gloo(store: TCPStore) -> None:
         dist.destroy_process_group()
         if isinstance(pg, ProcessGroupBabyGloo):
             pg.shutdown()
+
+
+# Configures a group whose peer never comes, aborts the configure, and exits while an
+# object torn down late in interpreter finalization (as a native library's handles can be)
+# keeps the process alive past the abandoned rendezvous's timeout.
+_ABANDONED_CONFIGURE_AT_EXIT = """
+import builtins, sys, threading, time
+from datetime import timedelta
+from torchft.process_group import ProcessGroupGloo
+
+class SlowTeardown:
+    def __del__(self):
+        time.sleep(2.5)
+
+pg = ProcessGroupGloo(timeout=timedelta(seconds=1))
+errors = []
+def configure():
+    try:
+        pg.configure(sys.argv[1], "r", 0, 2)
+    except RuntimeError as e:
+        errors.append(e)
+t = threading.Thread(target=configure)
+t.start()
+time.sleep(0.3)
+pg.abort()
+t.join(5)
+assert errors and "aborted" in str(errors[0]), errors
+pg.shutdown()
+builtins._slow_teardown = SlowTeardown()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_abandoned_configure_never_kills_the_process_at_exit(store: TCPStore) -> None:
+    """A configure abandoned by abort() leaves its rendezvous running until the timeout;
+    when that ends while the interpreter is finalizing, the process still exits cleanly
+    (it used to die with SIGABRT: a daemon thread returning from torch at that point is
+    ended by the interpreter in a way C++ turns into std::terminate)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _ABANDONED_CONFIGURE_AT_EXIT, _addr(store, "abandoned")],
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert "exiting" in proc.stdout, proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}: {proc.stderr[-2000:]}"

@@ -10,6 +10,11 @@ every rank of the new group) runs on a helper thread, and ``abort`` ends it at o
 member of the quorum being configured is declared lost the rendezvous can never complete, so
 the caller gets an error now instead of at the store or backend timeout. A build that finishes
 after its configure was abandoned is released, never installed.
+
+Helper threads that call into torch are never daemon threads: a daemon thread that returns
+from a native call while the interpreter finalizes is ended by the interpreter with a forced
+unwind, which the C++ runtime turns into ``std::terminate`` (SIGABRT). So the interpreter's
+exit waits for an abandoned rendezvous or a release (both bounded by the timeout) instead.
 """
 
 from __future__ import annotations
@@ -99,8 +104,8 @@ class ProcessGroupWrapper(ProcessGroup):
         self._error: Exception | None = None
         self._replica_id: str | None = None
         self._inflight = _InFlight()
-        # Helper threads still releasing aborted groups: shutdown waits for them, since a
-        # backend torn down by the interpreter's exit mid-release ends the process.
+        # Helper threads still releasing aborted groups: shutdown waits a little for them
+        # (the interpreter's exit waits for the rest; see the module docstring).
         self._releasing: list[threading.Thread] = []
         # The configure in progress (its rendezvous may be abandoned by abort()).
         self._pending: _PendingBuild | None = None
@@ -169,7 +174,7 @@ class ProcessGroupWrapper(ProcessGroup):
             target=self._run_build,
             args=(pending, connect, rank, world_size),
             name="torchft_pg_configure",
-            daemon=True,
+            daemon=False,  # see the module docstring
         )
         thread.start()
         # The store connect and the rendezvous are bounded by the timeout; this is a backstop.
@@ -240,7 +245,7 @@ class ProcessGroupWrapper(ProcessGroup):
             wait: how long to wait for the release (0: do not wait).
         """
         thread = threading.Thread(
-            target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=True
+            target=_release, args=(box, wait > 0), name="torchft_pg_release", daemon=False
         )
         with self._lock:
             self._releasing = [t for t in self._releasing if t.is_alive()]
