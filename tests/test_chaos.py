@@ -156,3 +156,30 @@ def test_report_splits_recoveries_into_phases_and_isolated_or_overlapped(tmp_pat
     text = rep.text()
     assert "isolated     1: p50 4.80s" in text and "+0.80s (torch floor)" in text
     assert "restarts killed again before their first commit: 1" in text
+
+
+def test_a_group_counts_as_a_holder_only_once_it_committed(tmp_path: Path) -> None:
+    """The injector spares the last group that committed in its current life: a process that
+    only wrote its start-up record has not committed, so it does not make another group
+    killable (else a kill_two could take the last holder of the progress)."""
+    from types import SimpleNamespace
+
+    from torchft.chaos.history import HistoryWriter
+
+    chaos = Chaos(ChaosConfig(seed=1, faults=1, floor_runs=0), tmp_path / "run")
+    try:
+        chaos.procs["g0"] = SimpleNamespace(killed=False)  # type: ignore[assignment]
+        path = tmp_path / "run" / "g0.0.history.jsonl"
+        writer = HistoryWriter(str(path), "g0", 123)
+        writer.ready(imported=0.0)
+        writer._f.close()
+        assert not chaos._committed("g0")
+        assert not chaos._spares(["g1"])
+        writer = HistoryWriter(str(path), "g0", 123)
+        writer.commit(step=1, quorum_id=5, participants=1, state="abc")
+        writer._f.close()
+        assert chaos._committed("g0")
+        assert chaos._spares(["g1"])
+    finally:
+        chaos._records.close()
+        chaos._faults.close()

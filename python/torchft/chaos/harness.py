@@ -87,6 +87,11 @@ class ChaosConfig:
             raise ValueError("at least one fault kind needs a positive weight")
 
 
+# How much of a history file `_committed` reads, and what marks a commit record there.
+_HISTORY_HEAD = 4096
+_COMMIT_RECORD = b'"kind": "commit"'
+
+
 @dataclass
 class _Proc:
     group: str
@@ -261,11 +266,19 @@ class Chaos:
         return sorted(g for g, p in self.procs.items() if g not in self.stopped and not p.killed)
 
     def _committed(self, group: str) -> bool:
+        """Whether the group's current process has committed a step (its history holds a
+        commit record, not only the ``ready`` record written at start-up)."""
         p = self.procs.get(group)
         if p is None:
             return False
         n = self.dir / f"{group}.{self._incarnation(group)}.history.jsonl"
-        return n.exists() and n.stat().st_size > 0
+        try:
+            with open(n, "rb") as f:
+                # Records are appended in order; the first commit follows the ready record.
+                head = f.read(_HISTORY_HEAD)
+        except FileNotFoundError:
+            return False
+        return _COMMIT_RECORD in head
 
     def _incarnation(self, group: str) -> int:
         return sum(1 for _ in self.dir.glob(f"{group}.*.history.jsonl")) - 1
