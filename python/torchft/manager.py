@@ -406,9 +406,9 @@ class Manager:
                 (see docs/healing.md).
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
-                (default: ``HTTPTransport(timeout=timeout, num_chunks=0,
-                state_dict=<this manager's state>)``, so a heal writes into the
-                group's own tensors).
+                (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``, receiving
+                into fresh tensors so a heal that fails midway leaves the group's own
+                state whole; see docs/healing.md for receiving in place).
             init_sync: at step 0 make every replica group heal from one primary so all start
                 from identical weights.
             max_retries: raise ``RuntimeError`` after more than this many consecutive failed
@@ -515,8 +515,10 @@ class Manager:
             checkpoint_transport = HTTPTransport(
                 timeout=cfg.timeout,
                 num_chunks=0,
-                # A heal writes straight into this group's own tensors.
-                state_dict=self._manager_state_dict,
+                # A heal receives into fresh tensors: one that fails midway (its source lost)
+                # leaves this group's own state whole, so the group can go on from it when no
+                # other source is left. Receiving in place (state_dict=) saves the memory and
+                # the allocation but leaves a torn state that only another heal can repair.
                 state_dict_lock=self._state_dict_lock.read,
                 state_version=self._state_dict_lock.version,
                 hostname=cfg.hostname,
