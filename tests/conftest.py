@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _cluster import Cluster
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -159,3 +160,28 @@ def lighthouse_process() -> Iterator[LighthouseProcess]:
         yield p
     finally:
         p.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A lighthouse (min_replicas=1, short join timeout) plus a replica-group process launcher.
+
+    Returns:
+        The launcher; its processes and the lighthouse are stopped after
+        the test, also on failure.
+    """
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=300,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=1500,
+    )
+    c = Cluster(tmp_path, lighthouse.address())
+    try:
+        yield c
+    finally:
+        c.close()
+        lighthouse.shutdown()

@@ -12,8 +12,6 @@ the start of its shard.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +20,12 @@ from _cluster import Cluster
 from _ft_worker import DATA_BATCH, DATA_SAMPLES
 from test_fault_tolerance import assert_identical
 
-from torchft._torchft import LighthouseServer
+from torchft.chaos.history import read_jsonl
 from torchft.data import DistributedSampler
 
 pytestmark = pytest.mark.timeout(240)
 
 GROUPS = 3
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    lighthouse = LighthouseServer(
-        bind="[::]:0",
-        min_replicas=1,
-        join_timeout_ms=300,
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=1500,
-    )
-    c = Cluster(tmp_path, lighthouse.address())
-    try:
-        yield c
-    finally:
-        c.close()
-        lighthouse.shutdown()
 
 
 def expected_batch(group: int, position: int) -> list[int]:
@@ -69,18 +50,7 @@ def expected_batch(group: int, position: int) -> list[int]:
     return ids[offset * DATA_BATCH : (offset + 1) * DATA_BATCH]
 
 
-def read_log(path: Path) -> list[list[Any]]:
-    """The logged attempts; a line cut by SIGKILL is dropped."""
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def trained(records: list[list[Any]], group: int) -> list[int]:
+def trained(records: list[Any], group: int) -> list[int]:
     """Positions of the committed steps this incarnation contributed to, checked one by one:
     the batch was the one of the step voted on, and the right one of the shard."""
     positions = []
@@ -134,7 +104,7 @@ def test_every_committed_step_trains_its_own_batch_exactly_once(
     for name, paths in logs.items():
         group = int(name[2:])
         for path in paths:
-            records = read_log(path)
+            records = read_jsonl(path)
             positions = trained(records, group)
             assert positions, f"{path.name} trained nothing"
             # A survivor can miss a step too: its attempt failed (a peer was lost mid-step)

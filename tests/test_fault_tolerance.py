@@ -9,9 +9,7 @@ reach the same committed step hold bit-identical parameters and optimizer state.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,24 +17,6 @@ from _cluster import Cluster
 from torch.distributed import TCPStore
 
 from torchft._torchft import LighthouseServer
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """A lighthouse (min_replicas=1, short join timeout) plus a process launcher."""
-    lighthouse = LighthouseServer(
-        bind="[::]:0",
-        min_replicas=1,
-        join_timeout_ms=300,
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=1500,
-    )
-    c = Cluster(tmp_path, lighthouse.address())
-    try:
-        yield c
-    finally:
-        c.close()
-        lighthouse.shutdown()
 
 
 def assert_identical(results: list[dict[str, Any]], target: int) -> None:
