@@ -433,6 +433,49 @@ async fn should_commit_across_two_ranks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_commit_the_step_a_lost_member_interrupted_in_the_next_quorum() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let a = group("a", &lh.address(), 2).await;
+        let b = group("b", &lh.address(), 2).await;
+        // Both heartbeat before the round, so the quorum waits for both.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (ra, rb) = tokio::join!(round(&a, 5, LONG), round(&b, 5, LONG));
+        assert!(ra
+            .iter()
+            .chain(rb.iter())
+            .all(|r| r.as_ref().is_ok_and(|r| r.replica_ids == ["a", "b"])));
+        // Rank 0 of a votes; rank 1 is still held up when b is lost: the vote ends "no".
+        let (c0, c1) = (a.clients[0].clone(), a.clients[1].clone());
+        let first = tokio::spawn(async move { c0.should_commit(0, 5, true, LONG).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.server.shutdown().await;
+        assert!(
+            !first.await.unwrap().unwrap(),
+            "the vote of the lost member's quorum"
+        );
+        assert!(
+            !c1.should_commit(1, 5, true, LONG).await.unwrap(),
+            "its late voter"
+        );
+        // The survivors form a new quorum and retry step 5: it commits.
+        let again = round(&a, 5, LONG).await;
+        assert!(again
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|r| r.replica_ids == ["a"])));
+        let (c0, c1) = (&a.clients[0], &a.clients[1]);
+        let (d0, d1) = tokio::join!(
+            c0.should_commit(0, 5, true, LONG),
+            c1.should_commit(1, 5, true, LONG)
+        );
+        assert!(d0.unwrap() && d1.unwrap(), "step 5 never commits again");
+        a.server.shutdown().await;
+        lh.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_yes_round_does_not_commit_while_the_lighthouse_is_unreachable() {
     bounded(async {
         // The write-ahead commit cannot be announced: the round decides no (within the

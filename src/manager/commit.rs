@@ -43,7 +43,8 @@ pub struct CommitBarrier {
 struct State {
     round: Option<Round>,
     next_ticket: u64,
-    /// A step decided "no" by `abort_round`: its remaining votes get false at once.
+    /// A step decided "no" by `abort_round`: its remaining votes get false at once, until
+    /// the group has a new quorum (`new_quorum`), in which the step is retried.
     aborted_step: Option<i64>,
 }
 
@@ -306,6 +307,13 @@ impl CommitBarrier {
         Some(round.step)
     }
 
+    /// The group received a new quorum: a step decided "no" by [`CommitBarrier::abort_round`]
+    /// in the previous one can be voted on again. Every rank of the group asked for the new
+    /// quorum, so each has cast (or given up) its vote of the aborted round by now.
+    pub fn new_quorum(&self) {
+        self.lock().aborted_step = None;
+    }
+
     /// Fails every waiting voter with `Shutdown` (the server is going away).
     pub fn fail_all(&self) {
         if let Some(round) = self.lock().round.take() {
@@ -485,6 +493,27 @@ mod tests {
         settle().await;
         assert!(b.vote(2, 10, true, LONG).await.unwrap());
         assert!(r0.await.unwrap().unwrap() && r1.await.unwrap().unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_aborted_step_is_voted_again_in_the_next_quorum() {
+        // The survivors of a lost member retry the step they could not commit: under the
+        // new quorum the abort no longer applies (it once did forever, so a two-rank group
+        // never committed again after losing its peer mid-vote).
+        let b = Arc::new(CommitBarrier::new(2).unwrap());
+        let r0 = spawn_vote(&b, 0, 25, true, LONG);
+        settle().await;
+        assert_eq!(b.abort_round(), Some(25));
+        assert!(!r0.await.unwrap().unwrap());
+        assert!(
+            !b.vote(1, 25, true, LONG).await.unwrap(),
+            "late voter, same quorum"
+        );
+        b.new_quorum();
+        let r0 = spawn_vote(&b, 0, 25, true, LONG);
+        settle().await;
+        assert!(b.vote(1, 25, true, LONG).await.unwrap());
+        assert!(r0.await.unwrap().unwrap());
     }
 
     #[tokio::test(start_paused = true)]

@@ -705,6 +705,8 @@ impl Inner {
         match result {
             Ok(quorum) => {
                 self.quorum_id.store(quorum.quorum_id, Ordering::Relaxed);
+                // A step whose vote was ended by a lost member is retried in this quorum.
+                self.barrier.new_quorum();
                 self.lease
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
