@@ -183,3 +183,34 @@ def test_a_group_counts_as_a_holder_only_once_it_committed(tmp_path: Path) -> No
     finally:
         chaos._records.close()
         chaos._faults.close()
+
+
+def test_an_asked_restart_is_counted_and_a_crash_is_a_violation(tmp_path: Path) -> None:
+    """A worker whose Manager raised TornStateError exits with RESTART_EXIT: the harness
+    restarts it as a supervisor would and the check counts it apart; any other non-zero exit
+    of a process nobody killed is a crash, a violation."""
+    from torchft.chaos.history import RESTART_EXIT
+
+    big = 10**6 + 100  # pids that are surely not running here
+    _write(
+        tmp_path / "a.history.jsonl",
+        [
+            _commit("a", big + 1, 1, 1, "s1", 1.0),
+            {"kind": "finish", "group": "a", "pid": big + 1, "step": 1, "state": "s1", "t": 3.0},
+        ],
+    )
+    exits = [
+        {"kind": "start", "group": "a", "pid": big, "t": 0.0},
+        {"kind": "exit", "group": "a", "pid": big, "rc": RESTART_EXIT, "killed": False, "t": 0.5},
+        {"kind": "start", "group": "a", "pid": big + 1, "t": 0.6},
+        {"kind": "exit", "group": "a", "pid": big + 1, "rc": 0, "killed": False, "t": 4.0},
+    ]
+    _write(tmp_path / "processes.jsonl", exits)
+    rep = check(tmp_path, target=1, min_replicas=1, groups=["a"])
+    assert rep.violations == [] and rep.restarts_asked == 1
+    assert "restarts asked for" in rep.text()
+    exits[1]["rc"] = 1
+    _write(tmp_path / "processes.jsonl", exits)
+    rep = check(tmp_path, target=1, min_replicas=1, groups=["a"])
+    assert rep.restarts_asked == 0
+    assert rep.violations == [f"process {big} (a) exited with 1"]

@@ -71,6 +71,12 @@ def run_kill_restart(
     assert len(results) == n_groups * ranks
     assert_identical(results, target)
     assert_same_trajectory(results)
+    # The restarted group had committed nothing when it healed: it received into its own
+    # tensors (a torn heal would lose nothing a restart does not give back).
+    for log in reborn.logs:
+        healed = [ln for ln in log.read_text().splitlines() if "healed to step" in ln]
+        assert healed, f"{log.name}: no heal logged"
+        assert healed[0].endswith("into its own tensors"), healed[0]
     for r in results:
         if r["replica_id"] == victim.name:
             # It never trained from scratch: its first vote was already past the kill.

@@ -777,9 +777,9 @@ def test_failed_in_place_heal_is_never_trained_on(harness: Any) -> None:
     m.start_quorum()
     assert "wrong step" in str(m.errored())
     assert not m.should_commit()
-    # No group ahead is left: the quorum does not heal this one, and it must not go on.
+    # A quorum that may not heal (allow_heal=False) does not train on it either.
     h.native.quorums = [make_quorum(max_step=0)]
-    m.start_quorum()
+    m.start_quorum(allow_heal=False)
     assert "partly overwritten" in str(m.errored())
     assert not m.should_commit()
     # A heal that succeeds makes the state whole: the group commits again.
@@ -789,6 +789,61 @@ def test_failed_in_place_heal_is_never_trained_on(harness: Any) -> None:
     assert m.errored() is None
     assert m.should_commit()
     assert torch.equal(h.user_state["w"], torch.full((3,), 2.0))
+
+
+def test_torn_state_with_no_source_left_ends_the_process(harness: Any) -> None:
+    """Torn by a failed in-place heal, and the next quorum has no group ahead to heal from:
+    nothing can make the state whole, so should_commit raises (the supervisor restarts the
+    process) instead of failing every step forever."""
+    h = harness(use_async_quorum=False)
+    h.transport.receives_in_place = True  # type: ignore[attr-defined]
+    _serve(h, 4, torch.full((3,), 3.0))
+    h.native.quorums = [_heal_quorum(max_step=5)]
+    m = h.manager
+    m.start_quorum()
+    assert not m.should_commit()
+    h.native.quorums = [make_quorum(max_step=0)]
+    m.start_quorum()
+    with pytest.raises(manager_mod.TornStateError, match="restart the group"):
+        m.should_commit()
+    assert m.current_step() == 0
+
+
+def test_default_transport_heals_in_place_until_the_first_commit(
+    store: TCPStore, native: FakeNative
+) -> None:
+    """The default HTTPTransport receives into the group's own tensors while the process has
+    committed nothing (a restart reproduces that state), into new ones after (the state may
+    be the best left if the source dies midway)."""
+    from torchft import Manager
+
+    w = torch.zeros(3)
+    native.quorums = [make_quorum(max_step=0)]
+    m = Manager(
+        pg=FakePG(),
+        load_state_dict=lambda sd: None,
+        state_dict=lambda: {"w": w},
+        min_replica_size=1,
+        use_async_quorum=False,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr="http://lighthouse:1",
+        replica_id="rg0",
+    )
+    try:
+        transport = m._checkpoint_transport
+        assert transport.receives_in_place  # type: ignore[attr-defined]
+        assert m._receives_in_place()
+        into = m._heal_into()
+        assert into is not None and into["user"]["default"]["w"] is w
+        m.start_quorum()
+        assert m.should_commit()
+        assert not m._receives_in_place()
+        assert m._heal_into() is None
+    finally:
+        m.shutdown(wait=False)
 
 
 def test_in_place_heal_holds_the_state_write_lock(harness: Any) -> None:

@@ -185,6 +185,14 @@ class _LostWatcher:
 atexit.register(_LostWatcher.stop_all)
 
 
+class TornStateError(RuntimeError):
+    """A heal that wrote into this group's own tensors failed midway, and no up-to-date
+    replica group is left to heal it again: the state is one no step ever had, and only a
+    restart of the process (which starts as it did before the heal, or loads a durable
+    checkpoint) gets the group going again. Raised by :meth:`Manager.should_commit`; let it
+    end the process so its supervisor (torchrun, Kubernetes, Ray) restarts it."""
+
+
 class _QuorumTimeoutError(TimeoutError):
     """The quorum request itself hit its deadline (raised to wait_quorum/should_commit)."""
 
@@ -406,9 +414,10 @@ class Manager:
                 (see docs/healing.md).
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
-                (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``, receiving
-                into fresh tensors so a heal that fails midway leaves the group's own
-                state whole; see docs/healing.md for receiving in place).
+                (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``, which heals
+                into the group's own tensors while this process has committed no step and
+                into new ones after, so a heal that fails midway never tears a state that
+                a restart could not give back; see docs/healing.md).
             init_sync: at step 0 make every replica group heal from one primary so all start
                 from identical weights.
             max_retries: raise ``RuntimeError`` after more than this many consecutive failed
@@ -476,8 +485,13 @@ class Manager:
         self._errored: ExceptionWithTraceback | None = None
         self._error_lock = threading.Lock()
         self._healing = False
-        # A failed in-place heal left the local tensors partly overwritten (see _heal).
+        # A failed in-place heal left the local tensors partly overwritten (see _heal), and
+        # the error that ends the process when nothing can make them whole again.
         self._state_torn = False
+        self._torn_for_good: TornStateError | None = None
+        # Whether this process has committed a step: until then its state is the one its
+        # start-up produced, which a restart reproduces (see _heal_into).
+        self._committed_here = False
         self._pending_state_dict: dict[str, Any] | None = None
         self._pending_futures: list[Future[Any]] = []
         self._quorum_future: ConcurrentFuture[None] | _PendingQuorumFuture | None = None
@@ -509,16 +523,15 @@ class Manager:
             pg.set_timeout(cfg.timeout)
 
         # ---- checkpoint transport ----
+        self._own_transport = checkpoint_transport is None
         if checkpoint_transport is None:
             from torchft.checkpointing import HTTPTransport
 
             checkpoint_transport = HTTPTransport(
                 timeout=cfg.timeout,
                 num_chunks=0,
-                # A heal receives into fresh tensors: one that fails midway (its source lost)
-                # leaves this group's own state whole, so the group can go on from it when no
-                # other source is left. Receiving in place (state_dict=) saves the memory and
-                # the allocation but leaves a torn state that only another heal can repair.
+                # Into this group's own tensors while that loses nothing (see _heal_into).
+                state_dict=self._heal_into,
                 state_dict_lock=self._state_dict_lock.read,
                 state_version=self._state_dict_lock.version,
                 hostname=cfg.hostname,
@@ -939,13 +952,22 @@ class Manager:
         max_step: int = quorum.max_step
         heal: bool = bool(quorum.heal) and allow_heal
         if self._state_torn and not heal:
-            # A failed in-place heal left this group's tensors partly overwritten, and this
-            # quorum does not heal it (no group ahead of it is left): going on would train,
-            # and later serve, a state no step ever had.
+            # A failed in-place heal left this group's tensors partly overwritten: going on
+            # would train, and later serve, a state no step ever had.
+            if allow_heal and not quorum.heal:
+                # No group ahead of this one is left (the lighthouse no longer waits for
+                # one): nothing can make the state whole again, and a restart reproduces
+                # what the heal began from. End the process instead of failing every step.
+                self._torn_for_good = TornStateError(
+                    "this replica group's state was partly overwritten by a heal that "
+                    "failed, and no up-to-date replica group is left to heal it again: "
+                    "restart the group (it then starts as it did before the heal, or loads "
+                    "a durable checkpoint)"
+                )
+                raise self._torn_for_good
             raise RuntimeError(
-                "this replica group's state was partly overwritten by a heal that failed, and "
-                "no up-to-date replica group is left to heal it again: restart the group "
-                "(it then heals from a live peer or loads a durable checkpoint)"
+                "this replica group's state was partly overwritten by a heal that failed; "
+                "it does not train until a heal makes it whole"
             )
 
         # Who contributes gradients this step. A rank that heals in the background (async
@@ -1051,7 +1073,7 @@ class Manager:
                 lambda t: src_client._checkpoint_metadata(self._group_rank, timeout=t),
                 f"checkpoint metadata from {src_addr}",
             )
-            in_place = bool(getattr(self._checkpoint_transport, "receives_in_place", False))
+            in_place = self._receives_in_place()
             try:
                 with self._writing_state(in_place):
                     received = self._checkpoint_transport.recv_checkpoint(
@@ -1076,19 +1098,42 @@ class Manager:
         source = _group_name(src_id) if src_id is not None else src_addr
         heal_bytes = tel.heal_done(heal_s, received, source) if tel is not None else 0
         self._log_info(
-            "healed to step %d from %s: %d bytes in %.3fs (%.3f GB/s)",
+            "healed to step %d from %s: %d bytes in %.3fs (%.3f GB/s) into %s tensors",
             max_step,
             source,
             heal_bytes,
             heal_s,
             heal_bytes / heal_s / 1e9 if heal_s > 0 else 0.0,
+            "its own" if in_place else "new",
         )
         # The counters apply at once so the commit vote is for the healed step.
         self.load_state_dict(received["torchft"])
         self._state_torn = False
+        self._torn_for_good = None
         self._pending_state_dict = received["user"]
         if not self._use_async_quorum:
             self._apply_pending_state_dict()
+
+    def _heal_into(self) -> dict[str, Any] | None:
+        """The state the default transport receives a heal into (None: new tensors).
+
+        The group's own tensors while this process has committed no step: its state is then
+        the one its start-up produced (initialised, or loaded from a durable checkpoint),
+        which a restart reproduces, so a heal that fails midway and leaves the tensors torn
+        loses nothing a restart would not give back. This is the common heal (a restarted
+        group catching up) and it needs no memory beyond the group's own tensors. Once the
+        process has committed, its state may be the best one left if the source is lost
+        midway: the heal then receives into new tensors and leaves it whole.
+        """
+        if self._committed_here:
+            return None
+        return self._manager_state_dict()
+
+    def _receives_in_place(self) -> bool:
+        """Whether the next heal writes into this group's own tensors."""
+        if self._own_transport:
+            return not self._committed_here
+        return bool(getattr(self._checkpoint_transport, "receives_in_place", False))
 
     @contextmanager
     def _writing_state(self, in_place: bool) -> Iterator[None]:
@@ -1236,6 +1281,8 @@ class Manager:
         Raises:
             TimeoutError: if the quorum or the vote timed out.
             RuntimeError: if more than ``max_retries`` consecutive commits failed.
+            TornStateError: a heal that wrote into this group's tensors failed and no group
+                is left to heal it again: the process must restart (see docs/healing.md).
         """
         vote_timeout = timeout if timeout is not None else self._timeout
         quorum_timed_out: TimeoutError | None = None
@@ -1245,6 +1292,9 @@ class Manager:
             quorum_timed_out = e
         except Exception as e:
             self.report_error(e)
+        if self._torn_for_good is not None:
+            self._record(_error_logger, error=str(self._torn_for_good))
+            raise self._torn_for_good
 
         for fut in self._pending_futures:
             fut.wait()  # wrapped futures never raise
@@ -1308,6 +1358,7 @@ class Manager:
                 self._min_replica_size,
             )
         if should_commit:
+            self._committed_here = True
             self._step += 1
             self._batches_committed += self._participating_replica_world_size
             self._commit_failures = 0

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from torch.distributed import TCPStore
 
-from torchft.chaos.history import Report, check, read_jsonl
+from torchft.chaos.history import RESTART_EXIT, Report, check, read_jsonl
 from torchft.launch import _ADDRESS_RE, _find_lighthouse_cmd
 
 #: Fault kinds and their default weights. Each kind is a method ``_fault_<kind>`` of
@@ -241,7 +241,10 @@ class Chaos:
                         "killed": p.killed,
                     },
                 )
-                if p.killed and not self.closing:
+                asked = rc == RESTART_EXIT and not p.killed
+                if asked and not self.closing:
+                    self.log(f"{group} (pid {p.proc.pid}) asked to be restarted; see its log")
+                if (p.killed or asked) and not self.closing:
                     timer = threading.Timer(self.cfg.restart_delay, self._start_group, [group])
                     timer.daemon = True
                     timer.start()

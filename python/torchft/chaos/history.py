@@ -32,6 +32,10 @@ from typing import Any
 
 import torch
 
+#: Exit code of a worker whose Manager asked for a restart (``TornStateError``): the harness
+#: restarts it as a supervisor would, and the check does not count it as a crash.
+RESTART_EXIT = 75
+
 
 def state_hash(*states: Any) -> str:
     """A hash of nested dicts/lists of tensors and scalars (sorted keys, raw bytes)."""
@@ -152,6 +156,8 @@ class Report:
     stalls_all: dict[str, float] = field(default_factory=dict)
     stalls_overlapped: int = 0
     commits: int = 0
+    #: Processes that ended asking to be restarted (a heal torn with no source left).
+    restarts_asked: int = 0
     final: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -179,6 +185,10 @@ class Report:
         )
         for r in self.regressions:
             lines.append(f"  {r}")
+        lines.append(
+            f"restarts asked for (a heal into own tensors torn, no source left): "
+            f"{self.restarts_asked}"
+        )
         lines.append(f"final: {self.final}")
         lines.append(f"violations: {len(self.violations)}")
         for v in self.violations[:50]:
@@ -351,7 +361,9 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
 
     # No process left behind, none crashed on its own.
     for r in procs:
-        if r["kind"] == "exit" and r["rc"] != 0 and not r["killed"]:
+        if r["kind"] == "exit" and r["rc"] == RESTART_EXIT and not r["killed"]:
+            rep.restarts_asked += 1
+        elif r["kind"] == "exit" and r["rc"] != 0 and not r["killed"]:
             rep.violations.append(f"process {r['pid']} ({r['group']}) exited with {r['rc']}")
         if r["kind"] == "start" and r["pid"] not in death:
             rep.violations.append(f"process {r['pid']} ({r['group']}) has no recorded exit")

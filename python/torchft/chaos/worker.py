@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-from torchft.chaos.history import HistoryWriter, state_hash
+from torchft.chaos.history import RESTART_EXIT, HistoryWriter, state_hash
+from torchft.manager import TornStateError
 
 _IMPORTED = time.time()
 
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         history.finish(manager.current_step(), state_hash(model.state_dict(), optim.state_dict()))
+    except TornStateError as e:
+        # What a supervisor is for: the harness restarts a process that exits with this.
+        logging.getLogger(__name__).error("%s", e)
+        return RESTART_EXIT
     finally:
         os.close(phase)
         manager.shutdown(wait=False)

@@ -319,8 +319,10 @@ class HTTPTransport(CheckpointTransport[T]):
             range requests (0: one streamed request).
         state_dict: optional callable returning this rank's current state; a receive
             writes each tensor into the local tensor at the same place (same dtype and
-            shape, contiguous) instead of allocating a new one (the Manager passes its
-            own). A failed receive then leaves those tensors partly overwritten.
+            shape, contiguous) instead of allocating a new one. A failed receive then
+            leaves those tensors partly overwritten. When it returns None, that receive
+            allocates new tensors (the Manager's default transport receives in place
+            only while its process has committed nothing; see docs/healing.md).
         state_dict_lock: optional factory of a context manager held while the state is
             read for a transfer (the Manager passes its state-dict read lock, so an
             optimizer step cannot race a transfer).
@@ -829,7 +831,8 @@ class HTTPTransport(CheckpointTransport[T]):
     def _destinations(self, header: ser.Header, cpu_only: bool) -> list[torch.Tensor | None]:
         """Per header tensor, the local tensor to receive into (None: allocate one)."""
         out: list[torch.Tensor | None] = [None] * len(header.specs)
-        if self._state_dict is None:
+        local = self._state_dict() if self._state_dict is not None else None
+        if local is None:
             return out
         # Device (CUDA) tensors only natively, staged through pinned host memory.
         devices = ("cpu",) if cpu_only else ("cpu", "cuda")
@@ -837,7 +840,7 @@ class HTTPTransport(CheckpointTransport[T]):
         def accept(t: torch.Tensor) -> bool:
             return t.device.type in devices
 
-        for i, t in ser.inplace_targets(header, self._state_dict(), accept).items():
+        for i, t in ser.inplace_targets(header, local, accept).items():
             out[i] = t
         return out
 
