@@ -846,6 +846,21 @@ def test_default_transport_heals_in_place_until_the_first_commit(
         m.shutdown(wait=False)
 
 
+def test_default_in_place_rule_ends_with_the_first_applied_heal(harness: Any) -> None:
+    """A heal applied makes the state one a restart does not reproduce: if its first step
+    then fails and the group heals again, that heal must not tear it."""
+    h = harness(use_async_quorum=False)
+    m = h.manager
+    m._own_transport = True  # the rule of the default transport, with the test's transport
+    assert m._receives_in_place()
+    _serve(h, 5, torch.full((3,), 2.0))
+    h.native.quorums = [_heal_quorum(max_step=5)]
+    m.start_quorum()
+    assert m.errored() is None and m.current_step() == 5
+    assert not m._receives_in_place()
+    assert m._heal_into() is None
+
+
 def test_in_place_heal_holds_the_state_write_lock(harness: Any) -> None:
     """An async in-place heal writes into the group's tensors on the quorum thread: it holds
     the state's write lock meanwhile, so an optimizer step (disallow_state_dict_read) on

@@ -415,8 +415,8 @@ class Manager:
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
                 (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``, which heals
-                into the group's own tensors while this process has committed no step and
-                into new ones after, so a heal that fails midway never tears a state that
+                into the group's own tensors while the state is the one this process
+                started with and into new ones after, so a heal that fails midway never tears a state that
                 a restart could not give back; see docs/healing.md).
             init_sync: at step 0 make every replica group heal from one primary so all start
                 from identical weights.
@@ -489,9 +489,9 @@ class Manager:
         # the error that ends the process when nothing can make them whole again.
         self._state_torn = False
         self._torn_for_good: TornStateError | None = None
-        # Whether this process has committed a step: until then its state is the one its
-        # start-up produced, which a restart reproduces (see _heal_into).
-        self._committed_here = False
+        # Whether the state is still the one this process's start-up produced, which a
+        # restart reproduces: no step committed, no heal applied yet (see _heal_into).
+        self._startup_state = True
         self._pending_state_dict: dict[str, Any] | None = None
         self._pending_futures: list[Future[Any]] = []
         self._quorum_future: ConcurrentFuture[None] | _PendingQuorumFuture | None = None
@@ -1110,6 +1110,8 @@ class Manager:
         self.load_state_dict(received["torchft"])
         self._state_torn = False
         self._torn_for_good = None
+        # The healed state is no start-up state: if its source dies, it may be the best left.
+        self._startup_state = False
         self._pending_state_dict = received["user"]
         if not self._use_async_quorum:
             self._apply_pending_state_dict()
@@ -1117,22 +1119,22 @@ class Manager:
     def _heal_into(self) -> dict[str, Any] | None:
         """The state the default transport receives a heal into (None: new tensors).
 
-        The group's own tensors while this process has committed no step: its state is then
-        the one its start-up produced (initialised, or loaded from a durable checkpoint),
-        which a restart reproduces, so a heal that fails midway and leaves the tensors torn
-        loses nothing a restart would not give back. This is the common heal (a restarted
-        group catching up) and it needs no memory beyond the group's own tensors. Once the
-        process has committed, its state may be the best one left if the source is lost
-        midway: the heal then receives into new tensors and leaves it whole.
+        The group's own tensors while this process has neither committed a step nor applied
+        a heal: its state is then the one its start-up produced (initialised, or loaded from
+        a durable checkpoint), which a restart reproduces, so a heal that fails midway and
+        leaves the tensors torn loses nothing a restart would not give back. This is the
+        common heal (a restarted group catching up) and it needs no memory beyond the
+        group's own tensors. After that, the state may be the best one left if the source
+        is lost midway: the heal then receives into new tensors and leaves it whole.
         """
-        if self._committed_here:
+        if not self._startup_state:
             return None
         return self._manager_state_dict()
 
     def _receives_in_place(self) -> bool:
         """Whether the next heal writes into this group's own tensors."""
         if self._own_transport:
-            return not self._committed_here
+            return self._startup_state
         return bool(getattr(self._checkpoint_transport, "receives_in_place", False))
 
     @contextmanager
@@ -1358,7 +1360,7 @@ class Manager:
                 self._min_replica_size,
             )
         if should_commit:
-            self._committed_here = True
+            self._startup_state = False
             self._step += 1
             self._batches_committed += self._participating_replica_world_size
             self._commit_failures = 0

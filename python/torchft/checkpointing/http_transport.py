@@ -322,7 +322,7 @@ class HTTPTransport(CheckpointTransport[T]):
             shape, contiguous) instead of allocating a new one. A failed receive then
             leaves those tensors partly overwritten. When it returns None, that receive
             allocates new tensors (the Manager's default transport receives in place
-            only while its process has committed nothing; see docs/healing.md).
+            only while its state is the one its process started with; docs/healing.md).
         state_dict_lock: optional factory of a context manager held while the state is
             read for a transfer (the Manager passes its state-dict read lock, so an
             optimizer step cannot race a transfer).
