@@ -156,6 +156,32 @@ def test_native_receive_without_local_state_allocates(monkeypatch: pytest.Monkey
     assert got["a"].data_ptr() != got["b"].data_ptr()
 
 
+def test_the_transport_says_whether_a_receive_wrote_into_local_tensors() -> None:
+    """``touched_local_state``: False for a receive that failed before its header (the
+    source is gone; the local state is whole) and for one into new tensors (``state_dict``
+    returned None), True once a receive wrote into the local state."""
+    state = sample_state()
+    local = zeros_like_state(state)
+    into: list[Any] = [None]
+    with transports(receiver_kw={"state_dict": lambda: into[0]}) as (s, r):
+        gone = socket.socket()
+        gone.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{gone.getsockname()[1]}/checkpoint"
+        gone.close()
+        into[0] = local
+        with pytest.raises(ConnectionError):
+            r.recv_checkpoint(0, dead, 5, timedelta(seconds=5))
+        assert r.receives_in_place and not r.touched_local_state
+        s.send_checkpoint([1], 5, state, TIMEOUT)
+        into[0] = None
+        r.recv_checkpoint(0, s.metadata(), 5, TIMEOUT)
+        assert not r.touched_local_state
+        into[0] = local
+        r.recv_checkpoint(0, s.metadata(), 5, TIMEOUT)
+        assert r.touched_local_state
+        s.disallow_checkpoint()
+
+
 def test_native_and_http_only_peers_interoperate() -> None:
     """A sender without the native path serves a native receiver over HTTP, and the reverse."""
     state = sample_state()

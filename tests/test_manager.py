@@ -791,6 +791,24 @@ def test_failed_in_place_heal_is_never_trained_on(harness: Any) -> None:
     assert torch.equal(h.user_state["w"], torch.full((3,), 2.0))
 
 
+def test_an_in_place_heal_that_wrote_nothing_leaves_the_state_whole(harness: Any) -> None:
+    """The transport says the failed receive never reached the local tensors (the source
+    died before its header): the state is not torn, so with no source left the group
+    trains on from it instead of asking for a restart."""
+    h = harness(use_async_quorum=False)
+    h.transport.receives_in_place = True  # type: ignore[attr-defined]
+    h.transport.touched_local_state = False  # type: ignore[attr-defined]
+    _serve(h, 4, torch.full((3,), 3.0))  # the heal fails
+    h.native.quorums = [_heal_quorum(max_step=5)]
+    m = h.manager
+    m.start_quorum()
+    assert not m.should_commit()
+    h.native.quorums = [make_quorum(max_step=0)]
+    m.start_quorum()
+    assert m.errored() is None
+    assert m.should_commit()
+
+
 def test_torn_state_with_no_source_left_ends_the_process(harness: Any) -> None:
     """Torn by a failed in-place heal, and the next quorum has no group ahead to heal from:
     nothing can make the state whole, so should_commit raises (the supervisor restarts the

@@ -1086,7 +1086,9 @@ class Manager:
                 ):
                     raise RuntimeError("received a checkpoint without 'torchft'/'user' sections")
             except BaseException:
-                if in_place:
+                # A transport that says the receive failed before writing into this group's
+                # tensors (e.g. the source died before sending its header) left them whole.
+                if in_place and getattr(self._checkpoint_transport, "touched_local_state", True):
                     # Part of this group's tensors may hold the source's bytes now: only a
                     # later heal makes the state whole again (see _apply_quorum).
                     self._state_torn = True

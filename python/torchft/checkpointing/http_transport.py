@@ -363,6 +363,7 @@ class HTTPTransport(CheckpointTransport[T]):
             raise TypeError("state_dict must be a callable returning the local state")
         self._num_chunks = num_chunks
         self._state_dict = state_dict
+        self._touched_local = False
         self._native = native
         self._state_dict_lock = state_dict_lock
         self._state_version = state_version
@@ -431,6 +432,13 @@ class HTTPTransport(CheckpointTransport[T]):
     def receives_in_place(self) -> bool:
         """True when given ``state_dict``: receives write into the local tensors."""
         return self._state_dict is not None
+
+    @property
+    def touched_local_state(self) -> bool:
+        """Whether the last receive got as far as writing into local tensors (it had its
+        header and at least one destination in the local state). A receive that failed
+        before that left the local state as it was."""
+        return self._touched_local
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
@@ -718,6 +726,7 @@ class HTTPTransport(CheckpointTransport[T]):
         base = base._replace(scheme=scheme)
         prefix = base.path.rstrip("/")
         t0 = time.monotonic()
+        self._touched_local = False
         entry = _Receiving(threading.Event(), [])
         with self._recv_lock:
             self._receiving.append(entry)
@@ -842,6 +851,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
         for i, t in ser.inplace_targets(header, local, accept).items():
             out[i] = t
+            self._touched_local = True
         return out
 
     def _fetch_header(

@@ -68,6 +68,13 @@ class CheckpointTransport(Generic[T], ABC):
         with that state)."""
         return False
 
+    @property
+    def touched_local_state(self) -> bool:
+        """Whether the last :meth:`recv_checkpoint` may have written into the receiver's
+        existing tensors. Transports that know a failed receive wrote nothing (it failed
+        before any data arrived) say False, and the Manager keeps the state as whole."""
+        return self.receives_in_place
+
     def disallow_checkpoint(self) -> None:
         """Stops serving the current state (it is about to change). Returns promptly."""
 
