@@ -766,15 +766,24 @@ def test_heal_failure_blocks_commit(harness: Any) -> None:
     assert h.loaded == []
 
 
+def _failed_in_place_heal(harness: Any, **transport: bool) -> Harness:
+    """A sync-quorum group whose heal into its own tensors just failed (the source serves
+    the wrong step); ``transport`` sets attributes of the test transport."""
+    h = harness(use_async_quorum=False)
+    h.transport.receives_in_place = True
+    for name, value in transport.items():
+        setattr(h.transport, name, value)
+    _serve(h, 4, torch.full((3,), 3.0))
+    h.native.quorums = [_heal_quorum(max_step=5)]
+    h.manager.start_quorum()
+    return h
+
+
 def test_failed_in_place_heal_is_never_trained_on(harness: Any) -> None:
     """A heal that wrote into the group's own tensors and failed leaves a state no step had:
     the group does not commit on it unless a later heal makes it whole again."""
-    h = harness(use_async_quorum=False)
-    h.transport.receives_in_place = True  # type: ignore[attr-defined]
-    _serve(h, 4, torch.full((3,), 3.0))  # the source fails the heal (wrong step)
-    h.native.quorums = [_heal_quorum(max_step=5)]
+    h = _failed_in_place_heal(harness)
     m = h.manager
-    m.start_quorum()
     assert "wrong step" in str(m.errored())
     assert not m.should_commit()
     # A quorum that may not heal (allow_heal=False) does not train on it either.
@@ -795,13 +804,8 @@ def test_an_in_place_heal_that_wrote_nothing_leaves_the_state_whole(harness: Any
     """The transport says the failed receive never reached the local tensors (the source
     died before its header): the state is not torn, so with no source left the group
     trains on from it instead of asking for a restart."""
-    h = harness(use_async_quorum=False)
-    h.transport.receives_in_place = True  # type: ignore[attr-defined]
-    h.transport.touched_local_state = False  # type: ignore[attr-defined]
-    _serve(h, 4, torch.full((3,), 3.0))  # the heal fails
-    h.native.quorums = [_heal_quorum(max_step=5)]
+    h = _failed_in_place_heal(harness, touched_local_state=False)
     m = h.manager
-    m.start_quorum()
     assert not m.should_commit()
     h.native.quorums = [make_quorum(max_step=0)]
     m.start_quorum()
@@ -813,12 +817,8 @@ def test_torn_state_with_no_source_left_ends_the_process(harness: Any) -> None:
     """Torn by a failed in-place heal, and the next quorum has no group ahead to heal from:
     nothing can make the state whole, so should_commit raises (the supervisor restarts the
     process) instead of failing every step forever."""
-    h = harness(use_async_quorum=False)
-    h.transport.receives_in_place = True  # type: ignore[attr-defined]
-    _serve(h, 4, torch.full((3,), 3.0))
-    h.native.quorums = [_heal_quorum(max_step=5)]
+    h = _failed_in_place_heal(harness)
     m = h.manager
-    m.start_quorum()
     assert not m.should_commit()
     h.native.quorums = [make_quorum(max_step=0)]
     m.start_quorum()

@@ -416,8 +416,8 @@ class Manager:
             checkpoint_transport: how live checkpoints move between replica groups
                 (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``, which heals
                 into the group's own tensors while the state is the one this process
-                started with and into new ones after, so a heal that fails midway never tears a state that
-                a restart could not give back; see docs/healing.md).
+                started with and into new ones after, so a heal that fails midway never
+                tears a state that a restart could not give back; see docs/healing.md).
             init_sync: at step 0 make every replica group heal from one primary so all start
                 from identical weights.
             max_retries: raise ``RuntimeError`` after more than this many consecutive failed

@@ -266,23 +266,17 @@ impl DataServer {
                 let _ = c.stream.shutdown(Shutdown::Both);
             }
         }
-        let deadline = Instant::now() + REVOKE_WAIT;
-        while st
-            .conns
-            .values()
-            .any(|c| c.gen.as_deref() == Some(offer.gen.as_str()))
-        {
-            let now = Instant::now();
-            if now >= deadline {
-                tracing::warn!(gen = %offer.gen, "checkpoint streams still running after revoke");
-                return false;
-            }
-            st = self
-                .shared
-                .cond
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        let gen = offer.gen.as_str();
+        let (_st, waited) = self
+            .shared
+            .cond
+            .wait_timeout_while(st, REVOKE_WAIT, |st| {
+                st.conns.values().any(|c| c.gen.as_deref() == Some(gen))
+            })
+            .unwrap_or_else(|e| e.into_inner());
+        if waited.timed_out() {
+            tracing::warn!(gen, "checkpoint streams still running after revoke");
+            return false;
         }
         true
     }
@@ -320,23 +314,16 @@ impl DataServer {
         }
         // Every connection thread ends at its next socket call (all were shut down): wait,
         // bounded, until they did, so no stream outlives the server.
-        let deadline = Instant::now() + REVOKE_WAIT;
-        let mut st = self.shared.lock();
-        while !st.conns.is_empty() {
-            let now = Instant::now();
-            if now >= deadline {
-                tracing::warn!(
-                    open = st.conns.len(),
-                    "checkpoint connections still open after shutdown"
-                );
-                break;
-            }
-            st = self
-                .shared
-                .cond
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        let (st, waited) = self
+            .shared
+            .cond
+            .wait_timeout_while(self.shared.lock(), REVOKE_WAIT, |st| !st.conns.is_empty())
+            .unwrap_or_else(|e| e.into_inner());
+        if waited.timed_out() {
+            tracing::warn!(
+                open = st.conns.len(),
+                "checkpoint connections still open after shutdown"
+            );
         }
     }
 }
