@@ -20,6 +20,11 @@ Fault hooks for the failure-detection tests (a marker file records the wall time
   step ≥ 5 to a healing peer, unless another group already did (the marker is created
   exclusively).
 
+- ``--native-store HOST:PORT --native-rank R --native-world N``: the Manager's process group
+  is torch's own Gloo group created with ``enable_reconfigure=True`` through
+  ``dist.init_process_group`` (``dist.group.WORLD``) on the job-wide store at HOST:PORT, with
+  creation rank R of N (native Gloo rendezvous on the store it was created with).
+
 - ``--data-groups N``: the data comes from a ``torchft.data.DistributedSampler`` shard
   (``REPLICA_GROUP_ID`` of N groups) through ``StepAlignedLoader``; ``--data-log`` receives a
   JSON line per step attempt: ``[position, step, committed, participating, sample ids]``.
@@ -42,6 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -177,7 +183,12 @@ def main() -> int:
     parser.add_argument("--stop-self-when-serving", default="")
     parser.add_argument("--data-groups", type=int, default=0)
     parser.add_argument("--data-log", default="")
+    parser.add_argument("--native-store", default="")
+    parser.add_argument("--native-rank", type=int, default=0)
+    parser.add_argument("--native-world", type=int, default=1)
     args = parser.parse_args()
+    if args.native_store and (args.fail_steps or args.kill_self_in_configure):
+        parser.error("fault injection through the process group needs a torchft group")
 
     logging.basicConfig(
         level=logging.INFO,
@@ -193,7 +204,21 @@ def main() -> int:
     )
     model.append(nn.Linear(args.hidden, 4))
 
-    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)))
+    pg: Any
+    if args.native_store:
+        host, port = args.native_store.rsplit(":", 1)
+        shared = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"native/{group_rank}", shared),
+            rank=args.native_rank,
+            world_size=args.native_world,
+            timeout=timedelta(seconds=args.timeout),
+            enable_reconfigure=True,
+        )
+        pg = dist.group.WORLD
+    else:
+        pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)))
     manager = Manager(
         pg=pg,
         load_state_dict=None,
@@ -291,6 +316,8 @@ def main() -> int:
         )
     finally:
         manager.shutdown(wait=False)
+        if args.native_store:
+            dist.destroy_process_group()
     return 0
 
 

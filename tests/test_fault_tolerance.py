@@ -9,10 +9,12 @@ reach the same committed step hold bit-identical parameters and optimizer state.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from _cluster import Cluster
 from torch.distributed import TCPStore
 
@@ -43,12 +45,18 @@ def assert_same_trajectory(results: list[dict[str, Any]]) -> None:
 
 
 def run_kill_restart(
-    cluster: Cluster, n_groups: int, ranks: int, sync: bool, kill_at: int = 25
+    cluster: Cluster,
+    n_groups: int,
+    ranks: int,
+    sync: bool,
+    kill_at: int = 25,
+    extra_for: Callable[[int], list[str]] = lambda i: [],
 ) -> None:
-    """Trains n_groups, SIGKILLs the last one mid-run, restarts it, checks it heals."""
+    """Trains n_groups, SIGKILLs the last one mid-run, restarts it, checks it heals
+    (``extra_for(i)``: more worker arguments of group i, its restart included)."""
     extra = ["--step-sleep", "0.04"]
     groups = [
-        cluster.start(f"rg{i}", ranks=ranks, sync=sync, seed=i, extra=extra)
+        cluster.start(f"rg{i}", ranks=ranks, sync=sync, seed=i, extra=extra + extra_for(i))
         for i in range(n_groups)
     ]
     victim = groups[-1]
@@ -62,7 +70,9 @@ def run_kill_restart(
         60,
         "survivors to progress without the killed group",
     )
-    reborn = cluster.start(victim.name, ranks=ranks, sync=sync, seed=99, extra=extra)
+    reborn = cluster.start(
+        victim.name, ranks=ranks, sync=sync, seed=99, extra=extra + extra_for(n_groups - 1)
+    )
     cluster.wait_until(lambda: min(reborn.steps()) > killed_at + 5, 90, "restarted group to heal")
     current = max(s for g in cluster.live() for s in g.steps())
     target = max(100, current + 15)
@@ -90,6 +100,32 @@ def run_kill_restart(
 def test_two_groups_kill_and_heal(cluster: Cluster, sync: bool) -> None:
     """Two groups; one is SIGKILLed, restarted, heals from the live one and ends identical."""
     run_kill_restart(cluster, n_groups=2, ranks=1, sync=sync)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(
+    not hasattr(dist.ProcessGroup, "reconfigure"), reason="torch without native reconfigure"
+)
+def test_two_groups_kill_and_heal_with_native_gloo_groups(cluster: Cluster) -> None:
+    """Native enable_reconfigure Gloo groups as Manager pg: SIGKILL, restart, heal, identical."""
+    # Native Gloo rendezvous on the store its group was created with: one job-wide store,
+    # one creation rank per replica group (the restarted group takes its predecessor's).
+    shared = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def native(i: int) -> list[str]:
+        return [
+            "--native-store",
+            f"127.0.0.1:{shared.port}",
+            "--native-rank",
+            str(i),
+            "--native-world",
+            "2",
+        ]
+
+    run_kill_restart(cluster, n_groups=2, ranks=1, sync=False, extra_for=native)
+    for g in cluster.groups:
+        for log in g.logs:
+            assert "native" in log.read_text() and "reconfigured" in log.read_text(), log.name
 
 
 @pytest.mark.timeout(150)

@@ -978,3 +978,41 @@ def test_abandoned_configure_never_kills_the_process_at_exit(store: TCPStore) ->
     )
     assert "exiting" in proc.stdout, proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}: {proc.stderr[-2000:]}"
+
+
+# ---- timeout semantics as upstream torchft's (exception types, message parts) -----------
+
+
+@pytest.mark.timeout(30)
+def test_gloo_configure_timeout_matches_upstream(store: TCPStore) -> None:
+    """A rendezvous timeout raises a RuntimeError with "timeout after 10ms", also errored()."""
+    pg = ProcessGroupGloo(timeout=timedelta(milliseconds=10))
+    with pytest.raises(RuntimeError, match=r"(timeout after 10ms|Socket Timeout)"):
+        pg.configure(_addr(store, "cfg_timeout"), "r", 0, 2)
+    assert isinstance(pg.errored(), RuntimeError)
+    pg.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_gloo_collective_timeout_matches_upstream_future_timeout(store: TCPStore) -> None:
+    """A collective past the timeout: TimeoutError "future did not complete within"."""
+    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=1)) for _ in range(2)]
+    _run_ranks(2, lambda r: pgs[r].configure(_addr(store, "coll_timeout"), "r", r, 2))
+    work = pgs[0].allreduce([torch.ones(1)], ReduceOp.SUM)  # rank 1 never joins
+    with pytest.raises(TimeoutError, match="future did not complete within"):
+        work.wait()
+    assert isinstance(pgs[0].errored(), TimeoutError)
+    for pg in pgs:
+        pg.shutdown()
+
+
+def test_nccl_timeout_error_says_aborted_as_upstream() -> None:
+    """NCCL's timeout abort records an error that is a RuntimeError saying "aborted" (as
+    upstream's errored()) and a TimeoutError saying "timed out after"."""
+    pg = ProcessGroupNCCL(timeout=timedelta(seconds=1))
+    pg._timed_out()  # what the work's deadline calls
+    err = pg.errored()
+    assert isinstance(err, RuntimeError) and isinstance(err, TimeoutError)
+    with pytest.raises(RuntimeError, match="aborted"):
+        raise err
+    assert "timed out after 0:00:01" in str(err)

@@ -390,6 +390,10 @@ class Manager:
 
         Args:
             pg: the cross-replica process group; reconfigured whenever the quorum changes.
+                A torchft group (``configure`` on a fresh store prefix), or a torch group
+                created with ``enable_reconfigure=True`` (torch 2.15+), which is
+                reconfigured in place through ``pg.reconfigure`` after a handle exchange on
+                that prefix (see docs/process_groups.md).
             load_state_dict: legacy loader of the user state (registered under key
                 ``"default"``); may be None when :meth:`register_state_dict_fn` is used.
             state_dict: legacy saver of the user state, paired with ``load_state_dict``.
@@ -456,6 +460,11 @@ class Manager:
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
 
         self._config = cfg
+        # A torch group created with enable_reconfigure=True is driven through a handle
+        # exchange (torchft.process_group.native); torchft's own groups are used as given.
+        from torchft.process_group.native import manager_group
+
+        pg = manager_group(pg, cfg.timeout)
         self._pg = pg
         self._min_replica_size = cfg.min_replica_size
         self._use_async_quorum = cfg.use_async_quorum

@@ -13,6 +13,10 @@ Implementations:
   that is killed and respawned on every ``configure``/``abort``. A hung or crashed collective
   can then always be recovered from, at the cost of moving tensors through shared memory.
 * ``ProcessGroupDummy``: completes everything at once (unit tests, world-size-1 DDP).
+* ``ProcessGroupNative``: drives a torch group created with ``enable_reconfigure=True``
+  (torch 2.15+) through ``pg.reconfigure`` after a handle exchange on the store prefix; the
+  Manager wraps such a group by itself. ``reconfigure_with_store`` does one reconfiguration
+  without a Manager.
 * Wrappers: ``ProcessGroupWrapper`` (delegation), ``ErrorSwallowingProcessGroupWrapper``
   (record the first error, turn later collectives into no-ops), ``FakeProcessGroupWrapper``
   (inject future errors in tests) and ``ManagedProcessGroup`` (allreduce through a Manager).
@@ -26,7 +30,8 @@ The environment variable ``TORCHFT_TIMEOUT_SEC`` overrides the timeout given to 
 
 Layout: ``base`` (the ``ProcessGroup`` base class with every collective's signature, and the
 shared helpers), ``reconfigurable`` (``ProcessGroupWrapper``, Gloo, NCCL), ``dummy``,
-``wrappers`` (error swallowing, fakes, the managed group), ``baby`` (child-process groups)
+``wrappers`` (error swallowing, fakes, the managed group), ``native`` (torch's own
+reconfigurable groups), ``baby`` (child-process groups)
 and ``baby_ipc`` (their wire to the child). Everything is re-exported from here.
 """
 
@@ -45,6 +50,7 @@ from torchft.process_group.baby import (
     ProcessGroupBabyNCCL,
 )
 from torchft.process_group.base import (
+    AbortedTimeoutError,
     ProcessGroup,
     create_store_client,
 )
@@ -55,6 +61,11 @@ from torchft.process_group.base import _check_timeout as _check_timeout
 from torchft.process_group.base import _env_timeout as _env_timeout
 from torchft.process_group.base import _parse_store_addr as _parse_store_addr
 from torchft.process_group.dummy import ProcessGroupDummy
+from torchft.process_group.native import (
+    ProcessGroupNative,
+    ReconfigureTimeoutError,
+    reconfigure_with_store,
+)
 from torchft.process_group.reconfigurable import (
     ProcessGroupGloo,
     ProcessGroupNCCL,
@@ -67,6 +78,7 @@ from torchft.process_group.wrappers import (
 )
 
 __all__ = [
+    "AbortedTimeoutError",
     "ErrorSwallowingProcessGroupWrapper",
     "FakeProcessGroupWrapper",
     "ManagedProcessGroup",
@@ -77,8 +89,11 @@ __all__ = [
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
+    "ProcessGroupNative",
     "ProcessGroupWrapper",
+    "ReconfigureTimeoutError",
     "create_store_client",
+    "reconfigure_with_store",
 ]
 
 # ---- torch.distributed backend registration -------------------------------------------

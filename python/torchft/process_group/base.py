@@ -43,6 +43,14 @@ from torchft.config import timeout_override
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+class AbortedTimeoutError(TimeoutError, RuntimeError):
+    """An operation passed its timeout and the group was aborted to end it.
+
+    A ``TimeoutError`` like every torchft deadline, and a ``RuntimeError`` whose message says
+    "aborted", which is what upstream torchft's aborted groups report from ``errored()``.
+    """
+
+
 def _env_timeout(timeout: timedelta) -> timedelta:
     """Applies the ``TORCHFT_TIMEOUT_SEC`` override to ``timeout`` (see torchft.config).
 

@@ -33,6 +33,7 @@ from torch.distributed import ReduceOp, Store
 from torch.futures import Future
 
 from torchft.process_group.base import (
+    AbortedTimeoutError,
     ProcessGroup,
     _check_rank,
     _check_timeout,
@@ -506,7 +507,11 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         return "torchft-nccl"
 
     def _timed_out(self) -> None:
-        self._record_error(TimeoutError(f"NCCL operation timed out after {self._timeout}"))
+        self._record_error(
+            AbortedTimeoutError(
+                f"NCCL operation timed out after {self._timeout}; the group was aborted"
+            )
+        )
         self.abort()
 
     def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
