@@ -35,7 +35,7 @@ def lighthouse() -> Iterator[object]:
         min_replicas=1,
         join_timeout_ms=100,
         quorum_tick_ms=10,
-        progress_wait_ms=0,  # quorums at once: no startup hold
+        progress_wait_ms=0,  # quorums at once: never waits for a holder ahead
     )
     try:
         yield server

@@ -456,10 +456,10 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
             ..opts(1, 0)
         };
         let (server, c) = start(o.clone()).await;
-        // a heartbeats throughout, as a manager does: the quorum waits out the startup hold
-        // (one heartbeat timeout), and a member silent that long is declared lost.
+        // a heartbeats throughout, as a manager does: a member silent for a heartbeat
+        // timeout is declared lost. A fresh job: the first quorum is not held.
         let beats = heartbeats(&c, "a");
-        // Past the startup hold (1 s), a alone at step 3.
+        // a alone at step 3.
         let q = ask(&c, member("a"), 5_000).await.unwrap();
         assert_eq!(
             c.commit("a", q.quorum_id, 4, TEST_TIMEOUT).await.unwrap(),

@@ -162,7 +162,7 @@ def test_fresh_groups_wait_for_a_live_group_holding_newer_progress() -> None:
 
         with ThreadPoolExecutor(3) as pool:
             fresh = [pool.submit(ask, rid, 0) for rid in ("new1", "new2")]
-            time.sleep(2.5)  # past the startup hold (1 s) and the join timeout
+            time.sleep(2.5)  # well past the join timeout
             assert not any(f.done() for f in fresh), "a quorum formed behind the live holder"
             _, status = _get(server.address() + "/status")
             assert "old (at step 50)" in json.loads(status)["reason"]

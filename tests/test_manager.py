@@ -989,13 +989,19 @@ def test_quorum_timeout_surfaces_as_timeout_error(harness: Any) -> None:
 
 
 def test_quorum_timeout_sync_mode(harness: Any) -> None:
-    """Sync mode: the quorum timeout is raised by should_commit too (not by start_quorum)."""
+    """Sync mode: the quorum timeout is raised by start_quorum (as upstream's) and again by
+    should_commit; the step does not commit and the next one works."""
     h = harness(use_async_quorum=False)
     h.native.quorums = [TimeoutError("deadline")]
     m = h.manager
-    m.start_quorum()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="deadline"):
+        m.start_quorum()
+    with pytest.raises(TimeoutError, match="deadline"):
         m.should_commit()
+    assert m.current_step() == 0
+    m.start_quorum()
+    assert m.should_commit()
+    assert m.current_step() == 1
 
 
 def test_quorum_other_error_is_recorded(harness: Any) -> None:

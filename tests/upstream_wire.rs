@@ -276,12 +276,14 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         replica_id: "u".into(),
     });
     assert_eq!(hb.replica_id, "u");
-    // Upstream sends no committed step: ours reads it as absent.
-    assert_eq!(hb.step, None);
-    // Ours with a step stays readable by upstream (the field is skipped).
+    // Upstream sends no committed step nor quorum: ours reads them as absent (so an
+    // upstream manager never turns a lighthouse's startup hold on).
+    assert_eq!((hb.step, hb.quorum_id), (None, None));
+    // Ours with a step and a quorum stays readable by upstream (the fields are skipped).
     let up: upstream::LighthouseHeartbeatRequest = cross(&ours::LighthouseHeartbeatRequest {
         replica_id: "u".into(),
         step: Some(7),
+        quorum_id: Some(42),
     });
     assert_eq!(up.replica_id, "u");
     // Our heartbeat reply carries a field upstream does not know: it must be skippable.

@@ -782,6 +782,13 @@ class Manager:
             allow_heal: heal from / serve live checkpoints to peers if needed.
             shrink_only: only allow the quorum to shrink (no new members).
             timeout: quorum deadline (default: ``quorum_timeout``).
+
+        Raises:
+            TimeoutError: with ``use_async_quorum=False``, the quorum deadline passed (as
+                upstream torchft: the message carries "status: Cancelled" and "Timeout
+                expired"). With the async quorum it surfaces from :meth:`wait_quorum` or
+                :meth:`should_commit` instead. Other failures are recorded, never raised:
+                the step does not commit.
         """
         if self._shutdown:
             raise RuntimeError("Manager is shut down")
@@ -800,14 +807,16 @@ class Manager:
             self._quorum_future = self._start_async_quorum(allow_heal, shrink_only, quorum_timeout)
         else:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
+            self._quorum_future = fut
             try:
                 with self._timing_quorum():
                     self._run_quorum(allow_heal, shrink_only, quorum_timeout)
                 fut.set_result(None)
             except BaseException as e:
+                # Raised here, as upstream's synchronous quorum does, and again from
+                # wait_quorum()/should_commit() (the step cannot commit without a quorum).
                 fut.set_exception(e)
-            # A quorum timeout surfaces from wait_quorum()/should_commit(), as in async mode.
-            self._quorum_future = fut
+                raise
 
     def wait_quorum(self) -> None:
         """Waits for the quorum started by :meth:`start_quorum`.
@@ -825,6 +834,10 @@ class Manager:
             with self._timing_quorum():
                 fut.result(timeout=limit)
         except FutureTimeoutError:
+            # concurrent.futures' TimeoutError is the built-in one: a quorum that itself
+            # ended in a TimeoutError is re-raised as it is, not as this backstop's.
+            if fut.done():
+                raise
             raise TimeoutError(f"quorum did not finish within {limit:.1f}s") from None
 
     def _timing_quorum(self) -> Any:

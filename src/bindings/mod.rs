@@ -22,11 +22,18 @@ pyo3::create_exception!(
     "A torchft operation failed (not a timeout, not a bad argument)."
 );
 
+/// Ends the message of every `TimeoutError` raised from the native side: upstream torchft's
+/// deadline errors read like this (its scripts and tests match on "status: Cancelled" and
+/// "Timeout expired"), so they keep matching ours.
+const UPSTREAM_TIMEOUT_SUFFIX: &str = "(status: Cancelled, message: \"Timeout expired\")";
+
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         let msg = e.to_string();
         match e {
-            Error::Timeout(_) => PyTimeoutError::new_err(msg),
+            Error::Timeout(_) => {
+                PyTimeoutError::new_err(format!("{msg} {UPSTREAM_TIMEOUT_SUFFIX}"))
+            }
             Error::InvalidArgument(_) => PyValueError::new_err(msg),
             _ => TorchFTError::new_err(msg),
         }

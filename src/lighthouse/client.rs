@@ -217,9 +217,10 @@ impl LighthouseClient {
             .map(|_| ())
     }
 
-    /// Heartbeats (with the group's committed `step`, if known) and returns the lighthouse's
-    /// heartbeat timeout (None if it does not say): the group cannot be declared lost by
-    /// heartbeat expiry sooner than that after this call was sent.
+    /// Heartbeats (with the group's committed `step`, if known, and the last quorum this
+    /// client received) and returns the lighthouse's heartbeat timeout (None if it does not
+    /// say): the group cannot be declared lost by heartbeat expiry sooner than that after
+    /// this call was sent.
     pub async fn heartbeat_lease(
         &self,
         replica_id: &str,
@@ -231,6 +232,7 @@ impl LighthouseClient {
             LighthouseHeartbeatRequest {
                 replica_id: replica_id.to_string(),
                 step,
+                quorum_id: self.known_quorum().map(|q| q.quorum_id),
             },
             timeout,
         );

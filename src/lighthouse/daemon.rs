@@ -64,8 +64,10 @@ pub struct Args {
     /// How long a round whose replica groups are all behind a group that may still come back
     /// (heartbeating, or silent with its session open) waits for it before training goes on
     /// from the older state, announced as `progress_regressed` (ms). A restarted lighthouse
+    /// (its state file remembers the job, or a manager holds a quorum of an earlier life)
     /// also holds its first quorum for min(heartbeat timeout, this), or until every member
-    /// of the quorum its state file remembers asks at the remembered best step. 0: never wait.
+    /// of the quorum its state file remembers asks at the remembered best step; a fresh
+    /// job's first quorum is never held. 0: never wait.
     #[arg(
         long = "progress_wait_ms",
         alias = "progress-wait-ms",

@@ -40,7 +40,9 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
         let req = request.into_inner();
-        let timeout = self.shared.heartbeat(&req.replica_id, req.step)?;
+        let timeout = self
+            .shared
+            .heartbeat(&req.replica_id, req.step, req.quorum_id)?;
         Ok(Response::new(LighthouseHeartbeatResponse {
             heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }))
@@ -175,7 +177,7 @@ impl QuorumRoute {
             })?;
         let msg = decode_quorum_request(&body)?;
         let known = (msg.known_quorum_id, msg.known_revision);
-        let issued = wait_for_quorum(&shared, msg.requester, timeout).await?;
+        let issued = wait_for_quorum(&shared, msg.requester, msg.known_quorum_id, timeout).await?;
         shared.count_reply(&issued, known);
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
@@ -330,7 +332,7 @@ mod fuzz {
             for m in members {
                 let valid = validate_member(&m).is_ok();
                 let id = m.replica_id.clone();
-                match shared.join(m) {
+                match shared.join(m, 0) {
                     Ok(_) => {
                         prop_assert!(valid);
                         joined.insert(id);
@@ -343,7 +345,7 @@ mod fuzz {
                 shared.snapshot().participants.into_iter().collect();
             prop_assert_eq!(waiting, joined);
             let before = shared.snapshot().heartbeats.len();
-            match shared.heartbeat(&beat, None) {
+            match shared.heartbeat(&beat, None, None) {
                 Ok(_) => prop_assert!(!beat.trim().is_empty()),
                 Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
             }

@@ -8,7 +8,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -65,6 +65,18 @@ pub struct LostStatus {
     pub at_unix_s: f64,
 }
 
+/// A restarted lighthouse holding its first quorum (see `--state_file` in the README).
+#[derive(Debug, Serialize)]
+pub struct StartupHoldStatus {
+    /// How the lighthouse knows it restarted (its state file, or a manager holding a
+    /// quorum of an earlier life).
+    pub why: String,
+    /// Seconds until the hold ends at the latest.
+    pub remaining_s: f64,
+    /// Unix time (seconds) the hold ends at the latest.
+    pub ends_unix_s: f64,
+}
+
 /// The body of `GET /status`.
 #[derive(Debug, Serialize)]
 pub struct StatusBody {
@@ -84,6 +96,9 @@ pub struct StatusBody {
     pub ready: bool,
     /// Why the next quorum is, or is not yet, ready.
     pub reason: String,
+    /// Set while a restarted lighthouse may still hold its first quorum (null for a fresh
+    /// job, whose first quorum is never held, and once the hold is over).
+    pub startup_hold: Option<StartupHoldStatus>,
     /// Unix time (seconds) the lighthouse started.
     pub started_unix_s: f64,
     /// The lighthouse's heartbeat timeout in seconds.
@@ -129,6 +144,11 @@ impl StatusBody {
             lost: Vec::new(),
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),
+            startup_hold: s.startup_hold.map(|(why, remaining)| StartupHoldStatus {
+                why: why.to_string(),
+                remaining_s: remaining.as_secs_f64(),
+                ends_unix_s: super::state::unix_seconds(SystemTime::now() + remaining),
+            }),
             started_unix_s,
             heartbeat_timeout_s: 0.0,
             allow_kill: false,

@@ -40,16 +40,19 @@ pub struct LighthouseOptions {
     /// How long a round whose candidates are all behind a replica group that may still come
     /// back (heartbeating, or silent with its session open) waits for it, from the round's
     /// first request, before the job continues from the older state (announced as
-    /// `progress_regressed`). A (re)started lighthouse also holds its first quorum for
+    /// `progress_regressed`). A restarted lighthouse (its state file remembers the job, or
+    /// a manager reports a quorum of an earlier life) also holds its first quorum for
     /// `min(heartbeat_timeout, progress_wait)`, until every group still heartbeating is
-    /// heard. Zero: never wait (progress may regress while its holder is alive).
+    /// heard; a fresh job's first quorum is issued at once. Zero: never wait (progress may
+    /// regress while its holder is alive).
     pub progress_wait: Duration,
     /// Where the lighthouse keeps what it must not forget across its own restarts (the last
     /// quorum's id and members, the best committed step and its holders), written atomically
     /// (write, then rename) before a commit is acknowledged or a changed quorum is issued.
     /// A restarted lighthouse reads it: it refuses commits under quorums it had replaced and
     /// waits (up to `progress_wait`) for the holders of the best step. None: a restarted
-    /// lighthouse starts from nothing (it still holds its first quorum, see above).
+    /// lighthouse starts from nothing, and holds its first quorum only once a manager tells
+    /// it that it restarted (a heartbeat or request naming a quorum of the earlier life).
     pub state_file: Option<std::path::PathBuf>,
 }
 

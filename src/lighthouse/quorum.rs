@@ -27,11 +27,13 @@
 //! each replica's committed step (from its requests and heartbeats). A round that is otherwise
 //! ready, but whose candidates are all behind a replica that may still come back (heartbeating,
 //! or with its session open even if silent), waits for that replica until `progress_wait`
-//! after the round's first request. A (re)started engine issues no first quorum before
-//! `min(heartbeat_timeout, progress_wait)` after its start, so every replica that is still
-//! heartbeating has been heard — unless it continues a previous life (its durable state)
-//! and every member of the quorum it remembers asks at or above the best step it remembers:
-//! nobody outside that quorum can be ahead of it then. A quorum issued behind the best step
+//! after the round's first request. A fresh job's first quorum is issued under the join
+//! rules alone, at once. An engine that knows it restarted — it continues a previous life
+//! (its durable state), or a replica reported a quorum id it holds from an earlier life —
+//! issues no first quorum before `min(heartbeat_timeout, progress_wait)` after its start,
+//! so every replica that is still heartbeating has been heard; a restored engine ends that
+//! hold early when every member of the quorum it remembers asks at or above the best step
+//! it remembers: nobody outside that quorum can be ahead of it then. A quorum issued behind the best step
 //! known anyway (the holders died, or the wait ran out) is reported once through
 //! [`QuorumEngine::take_regressions`]; a holder given up on at a step is not waited for
 //! again at that step.
@@ -157,6 +159,54 @@ pub struct Durable {
     pub holders: Vec<String>,
 }
 
+/// How an engine knows that the job ran before this life of the lighthouse began (so a
+/// replica still heartbeating may hold progress it has not heard of yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EarlierLife {
+    /// The state file held the state of a previous life.
+    StateFile {
+        /// The last quorum it remembers, if any.
+        quorum_id: Option<i64>,
+        /// The best committed step it remembers, if any.
+        best_step: Option<i64>,
+    },
+    /// A replica reported holding a quorum this life did not issue.
+    Reported {
+        /// The replica that reported it.
+        replica_id: String,
+        /// The quorum id it holds.
+        quorum_id: i64,
+    },
+}
+
+impl fmt::Display for EarlierLife {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EarlierLife::StateFile {
+                quorum_id,
+                best_step,
+            } => {
+                write!(f, "its state file remembers")?;
+                match quorum_id {
+                    Some(id) => write!(f, " quorum {id}")?,
+                    None => write!(f, " no quorum")?,
+                }
+                match best_step {
+                    Some(step) => write!(f, " and step {step}"),
+                    None => Ok(()),
+                }
+            }
+            EarlierLife::Reported {
+                replica_id,
+                quorum_id,
+            } => write!(
+                f,
+                "{replica_id} holds quorum {quorum_id} from an earlier life"
+            ),
+        }
+    }
+}
+
 /// Why the next quorum is, or is not yet, ready.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -194,6 +244,8 @@ pub enum Verdict {
     StartupHold {
         /// Time left until the first quorum may be issued.
         remaining: Duration,
+        /// How the lighthouse knows it restarted.
+        why: EarlierLife,
     },
     /// Every candidate is behind a replica that may still come back: waiting for it.
     WaitingForProgress {
@@ -248,9 +300,9 @@ impl fmt::Display for Verdict {
                 "waiting up to {:.1}s for {missing} healthy replica(s) not asking yet",
                 remaining.as_secs_f64()
             ),
-            Verdict::StartupHold { remaining } => write!(
+            Verdict::StartupHold { remaining, why } => write!(
                 f,
-                "lighthouse just started: holding the first quorum {:.1}s more so every \
+                "lighthouse restarted ({why}): holding the first quorum {:.1}s more so every \
                  replica still heartbeating is heard",
                 remaining.as_secs_f64()
             ),
@@ -284,6 +336,9 @@ pub struct Snapshot {
     pub participants: Vec<String>,
     /// Why the next quorum is or is not ready.
     pub verdict: Verdict,
+    /// While a restarted lighthouse may still hold its first quorum: how it knows it
+    /// restarted, and the time left.
+    pub startup_hold: Option<(EarlierLife, Duration)>,
 }
 
 /// The lighthouse's quorum state machine. Pure: the caller supplies `now` everywhere.
@@ -313,9 +368,12 @@ pub struct QuorumEngine {
     lost_reported: HashSet<String>,
     /// Losses not yet collected by [`QuorumEngine::take_lost`].
     pending_lost: Vec<LostMember>,
-    /// When this engine started (the first quorum is held until it has heard every replica
-    /// still heartbeating).
+    /// When this engine started (after a restart, the first quorum is held until it has
+    /// heard every replica still heartbeating).
     started: Instant,
+    /// How this engine knows the job ran before it started; None for a fresh job, whose
+    /// first quorum is not held.
+    earlier_life: Option<EarlierLife>,
     /// The best committed step known (quorums, requests, heartbeats), excluding holders given
     /// up on; None before any report.
     high_water: Option<i64>,
@@ -391,6 +449,7 @@ impl QuorumEngine {
             lost_reported: HashSet::new(),
             pending_lost: Vec::new(),
             started: now,
+            earlier_life: None,
             high_water: None,
             waived: HashMap::new(),
             pending_regressions: Vec::new(),
@@ -410,6 +469,12 @@ impl QuorumEngine {
         durable: Durable,
     ) -> Self {
         let mut e = Self::new(opts, initial_quorum_id, now);
+        if durable.quorum_id.is_some() || durable.best_step.is_some() {
+            e.earlier_life = Some(EarlierLife::StateFile {
+                quorum_id: durable.quorum_id,
+                best_step: durable.best_step,
+            });
+        }
         if let Some(id) = durable.quorum_id {
             e.restored_quorum = Some((id, durable.members.into_iter().collect()));
             // Ids stay strictly increasing even if the clock went back.
@@ -810,23 +875,53 @@ impl QuorumEngine {
         self.hold_for_progress(now).unwrap_or(ready)
     }
 
-    /// How long a fresh engine holds its first quorum: every replica still heartbeating is
-    /// heard within a heartbeat timeout; no hold when progress is not waited for at all.
+    /// How long a restarted engine holds its first quorum: every replica still heartbeating
+    /// is heard within a heartbeat timeout; no hold when progress is not waited for at all.
     fn startup_hold(&self) -> Duration {
         self.opts.heartbeat_timeout.min(self.opts.progress_wait)
     }
 
-    /// The no-regression rules for a round that is otherwise ready: the startup hold, then
-    /// the wait for a live replica ahead of every candidate. None: issue now.
-    fn hold_for_progress(&self, now: Instant) -> Option<Verdict> {
+    /// Notes that `replica_id` holds quorum `quorum_id` (from a request's known quorum or a
+    /// heartbeat). Before this life issued its first quorum, any quorum a replica holds is
+    /// from an earlier life: the lighthouse restarted, and its first quorum is held like a
+    /// restored one's. Returns true when this turned the hold on.
+    pub fn holds_quorum(&mut self, replica_id: &str, quorum_id: i64) -> bool {
+        if quorum_id <= 0 || self.previous.is_some() || self.earlier_life.is_some() {
+            return false;
+        }
+        self.earlier_life = Some(EarlierLife::Reported {
+            replica_id: replica_id.to_string(),
+            quorum_id,
+        });
+        true
+    }
+
+    /// How this engine knows the job ran before it started (None: a fresh job).
+    pub fn earlier_life(&self) -> Option<&EarlierLife> {
+        self.earlier_life.as_ref()
+    }
+
+    /// When the startup hold ends, while it may still delay this life's first quorum (a
+    /// restarted engine before its first quorum and before the hold ran out).
+    pub fn startup_hold_until(&self, now: Instant) -> Option<Instant> {
+        if self.previous.is_some() || self.earlier_life.is_none() {
+            return None;
+        }
         let hold = self.startup_hold();
-        if self.previous.is_none() && !hold.is_zero() && !self.remembered_quorum_asks() {
-            if let Some(end) = self.started.checked_add(hold) {
-                if now < end {
-                    return Some(Verdict::StartupHold {
-                        remaining: end - now,
-                    });
-                }
+        let end = self.started.checked_add(hold)?;
+        (!hold.is_zero() && now < end).then_some(end)
+    }
+
+    /// The no-regression rules for a round that is otherwise ready: the startup hold of a
+    /// restarted engine, then the wait for a live replica ahead of every candidate. None:
+    /// issue now.
+    fn hold_for_progress(&self, now: Instant) -> Option<Verdict> {
+        if let (Some(end), Some(why)) = (self.startup_hold_until(now), &self.earlier_life) {
+            if !self.remembered_quorum_asks() {
+                return Some(Verdict::StartupHold {
+                    remaining: end - now,
+                    why: why.clone(),
+                });
             }
         }
         if self.opts.progress_wait.is_zero() {
@@ -1117,6 +1212,10 @@ impl QuorumEngine {
             heartbeats,
             participants,
             verdict: self.verdict(now),
+            startup_hold: self
+                .startup_hold_until(now)
+                .zip(self.earlier_life.clone())
+                .map(|(end, why)| (why, end - now)),
         }
     }
 }
@@ -1902,17 +2001,54 @@ mod tests {
     }
 
     #[test]
+    fn fresh_job_gets_its_first_quorum_at_once() {
+        // Nothing says the job ran before: the join rules alone decide (a lone replica at
+        // any step, with min_replicas 1, is answered at once).
+        let t0 = Instant::now();
+        for step in [0, 1, 900] {
+            let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+            e.join(at("only", step), t0).unwrap();
+            assert_eq!(e.verdict(t0), Verdict::AllHealthyJoined);
+            assert_eq!(ids(&e.poll(t0).unwrap()), ["only"]);
+            assert!(e.earlier_life().is_none());
+        }
+        // A heartbeat without a quorum id is no evidence either.
+        let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        e.heartbeat_with_step("b", Some(3), t0).unwrap();
+        assert!(!e.holds_quorum("b", 0));
+        e.join(at("a", 3), t0).unwrap();
+        e.join(at("b", 3), t0).unwrap();
+        assert_eq!(ids(&e.poll(t0).unwrap()), ["a", "b"]);
+        // Once this life issued a quorum, a quorum id reported is one of its own.
+        assert!(!e.holds_quorum("a", 100));
+        assert!(e.startup_hold_until(t0).is_none());
+    }
+
+    #[test]
     fn restarted_lighthouse_holds_the_first_quorum_until_heartbeats_are_heard() {
-        // The lighthouse restarts at t0. A fresh group asks first; the group holding step 900
-        // reaches it 2 s later (its heartbeats back off while the lighthouse is down).
+        // The lighthouse restarts at t0 without a state file. A surviving group's manager
+        // heartbeats first, saying it holds quorum 42 (from the earlier life): that turns
+        // the hold on. A fresh group asks; the group holding step 900 is heard again 2 s
+        // later.
         let t0 = Instant::now();
         let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        e.heartbeat_with_step("old", Some(900), t0).unwrap();
+        assert!(e.holds_quorum("old", 42));
+        assert!(!e.holds_quorum("old", 42), "turned on once");
         let mut t = t0 + Duration::from_millis(100);
         e.join(at("fresh", 0), t).unwrap();
         e.join(at("fresh2", 0), t).unwrap();
         assert!(e.poll(t).is_none());
+        // Past the join timeout the round would be ready but for the hold.
+        t = t0 + Duration::from_millis(1_200);
+        assert!(e.tick(t).is_none());
         assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
-        assert!(e.verdict(t).to_string().contains("just started"));
+        let why = e.verdict(t).to_string();
+        assert!(
+            why.contains("restarted (old holds quorum 42 from an earlier life)"),
+            "{why}"
+        );
+        assert_eq!(e.startup_hold_until(t), Some(t0 + Duration::from_secs(5)));
         t = t0 + Duration::from_secs(2);
         e.heartbeat_with_step("old", Some(900), t).unwrap();
         assert!(e.tick(t).is_none());
@@ -1929,9 +2065,11 @@ mod tests {
         assert_eq!(ids(&q), ["fresh", "fresh2", "old"]);
         assert!(e.take_regressions().is_empty());
 
-        // Nobody else alive: the first quorum comes right at the end of the hold.
+        // A request holding a quorum of an earlier life turns the hold on as well; nobody
+        // else alive: the first quorum comes right at the end of the hold.
         let mut e = QuorumEngine::new(progress_opts(), 100, t0);
         e.join(at("only", 7), t0).unwrap();
+        assert!(e.holds_quorum("only", 9));
         assert!(e.tick(t0 + Duration::from_millis(4_900)).is_none());
         assert_eq!(ids(&e.tick(t0 + Duration::from_secs(5)).unwrap()), ["only"]);
         // The hold is min(heartbeat timeout, progress wait); no wait at all disables it.
@@ -1942,11 +2080,40 @@ mod tests {
             };
             let mut e = QuorumEngine::new(o, 100, t0);
             e.join(at("only", 7), t0).unwrap();
+            e.holds_quorum("only", 9);
             if ready_at > 0 {
                 assert!(e.tick(t0 + Duration::from_millis(ready_at - 1)).is_none());
             }
             assert!(e.tick(t0 + Duration::from_millis(ready_at)).is_some());
         }
+        // Evidence heard after the hold would have ended changes nothing.
+        let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        let late = t0 + Duration::from_secs(6);
+        e.join(at("only", 7), late).unwrap();
+        assert!(e.holds_quorum("only", 9));
+        assert!(e.poll(late).is_some());
+    }
+
+    #[test]
+    fn a_state_file_that_remembers_nothing_is_a_fresh_job() {
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::restored(progress_opts(), 100, t0, Durable::default());
+        assert!(e.earlier_life().is_none());
+        e.join(at("only", 0), t0).unwrap();
+        assert!(e.poll(t0).is_some());
+        // One that remembers a step holds, and says what it remembers.
+        let durable = Durable {
+            best_step: Some(12),
+            ..Durable::default()
+        };
+        let mut e = QuorumEngine::restored(progress_opts(), 100, t0, durable);
+        e.join(at("only", 0), t0).unwrap();
+        assert!(e.poll(t0).is_none());
+        let why = e.verdict(t0).to_string();
+        assert!(
+            why.contains("its state file remembers no quorum and step 12"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -2026,6 +2193,8 @@ mod tests {
             };
             let t0 = Instant::now();
             let mut e = QuorumEngine::new(o.clone(), 1, t0);
+            // A restarted lighthouse: a manager says it holds a quorum of the earlier life.
+            assert!(e.holds_quorum("r0", 1));
             let mut now = t0;
             // The model: each replica's step, last heartbeat, open session, waiver.
             let mut step: HashMap<String, i64> = HashMap::new();
@@ -2691,10 +2860,14 @@ mod tests {
         assert!(e.tick(t + hold - Duration::from_millis(1)).is_none());
         assert!(e.tick(t + hold).is_some());
 
-        // A fresh lighthouse remembers no quorum: the hold always runs.
+        // A lighthouse that remembers no quorum but was told of one by a manager: the hold
+        // runs to its end (no remembered quorum can end it early).
         let mut e = QuorumEngine::new(progress_opts(), 50, t);
         e.join(at("a", 0), t).unwrap();
+        e.holds_quorum("a", 7);
         assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
+        assert!(e.tick(t + hold - Duration::from_millis(1)).is_none());
+        assert!(e.tick(t + hold).is_some());
     }
 
     #[test]

@@ -73,6 +73,8 @@ struct State {
     last: Option<Arc<Issued>>,
     /// The engine's durable revision last written to the state file.
     saved_revision: u64,
+    /// The startup hold was announced in the log and its end is still to be logged.
+    hold_announced: bool,
 }
 
 /// State shared by the gRPC handlers, the tick task and the HTTP pages.
@@ -98,6 +100,13 @@ pub fn initial_quorum_id() -> i64 {
         .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 2))
         .unwrap_or(1);
     micros.max(1)
+}
+
+/// Seconds since the Unix epoch (0 for times before it).
+pub(crate) fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 fn now_instant() -> std::time::Instant {
@@ -192,17 +201,20 @@ impl Shared {
             }
             None => QuorumEngine::new(opts, initial_id, now),
         };
+        let mut state = State {
+            engine,
+            waiters: HashMap::new(),
+            sessions: HashMap::new(),
+            next_session: 1,
+            lost: std::collections::VecDeque::new(),
+            shutting_down: false,
+            last: None,
+            saved_revision: 0,
+            hold_announced: false,
+        };
+        Self::announce_hold(&mut state, now);
         Ok(Self {
-            state: Mutex::new(State {
-                engine,
-                waiters: HashMap::new(),
-                sessions: HashMap::new(),
-                next_session: 1,
-                lost: std::collections::VecDeque::new(),
-                shutting_down: false,
-                last: None,
-                saved_revision: 0,
-            }),
+            state: Mutex::new(state),
             started: SystemTime::now(),
             replies_full: AtomicU64::new(0),
             replies_compact: AtomicU64::new(0),
@@ -287,6 +299,43 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Logs that a restarted lighthouse holds its first quorum (once), saying how it knows
+    /// it restarted and when the hold ends; a fresh job's lighthouse logs nothing.
+    fn announce_hold(state: &mut State, now: std::time::Instant) {
+        if state.hold_announced {
+            return;
+        }
+        let (Some(end), Some(why)) = (
+            state.engine.startup_hold_until(now),
+            state.engine.earlier_life(),
+        ) else {
+            return;
+        };
+        let ends_in = end - now;
+        let ends_at = SystemTime::now() + ends_in;
+        warn!(
+            why = %why,
+            hold_s = ends_in.as_secs_f64(),
+            ends_unix_s = unix_seconds(ends_at),
+            "lighthouse restarted ({why}): holding the first quorum for {:.1}s more, until \
+             every replica still heartbeating is heard (ends early once every member of the \
+             remembered quorum asks at the remembered step)",
+            ends_in.as_secs_f64()
+        );
+        state.hold_announced = true;
+    }
+
+    /// Logs the end of an announced startup hold (once).
+    fn announce_hold_end(state: &mut State, now: std::time::Instant) {
+        if state.hold_announced && state.engine.startup_hold_until(now).is_none() {
+            state.hold_announced = false;
+            info!(
+                asking = state.engine.num_participants(),
+                "startup hold over: the first quorum is decided by the join rules"
+            );
+        }
+    }
+
     /// Hands an issued quorum to each of its members' waiters.
     fn deliver(&self, state: &mut State, mut quorum: Quorum) {
         quorum.created = Some(timestamp(SystemTime::now()));
@@ -335,7 +384,13 @@ impl Shared {
         }
     }
 
-    pub(crate) fn join(&self, member: QuorumMember) -> Result<(u64, oneshot::Receiver<Delivery>)> {
+    /// Adds `member` to the round; `known_quorum_id` is the quorum its request says it
+    /// holds (0: none), which tells a lighthouse with no quorum yet that it restarted.
+    pub(crate) fn join(
+        &self,
+        member: QuorumMember,
+        known_quorum_id: i64,
+    ) -> Result<(u64, oneshot::Receiver<Delivery>)> {
         let now = now_instant();
         let mut guard = self.lock();
         let state = &mut *guard;
@@ -344,6 +399,9 @@ impl Shared {
         }
         let replica_id = member.replica_id.clone();
         let joined = state.engine.join(member, now)?;
+        if state.engine.holds_quorum(&replica_id, known_quorum_id) {
+            Self::announce_hold(state, now);
+        }
         let (tx, rx) = oneshot::channel();
         let old = state.waiters.insert(
             replica_id.clone(),
@@ -378,15 +436,32 @@ impl Shared {
         }
     }
 
-    /// Records a heartbeat (and the group's committed step, if sent); returns the heartbeat
-    /// timeout (the caller's lease).
-    pub(crate) fn heartbeat(&self, replica_id: &str, step: Option<i64>) -> Result<Duration> {
+    /// Records a heartbeat (and the group's committed step and the quorum it holds, if
+    /// sent); returns the heartbeat timeout (the caller's lease).
+    pub(crate) fn heartbeat(
+        &self,
+        replica_id: &str,
+        step: Option<i64>,
+        quorum_id: Option<i64>,
+    ) -> Result<Duration> {
         let now = now_instant();
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let state = &mut *guard;
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
+        if let Some(q) = quorum_id.filter(|q| *q < 0) {
+            return Err(Error::InvalidArgument(format!(
+                "quorum_id must not be negative (replica {replica_id:?} sent {q})"
+            )));
+        }
         state.engine.heartbeat_with_step(replica_id, step, now)?;
+        if state
+            .engine
+            .holds_quorum(replica_id, quorum_id.unwrap_or(0))
+        {
+            Self::announce_hold(state, now);
+        }
         Ok(state.engine.options().heartbeat_timeout)
     }
 
@@ -401,6 +476,7 @@ impl Shared {
         if let Some(q) = state.engine.tick(now) {
             self.deliver(state, q);
         }
+        Self::announce_hold_end(state, now);
         Self::announce_lost(&self.hub, state, before);
         // Steps heard in heartbeats and losses reach the state file within a tick.
         self.persist_or_warn(state);
@@ -617,12 +693,13 @@ impl Drop for LeaveGuard {
 pub(crate) async fn wait_for_quorum(
     shared: &Arc<Shared>,
     requester: Option<QuorumMember>,
+    known_quorum_id: i64,
     timeout: Option<Duration>,
 ) -> Result<Arc<Issued>> {
     let requester =
         requester.ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
     let replica_id = requester.replica_id.clone();
-    let (generation, rx) = shared.join(requester)?;
+    let (generation, rx) = shared.join(requester, known_quorum_id)?;
     let _guard = LeaveGuard {
         shared: shared.clone(),
         replica_id,
@@ -730,7 +807,7 @@ mod tests {
     fn round(shared: &Shared, members: &[QuorumMember]) -> Vec<Arc<Issued>> {
         let rxs: Vec<_> = members
             .iter()
-            .map(|m| shared.join(m.clone()).unwrap().1)
+            .map(|m| shared.join(m.clone(), 0).unwrap().1)
             .collect();
         rxs.into_iter()
             .map(|mut rx| rx.try_recv().unwrap().unwrap())
