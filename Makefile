@@ -11,11 +11,19 @@ STAMP := $(VENV)/.deps-stamp
 PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate torchdata
 # Only `make test-integrations` needs these (large): installed there, not by the bootstrap.
 INTEGRATION_DEPS := ray[train]
+# Upstream torchft's published wheel, kept apart from the venv's own packages (it is put first
+# on PYTHONPATH only by the tests and benchmarks that run a replica group or a lighthouse of
+# upstream's against ours): the drop-in checks and the first-quorum benchmark compare with it.
+UPSTREAM_TORCHFT := torchft==0.2.0
+# What upstream imports besides torch (its package imports OpenTelemetry at start).
+UPSTREAM_DEPS := opentelemetry-api>=1.39.0 opentelemetry-sdk>=1.39.0 opentelemetry-exporter-otlp-proto-http>=1.39.0
+UPSTREAM_DIR := $(VENV)/upstream
+UPSTREAM_STAMP := $(UPSTREAM_DIR)/.stamp
 # The extension is rebuilt whenever Rust sources, the proto or the manifests change.
 EXT_SOURCES := $(shell find src proto -type f) Cargo.toml Cargo.lock build.rs pyproject.toml
 EXT_STAMP := $(VENV)/.ext-stamp
 
-.PHONY: all venv develop browser demo chaos test test-rust test-python test-integrations lint fmt bench fuzz clean
+.PHONY: all venv upstream develop browser demo chaos test test-rust test-python test-integrations lint fmt bench fuzz clean
 
 all: develop
 
@@ -26,6 +34,14 @@ $(STAMP): Makefile
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+$(UPSTREAM_STAMP): $(STAMP)
+	rm -rf $(UPSTREAM_DIR)
+	$(PY) -m pip install -q --target $(UPSTREAM_DIR) $(foreach d,$(UPSTREAM_DEPS),"$(d)")
+	$(PY) -m pip install -q --no-deps --upgrade --target $(UPSTREAM_DIR) "$(UPSTREAM_TORCHFT)"
+	@touch $(UPSTREAM_STAMP)
+
+upstream: $(UPSTREAM_STAMP)
 
 $(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
 	maturin develop --release -q
@@ -67,7 +83,7 @@ browser:
 
 # Each run gets its own temporary root: pytest prunes old numbered directories under the shared
 # default one, which breaks a second test run on the same machine mid-way.
-test-python: develop browser
+test-python: develop browser upstream
 	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
 	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
@@ -94,7 +110,7 @@ fmt: venv
 	ruff format python tests benches examples
 	ruff check --fix python tests benches examples
 
-bench: develop
+bench: develop upstream
 	cargo bench --bench quorum
 	cargo run --release --example lighthouse_load -- --replicas 1000 --replicas 10000
 	$(PY) benches/run_all.py

@@ -247,3 +247,26 @@ def test_restarted_lighthouse_holds_its_first_quorum_and_explains_it(tmp_path: P
         hold = _status(fourth.address)["startup_hold"]
         assert hold is not None and "state file remembers quorum" in hold["why"], hold
         assert any("holding the first quorum" in line for line in fourth.log)
+
+
+@pytest.mark.timeout(180)
+def test_first_quorum_benchmark_small_version() -> None:
+    """The first-quorum benchmark, one trial of ours and of upstream's wheel (no targets
+    judged here): both sides start a fresh lighthouse and a job process and measure."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / ".venv" / "upstream" / "torchft" / "__init__.py").exists():
+        pytest.skip("upstream torchft is not installed under .venv/upstream (make upstream)")
+    out = subprocess.run(
+        [sys.executable, str(repo / "benches" / "first_quorum.py"), "--check", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["ours_s"]) == 1 and len(result["upstream_s"]) == 1
+    assert result["ours_s"][0] > 0 and result["upstream_s"][0] > 0
