@@ -354,6 +354,40 @@ def test_daemon_bad_flags(flags: list[str], message: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_daemon_explains_a_round_that_waits() -> None:
+    """A round waiting past two seconds says why at WARN (the verdict, who asks, the healthy
+    groups that do not), and /status names them with the round's age."""
+    p = start_lighthouse_process("--min_replicas", "2", "--quorum_tick_ms", "20")
+    try:
+        client = LighthouseClient(p.address, CONNECT)
+        client.heartbeat("idle")
+        with ThreadPoolExecutor(1) as pool:
+            asking = pool.submit(client.quorum, replica_id="lonely", timeout=timedelta(seconds=20))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                if any("quorum round waiting" in line for line in p.log):
+                    break
+                client.heartbeat("idle")
+                time.sleep(0.1)
+            lines = [line for line in p.log if "quorum round waiting" in line]
+            assert lines, "".join(p.log)
+            assert "WARN" in lines[0] and "min_replicas=2" in lines[0], lines[0]
+            assert "idle" in lines[0], lines[0]
+            s = json.loads(_get(f"{p.address}/status")[1])
+            assert s["participants"] == ["lonely"]
+            assert s["healthy_not_asking"] == ["idle"]
+            assert s["round_age_s"] >= 2.0
+            assert "min_replicas=2" in s["reason"]
+            # The second group asks: both get the quorum, and nothing more is explained.
+            q = client.quorum(replica_id="idle", timeout=timedelta(seconds=10))
+            assert sorted(m.replica_id for m in q.participants) == ["idle", "lonely"]
+            assert asking.result(timeout=10).quorum_id == q.quorum_id
+        assert json.loads(_get(f"{p.address}/status")[1])["round_age_s"] is None
+    finally:
+        p.stop()
+
+
+@pytest.mark.timeout(60)
 def test_daemon_restart_keeps_ids_increasing() -> None:
     """A daemon restarted on the same port issues larger quorum ids."""
     p = start_lighthouse_process("--min_replicas", "1")

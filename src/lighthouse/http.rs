@@ -90,6 +90,11 @@ pub struct StatusBody {
     pub heartbeats: Vec<HeartbeatStatus>,
     /// Replica ids waiting in the current round.
     pub participants: Vec<String>,
+    /// While a round is open: healthy replica groups that are not asking (whom a round
+    /// waiting for stragglers or a majority waits for), sorted, at most 64.
+    pub healthy_not_asking: Vec<String>,
+    /// Seconds the current round has been open (null while nobody asks).
+    pub round_age_s: Option<f64>,
     /// Recent losses of quorum members (bounded history, oldest first).
     pub lost: Vec<LostStatus>,
     /// Whether the next quorum would be issued now.
@@ -141,6 +146,8 @@ impl StatusBody {
                 })
                 .collect(),
             participants: s.participants,
+            healthy_not_asking: s.healthy_not_asking,
+            round_age_s: s.round_age.map(|d| d.as_secs_f64()),
             lost: Vec::new(),
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),

@@ -339,6 +339,10 @@ pub struct Snapshot {
     /// While a restarted lighthouse may still hold its first quorum: how it knows it
     /// restarted, and the time left.
     pub startup_hold: Option<(EarlierLife, Duration)>,
+    /// While a round is open: healthy replicas not asking (sorted, at most 64).
+    pub healthy_not_asking: Vec<String>,
+    /// How long the current round has been open (None while nobody asks).
+    pub round_age: Option<Duration>,
 }
 
 /// The lighthouse's quorum state machine. Pure: the caller supplies `now` everywhere.
@@ -605,6 +609,31 @@ impl QuorumEngine {
     /// last quorum from its compact form. Maintained in O(n) per issued quorum, O(1) state.
     pub fn stable_since(&self) -> u64 {
         self.stable_since
+    }
+
+    /// When the current round's first request arrived (None while nobody asks).
+    pub fn round_started(&self) -> Option<Instant> {
+        self.round_started
+    }
+
+    /// Replica groups counted as healthy that are not asking in the current round, sorted,
+    /// at most `limit` of them (O(records)): whom a round waiting for stragglers or for a
+    /// majority waits for.
+    pub fn healthy_not_asking(&self, now: Instant, limit: usize) -> Vec<String> {
+        let timeout = self.opts.heartbeat_timeout;
+        let mut ids: Vec<String> = self
+            .heartbeats
+            .iter()
+            .filter(|(id, rec)| {
+                rec.heard
+                    && now.saturating_duration_since(rec.last_seen) <= timeout
+                    && !self.participants.contains_key(*id)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort_unstable();
+        ids.truncate(limit);
+        ids
     }
 
     /// Number of replica groups asking in the current round.
@@ -1216,6 +1245,12 @@ impl QuorumEngine {
                 .startup_hold_until(now)
                 .zip(self.earlier_life.clone())
                 .map(|(end, why)| (why, end - now)),
+            healthy_not_asking: if self.participants.is_empty() {
+                Vec::new()
+            } else {
+                self.healthy_not_asking(now, 64)
+            },
+            round_age: self.round_started.map(|t| now.saturating_duration_since(t)),
         }
     }
 }
@@ -1998,6 +2033,25 @@ mod tests {
         assert!(e.poll(t).is_some());
         assert!(e.take_regressions().is_empty());
         assert_eq!(e.best_known_step(), Some(1));
+    }
+
+    #[test]
+    fn healthy_groups_not_asking_are_named_while_a_round_waits() {
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 100, t0);
+        for id in ["c", "a", "b"] {
+            e.heartbeat(id, t0).unwrap();
+        }
+        e.heartbeat("stale", t0 - Duration::from_secs(10)).unwrap();
+        assert!(e.round_started().is_none());
+        e.join(member("b"), t0).unwrap();
+        assert!(e.poll(t0).is_none(), "1 of 4 healthy is no majority");
+        assert_eq!(e.round_started(), Some(t0));
+        assert_eq!(e.healthy_not_asking(t0, 8), ["a", "c"]);
+        assert_eq!(e.healthy_not_asking(t0, 1), ["a"]);
+        let s = e.snapshot(t0 + Duration::from_secs(3));
+        assert_eq!(s.round_age, Some(Duration::from_secs(3)));
+        assert_eq!(s.healthy_not_asking, ["a", "c"]);
     }
 
     #[test]

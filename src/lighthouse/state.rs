@@ -46,6 +46,12 @@ const SESSION_BUFFER: usize = 64;
 /// Losses kept for the status pages (most recent last).
 const LOST_HISTORY: usize = 32;
 
+/// A round waiting longer than this says why in the log.
+const EXPLAIN_WAIT_AFTER: Duration = Duration::from_secs(2);
+
+/// ... and again this often while it keeps waiting.
+const EXPLAIN_WAIT_EVERY: Duration = Duration::from_secs(10);
+
 /// A replica group declared lost, as shown on the status pages.
 #[derive(Debug, Clone)]
 pub(crate) struct LostRecord {
@@ -75,6 +81,8 @@ struct State {
     saved_revision: u64,
     /// The startup hold was announced in the log and its end is still to be logged.
     hold_announced: bool,
+    /// The last long wait explained in the log: the round (its start) and when.
+    explained: Option<(std::time::Instant, std::time::Instant)>,
 }
 
 /// State shared by the gRPC handlers, the tick task and the HTTP pages.
@@ -211,6 +219,7 @@ impl Shared {
             last: None,
             saved_revision: 0,
             hold_announced: false,
+            explained: None,
         };
         Self::announce_hold(&mut state, now);
         Ok(Self {
@@ -323,6 +332,38 @@ impl Shared {
             ends_in.as_secs_f64()
         );
         state.hold_announced = true;
+    }
+
+    /// Says at WARN why a round has waited longer than [`EXPLAIN_WAIT_AFTER`]: the verdict
+    /// (what it waits for and when that wait ends), who asks, and the healthy groups that do
+    /// not; again every [`EXPLAIN_WAIT_EVERY`] while it goes on.
+    fn explain_wait(state: &mut State, now: std::time::Instant) {
+        let Some(started) = state.engine.round_started() else {
+            return;
+        };
+        let waited = now.saturating_duration_since(started);
+        if waited < EXPLAIN_WAIT_AFTER {
+            return;
+        }
+        if let Some((round, at)) = state.explained {
+            if round == started && now.saturating_duration_since(at) < EXPLAIN_WAIT_EVERY {
+                return;
+            }
+        }
+        let verdict = state.engine.verdict(now);
+        if verdict.is_ready() {
+            return;
+        }
+        let asking = state.engine.num_participants();
+        let not_asking = state.engine.healthy_not_asking(now, 8);
+        warn!(
+            waited_s = waited.as_secs_f64(),
+            asking,
+            healthy_not_asking = ?not_asking,
+            "quorum round waiting {:.1}s: {verdict}",
+            waited.as_secs_f64()
+        );
+        state.explained = Some((started, now));
     }
 
     /// Logs the end of an announced startup hold (once).
@@ -477,6 +518,7 @@ impl Shared {
             self.deliver(state, q);
         }
         Self::announce_hold_end(state, now);
+        Self::explain_wait(state, now);
         Self::announce_lost(&self.hub, state, before);
         // Steps heard in heartbeats and losses reach the state file within a tick.
         self.persist_or_warn(state);
