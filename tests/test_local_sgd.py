@@ -5,6 +5,7 @@ on an in-process lighthouse) against a plain single-process reference written he
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 from torchft._torchft import LighthouseServer
 from torchft.local_sgd import DiLoCo, LocalSGD, _buckets
+from torchft.process_group import FakeProcessGroupWrapper
 
 REPLICAS = 2
 
@@ -132,18 +134,32 @@ def test_diloco_rejects_mismatched_outer_optimizers_and_shared_parameters() -> N
 
 
 def test_diloco_registers_its_state_for_healing() -> None:
-    """DiLoCo registers one state dict with the manager (global params, outer optimizers)."""
+    """DiLoCo registers each fragment's state under upstream torchft's key and layout."""
     fake = _FakeManager()
     d = _diloco(fake)
-    assert fake.registered == ["torchft_diloco"]
+    keys = ["StreamingDiLoCoFragment_0", "StreamingDiLoCoFragment_1"]
+    assert fake.registered == keys
     state = d.state_dict()
-    assert state["schedule"] == {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 0}
-    assert len(state["global_params"]) == 2 and len(state["outer_optimizers"]) == 1
-    # A peer configured differently is refused with a clear error.
+    assert sorted(state) == keys
+    for i, key in enumerate(keys):
+        assert sorted(state[key]) == ["original_parameters", "outer_optimizer"]
+        frag = d._fragments[i]
+        assert sorted(state[key]["original_parameters"]) == sorted(
+            name for name, _ in frag.module.named_parameters()
+        )
+        assert state[key]["outer_optimizer"]["param_groups"][0]["lr"] == 0.7
+    # A state of the same layout loads (as from upstream or a checkpoint) ...
     other = copy.deepcopy(state)
-    other["schedule"]["sync_every"] = 8
-    with pytest.raises(ValueError, match="same sync_every"):
+    for t in other[keys[1]]["original_parameters"].values():
+        t.fill_(3.0)
+    d.load_state_dict(other)
+    assert all((t == 3.0).all() for t in d._fragments[1].global_params.values())
+    # ... and one from another split of the model is refused with a clear error.
+    del other[keys[1]]["original_parameters"]["weight"]
+    with pytest.raises(ValueError, match="same model into the same fragments"):
         d.load_state_dict(other)
+    with pytest.raises(ValueError, match="lacks"):
+        d.load_state_dict({keys[0]: state[keys[0]]})
 
 
 def test_localsgd_rejects_bad_arguments() -> None:
@@ -360,6 +376,141 @@ def test_streaming_diloco_matches_reference(
     for f in range(2):
         for a, b in zip(results[0][1][f], results[1][1][f], strict=True):
             assert torch.equal(a, b), "global parameters are bit-identical across replicas"
+
+
+def _run_diloco_scenario(
+    replicas: int,
+    events: list[dict[int, str]],
+    n_fragments: int,
+    delay: int,
+    alpha: float,
+    steps: int = 4,
+) -> list[tuple[dict[int, Any], dict[str, Any], int]]:
+    """Runs streaming DiLoCo in ``replicas`` threads (each its own store, Gloo group and
+    Manager; lighthouse min_replicas=2) until each committed ``steps`` syncs.
+
+    ``events[r]`` maps a committed step to what replica ``r`` does at the top of the first
+    inner step it runs at that step: ``"barrier"`` (wait for every replica to reach its
+    barrier) or ``"fail"`` (its next allreduce fails).
+
+    Returns:
+        Per replica: its DiLoCo state at the first inner step of every step it ran, its
+        final DiLoCo state, and its final step.
+    """
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=500, quorum_tick_ms=10
+    )
+    barrier = threading.Barrier(sum(1 for e in events if "barrier" in e.values()))
+    stores = [
+        TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(replicas)
+    ]
+    torch.manual_seed(42)
+    template = nn.Sequential(
+        *[nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2)) for _ in range(n_fragments)]
+    )
+
+    def run(replica: int) -> tuple[dict[int, Any], dict[str, Any], int]:
+        model = copy.deepcopy(template)
+        inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+        outer = [_outer(f.parameters()) for f in model]
+        pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timedelta(seconds=10)))
+
+        def load(sd: dict[str, Any]) -> None:
+            model.load_state_dict(sd["model"])
+            inner.load_state_dict(sd["inner_optim"])
+
+        manager = Manager(
+            pg=pg,
+            min_replica_size=2,
+            use_async_quorum=False,
+            load_state_dict=load,
+            state_dict=lambda: {"model": model.state_dict(), "inner_optim": inner.state_dict()},
+            replica_id=str(replica),
+            store_addr="127.0.0.1",
+            store_port=stores[replica].port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse.address(),
+            timeout=timedelta(seconds=10),
+            quorum_timeout=timedelta(seconds=10),
+            connect_timeout=timedelta(seconds=10),
+        )
+        todo = dict(events[replica])
+        g = torch.Generator().manual_seed(replica)
+        seen: dict[int, Any] = {}
+        try:
+            diloco = DiLoCo(
+                manager,
+                list(model),
+                inner,
+                outer,
+                sync_every=4,
+                fragment_sync_delay=delay,
+                fragment_update_alpha=alpha,
+            )
+            with diloco:
+                while manager.current_step() < steps:
+                    step = manager.current_step()
+                    event = todo.pop(step, None)
+                    if event == "barrier":
+                        barrier.wait(timeout=60)
+                    elif event == "fail":
+                        pg.report_future_error(RuntimeError("injected allreduce failure"))
+                    seen.setdefault(step, copy.deepcopy(diloco.state_dict()))
+                    x = torch.rand(1, 2, generator=g)
+                    y = torch.randint(2, (1,), generator=g)
+                    inner.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    inner.step()
+            assert not todo, f"events never reached: {todo}"
+            return seen, copy.deepcopy(diloco.state_dict()), manager.current_step()
+        finally:
+            manager.shutdown(wait=False)
+
+    try:
+        with ThreadPoolExecutor(max_workers=replicas) as pool:
+            futures = [pool.submit(run, r) for r in range(replicas)]
+            return [f.result(timeout=50) for f in futures]
+    finally:
+        lighthouse.shutdown()
+
+
+def _assert_one_global_state(results: list[tuple[dict[int, Any], dict[str, Any], int]]) -> None:
+    """Every replica ends at the same step, and replicas at the same step hold bit-identical
+    global parameters and outer optimizer state (keys StreamingDiLoCoFragment_i)."""
+    seen0, final0, step0 = results[0]
+    for seen, final, step in results[1:]:
+        assert step == step0
+        torch.testing.assert_close(final, final0, rtol=0, atol=0)
+        for s in seen.keys() & seen0.keys():
+            torch.testing.assert_close(seen[s], seen0[s], rtol=0, atol=0, msg=f"step {s}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("n_fragments", "delay", "alpha"), [(1, 0, 0.0), (2, 1, 0.5)], ids=["diloco", "streaming"]
+)
+def test_streaming_diloco_upscale(n_fragments: int, delay: int, alpha: float) -> None:
+    """A replica group that joins after the others committed two steps heals from them and
+    all three end with one global state."""
+    results = _run_diloco_scenario(
+        3, [{0: "barrier"}, {2: "barrier"}, {2: "barrier"}], n_fragments, delay, alpha
+    )
+    _assert_one_global_state(results)
+    assert 1 not in results[0][0], "the late group jumped from step 0 by healing"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("n_fragments", "delay", "alpha"),
+    [(1, 0, 0.0), (2, 0, 1.0), (2, 1, 0.5)],
+    ids=["diloco", "streaming", "streaming-delay"],
+)
+def test_streaming_diloco_commit_failure(n_fragments: int, delay: int, alpha: float) -> None:
+    """An allreduce that fails on every group at a sync discards that sync everywhere; the
+    retried sync commits and the groups end with one global state, promptly."""
+    results = _run_diloco_scenario(2, [{1: "fail"}, {1: "fail"}], n_fragments, delay, alpha)
+    _assert_one_global_state(results)
 
 
 def test_set_state_dict_fns_warns_and_still_works(lighthouse: Any) -> None:

@@ -12,11 +12,13 @@ Inner steps never talk to other replica groups.
   streaming DiLoCo: one fragment syncs at a time, in turn, and each fragment's allreduce may
   overlap the next ``fragment_sync_delay`` inner steps.
 
-Healing: DiLoCo registers its own state (each fragment's global parameters, the outer
-optimizers' state, the position in the schedule) with the manager, so a replica group that
-restarts mid-run receives it together with the user's model and inner optimizer and then
-matches its peers bit for bit. Which fragment syncs next follows the manager's committed step,
-which heals with it.
+Healing: DiLoCo registers each fragment's state with the manager under upstream torchft's
+keys and layout (``StreamingDiLoCoFragment_{i}``: ``{"original_parameters": {name: tensor},
+"outer_optimizer": optimizer state dict}``), so a replica group that restarts mid-run receives
+it together with the user's model and inner optimizer and then matches its peers bit for bit,
+and heals and checkpoints cross between this package and upstream's. LocalSGD registers no
+state of its own (as upstream): its state is the user's model and optimizer. Which fragment
+syncs next follows the manager's committed step, which heals with it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["DiLoCo", "LocalSGD"]
 
-_STATE_KEY = "torchft_diloco"
+# Upstream torchft's key for fragment ``i``'s state in the manager's user state dict.
+_FRAGMENT_KEY = "StreamingDiLoCoFragment_{}"
 _MiB = 1024 * 1024
 # Default size of one pseudo-gradient bucket when ``use_bucketization`` is on.
 _DEFAULT_BUCKET_CAP_MB = 32
@@ -226,6 +229,41 @@ class _Fragment:
             for name, p in self.params:
                 _local(p.data).copy_(self.global_params[name])
 
+    # ---- state (upstream torchft's layout) ---------------------------------------------
+
+    @property
+    def key(self) -> str:
+        """The key of this fragment's state in the manager's user state dict."""
+        return _FRAGMENT_KEY.format(self.index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"original_parameters": {name: global tensor}, "outer_optimizer": state dict}``
+        (tensors by reference: the manager serialises them under its read lock)."""
+        return {
+            "original_parameters": dict(self.global_params),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads a state in the layout of :meth:`state_dict` (from a peer or a checkpoint).
+
+        Raises:
+            ValueError: the state's parameter names are not this fragment's.
+        """
+        params = state["original_parameters"]
+        if set(params) != set(self.global_params):
+            missing = sorted(set(self.global_params) - set(params))
+            extra = sorted(set(params) - set(self.global_params))
+            raise ValueError(
+                f"{self.key} holds other parameters than model fragment {self.index} "
+                f"(missing {missing}, unexpected {extra}): every replica group must split "
+                "the same model into the same fragments"
+            )
+        with torch.no_grad():
+            for name, t in params.items():
+                self.global_params[name].copy_(t)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+
     # ---- one sync ----------------------------------------------------------------------
 
     def prepare(self) -> None:
@@ -246,6 +284,11 @@ class _Fragment:
         for flat, members in _buckets(grads, self._bucket_bytes):
             self._works.append(self._manager.allreduce(flat, should_quantize=self._should_quantize))
             self._unpack.append((flat, members))
+
+    def wait_allreduce(self) -> None:
+        """Waits for the allreduce in flight (it stays pending for :meth:`finish`)."""
+        for work in self._works:
+            work.wait()
 
     def finish(self) -> bool:
         """Waits for the allreduce, votes, and on commit applies the outer step.
@@ -486,58 +529,51 @@ class DiLoCo:
         # the same position, so a healed group is in step with its peers by construction.
         self._local_step = 0
         self._pending: _Fragment | None = None
+        # The quorum of the last sync: a sync in a new quorum does not overlap (see _prepare).
+        self._quorum_id: int | None = None
         self._hooks = _OptimizerHooks()
         for f in self._fragments:
             f.save_global()
-        manager.register_state_dict_fn(_STATE_KEY, self.load_state_dict, self.state_dict)
+            manager.register_state_dict_fn(f.key, f.load_state_dict, f.state_dict)
 
     # ---- healing ----------------------------------------------------------------------
 
-    def _schedule(self) -> dict[str, int]:
-        return {
-            "sync_every": self._sync_every,
-            "num_fragments": len(self._fragments),
-            "fragment_sync_delay": self._delay,
-        }
-
     def state_dict(self) -> dict[str, Any]:
-        """DiLoCo's own state: each fragment's global parameters and the outer optimizers'.
+        """DiLoCo's own state, as the manager sends it to a healing peer.
 
-        The manager sends it to a healing peer (registered at construction); save it with a
-        regular checkpoint too, next to the model and the inner optimizer. The position in
-        the schedule needs no transfer: every replica group asks for its quorum at the same
-        inner step of a window, and which fragment syncs follows the manager's step. The
-        schedule itself is included so that a peer configured differently is refused.
+        One entry per fragment, under upstream torchft's keys and layout, so checkpoints and
+        heals cross between the two: ``{"StreamingDiLoCoFragment_{i}": {"original_parameters":
+        {name: tensor}, "outer_optimizer": outer optimizer state dict}}``. The global
+        parameters are the local shards for DTensor parameters; a single outer optimizer
+        shared by all fragments appears in every entry. The position in the schedule needs
+        no transfer: every replica group asks for its quorum at the same inner step of a
+        window, and which fragment syncs follows the manager's step.
+
+        Each entry is registered with the manager at construction; save this next to the
+        model and the inner optimizer in a regular checkpoint.
 
         Returns:
-            ``{"schedule", "global_params", "outer_optimizers"}`` (tensors by reference).
+            The state (tensors by reference).
         """
-        return {
-            "schedule": self._schedule(),
-            "global_params": [dict(f.global_params) for f in self._fragments],
-            "outer_optimizers": [o.state_dict() for o in self._outer_optimizers],
-        }
+        return {f.key: f.state_dict() for f in self._fragments}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads a state produced by :meth:`state_dict` (from a peer or a checkpoint).
+        """Loads a state produced by :meth:`state_dict` (here or by upstream torchft).
 
         Args:
             state: the state to load.
 
         Raises:
-            ValueError: the state comes from a DiLoCo with another schedule.
+            ValueError: a fragment's entry is missing or holds other parameters.
         """
-        if state["schedule"] != self._schedule():
+        missing = [f.key for f in self._fragments if f.key not in state]
+        if missing:
             raise ValueError(
-                f"the peer runs DiLoCo with schedule {state['schedule']}, this replica group "
-                f"with {self._schedule()}: every replica group must use the same sync_every, "
-                "model fragments and fragment_sync_delay"
+                f"the DiLoCo state lacks {missing}: it comes from a model split into "
+                f"other fragments than these {len(self._fragments)}"
             )
-        for f, params in zip(self._fragments, state["global_params"], strict=True):
-            for name, t in params.items():
-                f.global_params[name].copy_(t)
-        for o, sd in zip(self._outer_optimizers, state["outer_optimizers"], strict=True):
-            o.load_state_dict(sd)
+        for f in self._fragments:
+            f.load_state_dict(state[f.key])
 
     # ---- context manager --------------------------------------------------------------
 
@@ -583,6 +619,16 @@ class DiLoCo:
         )
         fragment.prepare()
         self._pending = fragment
+        quorum_id = getattr(self._manager, "_quorum_id", None)
+        reconfigured = quorum_id != self._quorum_id
+        self._quorum_id = quorum_id
+        if self._delay and reconfigured:
+            # A new quorum may have peers healing from this group's state, which the next
+            # inner steps would change under them (the transport then refuses the changed
+            # state and the heal fails). They join this allreduce only once healed, so
+            # waiting for it here, before the next inner step, keeps the state they read
+            # whole. Only the first sync of a quorum gives up its overlap.
+            fragment.wait_allreduce()
 
     def _sync(self) -> None:
         fragment = self._pending

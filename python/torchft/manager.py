@@ -1322,6 +1322,19 @@ class Manager:
             self._record(_error_logger, error=str(self._torn_for_good))
             raise self._torn_for_good
 
+        if self._errored is not None:
+            # This group skipped the rest of the step's collectives (no-ops once errored):
+            # peers still waiting on them would wait until their timeout, which may outlast
+            # this group's next quorum. Aborting the quorum's group ends their wait now; the
+            # next quorum rebuilds it (a commit failure changes the quorum id anyway).
+            with self._reconfig_lock:
+                if self._quorum_id >= 0 and not self._pg_aborted:
+                    self._pg_aborted = True
+                    try:
+                        self._pg.abort()
+                    except Exception:
+                        logger.exception("aborting the process group failed")
+
         for fut in self._pending_futures:
             fut.wait()  # wrapped futures never raise
         self._pending_futures = []
