@@ -221,3 +221,33 @@ def test_native_nccl_reconfigures_and_allreduces(store: TCPStore) -> None:
         torch.cuda.synchronize()
         assert t.tolist() == [float(quorum)] * 4
     assert pg.errored() is None
+
+
+@pytest.mark.timeout(60)
+def test_torch_without_native_reconfiguration_still_imports_and_builds_managers() -> None:
+    """On a torch that cannot reconfigure groups in place (before 2.15) torchft imports, a
+    Manager's torchft group is used as before, and only a native reconfigure says why not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch._C._distributed_c10d as c\n"
+        "del c.ReconfigureOptions\n"
+        "from datetime import timedelta\n"
+        "import torchft\n"
+        "from torchft.process_group import ProcessGroupGloo\n"
+        "from torchft.process_group import native\n"
+        "pg = ProcessGroupGloo()\n"
+        "assert native.manager_group(pg, timedelta(seconds=1)) is pg\n"
+        "try:\n"
+        "    native._reconfigure(object(), 1, ['h'], timedelta(seconds=1))\n"
+        "except RuntimeError as e:\n"
+        "    assert 'cannot reconfigure a process group in place' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

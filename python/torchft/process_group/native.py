@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ReconfigureOptions
 from torch.distributed import PrefixStore, Store
 from torch.distributed import ProcessGroup as BaseProcessGroup
 
@@ -51,6 +50,11 @@ from torchft.process_group.reconfigurable import ProcessGroupWrapper
 from torchft.work import _FutureWork
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+try:  # torch 2.15+; older torch has no native reconfiguration (and no such groups)
+    from torch._C._distributed_c10d import ReconfigureOptions
+except ImportError:  # pragma: no cover - depends on the installed torch
+    ReconfigureOptions = None
 
 # How often a waiting member looks for its peers' handles (bounded so that abort is prompt).
 _POLL_MAX_S = 0.05
@@ -150,6 +154,11 @@ def exchange_handles(
 
 def _reconfigure(pg: BaseProcessGroup, uuid: int, handles: list[str], timeout: timedelta) -> None:
     """Calls ``pg.reconfigure`` with the exchanged uuid and handles and waits for it."""
+    if ReconfigureOptions is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} cannot reconfigure a process group in place "
+            "(torch 2.15+ can)"
+        )
     opts = ReconfigureOptions()
     opts.uuid = uuid
     opts.handles = handles
