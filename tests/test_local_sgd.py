@@ -656,3 +656,52 @@ def test_diloco_on_fsdp2_dtensor_parameters_matches_plain_tensors() -> None:
     plain = run(False)
     for a, b in zip(sharded, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_diloco_window_stays_aligned_when_a_sync_quorum_times_out(delay: int) -> None:
+    """A synchronous quorum that raises (past its deadline) ends that window where the
+    schedule says: the next window is a full one and syncs at its last inner step, as the
+    peers' do."""
+
+    class _TimesOutOnce(_SoloManager):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quorums = 0
+
+        def start_quorum(self) -> None:
+            self.quorums += 1
+            if self.quorums == 1:
+                raise TimeoutError("quorum not reached (status: Cancelled, Timeout expired)")
+
+    manager = _TimesOutOnce()
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(
+        manager,
+        [model[0], model[2]],
+        inner,
+        [_outer(model[0].parameters()), _outer(model[2].parameters())],
+        sync_every=4,
+        fragment_sync_delay=delay,
+    )
+    x = torch.randn(8, 4)
+    raised_at: list[int] = []
+    with d:
+        for i in range(1, 9):
+            inner.zero_grad()
+            model(x).sum().backward()
+            try:
+                inner.step()
+            except TimeoutError:
+                raised_at.append(i)
+    # The first window's quorum raised at its prepare step; every later window asked at the
+    # same position of its window and synced at its end (two fragments: a window is half of
+    # sync_every).
+    window = d._interval
+    assert window == 2
+    assert raised_at == [window - delay]
+    assert manager.quorums == 8 // window
+    assert manager.step == 8 // window - 1
+    assert d._local_step == 0

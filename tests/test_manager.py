@@ -250,6 +250,7 @@ class FakePG:
         self.pg_error: Exception | None = None
         self.timeout: timedelta | None = None
         self.shut = False
+        self.aborts = 0
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         self.configures.append((store_addr, replica_id, rank, world_size))
@@ -273,6 +274,9 @@ class FakePG:
 
     def errored(self) -> Exception | None:
         return self.pg_error
+
+    def abort(self) -> None:
+        self.aborts += 1
 
     def shutdown(self) -> None:
         self.shut = True
@@ -434,6 +438,45 @@ def test_configure_only_on_new_quorum_id(harness: Any) -> None:
     ]
     assert [(c[2], c[3]) for c in h.pg.configures] == [(1, 2), (0, 1)]
     assert h.pg.configures[0][1].startswith("rg0:")  # fresh replica id with uuid suffix
+
+
+def test_vote_aborts_the_group_only_after_skipping_a_collective(harness: Any) -> None:
+    """A rank that turned a collective into a no-op (its step had errored) aborts the
+    quorum's group at its vote, after its own collectives finished, so peers waiting on the
+    skipped one fail at once; the same quorum id is then rebuilt. An error recorded after
+    every collective ran aborts nothing (the peers' step is not cut short), nor does a clean
+    step."""
+    h = harness()
+    h.native.quorums = [make_quorum(quorum_id=7, replica_world_size=2)] * 4
+    m = h.manager
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    assert m.should_commit()
+    assert h.pg.aborts == 0
+
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    m.report_error(RuntimeError("late local failure"))
+    assert not m.should_commit()
+    assert h.pg.aborts == 0
+
+    h.pg.future_error = RuntimeError("peer reset")
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    h.pg.future_error = None
+    calls = len(h.pg.allreduces)
+    m.allreduce(torch.ones(2)).wait()  # a no-op: the step errored
+    assert len(h.pg.allreduces) == calls
+    assert not m.should_commit()
+    assert h.pg.aborts == 1
+    assert len(h.pg.configures) == 1
+
+    # Same quorum id: the aborted group is rebuilt all the same, and the step commits.
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    assert m.should_commit()
+    assert h.pg.aborts == 1
+    assert len(h.pg.configures) == 2
 
 
 def test_quorum_answered_before_a_members_loss_is_not_rebuilt(harness: Any) -> None:

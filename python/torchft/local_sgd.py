@@ -606,7 +606,16 @@ class DiLoCo:
         self._manager.allow_state_dict_read()
         self._local_step += 1
         if self._local_step == self._interval - self._delay:
-            self._prepare()
+            try:
+                self._prepare()
+            except BaseException:
+                # The quorum raised (a synchronous quorum past its deadline). Where the
+                # window ends at this step, end it here too, so this group's next window
+                # starts in step with its peers'; otherwise its sync finds nothing to finish.
+                if self._local_step >= self._interval:
+                    self._pending = None
+                    self._local_step = 0
+                raise
         if self._local_step >= self._interval:
             self._sync()
 

@@ -503,6 +503,9 @@ class Manager:
         self._startup_state = True
         self._pending_state_dict: dict[str, Any] | None = None
         self._pending_futures: list[Future[Any]] = []
+        # This rank turned a collective of the step into a no-op (the step had errored): its
+        # peers may be waiting on it, so the vote aborts the quorum's group (see should_commit).
+        self._skipped_collective = False
         self._quorum_future: ConcurrentFuture[None] | _PendingQuorumFuture | None = None
         self._participating_replica_rank: int | None = None
         self._participating_replica_world_size: int = 0
@@ -802,6 +805,7 @@ class Manager:
             self._errored = None
         self._healing = False
         self._pending_futures = []
+        self._skipped_collective = False
         quorum_timeout = timeout if timeout is not None else self._quorum_timeout
         if self._use_async_quorum:
             self._quorum_future = self._start_async_quorum(allow_heal, shrink_only, quorum_timeout)
@@ -1237,13 +1241,16 @@ class Manager:
             A ``Work`` whose future resolves to ``tensor``.
         """
         if self._errored is not None:
+            self._skipped_collective = True
             return _DummyWork(tensor)
         try:
             self.wait_quorum()
         except Exception as e:
             self.report_error(e)
+            self._skipped_collective = True
             return _DummyWork(tensor)
         if self._errored is not None:
+            self._skipped_collective = True
             return _DummyWork(tensor)
 
         num_participants = self._participating_replica_world_size
@@ -1287,6 +1294,7 @@ class Manager:
             if tel is not None:
                 tel.collective_finished(token)  # never started: not in flight
             self.report_error(e)
+            self._skipped_collective = True
             return _DummyWork(tensor)
 
     # ------------------------------------------------------------------ commit
@@ -1322,11 +1330,19 @@ class Manager:
             self._record(_error_logger, error=str(self._torn_for_good))
             raise self._torn_for_good
 
-        if self._errored is not None:
-            # This group skipped the rest of the step's collectives (no-ops once errored):
-            # peers still waiting on them would wait until their timeout, which may outlast
-            # this group's next quorum. Aborting the quorum's group ends their wait now; the
-            # next quorum rebuilds it (a commit failure changes the quorum id anyway).
+        for fut in self._pending_futures:
+            fut.wait()  # wrapped futures never raise
+        self._pending_futures = []
+
+        if self._skipped_collective:
+            # This rank skipped collectives of the step (no-ops once errored): peers still
+            # waiting on them would wait until their timeout, which may outlast this group's
+            # next quorum. Once its own collectives are done (so none a peer finishes with it
+            # is cut short), aborting the quorum's group ends their wait now; the next quorum
+            # rebuilds it (a commit failure changes the quorum id anyway). Socket backends
+            # (Gloo) fail the peers' collectives at once; an NCCL peer still waits for its own
+            # timeout.
+            self._skipped_collective = False
             with self._reconfig_lock:
                 if self._quorum_id >= 0 and not self._pg_aborted:
                     self._pg_aborted = True
@@ -1334,10 +1350,6 @@ class Manager:
                         self._pg.abort()
                     except Exception:
                         logger.exception("aborting the process group failed")
-
-        for fut in self._pending_futures:
-            fut.wait()  # wrapped futures never raise
-        self._pending_futures = []
 
         pg_errored = getattr(self._pg, "errored", None)
         if pg_errored is not None:
