@@ -35,11 +35,15 @@ $(STAMP): Makefile
 
 venv: $(STAMP)
 
+# Laid out in a temporary folder and moved into place whole. Where it cannot be installed
+# (no registry), the tests that compare with upstream skip and say so; nothing else needs it.
 $(UPSTREAM_STAMP): $(STAMP)
-	rm -rf $(UPSTREAM_DIR)
-	$(PY) -m pip install -q --target $(UPSTREAM_DIR) $(foreach d,$(UPSTREAM_DEPS),"$(d)")
-	$(PY) -m pip install -q --no-deps --upgrade --target $(UPSTREAM_DIR) "$(UPSTREAM_TORCHFT)"
-	@touch $(UPSTREAM_STAMP)
+	@rm -rf $(UPSTREAM_DIR) $(UPSTREAM_DIR).tmp
+	@if $(PY) -m pip install -q --target $(UPSTREAM_DIR).tmp $(foreach d,$(UPSTREAM_DEPS),"$(d)") \
+		&& $(PY) -m pip install -q --no-deps --upgrade --target $(UPSTREAM_DIR).tmp "$(UPSTREAM_TORCHFT)"; \
+	then mv $(UPSTREAM_DIR).tmp $(UPSTREAM_DIR) && touch $(UPSTREAM_STAMP); \
+	else rm -rf $(UPSTREAM_DIR).tmp; \
+		echo "warning: could not install $(UPSTREAM_TORCHFT); the comparisons with upstream will skip"; fi
 
 upstream: $(UPSTREAM_STAMP)
 

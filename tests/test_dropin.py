@@ -11,6 +11,7 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -126,6 +127,45 @@ def test_sync_quorum_and_vote_deadlines_raise_like_upstream(store: dist.TCPStore
         assert manager.current_step() == 0
 
 
+@pytest.mark.timeout(60)
+def test_vote_deadline_raises_like_upstream(store: dist.TCPStore) -> None:
+    """``should_commit(timeout=)`` whose vote cannot complete (rank 1 of the group takes part
+    in the quorum but never votes) raises the vote's ``TimeoutError`` with upstream's message
+    parts, promptly, and the step does not advance."""
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    with ExitStack() as stack:
+        stack.callback(lighthouse.shutdown)
+        manager = Manager(
+            pg=ProcessGroupGloo(),
+            min_replica_size=1,
+            load_state_dict=lambda _: None,
+            state_dict=lambda: None,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            rank=0,
+            world_size=2,
+            lighthouse_addr=lighthouse.address(),
+            port=0,
+            use_async_quorum=False,
+        )
+        stack.callback(lambda: manager.shutdown(wait=False))
+        server = manager._manager
+        assert server is not None
+        rank1 = ManagerClient(server.address(), CONNECT)
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(rank1._quorum, 1, 0, "meta", False, timedelta(seconds=30), 0)
+            manager.start_quorum(timeout=timedelta(seconds=30))
+            other.result(timeout=30)
+        assert manager.errored() is None
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=UPSTREAM_TIMEOUT) as info:
+            manager.should_commit(timeout=timedelta(seconds=0.01))
+        # A deadline of 10 ms is honoured: bounded well below any default timeout (60 s).
+        assert time.monotonic() - t0 < 5.0
+        assert "quorum not reached" not in str(info.value)
+        assert manager.current_step() == 0
+
+
 @pytest.mark.timeout(30)
 def test_native_deadlines_carry_upstreams_message_parts(lighthouse: LighthouseServer) -> None:
     """Every ``TimeoutError`` raised from the native side (lighthouse client, manager client)
@@ -183,7 +223,7 @@ def test_restarted_lighthouse_holds_its_first_quorum_and_explains_it(tmp_path: P
     procs: list[LighthouseProcess] = []
     with ExitStack() as stack:
         stack.callback(lambda: [p.stop() for p in procs])
-        first = start_lighthouse_process(*flags, "--heartbeat_timeout_ms", "3000")
+        first = start_lighthouse_process(*flags, "--heartbeat_timeout_ms", "5000")
         procs.append(first)
         port = _port(first.address)
         assert _status(first.address)["startup_hold"] is None
@@ -208,14 +248,14 @@ def test_restarted_lighthouse_holds_its_first_quorum_and_explains_it(tmp_path: P
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
         second = start_lighthouse_process(
-            *flags, "--heartbeat_timeout_ms", "3000", "--bind", f"127.0.0.1:{port}"
+            *flags, "--heartbeat_timeout_ms", "5000", "--bind", f"127.0.0.1:{port}"
         )
         procs.append(second)
         hold = _wait_for(
             lambda: _status(second.address)["startup_hold"], 5.0, "the startup hold in /status"
         )
         assert f"survivor holds quorum {q.quorum_id} from an earlier life" in hold["why"]
-        assert 0 < hold["remaining_s"] <= 3.0
+        assert 0 < hold["remaining_s"] <= 5.0
         assert hold["ends_unix_s"] > time.time()
         _wait_for(
             lambda: any("holding the first quorum" in line for line in second.log),

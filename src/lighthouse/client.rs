@@ -8,6 +8,7 @@
 //! [`Quorum`]. A compact reply that cannot be expanded is never guessed at: the client asks
 //! again without `known_*` and gets the full form.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,6 +35,9 @@ use crate::security::{Security, Token};
 pub struct LighthouseClient {
     client: LighthouseServiceClient<AuthChannel>,
     known: Arc<Mutex<Option<Arc<Quorum>>>>,
+    /// Id of the last quorum received (0: none). Unlike `known`, never forgotten: heartbeats
+    /// carry it, and it tells a restarted lighthouse that the job ran before.
+    last_quorum_id: Arc<AtomicI64>,
 }
 
 impl LighthouseClient {
@@ -101,7 +105,15 @@ impl LighthouseClient {
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(usize::MAX),
             known: Arc::new(Mutex::new(None)),
+            last_quorum_id: Arc::new(AtomicI64::new(0)),
         }
+    }
+
+    /// Id of the last quorum this client received, if any (kept when the cached quorum is
+    /// forgotten).
+    pub fn last_quorum_id(&self) -> Option<i64> {
+        let id = self.last_quorum_id.load(Ordering::Relaxed);
+        (id > 0).then_some(id)
     }
 
     /// The last full quorum this client received (expanded if it came compact), if any.
@@ -115,6 +127,8 @@ impl LighthouseClient {
     }
 
     fn remember(&self, quorum: &Quorum) {
+        self.last_quorum_id
+            .store(quorum.quorum_id, Ordering::Relaxed);
         *self.known.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(quorum.clone()));
     }
 
@@ -135,13 +149,16 @@ impl LighthouseClient {
             },
             timeout,
         );
+        let late = || {
+            Status::deadline_exceeded(format!(
+                "lighthouse quorum did not complete within {timeout:?}"
+            ))
+        };
         let resp = match tokio::time::timeout(timeout, client.quorum(req)).await {
+            // tonic's own deadline (the request's grpc-timeout) says only "Timeout expired".
+            Ok(Err(s)) if s.code() == tonic::Code::Cancelled => return Err(late()),
             Ok(r) => r?,
-            Err(_) => {
-                return Err(Status::deadline_exceeded(format!(
-                    "lighthouse quorum did not complete within {timeout:?}"
-                )))
-            }
+            Err(_) => return Err(late()),
         };
         resp.into_inner()
             .quorum
@@ -232,7 +249,7 @@ impl LighthouseClient {
             LighthouseHeartbeatRequest {
                 replica_id: replica_id.to_string(),
                 step,
-                quorum_id: self.known_quorum().map(|q| q.quorum_id),
+                quorum_id: self.last_quorum_id(),
             },
             timeout,
         );

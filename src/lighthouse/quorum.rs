@@ -913,9 +913,16 @@ impl QuorumEngine {
     /// Notes that `replica_id` holds quorum `quorum_id` (from a request's known quorum or a
     /// heartbeat). Before this life issued its first quorum, any quorum a replica holds is
     /// from an earlier life: the lighthouse restarted, and its first quorum is held like a
-    /// restored one's. Returns true when this turned the hold on.
+    /// restored one's. Ids this life gives out stay above every id a replica reports (a
+    /// clock that went back must not reuse one). Returns true when this turned the hold on.
     pub fn holds_quorum(&mut self, replica_id: &str, quorum_id: i64) -> bool {
-        if quorum_id <= 0 || self.previous.is_some() || self.earlier_life.is_some() {
+        if quorum_id <= 0 {
+            return false;
+        }
+        if quorum_id >= self.next_id {
+            self.next_id = quorum_id.saturating_add(1);
+        }
+        if self.previous.is_some() || self.earlier_life.is_some() {
             return false;
         }
         self.earlier_life = Some(EarlierLife::Reported {
@@ -2146,6 +2153,29 @@ mod tests {
         e.join(at("only", 7), late).unwrap();
         assert!(e.holds_quorum("only", 9));
         assert!(e.poll(late).is_some());
+    }
+
+    #[test]
+    fn ids_stay_above_every_quorum_id_a_replica_reports() {
+        // The earlier life's clock was ahead: its ids are above this life's start id.
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::new(progress_opts(), 100, t0);
+        assert!(e.holds_quorum("a", 5_000));
+        assert!(!e.holds_quorum("b", 7_000), "the hold is already on");
+        e.join(at("a", 1), t0).unwrap();
+        e.join(at("b", 1), t0).unwrap();
+        let q = e
+            .tick(t0 + Duration::from_secs(5))
+            .expect("issued after the hold");
+        assert_eq!(q.quorum_id, 7_001);
+        // Reports of this life's own ids (or older ones) change nothing.
+        assert!(!e.holds_quorum("a", 7_001));
+        assert!(!e.holds_quorum("a", 3));
+        e.join(at("a", 2), t0 + Duration::from_secs(5)).unwrap();
+        let q2 = e
+            .tick(t0 + Duration::from_secs(7))
+            .expect("a alone, after the join timeout");
+        assert_eq!(q2.quorum_id, 7_002);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use tonic::Status;
 use tracing::{debug, info, warn};
 
 use super::hub::Hub;
-use super::quorum::{CommitVerdict, Durable, LostMember, QuorumEngine, Snapshot};
+use super::quorum::{CommitVerdict, Durable, EarlierLife, LostMember, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
@@ -322,13 +322,21 @@ impl Shared {
         };
         let ends_in = end - now;
         let ends_at = SystemTime::now() + ends_in;
+        let early = match why {
+            EarlierLife::StateFile {
+                quorum_id: Some(_), ..
+            } => {
+                " (ends early once every member of the remembered quorum asks at the \
+                   remembered step)"
+            }
+            _ => "",
+        };
         warn!(
             why = %why,
             hold_s = ends_in.as_secs_f64(),
             ends_unix_s = unix_seconds(ends_at),
             "lighthouse restarted ({why}): holding the first quorum for {:.1}s more, until \
-             every replica still heartbeating is heard (ends early once every member of the \
-             remembered quorum asks at the remembered step)",
+             every replica still heartbeating is heard{early}",
             ends_in.as_secs_f64()
         );
         state.hold_announced = true;
