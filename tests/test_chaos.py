@@ -161,14 +161,17 @@ def test_report_splits_recoveries_into_phases_and_isolated_or_overlapped(tmp_pat
 def test_a_group_counts_as_a_holder_only_once_it_committed(tmp_path: Path) -> None:
     """The injector spares the last group that committed in its current life: a process that
     only wrote its start-up record has not committed, so it does not make another group
-    killable (else a kill_two could take the last holder of the progress)."""
+    killable (else a kill_two could take the last holder of the progress); nor does one that
+    died before the harness reaped it (the final phase would set the target without it)."""
     from types import SimpleNamespace
 
     from torchft.chaos.history import HistoryWriter
 
     chaos = Chaos(ChaosConfig(seed=1, faults=1, floor_runs=0), tmp_path / "run")
+    rc: list[int | None] = [None]
     try:
-        chaos.procs["g0"] = SimpleNamespace(killed=False)  # type: ignore[assignment]
+        proc = SimpleNamespace(poll=lambda: rc[0])
+        chaos.procs["g0"] = SimpleNamespace(killed=False, proc=proc)  # type: ignore[assignment]
         path = tmp_path / "run" / "g0.0.history.jsonl"
         writer = HistoryWriter(str(path), "g0", 123)
         writer.ready(imported=0.0)
@@ -180,6 +183,10 @@ def test_a_group_counts_as_a_holder_only_once_it_committed(tmp_path: Path) -> No
         writer._f.close()
         assert chaos._committed("g0")
         assert chaos._spares(["g1"])
+        # Killed (or exited) and not reaped yet: its commits no longer make it a holder.
+        rc[0] = -9
+        assert not chaos._committed("g0")
+        assert not chaos._spares(["g1"])
     finally:
         chaos._records.close()
         chaos._faults.close()

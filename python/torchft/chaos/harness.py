@@ -269,10 +269,13 @@ class Chaos:
         return sorted(g for g, p in self.procs.items() if g not in self.stopped and not p.killed)
 
     def _committed(self, group: str) -> bool:
-        """Whether the group's current process has committed a step (its history holds a
-        commit record, not only the ``ready`` record written at start-up)."""
+        """Whether the group's current process is alive and has committed a step (its history
+        holds a commit record, not only the ``ready`` record written at start-up). A process
+        killed but not reaped yet does not count: the final phase would otherwise set the
+        target while the group's replacement has not joined, and the others could finish and
+        leave before it heals."""
         p = self.procs.get(group)
-        if p is None:
+        if p is None or p.killed or p.proc.poll() is not None:
             return False
         n = self.dir / f"{group}.{self._incarnation(group)}.history.jsonl"
         try:
