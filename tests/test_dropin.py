@@ -310,3 +310,46 @@ def test_first_quorum_benchmark_small_version() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(result["ours_s"]) == 1 and len(result["upstream_s"]) == 1
     assert result["ours_s"][0] > 0 and result["upstream_s"][0] > 0
+
+
+@pytest.mark.timeout(90)
+def test_quorum_in_flight_when_the_lighthouse_dies_is_retried_not_timed_out() -> None:
+    """A lighthouse killed while a manager's quorum request waits drops the call before its
+    deadline: the manager server retries it against the restarted lighthouse (it is not a
+    deadline, so no TimeoutError reaches the ranks)."""
+    procs: list[LighthouseProcess] = []
+    with ExitStack() as stack:
+        stack.callback(lambda: [p.stop() for p in procs])
+        first = start_lighthouse_process("--min_replicas", "2", "--quorum_tick_ms", "20")
+        procs.append(first)
+        server = ManagerServer(
+            replica_id="g",
+            lighthouse_addr=first.address,
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr="g-store:29500",
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=50),
+            connect_timeout=CONNECT,
+            quorum_retries=20,
+        )
+        stack.callback(server.shutdown)
+        mc = ManagerClient(server.address(), CONNECT)
+        with ThreadPoolExecutor(1) as pool:
+            asking = pool.submit(mc._quorum, 0, 0, "meta", False, timedelta(seconds=40), 0)
+            time.sleep(1.0)
+            assert not asking.done(), "min_replicas=2 cannot be met by one group"
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait()
+            time.sleep(0.5)
+            second = start_lighthouse_process(
+                "--min_replicas",
+                "1",
+                "--quorum_tick_ms",
+                "20",
+                "--bind",
+                f"127.0.0.1:{_port(first.address)}",
+            )
+            procs.append(second)
+            q = asking.result(timeout=40)
+        assert q.replica_world_size == 1

@@ -149,16 +149,11 @@ impl LighthouseClient {
             },
             timeout,
         );
-        let late = || {
-            Status::deadline_exceeded(format!(
-                "lighthouse quorum did not complete within {timeout:?}"
-            ))
-        };
+        let started = Instant::now();
         let resp = match tokio::time::timeout(timeout, client.quorum(req)).await {
-            // tonic's own deadline (the request's grpc-timeout) says only "Timeout expired".
-            Ok(Err(s)) if s.code() == tonic::Code::Cancelled => return Err(late()),
-            Ok(r) => r?,
-            Err(_) => return Err(late()),
+            Ok(Ok(r)) => r,
+            Ok(Err(s)) => return Err(quorum_call_error(s, started.elapsed(), timeout)),
+            Err(_) => return Err(quorum_deadline(timeout)),
         };
         resp.into_inner()
             .quorum
@@ -296,5 +291,48 @@ impl LighthouseClient {
                 "lighthouse session did not open within {timeout:?}"
             ))),
         }
+    }
+}
+
+/// The status of a quorum call that passed its deadline, saying what timed out.
+fn quorum_deadline(timeout: Duration) -> Status {
+    Status::deadline_exceeded(format!(
+        "lighthouse quorum did not complete within {timeout:?}"
+    ))
+}
+
+/// The status a failed quorum call reports. tonic's own deadline (the request's
+/// grpc-timeout) comes back as `Cancelled` "Timeout expired": past the deadline it says what
+/// timed out. A call cancelled before its deadline is a dropped connection (e.g. the
+/// lighthouse died mid-reply), which callers retry: it keeps its code.
+fn quorum_call_error(status: Status, elapsed: Duration, timeout: Duration) -> Status {
+    if status.code() == tonic::Code::Cancelled && elapsed >= timeout {
+        quorum_deadline(timeout)
+    } else {
+        status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_cancel_at_the_deadline_reads_as_a_timeout() {
+        let t = Duration::from_secs(2);
+        let dropped = quorum_call_error(
+            Status::cancelled("h2 protocol error: error reading a body from connection"),
+            Duration::from_millis(300),
+            t,
+        );
+        assert_eq!(dropped.code(), tonic::Code::Cancelled);
+        let late = quorum_call_error(Status::cancelled("Timeout expired"), t, t);
+        assert_eq!(late.code(), tonic::Code::DeadlineExceeded);
+        assert!(
+            late.message().contains("did not complete within 2s"),
+            "{late:?}"
+        );
+        let other = quorum_call_error(Status::unavailable("down"), t, t);
+        assert_eq!(other.code(), tonic::Code::Unavailable);
     }
 }
