@@ -36,6 +36,45 @@ def _status(address: str) -> dict[str, Any]:
     return body
 
 
+def _sync_manager(
+    stack: ExitStack, store: dist.TCPStore, lighthouse_addr: str, **kwargs: Any
+) -> Manager:
+    """A Manager with the synchronous quorum on ``store`` (group rank 0), shut down by
+    ``stack``; ``kwargs`` set the rest (world size, replica size, timeouts)."""
+    manager = Manager(
+        pg=ProcessGroupGloo(),
+        load_state_dict=lambda _: None,
+        state_dict=lambda: None,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        lighthouse_addr=lighthouse_addr,
+        use_async_quorum=False,
+        **kwargs,
+    )
+    stack.callback(lambda: manager.shutdown(wait=False))
+    return manager
+
+
+def _manager_server(
+    stack: ExitStack, replica_id: str, lighthouse_addr: str, world_size: int, retries: int = 0
+) -> ManagerServer:
+    """A manager server on 127.0.0.1:0 (50 ms heartbeats), shut down by ``stack``."""
+    server = ManagerServer(
+        replica_id=replica_id,
+        lighthouse_addr=lighthouse_addr,
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr=f"{replica_id}-store:29500",
+        world_size=world_size,
+        heartbeat_interval=timedelta(milliseconds=50),
+        connect_timeout=CONNECT,
+        quorum_retries=retries,
+    )
+    stack.callback(server.shutdown)
+    return server
+
+
 @pytest.fixture
 def store() -> Iterator[dist.TCPStore]:
     """A TCPStore on a free port, as a torchrun agent would host it."""
@@ -72,21 +111,15 @@ def test_fresh_lighthouse_answers_the_first_quorum_at_once(store: dist.TCPStore)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     with ExitStack() as stack:
         stack.callback(lighthouse.shutdown)
-        manager = Manager(
-            pg=ProcessGroupGloo(),
+        manager = _sync_manager(
+            stack,
+            store,
+            lighthouse.address(),
             min_replica_size=1,
-            load_state_dict=lambda _: None,
-            state_dict=lambda: None,
             replica_id="lighthouse_test",
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            rank=0,
             world_size=1,
-            use_async_quorum=False,
-            lighthouse_addr=lighthouse.address(),
             quorum_timeout=timedelta(seconds=1),
         )
-        stack.callback(lambda: manager.shutdown(wait=False))
         # Raises TimeoutError if the first quorum were held past its 1 s deadline.
         manager.start_quorum()
         assert manager.num_participants() == 1
@@ -101,20 +134,9 @@ def test_sync_quorum_and_vote_deadlines_raise_like_upstream(store: dist.TCPStore
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     with ExitStack() as stack:
         stack.callback(lighthouse.shutdown)
-        manager = Manager(
-            pg=ProcessGroupGloo(),
-            min_replica_size=2,
-            load_state_dict=lambda _: None,
-            state_dict=lambda: None,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            rank=0,
-            world_size=2,
-            lighthouse_addr=lighthouse.address(),
-            port=0,
-            use_async_quorum=False,
+        manager = _sync_manager(
+            stack, store, lighthouse.address(), min_replica_size=2, world_size=2, port=0
         )
-        stack.callback(lambda: manager.shutdown(wait=False))
         for call in (
             lambda: manager.start_quorum(timeout=timedelta(seconds=0.01)),
             lambda: manager.should_commit(timeout=timedelta(seconds=0.01)),
@@ -135,20 +157,9 @@ def test_vote_deadline_raises_like_upstream(store: dist.TCPStore) -> None:
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
     with ExitStack() as stack:
         stack.callback(lighthouse.shutdown)
-        manager = Manager(
-            pg=ProcessGroupGloo(),
-            min_replica_size=1,
-            load_state_dict=lambda _: None,
-            state_dict=lambda: None,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            rank=0,
-            world_size=2,
-            lighthouse_addr=lighthouse.address(),
-            port=0,
-            use_async_quorum=False,
+        manager = _sync_manager(
+            stack, store, lighthouse.address(), min_replica_size=1, world_size=2, port=0
         )
-        stack.callback(lambda: manager.shutdown(wait=False))
         server = manager._manager
         assert server is not None
         rank1 = ManagerClient(server.address(), CONNECT)
@@ -178,23 +189,11 @@ def test_native_deadlines_carry_upstreams_message_parts(lighthouse: LighthouseSe
         assert "did not complete within" in str(info.value)
     finally:
         lh2.shutdown()
-    server = ManagerServer(
-        replica_id="g",
-        lighthouse_addr=lighthouse.address(),
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="g-store:29500",
-        world_size=2,
-        heartbeat_interval=timedelta(milliseconds=50),
-        connect_timeout=CONNECT,
-        quorum_retries=0,
-    )
-    try:
+    with ExitStack() as stack:
+        server = _manager_server(stack, "g", lighthouse.address(), world_size=2)
         mc = ManagerClient(server.address(), CONNECT)
         with pytest.raises(TimeoutError, match=UPSTREAM_TIMEOUT):
             mc.should_commit(0, 0, True, timedelta(milliseconds=20))
-    finally:
-        server.shutdown()
 
 
 def _port(address: str) -> int:
@@ -227,18 +226,7 @@ def test_restarted_lighthouse_holds_its_first_quorum_and_explains_it(tmp_path: P
         procs.append(first)
         port = _port(first.address)
         assert _status(first.address)["startup_hold"] is None
-        server = ManagerServer(
-            replica_id="survivor",
-            lighthouse_addr=first.address,
-            hostname="127.0.0.1",
-            bind="127.0.0.1:0",
-            store_addr="survivor-store:29500",
-            world_size=1,
-            heartbeat_interval=timedelta(milliseconds=50),
-            connect_timeout=CONNECT,
-            quorum_retries=0,
-        )
-        stack.callback(server.shutdown)
+        server = _manager_server(stack, "survivor", first.address, world_size=1)
         mc = ManagerClient(server.address(), CONNECT)
         q = mc._quorum(0, 3, "meta", False, timedelta(seconds=10), 0)
         assert q.replica_world_size == 1
@@ -322,18 +310,7 @@ def test_quorum_in_flight_when_the_lighthouse_dies_is_retried_not_timed_out() ->
         stack.callback(lambda: [p.stop() for p in procs])
         first = start_lighthouse_process("--min_replicas", "2", "--quorum_tick_ms", "20")
         procs.append(first)
-        server = ManagerServer(
-            replica_id="g",
-            lighthouse_addr=first.address,
-            hostname="127.0.0.1",
-            bind="127.0.0.1:0",
-            store_addr="g-store:29500",
-            world_size=1,
-            heartbeat_interval=timedelta(milliseconds=50),
-            connect_timeout=CONNECT,
-            quorum_retries=20,
-        )
-        stack.callback(server.shutdown)
+        server = _manager_server(stack, "g", first.address, world_size=1, retries=20)
         mc = ManagerClient(server.address(), CONNECT)
         with ThreadPoolExecutor(1) as pool:
             asking = pool.submit(mc._quorum, 0, 0, "meta", False, timedelta(seconds=40), 0)
