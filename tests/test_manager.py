@@ -783,6 +783,43 @@ def test_heal_async_applies_in_should_commit(harness: Any) -> None:
     assert m.batches_committed() == 11 + 1
 
 
+def test_heal_of_a_failed_step_is_loaded_before_the_next_forward(harness: Any) -> None:
+    """Async quorum: a heal whose step then failed leaves the counters at the healed step; the
+    next step loads the healed state in start_quorum, before its forward pass (its gradients
+    count: the group is up to date now), and serves that state, not the replaced one."""
+    h = harness()
+    _serve(h, 5, torch.full((3,), 3.0))
+    h.native.quorums = [
+        _heal_quorum(),
+        make_quorum(
+            replica_rank=1,
+            replica_world_size=2,
+            max_step=5,
+            max_replica_rank=1,
+            max_world_size=2,
+            recover_dst_replica_ranks=[0],
+        ),
+    ]
+    m = h.manager
+    m.start_quorum()
+    m.wait_quorum()
+    m.report_error(RuntimeError("a peer died mid-step"))
+    assert not m.should_commit()
+    assert m.current_step() == 5
+    assert torch.equal(h.user_state["w"], torch.zeros(3))  # not loaded: the step failed
+
+    m.start_quorum()
+    # Loaded before the quorum answers, so before the forward pass of this step.
+    assert torch.equal(h.user_state["w"], torch.full((3,), 3.0))
+    m.wait_quorum()
+    assert m.participating_rank() == 1
+    step, sd = h.transport.shared["rg0"]
+    assert step == 5
+    assert torch.equal(sd["user"]["default"]["w"], torch.full((3,), 3.0))
+    assert m.should_commit()
+    assert m.current_step() == 6
+
+
 def test_heal_disallowed_skips_recv(harness: Any) -> None:
     """allow_heal=False: a behind replica does not heal and does not participate."""
     h = harness(use_async_quorum=False)

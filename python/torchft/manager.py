@@ -806,6 +806,14 @@ class Manager:
         self._healing = False
         self._pending_futures = []
         self._skipped_collective = False
+        if self._pending_state_dict is not None:
+            # A heal whose step did not commit (an error after it) left its user state
+            # unloaded while the counters already name its step: load it before this step's
+            # forward pass, so the gradients this group contributes are taken on that state.
+            try:
+                self._apply_pending_state_dict()
+            except Exception as e:
+                self.report_error(e)
         quorum_timeout = timeout if timeout is not None else self._quorum_timeout
         if self._use_async_quorum:
             self._quorum_future = self._start_async_quorum(allow_heal, shrink_only, quorum_timeout)
@@ -1209,11 +1217,17 @@ class Manager:
         if pending is None:
             return
         self._pending_state_dict = None
-        missing = set(self._load_state_dict_fns) - set(pending)
-        if missing:
-            raise RuntimeError(f"healed checkpoint lacks state for keys {sorted(missing)}")
-        for key, load_fn in self._load_state_dict_fns.items():
-            load_fn(pending[key])
+        try:
+            missing = set(self._load_state_dict_fns) - set(pending)
+            if missing:
+                raise RuntimeError(f"healed checkpoint lacks state for keys {sorted(missing)}")
+            for key, load_fn in self._load_state_dict_fns.items():
+                load_fn(pending[key])
+        except BaseException:
+            # The counters name the healed step but the state is not (all) of it: the group
+            # does not train on it until a heal makes it whole (see _apply_quorum).
+            self._state_torn = True
+            raise
         self._log_info("applied healed state (%d keys)", len(pending))
 
     # ------------------------------------------------------------------ collectives
