@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RUN_DIR",
         help="only re-check the history of an earlier run (no processes are started)",
     )
+    p.add_argument(
+        "--worker-log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the workers' log lines kept in the run directory (INFO: every heal)",
+    )
     p.add_argument("--out", default=None, help="run directory (default: a new temp dir)")
     args = p.parse_args(argv)
     if args.check:
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
             restart_while_stopped=args.restart_while_stopped,
             floor_runs=args.floor_runs,
+            worker_log_level=args.worker_log_level,
         )
         cfg.validate()
     except ValueError as e:

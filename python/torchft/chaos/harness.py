@@ -73,9 +73,16 @@ class ChaosConfig:
     #: Spawns per floor measured for the report (import torch, and with torch._dynamo);
     #: 0 skips the measurement.
     floor_runs: int = 3
+    #: Level of the workers' own log lines (their logs are kept in the run directory):
+    #: INFO adds every reconfigure, heal and applied state, for reading a finding.
+    worker_log_level: str = "WARNING"
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot make a meaningful run."""
+        if self.worker_log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(
+                f"worker_log_level must be DEBUG, INFO, WARNING or ERROR, got {self.worker_log_level!r}"
+            )
         if self.groups < 2:
             raise ValueError(f"groups must be at least 2, got {self.groups}")
         if self.faults < 0 or self.mtbf <= 0 or self.restart_delay < 0 or self.floor_runs < 0:
@@ -213,6 +220,8 @@ class Chaos:
                 str(self.target_file),
                 "--min-replicas",
                 str(self.cfg.min_replicas),
+                "--log-level",
+                self.cfg.worker_log_level,
             ]
             (self.dir / f"{tag}.history.jsonl").touch()
             with open(self.dir / f"{tag}.log", "wb") as out:
