@@ -302,7 +302,10 @@ async fn hang_is_lost_after_heartbeat_timeout_and_slow_is_not() {
         let q1 = quorum_ab(&ca, &cb).await;
         // Heartbeat acknowledgements state the timeout (the managers' commit lease).
         assert_eq!(
-            ca.heartbeat_lease("a", None, CONNECT).await.unwrap(),
+            ca.heartbeat_lease("a", None, CONNECT)
+                .await
+                .unwrap()
+                .timeout,
             Some(timeout)
         );
 
@@ -458,6 +461,53 @@ async fn manager_servers_forward_losses_and_survive_a_lighthouse_restart() {
         assert!(started.elapsed() < Duration::from_secs(1));
         ma.shutdown().await;
         lh.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_replies_tell_an_asking_group_why_its_round_waits() {
+    bounded(async {
+        let server = LighthouseServer::bind("127.0.0.1:0", opts(SLOW_HEARTBEAT))
+            .await
+            .unwrap();
+        let (ca, cb) = (client(&server).await, client(&server).await);
+        cb.heartbeat("b", CONNECT).await.unwrap();
+        let asking = {
+            let ca = ca.clone();
+            tokio::spawn(async move { ca.quorum(member("a"), Duration::from_secs(30)).await })
+        };
+        // Nothing to say while the round is young.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let early = ca.heartbeat_lease("a", None, CONNECT).await.unwrap();
+        assert_eq!(early.waiting, None);
+        assert_eq!(early.timeout, Some(SLOW_HEARTBEAT));
+        // Past two seconds the asking group hears why: the healthy group that does not ask,
+        // and when the join timeout ends. The group that does not ask is told nothing.
+        let start = Instant::now();
+        let why = loop {
+            cb.heartbeat("b", CONNECT).await.unwrap();
+            if let Some(why) = ca
+                .heartbeat_lease("a", None, CONNECT)
+                .await
+                .unwrap()
+                .waiting
+            {
+                break why;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "no reason given");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(why.contains("healthy, not asking: b"), "{why}");
+        assert!(why.contains("1 asking"), "{why}");
+        let quiet = cb.heartbeat_lease("b", None, CONNECT).await.unwrap();
+        assert_eq!(quiet.waiting, None);
+        // Once the round is issued there is nothing to explain.
+        let q = cb.quorum(member("b"), CONNECT).await.unwrap();
+        assert_eq!(asking.await.unwrap().unwrap().quorum_id, q.quorum_id);
+        let after = ca.heartbeat_lease("a", None, CONNECT).await.unwrap();
+        assert_eq!(after.waiting, None);
+        server.shutdown().await;
     })
     .await;
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -342,3 +343,53 @@ def test_lighthouse_restart_on_same_port(groups: Callable[[str, str, int], Group
         assert second.max_step == 1
     finally:
         lh.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_long_quorum_request_logs_why_the_lighthouse_waits() -> None:
+    """A group whose quorum request waits at the lighthouse past a few seconds says so at
+    WARN with the lighthouse's reason (here: a healthy group that does not ask), so a
+    stalled job's own logs name whom it waits for."""
+    script = textwrap.dedent(
+        """
+        import threading, time
+        from datetime import timedelta
+        from torchft._torchft import LighthouseClient, TorchFTError
+        from torchft.coordination import LighthouseServer, ManagerClient, ManagerServer
+        lh = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=30000,
+                              quorum_tick_ms=10, progress_wait_ms=0)
+        stop = threading.Event()
+        idle = LighthouseClient(lh.address(), timedelta(seconds=5))
+        def beat():
+            while not stop.is_set():
+                idle.heartbeat("idle")
+                time.sleep(0.05)
+        idle.heartbeat("idle")
+        threading.Thread(target=beat, daemon=True).start()
+        s = ManagerServer("asker", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1,
+                          timedelta(milliseconds=50), timedelta(seconds=5), 0)
+        c = ManagerClient(s.address(), timedelta(seconds=5))
+        try:
+            c._quorum(0, 0, "meta", False, timedelta(seconds=4), 0)
+            print("quorum answered", flush=True)
+        except (TimeoutError, TorchFTError) as e:
+            print("quorum timed out", flush=True)
+        stop.set()
+        s.shutdown()
+        lh.shutdown()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "TORCHFT_LOG": "warn"},
+    )
+    assert "quorum timed out" in proc.stdout, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "quorum request waiting" in line]
+    assert lines, proc.stderr
+    assert "WARN" in lines[0], lines[0]
+    assert "healthy, not asking: idle" in lines[0], lines[0]
+    # The lighthouse's verdict: with two healthy groups, one asking is no strict majority.
+    assert "waiting for a strict majority: 1 asking of 2" in lines[0], lines[0]

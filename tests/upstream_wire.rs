@@ -286,10 +286,14 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         quorum_id: Some(42),
     });
     assert_eq!(up.replica_id, "u");
-    // Our heartbeat reply carries a field upstream does not know: it must be skippable.
+    // Our heartbeat reply carries fields upstream does not know: they must be skippable.
     let _: upstream::LighthouseHeartbeatResponse = cross(&ours::LighthouseHeartbeatResponse {
         heartbeat_timeout_ms: 5000,
+        waiting: "the round has waited 2.5s: waiting for 1 straggler".into(),
     });
+    // Upstream's empty reply reads as ours with nothing said.
+    let back: ours::LighthouseHeartbeatResponse = cross(&upstream::LighthouseHeartbeatResponse {});
+    assert_eq!((back.heartbeat_timeout_ms, back.waiting.as_str()), (0, ""));
 }
 
 #[test]

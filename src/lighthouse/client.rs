@@ -40,6 +40,17 @@ pub struct LighthouseClient {
     last_quorum_id: Arc<AtomicI64>,
 }
 
+/// A lighthouse's answer to a heartbeat.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeartbeatAck {
+    /// The lighthouse's heartbeat timeout (None if it does not say): the group cannot be
+    /// declared lost by heartbeat expiry sooner than that after the heartbeat was sent.
+    pub timeout: Option<Duration>,
+    /// While the group's quorum request waits in a round that has waited long: why (None
+    /// otherwise, and from lighthouses that do not say).
+    pub waiting: Option<String>,
+}
+
 impl LighthouseClient {
     /// A write-ahead commit: `replica_id` is about to commit `step` (its committed step count
     /// after the commit) under quorum `quorum_id`. `Ok(None)`: accepted; `Ok(Some(reason))`:
@@ -230,15 +241,14 @@ impl LighthouseClient {
     }
 
     /// Heartbeats (with the group's committed `step`, if known, and the last quorum this
-    /// client received) and returns the lighthouse's heartbeat timeout (None if it does not
-    /// say): the group cannot be declared lost by heartbeat expiry sooner than that after
-    /// this call was sent.
+    /// client received) and returns the lighthouse's answer: its heartbeat timeout, and why
+    /// the round the group asks in waits (see [`HeartbeatAck`]).
     pub async fn heartbeat_lease(
         &self,
         replica_id: &str,
         step: Option<i64>,
         timeout: Duration,
-    ) -> std::result::Result<Option<Duration>, Status> {
+    ) -> std::result::Result<HeartbeatAck, Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
@@ -250,8 +260,12 @@ impl LighthouseClient {
         );
         match tokio::time::timeout(timeout, client.heartbeat(req)).await {
             Ok(r) => r.map(|resp| {
-                let ms = resp.into_inner().heartbeat_timeout_ms;
-                (ms > 0).then(|| Duration::from_millis(ms))
+                let resp = resp.into_inner();
+                let ms = resp.heartbeat_timeout_ms;
+                HeartbeatAck {
+                    timeout: (ms > 0).then(|| Duration::from_millis(ms)),
+                    waiting: (!resp.waiting.is_empty()).then_some(resp.waiting),
+                }
             }),
             Err(_) => Err(Status::deadline_exceeded(format!(
                 "lighthouse heartbeat did not complete within {timeout:?}"

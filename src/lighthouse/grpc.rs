@@ -40,11 +40,12 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
         let req = request.into_inner();
-        let timeout = self
+        let (timeout, waiting) = self
             .shared
             .heartbeat(&req.replica_id, req.step, req.quorum_id)?;
         Ok(Response::new(LighthouseHeartbeatResponse {
             heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            waiting: waiting.map(|w| w.to_string()).unwrap_or_default(),
         }))
     }
 

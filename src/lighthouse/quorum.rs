@@ -636,6 +636,11 @@ impl QuorumEngine {
         ids
     }
 
+    /// True if `replica_id` is asking in the current round.
+    pub fn is_asking(&self, replica_id: &str) -> bool {
+        self.participants.contains_key(replica_id)
+    }
+
     /// Number of replica groups asking in the current round.
     pub fn num_participants(&self) -> usize {
         self.participants.len()

@@ -83,6 +83,9 @@ struct State {
     hold_announced: bool,
     /// The last long wait explained in the log: the round (its start) and when.
     explained: Option<(std::time::Instant, std::time::Instant)>,
+    /// Why the current round waits, once it has waited past [`EXPLAIN_WAIT_AFTER`] (refreshed
+    /// every tick): told to the asking groups in their heartbeat replies.
+    wait_reason: Option<Arc<str>>,
 }
 
 /// State shared by the gRPC handlers, the tick task and the HTTP pages.
@@ -220,6 +223,7 @@ impl Shared {
             saved_revision: 0,
             hold_announced: false,
             explained: None,
+            wait_reason: None,
         };
         Self::announce_hold(&mut state, now);
         Ok(Self {
@@ -346,6 +350,7 @@ impl Shared {
     /// (what it waits for and when that wait ends), who asks, and the healthy groups that do
     /// not; again every [`EXPLAIN_WAIT_EVERY`] while it goes on.
     fn explain_wait(state: &mut State, now: std::time::Instant) {
+        state.wait_reason = None;
         let Some(started) = state.engine.round_started() else {
             return;
         };
@@ -353,17 +358,26 @@ impl Shared {
         if waited < EXPLAIN_WAIT_AFTER {
             return;
         }
-        if let Some((round, at)) = state.explained {
-            if round == started && now.saturating_duration_since(at) < EXPLAIN_WAIT_EVERY {
-                return;
-            }
-        }
         let verdict = state.engine.verdict(now);
         if verdict.is_ready() {
             return;
         }
         let asking = state.engine.num_participants();
         let not_asking = state.engine.healthy_not_asking(now, 8);
+        state.wait_reason = Some(Arc::from(format!(
+            "the round has waited {:.1}s: {verdict} ({asking} asking; healthy, not asking: {})",
+            waited.as_secs_f64(),
+            if not_asking.is_empty() {
+                "none".to_string()
+            } else {
+                not_asking.join(", ")
+            }
+        )));
+        if let Some((round, at)) = state.explained {
+            if round == started && now.saturating_duration_since(at) < EXPLAIN_WAIT_EVERY {
+                return;
+            }
+        }
         warn!(
             waited_s = waited.as_secs_f64(),
             asking,
@@ -486,13 +500,14 @@ impl Shared {
     }
 
     /// Records a heartbeat (and the group's committed step and the quorum it holds, if
-    /// sent); returns the heartbeat timeout (the caller's lease).
+    /// sent); returns the heartbeat timeout (the caller's lease) and, while the group asks
+    /// in a round that has waited long, why that round waits.
     pub(crate) fn heartbeat(
         &self,
         replica_id: &str,
         step: Option<i64>,
         quorum_id: Option<i64>,
-    ) -> Result<Duration> {
+    ) -> Result<(Duration, Option<Arc<str>>)> {
         let now = now_instant();
         let mut guard = self.lock();
         let state = &mut *guard;
@@ -511,7 +526,12 @@ impl Shared {
         {
             Self::announce_hold(state, now);
         }
-        Ok(state.engine.options().heartbeat_timeout)
+        let waiting = state
+            .wait_reason
+            .as_ref()
+            .filter(|_| state.engine.is_asking(replica_id))
+            .cloned();
+        Ok((state.engine.options().heartbeat_timeout, waiting))
     }
 
     pub(crate) fn tick(&self) {

@@ -203,6 +203,9 @@ struct Inner {
     /// A quorum did not use this group's topology file (its members announced different
     /// files, or none): warned once.
     topology_unused: AtomicBool,
+    /// Why the lighthouse's round this group asks in waits, as its last heartbeat reply
+    /// said (None when it did not say): the quorum request's long waits log it.
+    lighthouse_waiting: Mutex<Option<String>>,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -214,6 +217,14 @@ fn http_address(hostname: &str, port: u16, tls: bool) -> String {
         format!("{scheme}://{hostname}:{port}")
     }
 }
+
+/// A quorum request waiting at the lighthouse longer than this says why in the log (a
+/// second after the lighthouse starts to say why its round waits, so heartbeat replies
+/// have brought the reason by then) ...
+const QUORUM_WAIT_NOTE_AFTER: Duration = Duration::from_secs(3);
+
+/// ... and again this often while it keeps waiting.
+const QUORUM_WAIT_NOTE_EVERY: Duration = Duration::from_secs(10);
 
 /// Smallest accepted `max_request_bytes` (below it ordinary requests would fail).
 const MIN_REQUEST_LIMIT: usize = 4096;
@@ -295,6 +306,7 @@ impl ManagerServer {
             quorum_id: AtomicI64::new(-1),
             commit_unsupported: AtomicBool::new(false),
             topology_unused: AtomicBool::new(false),
+            lighthouse_waiting: Mutex::new(None),
             opts,
         });
 
@@ -423,13 +435,24 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
             .lighthouse
             .heartbeat_lease(&inner.opts.replica_id, (step >= 0).then_some(step), period)
             .await;
+        if result.is_err() {
+            // A reason heard before the lighthouse went silent no longer holds.
+            *inner
+                .lighthouse_waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = None;
+        }
         match result {
-            Ok(timeout) => {
+            Ok(ack) => {
                 inner
                     .lease
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .on_ack(sent, timeout);
+                    .on_ack(sent, ack.timeout);
+                *inner
+                    .lighthouse_waiting
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = ack.waiting;
                 if failing {
                     info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
                     failing = false;
@@ -653,6 +676,8 @@ impl Inner {
         };
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         let mut attempt: u64 = 0;
+        let asked = Instant::now();
+        let mut next_note = asked + QUORUM_WAIT_NOTE_AFTER;
         loop {
             let remaining = round.deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
@@ -662,11 +687,18 @@ impl Inner {
                 )));
             }
             let started = Instant::now();
-            let err = match self
-                .lighthouse
-                .quorum_status(member.clone(), remaining)
-                .await
-            {
+            let call = self.lighthouse.quorum_status(member.clone(), remaining);
+            tokio::pin!(call);
+            let answer = loop {
+                tokio::select! {
+                    answer = &mut call => break answer,
+                    _ = tokio::time::sleep_until(next_note) => {
+                        self.note_quorum_wait(round, asked.elapsed());
+                        next_note += QUORUM_WAIT_NOTE_EVERY;
+                    }
+                }
+            };
+            let err = match answer {
                 Ok(quorum) => return Ok(quorum),
                 Err(status) => rpc_error(status, started, remaining),
             };
@@ -693,6 +725,29 @@ impl Inner {
             let remaining = round.deadline.saturating_duration_since(Instant::now());
             tokio::time::sleep(delay.min(remaining)).await;
         }
+    }
+
+    /// Says at WARN that this group's quorum request has waited `waited` at the lighthouse,
+    /// and why, as the lighthouse's heartbeat replies tell it.
+    fn note_quorum_wait(&self, round: &ReadyRound, waited: Duration) {
+        let why = self
+            .lighthouse_waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_else(|| {
+                "the lighthouse has not said why (it is not reachable, predates this report, \
+                 or its round is about to end)"
+                    .to_string()
+            });
+        let deadline_in = round.deadline.saturating_duration_since(Instant::now());
+        warn!(
+            step = round.step,
+            lighthouse = %self.lighthouse_addr,
+            "quorum request waiting {:.1}s (deadline in {:.1}s): {why}",
+            waited.as_secs_f64(),
+            deadline_in.as_secs_f64()
+        );
     }
 
     /// Runs the lighthouse request of a complete round and answers every rank of it.
