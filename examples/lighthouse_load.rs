@@ -296,6 +296,7 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
                 // Not about the no-regression rules: no startup hold, no wait for progress.
                 progress_wait: Duration::ZERO,
                 state_file: None,
+                hang_timeout: None,
             };
             Some(LighthouseServer::bind("127.0.0.1:0", opts).await?)
         }

@@ -56,11 +56,17 @@ pub enum EventKind {
     /// A quorum continued from an older step than the best committed one known
     /// (`quorum_id`, `from_step`, `to_step`, `steps_lost`, `alive_holders`, `unavoidable`).
     ProgressRegressed,
+    /// A replica group's training loop stopped reaching its manager while its process lives
+    /// and a round waits on it: the others go on without it (`replica_id`, `idle_s`,
+    /// `hang_timeout_s`, `rule`).
+    ReplicaHung,
+    /// A hung replica group's training loop came back (`replica_id`, `hung_s`).
+    ReplicaResumed,
 }
 
 impl EventKind {
     /// Every kind, in documentation order.
-    pub const ALL: [EventKind; 13] = [
+    pub const ALL: [EventKind; 15] = [
         EventKind::LighthouseStarted,
         EventKind::QuorumChanged,
         EventKind::ReplicaJoined,
@@ -74,6 +80,8 @@ impl EventKind {
         EventKind::ReplicaFinished,
         EventKind::KillRequested,
         EventKind::ProgressRegressed,
+        EventKind::ReplicaHung,
+        EventKind::ReplicaResumed,
     ];
 
     /// The name events carry in `kind`.
@@ -92,6 +100,8 @@ impl EventKind {
             EventKind::ReplicaFinished => "replica_finished",
             EventKind::KillRequested => "kill_requested",
             EventKind::ProgressRegressed => "progress_regressed",
+            EventKind::ReplicaHung => "replica_hung",
+            EventKind::ReplicaResumed => "replica_resumed",
         }
     }
 

@@ -106,6 +106,7 @@ fn manager_handlers_answer_any_request_cleanly() {
                 heartbeat_timeout: Duration::from_secs(5),
                 progress_wait: Duration::ZERO,
                 state_file: None,
+                hang_timeout: None,
             },
         )
         .await

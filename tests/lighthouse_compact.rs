@@ -48,6 +48,7 @@ async fn start(min_replicas: u64) -> LighthouseServer {
         // Not about the no-regression rules: no startup hold, no wait for progress.
         progress_wait: Duration::ZERO,
         state_file: None,
+        hang_timeout: None,
     };
     LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap()
 }
@@ -386,6 +387,7 @@ async fn a_group_leaving_is_sent_as_a_delta() {
             // Not about the no-regression rules: no startup hold, no wait for progress.
             progress_wait: Duration::ZERO,
             state_file: None,
+            hang_timeout: None,
         };
         let server = LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap();
         let addr = server.address();

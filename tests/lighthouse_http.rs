@@ -23,6 +23,7 @@ async fn start(min: u64) -> LighthouseServer {
         // Not about the no-regression rules: no startup hold, no wait for progress.
         progress_wait: Duration::ZERO,
         state_file: None,
+        hang_timeout: None,
     };
     LighthouseServer::bind("127.0.0.1:0", o).await.unwrap()
 }

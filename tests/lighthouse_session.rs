@@ -43,6 +43,7 @@ fn opts(heartbeat_timeout: Duration) -> LighthouseOptions {
         // Not about the no-regression rules: no startup hold, no wait for progress.
         progress_wait: Duration::ZERO,
         state_file: None,
+        hang_timeout: None,
     }
 }
 
@@ -302,7 +303,7 @@ async fn hang_is_lost_after_heartbeat_timeout_and_slow_is_not() {
         let q1 = quorum_ab(&ca, &cb).await;
         // Heartbeat acknowledgements state the timeout (the managers' commit lease).
         assert_eq!(
-            ca.heartbeat_lease("a", None, CONNECT)
+            ca.heartbeat_lease("a", None, None, CONNECT)
                 .await
                 .unwrap()
                 .timeout,
@@ -479,7 +480,7 @@ async fn heartbeat_replies_tell_an_asking_group_why_its_round_waits() {
         };
         // Nothing to say while the round is young.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let early = ca.heartbeat_lease("a", None, CONNECT).await.unwrap();
+        let early = ca.heartbeat_lease("a", None, None, CONNECT).await.unwrap();
         assert_eq!(early.waiting, None);
         assert_eq!(early.timeout, Some(SLOW_HEARTBEAT));
         // Past two seconds the asking group hears why: the healthy group that does not ask,
@@ -488,7 +489,7 @@ async fn heartbeat_replies_tell_an_asking_group_why_its_round_waits() {
         let why = loop {
             cb.heartbeat("b", CONNECT).await.unwrap();
             if let Some(why) = ca
-                .heartbeat_lease("a", None, CONNECT)
+                .heartbeat_lease("a", None, None, CONNECT)
                 .await
                 .unwrap()
                 .waiting
@@ -500,12 +501,12 @@ async fn heartbeat_replies_tell_an_asking_group_why_its_round_waits() {
         };
         assert!(why.contains("healthy, not asking: b"), "{why}");
         assert!(why.contains("1 asking"), "{why}");
-        let quiet = cb.heartbeat_lease("b", None, CONNECT).await.unwrap();
+        let quiet = cb.heartbeat_lease("b", None, None, CONNECT).await.unwrap();
         assert_eq!(quiet.waiting, None);
         // Once the round is issued there is nothing to explain.
         let q = cb.quorum(member("b"), CONNECT).await.unwrap();
         assert_eq!(asking.await.unwrap().unwrap().quorum_id, q.quorum_id);
-        let after = ca.heartbeat_lease("a", None, CONNECT).await.unwrap();
+        let after = ca.heartbeat_lease("a", None, None, CONNECT).await.unwrap();
         assert_eq!(after.waiting, None);
         server.shutdown().await;
     })

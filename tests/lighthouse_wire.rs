@@ -25,6 +25,7 @@ fn opts(min_replicas: u64, join_timeout_ms: u64) -> LighthouseOptions {
         // Not about the no-regression rules: no startup hold, no wait for progress.
         progress_wait: Duration::ZERO,
         state_file: None,
+        hang_timeout: None,
     }
 }
 

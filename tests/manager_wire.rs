@@ -34,6 +34,7 @@ async fn lighthouse_on(bind: &str, min_replicas: u64) -> LighthouseServer {
             // Not about the no-regression rules: no startup hold, no wait for progress.
             progress_wait: Duration::ZERO,
             state_file: None,
+            hang_timeout: None,
         },
     )
     .await

@@ -83,6 +83,7 @@ fn opts() -> LighthouseOptions {
         heartbeat_timeout: Duration::from_secs(5),
         progress_wait: Duration::ZERO,
         state_file: None,
+        hang_timeout: None,
     }
 }
 

@@ -284,16 +284,25 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         replica_id: "u".into(),
         step: Some(7),
         quorum_id: Some(42),
+        loop_idle_ms: Some(1500),
     });
     assert_eq!(up.replica_id, "u");
     // Our heartbeat reply carries fields upstream does not know: they must be skippable.
     let _: upstream::LighthouseHeartbeatResponse = cross(&ours::LighthouseHeartbeatResponse {
         heartbeat_timeout_ms: 5000,
         waiting: "the round has waited 2.5s: waiting for 1 straggler".into(),
+        hung: "no training-loop activity for 12.0s".into(),
     });
     // Upstream's empty reply reads as ours with nothing said.
     let back: ours::LighthouseHeartbeatResponse = cross(&upstream::LighthouseHeartbeatResponse {});
-    assert_eq!((back.heartbeat_timeout_ms, back.waiting.as_str()), (0, ""));
+    assert_eq!(
+        (
+            back.heartbeat_timeout_ms,
+            back.waiting.as_str(),
+            back.hung.as_str()
+        ),
+        (0, "", "")
+    );
 }
 
 #[test]
@@ -383,6 +392,7 @@ async fn start(min_replicas: u64) -> LighthouseServer {
         // No startup hold: rounds are issued at once.
         progress_wait: Duration::ZERO,
         state_file: None,
+        hang_timeout: None,
     };
     LighthouseServer::bind("127.0.0.1:0", opts)
         .await

@@ -54,6 +54,8 @@ REPLICA_KINDS: frozenset[str] = frozenset(
         "replica_failed",
         "replica_finished",
         "kill_requested",
+        "replica_hung",
+        "replica_resumed",
     }
 )
 

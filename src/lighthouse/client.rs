@@ -49,6 +49,8 @@ pub struct HeartbeatAck {
     /// While the group's quorum request waits in a round that has waited long: why (None
     /// otherwise, and from lighthouses that do not say).
     pub waiting: Option<String>,
+    /// While the lighthouse holds the group hung: why (None otherwise).
+    pub hung: Option<String>,
 }
 
 impl LighthouseClient {
@@ -235,18 +237,19 @@ impl LighthouseClient {
         replica_id: &str,
         timeout: Duration,
     ) -> std::result::Result<(), Status> {
-        self.heartbeat_lease(replica_id, None, timeout)
+        self.heartbeat_lease(replica_id, None, None, timeout)
             .await
             .map(|_| ())
     }
 
-    /// Heartbeats (with the group's committed `step`, if known, and the last quorum this
-    /// client received) and returns the lighthouse's answer: its heartbeat timeout, and why
-    /// the round the group asks in waits (see [`HeartbeatAck`]).
+    /// Heartbeats (with the group's committed `step`, if known, how long ago its training
+    /// loop last reached its manager, if known, and the last quorum this client received)
+    /// and returns the lighthouse's answer (see [`HeartbeatAck`]).
     pub async fn heartbeat_lease(
         &self,
         replica_id: &str,
         step: Option<i64>,
+        loop_idle: Option<Duration>,
         timeout: Duration,
     ) -> std::result::Result<HeartbeatAck, Status> {
         let mut client = self.client.clone();
@@ -255,6 +258,7 @@ impl LighthouseClient {
                 replica_id: replica_id.to_string(),
                 step,
                 quorum_id: self.last_quorum_id(),
+                loop_idle_ms: loop_idle.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             },
             timeout,
         );
@@ -265,6 +269,7 @@ impl LighthouseClient {
                 HeartbeatAck {
                     timeout: (ms > 0).then(|| Duration::from_millis(ms)),
                     waiting: (!resp.waiting.is_empty()).then_some(resp.waiting),
+                    hung: (!resp.hung.is_empty()).then_some(resp.hung),
                 }
             }),
             Err(_) => Err(Status::deadline_exceeded(format!(

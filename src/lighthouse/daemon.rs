@@ -89,6 +89,19 @@ pub struct Args {
     )]
     pub state_file: Option<std::path::PathBuf>,
 
+    /// A replica group whose training loop has not reached its manager for this long (ms),
+    /// while a quorum round waits on it and its process still heartbeats, is hung: the
+    /// others go on without it and its manager is told (by default its process dumps its
+    /// stacks and exits so its supervisor restarts it). 0: adaptive, ten times the job's
+    /// recent round interval, at least 10 s and at most one hour.
+    #[arg(
+        long = "hang_timeout_ms",
+        alias = "hang-timeout-ms",
+        env = "TORCHFT_HANG_TIMEOUT_MS",
+        default_value_t = 0
+    )]
+    pub hang_timeout_ms: u64,
+
     /// Append replica health events (JSON lines) to this file, for post-mortems
     /// (`python -m torchft.eventlog PATH` summarises one).
     #[arg(long = "event_log", alias = "event-log", env = "TORCHFT_EVENT_LOG")]
@@ -171,6 +184,8 @@ impl Args {
             heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
             progress_wait: Duration::from_millis(self.progress_wait_ms),
             state_file: self.state_file.clone(),
+            hang_timeout: (self.hang_timeout_ms > 0)
+                .then(|| Duration::from_millis(self.hang_timeout_ms)),
         }
     }
 
@@ -255,6 +270,7 @@ pub fn run(args: Args) -> Result<()> {
             quorum_tick_ms = args.quorum_tick_ms,
             heartbeat_timeout_ms = args.heartbeat_timeout_ms,
             progress_wait_ms = args.progress_wait_ms,
+            hang_timeout_ms = args.hang_timeout_ms,
             state_file = ?args.state_file,
             event_log = ?args.event_log,
             allow_kill = args.allow_kill,

@@ -10,6 +10,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::{self, HeaderMap};
@@ -40,12 +41,16 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
         let req = request.into_inner();
-        let (timeout, waiting) = self
-            .shared
-            .heartbeat(&req.replica_id, req.step, req.quorum_id)?;
+        let reply = self.shared.heartbeat(
+            &req.replica_id,
+            req.step,
+            req.quorum_id,
+            req.loop_idle_ms.map(Duration::from_millis),
+        )?;
         Ok(Response::new(LighthouseHeartbeatResponse {
-            heartbeat_timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            waiting: waiting.map(|w| w.to_string()).unwrap_or_default(),
+            heartbeat_timeout_ms: u64::try_from(reply.timeout.as_millis()).unwrap_or(u64::MAX),
+            waiting: reply.waiting.map(|w| w.to_string()).unwrap_or_default(),
+            hung: reply.hung.unwrap_or_default(),
         }))
     }
 
@@ -346,7 +351,7 @@ mod fuzz {
                 shared.snapshot().participants.into_iter().collect();
             prop_assert_eq!(waiting, joined);
             let before = shared.snapshot().heartbeats.len();
-            match shared.heartbeat(&beat, None, None) {
+            match shared.heartbeat(&beat, None, None, None) {
                 Ok(_) => prop_assert!(!beat.trim().is_empty()),
                 Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
             }

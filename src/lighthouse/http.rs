@@ -77,6 +77,19 @@ pub struct StartupHoldStatus {
     pub ends_unix_s: f64,
 }
 
+/// A replica group held hung (see `--hang_timeout_ms` in the README).
+#[derive(Debug, Serialize)]
+pub struct HungStatus {
+    /// The hung replica group.
+    pub replica_id: String,
+    /// Seconds its training loop had been away when it was found hung.
+    pub idle_s: f64,
+    /// Seconds it has been held hung.
+    pub hung_for_s: f64,
+    /// The hang timeout it passed, in seconds.
+    pub hang_timeout_s: f64,
+}
+
 /// The body of `GET /status`.
 #[derive(Debug, Serialize)]
 pub struct StatusBody {
@@ -97,6 +110,13 @@ pub struct StatusBody {
     pub round_age_s: Option<f64>,
     /// Recent losses of quorum members (bounded history, oldest first).
     pub lost: Vec<LostStatus>,
+    /// Replica groups held hung now: alive, but their training loop stayed away past the
+    /// hang timeout while a round waited; the quorum rules do not wait for them.
+    pub hung: Vec<HungStatus>,
+    /// The hang timeout now, in seconds, and how it was chosen.
+    pub hang_timeout_s: f64,
+    /// How the hang timeout was chosen (configured, or adaptive from the round interval).
+    pub hang_timeout_rule: String,
     /// Whether the next quorum would be issued now.
     pub ready: bool,
     /// Why the next quorum is, or is not yet, ready.
@@ -122,6 +142,7 @@ pub struct StatusBody {
 
 impl StatusBody {
     fn from_snapshot(s: Snapshot, started_unix_s: f64) -> Self {
+        let now = Instant::now();
         Self {
             quorum_id: s.quorum_id,
             min_replicas: s.min_replicas,
@@ -149,6 +170,18 @@ impl StatusBody {
             healthy_not_asking: s.healthy_not_asking,
             round_age_s: s.round_age.map(|d| d.as_secs_f64()),
             lost: Vec::new(),
+            hung: s
+                .hung
+                .iter()
+                .map(|h| HungStatus {
+                    replica_id: h.replica_id.clone(),
+                    idle_s: h.idle.as_secs_f64(),
+                    hung_for_s: now.saturating_duration_since(h.since).as_secs_f64(),
+                    hang_timeout_s: h.timeout.as_secs_f64(),
+                })
+                .collect(),
+            hang_timeout_s: s.hang_timeout.0.as_secs_f64(),
+            hang_timeout_rule: s.hang_timeout.1.clone(),
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),
             startup_hold: s.startup_hold.map(|(why, remaining)| StartupHoldStatus {
@@ -269,6 +302,8 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         min_replicas: snapshot.min_replicas,
         counters,
         event_log_dropped: shared.hub.log_dropped(),
+        replicas_hung: snapshot.hung.len(),
+        hang_timeout_s: snapshot.hang_timeout.0.as_secs_f64(),
     };
     (
         [(

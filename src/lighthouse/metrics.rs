@@ -88,6 +88,10 @@ pub struct JobMetrics {
     pub counters: GlobalCounters,
     /// Event log lines dropped.
     pub event_log_dropped: u64,
+    /// Replica groups held hung now (alive, training loop away past the hang timeout).
+    pub replicas_hung: usize,
+    /// The hang timeout now, in seconds.
+    pub hang_timeout_s: f64,
 }
 
 /// Renders the exposition text.
@@ -161,6 +165,19 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
     }
     w.family("torchft_replicas", "gauge", "Replica groups known.");
     w.sample("torchft_replicas", &[], replicas.len() as f64);
+    w.family(
+        "torchft_replicas_hung",
+        "gauge",
+        "Replica groups held hung: alive, but their training loop has not reached their \
+         manager for longer than the hang timeout while a round waited (replica_hung events).",
+    );
+    w.sample("torchft_replicas_hung", &[], job.replicas_hung as f64);
+    w.family(
+        "torchft_hang_timeout_seconds",
+        "gauge",
+        "The hang timeout now (configured, or adaptive from the job's round interval).",
+    );
+    w.sample("torchft_hang_timeout_seconds", &[], job.hang_timeout_s);
 
     w.family(
         "torchft_replica_state",
@@ -279,6 +296,8 @@ mod tests {
             min_replicas: 2,
             counters: GlobalCounters::default(),
             event_log_dropped: 0,
+            replicas_hung: 1,
+            hang_timeout_s: 10.0,
         };
         let text = render(&job, &[]);
         let mut families = 0;

@@ -13,6 +13,7 @@ pub mod client;
 pub mod compact;
 pub mod daemon;
 mod grpc;
+pub mod hang;
 pub mod http;
 pub mod hub;
 pub mod metrics;
@@ -54,6 +55,11 @@ pub struct LighthouseOptions {
     /// lighthouse starts from nothing, and holds its first quorum only once a manager tells
     /// it that it restarted (a heartbeat or request naming a quorum of the earlier life).
     pub state_file: Option<std::path::PathBuf>,
+    /// A replica group whose training loop has not reached its manager for this long, while
+    /// a round waits on it, is hung: the quorum rules stop counting it as healthy and the
+    /// others go on without it (see [`hang`]). None: adaptive, ten times the job's recent
+    /// round interval, within 10 s and one hour.
+    pub hang_timeout: Option<Duration>,
 }
 
 impl Default for LighthouseOptions {
@@ -65,6 +71,7 @@ impl Default for LighthouseOptions {
             heartbeat_timeout: Duration::from_secs(5),
             progress_wait: DEFAULT_PROGRESS_WAIT,
             state_file: None,
+            hang_timeout: None,
         }
     }
 }

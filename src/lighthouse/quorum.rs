@@ -42,6 +42,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use super::hang::{HangWatch, Hung};
 use super::{compact, LighthouseOptions};
 use crate::error::{Error, Result};
 use crate::proto::{Quorum, QuorumMember};
@@ -343,6 +344,10 @@ pub struct Snapshot {
     pub healthy_not_asking: Vec<String>,
     /// How long the current round has been open (None while nobody asks).
     pub round_age: Option<Duration>,
+    /// Replica groups hung now (see [`super::hang`]), by id.
+    pub hung: Vec<Hung>,
+    /// The hang timeout now, and how it was chosen.
+    pub hang_timeout: (Duration, String),
 }
 
 /// The lighthouse's quorum state machine. Pure: the caller supplies `now` everywhere.
@@ -391,6 +396,8 @@ pub struct QuorumEngine {
     restored_quorum: Option<(i64, HashSet<String>)>,
     /// Bumped whenever [`QuorumEngine::durable`] may have changed.
     durable_revision: u64,
+    /// The training loops' visits and the groups found hung (see [`super::hang`]).
+    hang: HangWatch,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -437,7 +444,6 @@ impl QuorumEngine {
     /// lighthouse restarts while the engine itself stays free of clocks.
     pub fn new(opts: LighthouseOptions, initial_quorum_id: i64, now: Instant) -> Self {
         Self {
-            opts,
             next_id: initial_quorum_id.max(1),
             previous: None,
             previous_ids: HashSet::new(),
@@ -459,6 +465,8 @@ impl QuorumEngine {
             pending_regressions: Vec::new(),
             restored_quorum: None,
             durable_revision: 0,
+            hang: HangWatch::new(opts.hang_timeout),
+            opts,
         }
     }
 
@@ -628,6 +636,7 @@ impl QuorumEngine {
                 rec.heard
                     && now.saturating_duration_since(rec.last_seen) <= timeout
                     && !self.participants.contains_key(*id)
+                    && !self.hang.is_hung(id)
             })
             .map(|(id, _)| id.clone())
             .collect();
@@ -715,6 +724,18 @@ impl QuorumEngine {
         step: Option<i64>,
         now: Instant,
     ) -> Result<()> {
+        self.heartbeat_full(replica_id, step, None, now)
+    }
+
+    /// [`QuorumEngine::heartbeat_with_step`], plus how long ago the group's training loop
+    /// last reached its manager (`loop_idle`, from managers that say; see [`super::hang`]).
+    pub fn heartbeat_full(
+        &mut self,
+        replica_id: &str,
+        step: Option<i64>,
+        loop_idle: Option<Duration>,
+        now: Instant,
+    ) -> Result<()> {
         Self::check_id(replica_id)?;
         if let Some(step) = step.filter(|s| *s < 0) {
             return Err(Error::InvalidArgument(format!(
@@ -722,7 +743,39 @@ impl QuorumEngine {
             )));
         }
         self.note_step(replica_id, step, now);
+        if let Some(idle) = loop_idle {
+            self.hang.visited(replica_id, idle, now);
+        }
         Ok(())
+    }
+
+    /// Whether `replica_id` is hung now (see [`super::hang`]).
+    pub fn is_hung(&self, replica_id: &str) -> Option<&Hung> {
+        self.hang.get(replica_id)
+    }
+
+    /// The groups hung now, by id (at most `limit`).
+    pub fn hung_ids(&self, limit: usize) -> Vec<String> {
+        self.hang
+            .hung()
+            .take(limit)
+            .map(|h| h.replica_id.clone())
+            .collect()
+    }
+
+    /// The hang timeout now and how it was chosen.
+    pub fn hang_timeout(&self) -> (Duration, String) {
+        (self.hang.timeout(), self.hang.timeout_rule())
+    }
+
+    /// Groups found hung since the last call.
+    pub fn take_newly_hung(&mut self) -> Vec<Hung> {
+        self.hang.take_newly_hung()
+    }
+
+    /// Hung groups whose training loop came back since the last call.
+    pub fn take_resumed(&mut self) -> Vec<String> {
+        self.hang.take_resumed()
     }
 
     /// Records that the session of `replica_id` opened (counts as a heartbeat). Until it ends
@@ -752,6 +805,7 @@ impl QuorumEngine {
     pub fn join(&mut self, member: QuorumMember, now: Instant) -> Result<Joined> {
         validate_member(&member)?;
         self.note_step(&member.replica_id, Some(member.step), now);
+        self.hang.asked(&member.replica_id, now);
         let generation = self.next_generation;
         self.next_generation += 1;
         let shrink = member.shrink_only;
@@ -820,6 +874,8 @@ impl QuorumEngine {
             self.durable_revision += 1;
         }
         self.waived.remove(replica_id);
+        // A dead group is not hung: the hung count must only hold counted records.
+        self.hang.forget(replica_id);
         if let Some(p) = self.participants.get(replica_id) {
             let generation = p.generation;
             self.leave(replica_id, generation);
@@ -868,7 +924,8 @@ impl QuorumEngine {
         } else {
             asking
         };
-        let healthy = self.healthy.max(asking);
+        // Hung groups (alive, training loop away; see `super::hang`) are not waited for.
+        let healthy = self.healthy.saturating_sub(self.hang.count()).max(asking);
         if (candidates as u64) < self.opts.min_replicas {
             return Verdict::BelowMinReplicas {
                 candidates,
@@ -1078,6 +1135,8 @@ impl QuorumEngine {
         let timeout = self.opts.heartbeat_timeout;
         let forget_after = timeout.saturating_mul(PRUNE_AFTER_TIMEOUTS);
         let participants = &self.participants;
+        let hang = &mut self.hang;
+        let round_open = self.round_started.is_some();
         let mut healthy = 0;
         self.heartbeats.retain(|id, rec| {
             let waiting = participants.contains_key(id);
@@ -1086,12 +1145,21 @@ impl QuorumEngine {
             if rec.counted {
                 healthy += 1;
             }
+            if rec.counted && !waiting {
+                hang.judge(id, round_open, now);
+            } else {
+                hang.clear(id);
+            }
             // An open session keeps the record (bounded by the open connections), and so
             // does a holder restored from a previous life until it is waited out.
-            waiting
+            let keep = waiting
                 || rec.session
                 || age <= forget_after
-                || rec.restored_until.is_some_and(|until| now < until)
+                || rec.restored_until.is_some_and(|until| now < until);
+            if !keep {
+                hang.forget(id);
+            }
+            keep
         });
         self.healthy = healthy;
         let known = &self.heartbeats;
@@ -1099,6 +1167,7 @@ impl QuorumEngine {
     }
 
     fn issue(&mut self, now: Instant) -> Quorum {
+        self.hang.round_issued(now);
         // Decided while the members are still in the round: who is ahead of this quorum.
         let to_step = self.candidates_step();
         let mut ahead: Vec<(String, i64)> = self
@@ -1263,6 +1332,8 @@ impl QuorumEngine {
                 self.healthy_not_asking(now, 64)
             },
             round_age: self.round_started.map(|t| now.saturating_duration_since(t)),
+            hung: self.hang.hung().cloned().collect(),
+            hang_timeout: (self.hang.timeout(), self.hang.timeout_rule()),
         }
     }
 }
@@ -1270,6 +1341,7 @@ impl QuorumEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lighthouse::hang;
 
     fn opts(min_replicas: u64) -> LighthouseOptions {
         LighthouseOptions {
@@ -1281,6 +1353,7 @@ mod tests {
             // own tests below.
             progress_wait: Duration::ZERO,
             state_file: None,
+            hang_timeout: None,
         }
     }
 
@@ -1374,6 +1447,123 @@ mod tests {
     }
 
     use Ev::*;
+
+    #[test]
+    fn a_hung_group_is_not_waited_for_and_rejoins_when_its_loop_is_back() {
+        let t0 = Instant::now();
+        let sec = Duration::from_secs(1);
+        let mut e = QuorumEngine::new(
+            LighthouseOptions {
+                hang_timeout: Some(5 * sec),
+                join_timeout: Duration::from_secs(600),
+                ..opts(1)
+            },
+            1,
+            t0,
+        );
+        // Both train together; their loops report fresh visits.
+        e.join(member("a"), t0).unwrap();
+        e.join(member("b"), t0).unwrap();
+        let q1 = e.tick(t0).expect("both asked");
+        assert_eq!(ids(&q1), vec!["a", "b"]);
+        // a asks for the next step; b's process heartbeats but its loop stays away.
+        e.join(member("a"), t0 + sec).unwrap();
+        let mut t = t0 + sec;
+        while t < t0 + 5 * sec {
+            e.heartbeat_full("a", None, Some(Duration::ZERO), t)
+                .unwrap();
+            e.heartbeat_full("b", None, Some(t - t0), t).unwrap();
+            assert!(e.tick(t).is_none(), "a strict majority of two needs b");
+            t += Duration::from_millis(500);
+        }
+        assert!(e.take_newly_hung().is_empty());
+        // Past the hang timeout b is hung: a goes on alone, at once.
+        t = t0 + 5 * sec + Duration::from_millis(100);
+        e.heartbeat_full("b", None, Some(t - t0), t).unwrap();
+        let q2 = e.tick(t).expect("b is hung: a goes on without it");
+        assert_eq!(ids(&q2), vec!["a"]);
+        let hung = e.take_newly_hung();
+        assert_eq!(hung.len(), 1);
+        assert_eq!(hung[0].replica_id, "b");
+        assert!(e.is_hung("b").is_some());
+        // Whom a round would wait for: a (just answered), never the hung b.
+        assert_eq!(e.healthy_not_asking(t, 8), vec!["a"]);
+        let snap = e.snapshot(t);
+        assert_eq!(snap.hung.len(), 1);
+        assert_eq!(snap.hang_timeout.1, "configured");
+        // Later rounds do not wait for it either.
+        e.join(member("a"), t + sec).unwrap();
+        assert!(e.tick(t + sec).is_some());
+        // b's loop comes back: it asks, is no longer hung, and the next round has both.
+        let back = t + 2 * sec;
+        e.join(member("a"), back).unwrap();
+        e.join(member("b"), back).unwrap();
+        assert!(e.is_hung("b").is_none());
+        assert_eq!(e.take_resumed(), vec!["b".to_string()]);
+        let q3 = e.tick(back).expect("both ask");
+        assert_eq!(ids(&q3), vec!["a", "b"]);
+    }
+
+    #[test]
+    fn a_hung_group_that_dies_is_not_counted_hung_any_more() {
+        let t0 = Instant::now();
+        let sec = Duration::from_secs(1);
+        let mut e = QuorumEngine::new(
+            LighthouseOptions {
+                hang_timeout: Some(2 * sec),
+                join_timeout: Duration::from_secs(600),
+                ..opts(1)
+            },
+            1,
+            t0,
+        );
+        e.join(member("a"), t0).unwrap();
+        e.join(member("b"), t0).unwrap();
+        assert!(e.tick(t0).is_some());
+        e.join(member("a"), t0 + sec).unwrap();
+        let t = t0 + 3 * sec;
+        e.heartbeat_full("b", None, Some(3 * sec), t).unwrap();
+        assert!(e.tick(t).is_some(), "b is hung: a goes on");
+        assert!(e.is_hung("b").is_some());
+        // b's process dies (its session ends); its restart c and a train on: a round with
+        // one of the two healthy groups asking waits (no strict majority), as before.
+        e.lost("b", t);
+        assert!(e.is_hung("b").is_none());
+        e.heartbeat_full("c", None, Some(Duration::ZERO), t).unwrap();
+        e.join(member("a"), t + sec).unwrap();
+        assert!(e.tick(t + sec).is_none(), "a alone of a and c is no majority");
+        e.join(member("c"), t + sec).unwrap();
+        let q = e.tick(t + sec).expect("both ask");
+        assert_eq!(ids(&q), vec!["a", "c"]);
+    }
+
+    #[test]
+    fn a_group_that_never_reached_its_loop_or_a_busy_one_is_never_hung() {
+        let t0 = Instant::now();
+        let sec = Duration::from_secs(1);
+        let mut e = QuorumEngine::new(
+            LighthouseOptions {
+                hang_timeout: Some(2 * sec),
+                join_timeout: Duration::from_secs(600),
+                ..opts(1)
+            },
+            1,
+            t0,
+        );
+        e.join(member("a"), t0).unwrap();
+        // b heartbeats without a loop report (joining, or an upstream manager that never
+        // asked), c reports its loop inside torchft (a heal in progress).
+        let mut t = t0;
+        while t < t0 + 10 * sec {
+            e.heartbeat_full("b", None, None, t).unwrap();
+            e.heartbeat_full("c", None, Some(Duration::ZERO), t)
+                .unwrap();
+            assert!(e.tick(t).is_none());
+            t += Duration::from_millis(500);
+        }
+        assert!(e.take_newly_hung().is_empty());
+        assert_eq!(e.healthy_not_asking(t, 8), vec!["b", "c"]);
+    }
 
     #[test]
     fn first_round_waits_for_all_healthy() {
@@ -1910,6 +2100,7 @@ mod tests {
             heartbeat_timeout: Duration::from_secs(5),
             progress_wait: Duration::from_secs(10),
             state_file: None,
+            hang_timeout: None,
         }
     }
 
@@ -2279,6 +2470,7 @@ mod tests {
                 heartbeat_timeout: Duration::from_millis(1000 + rng.below(2000)),
                 progress_wait: Duration::from_millis(500 + rng.below(4000)),
                 state_file: None,
+                hang_timeout: None,
             };
             let t0 = Instant::now();
             let mut e = QuorumEngine::new(o.clone(), 1, t0);
@@ -2404,6 +2596,7 @@ mod tests {
                 heartbeat_timeout: Duration::from_millis(1000 + rng.below(3000)),
                 progress_wait: Duration::ZERO,
                 state_file: None,
+                hang_timeout: None,
             };
             let mut e = QuorumEngine::new(o.clone(), 1 + rng.below(1000) as i64, Instant::now());
             let t0 = Instant::now();
@@ -2411,6 +2604,7 @@ mod tests {
             let mut gens: HashMap<String, u64> = HashMap::new();
             // Exact liveness model, independent of the engine's counters.
             let mut seen: HashMap<String, Instant> = HashMap::new();
+            let mut asked_at: HashMap<String, Instant> = HashMap::new();
             let mut sets: HashMap<i64, Vec<String>> = HashMap::new();
             let mut last_id = i64::MIN;
             for _ in 0..400 {
@@ -2425,6 +2619,7 @@ mod tests {
                         let j = e.join(m, now).unwrap();
                         gens.insert(id.clone(), j.generation);
                         seen.insert(id.clone(), now);
+                        asked_at.insert(id.clone(), now);
                         e.poll(now)
                     }
                     3 => {
@@ -2458,12 +2653,25 @@ mod tests {
                     members.len() as u64 >= min,
                     "seed {seed}: below min_replicas"
                 );
+                // Hung groups (asked before, silent in the loop past the hang timeout since
+                // their last request: the only visits this model makes) are not counted.
                 let healthy = seen
                     .iter()
                     .filter(|(id, t)| {
                         now.saturating_duration_since(**t) <= o.heartbeat_timeout
                             || e.participants.contains_key(*id)
                             || members.contains(id)
+                    })
+                    .filter(|(id, _)| {
+                        let Some(h) = e.is_hung(id) else {
+                            return true;
+                        };
+                        let away = asked_at.get(*id).map(|t| now.saturating_duration_since(*t));
+                        assert!(
+                            away.is_some_and(|a| a > h.timeout && h.timeout >= hang::HANG_FLOOR),
+                            "seed {seed}: {id} held hung after {away:?} away ({h:?})"
+                        );
+                        false
                     })
                     .count();
                 assert!(
@@ -2662,6 +2870,7 @@ mod tests {
                 heartbeat_timeout: Duration::from_millis(1000),
                 progress_wait: Duration::ZERO,
                 state_file: None,
+                hang_timeout: None,
             };
             let mut e = QuorumEngine::new(o, 1 + rng.below(100) as i64, Instant::now());
             let mut now = Instant::now();

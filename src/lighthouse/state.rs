@@ -52,6 +52,17 @@ const EXPLAIN_WAIT_AFTER: Duration = Duration::from_secs(2);
 /// ... and again this often while it keeps waiting.
 const EXPLAIN_WAIT_EVERY: Duration = Duration::from_secs(10);
 
+/// What a heartbeat is answered with.
+#[derive(Debug, Clone)]
+pub(crate) struct HeartbeatReply {
+    /// The heartbeat timeout (the caller's lease).
+    pub(crate) timeout: Duration,
+    /// While the group asks in a round that has waited long: why it waits.
+    pub(crate) waiting: Option<Arc<str>>,
+    /// While the group is held hung: why.
+    pub(crate) hung: Option<String>,
+}
+
 /// A replica group declared lost, as shown on the status pages.
 #[derive(Debug, Clone)]
 pub(crate) struct LostRecord {
@@ -364,13 +375,20 @@ impl Shared {
         }
         let asking = state.engine.num_participants();
         let not_asking = state.engine.healthy_not_asking(now, 8);
+        let hung = state.engine.hung_ids(8);
         state.wait_reason = Some(Arc::from(format!(
-            "the round has waited {:.1}s: {verdict} ({asking} asking; healthy, not asking: {})",
+            "the round has waited {:.1}s: {verdict} ({asking} asking; healthy, not asking: \
+             {}{})",
             waited.as_secs_f64(),
             if not_asking.is_empty() {
                 "none".to_string()
             } else {
                 not_asking.join(", ")
+            },
+            if hung.is_empty() {
+                String::new()
+            } else {
+                format!("; hung, not waited for: {}", hung.join(", "))
             }
         )));
         if let Some((round, at)) = state.explained {
@@ -386,6 +404,47 @@ impl Shared {
             waited.as_secs_f64()
         );
         state.explained = Some((started, now));
+    }
+
+    /// Logs and records (`replica_hung`, `replica_resumed`) the groups found hung or back
+    /// since the last tick.
+    fn announce_hangs(&self, state: &mut State, now: std::time::Instant) {
+        let (timeout, rule) = state.engine.hang_timeout();
+        for h in state.engine.take_newly_hung() {
+            warn!(
+                replica_id = %h.replica_id,
+                idle_s = h.idle.as_secs_f64(),
+                hang_timeout_s = h.timeout.as_secs_f64(),
+                "replica group {} is hung: its process heartbeats but its training loop has \
+                 not reached its manager for {:.1}s (hang timeout {:.1}s: {rule}); the round \
+                 goes on without it, and it heals when it comes back",
+                h.replica_id,
+                h.idle.as_secs_f64(),
+                timeout.as_secs_f64()
+            );
+            self.hub.with(|t| {
+                t.emit(
+                    now,
+                    crate::telemetry::EventKind::ReplicaHung,
+                    serde_json::json!({
+                        "replica_id": h.replica_id,
+                        "idle_s": h.idle.as_secs_f64(),
+                        "hang_timeout_s": h.timeout.as_secs_f64(),
+                        "rule": rule,
+                    }),
+                )
+            });
+        }
+        for id in state.engine.take_resumed() {
+            info!(replica_id = %id, "replica group {id} is no longer hung: its training loop is back");
+            self.hub.with(|t| {
+                t.emit(
+                    now,
+                    crate::telemetry::EventKind::ReplicaResumed,
+                    serde_json::json!({ "replica_id": id }),
+                )
+            });
+        }
     }
 
     /// Logs the end of an announced startup hold (once).
@@ -507,7 +566,8 @@ impl Shared {
         replica_id: &str,
         step: Option<i64>,
         quorum_id: Option<i64>,
-    ) -> Result<(Duration, Option<Arc<str>>)> {
+        loop_idle: Option<Duration>,
+    ) -> Result<HeartbeatReply> {
         let now = now_instant();
         let mut guard = self.lock();
         let state = &mut *guard;
@@ -519,7 +579,9 @@ impl Shared {
                 "quorum_id must not be negative (replica {replica_id:?} sent {q})"
             )));
         }
-        state.engine.heartbeat_with_step(replica_id, step, now)?;
+        state
+            .engine
+            .heartbeat_full(replica_id, step, loop_idle, now)?;
         if state
             .engine
             .holds_quorum(replica_id, quorum_id.unwrap_or(0))
@@ -531,7 +593,19 @@ impl Shared {
             .as_ref()
             .filter(|_| state.engine.is_asking(replica_id))
             .cloned();
-        Ok((state.engine.options().heartbeat_timeout, waiting))
+        let hung = state.engine.is_hung(replica_id).map(|h| {
+            format!(
+                "this group's training loop has not reached its manager for {:.1}s (hang \
+                 timeout {:.1}s): the others go on without it",
+                h.idle.as_secs_f64(),
+                h.timeout.as_secs_f64()
+            )
+        });
+        Ok(HeartbeatReply {
+            timeout: state.engine.options().heartbeat_timeout,
+            waiting,
+            hung,
+        })
     }
 
     pub(crate) fn tick(&self) {
@@ -546,6 +620,7 @@ impl Shared {
             self.deliver(state, q);
         }
         Self::announce_hold_end(state, now);
+        self.announce_hangs(state, now);
         Self::explain_wait(state, now);
         Self::announce_lost(&self.hub, state, before);
         // Steps heard in heartbeats and losses reach the state file within a tick.
