@@ -116,6 +116,12 @@ class FakeNative:
             def may_commit(self, step: int, timeout: timedelta) -> bool:
                 return native.lease
 
+            def hung(self) -> str | None:
+                return None
+
+            def set_loop_busy(self, busy: bool) -> None:
+                pass
+
             def shutdown(self) -> None:
                 self.closed = True
 

@@ -211,6 +211,12 @@ class ManagerServer:
     def note_committed_step(self, step: int) -> None:
         """Notes the group's committed step (after each commit); heartbeats carry it to the
         lighthouse. Raises ValueError if negative."""
+    def hung(self) -> str | None:
+        """Why the lighthouse holds this group hung (its training loop stayed away from the
+        manager past the hang timeout while a round waited on it), or None."""
+    def set_loop_busy(self, busy: bool) -> None:
+        """Marks the training loop as inside torchft (a heal, however long) or back out of
+        it; while busy the group is never reported away."""
     def address(self) -> str:
         """``http://{hostname}:{port}``: what ranks and other groups dial."""
     def shutdown(self) -> None:

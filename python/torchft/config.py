@@ -157,6 +157,24 @@ def _check_mode(name: str, v: Any) -> WorldSizeMode:
     return v
 
 
+#: What a process does when the lighthouse holds its replica group hung (see torchft.hang).
+HANG_ACTIONS: tuple[str, ...] = ("exit", "keep")
+
+
+def _check_hang_action(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str, got {v!r}")
+    if v not in HANG_ACTIONS:
+        raise ValueError(f"{name} must be one of {', '.join(HANG_ACTIONS)}, got {v!r}")
+    return v
+
+
+def _parse_hang_action(raw: str) -> str:
+    if raw.strip().lower() not in HANG_ACTIONS:
+        raise ValueError("not an action")
+    return raw.strip().lower()
+
+
 def _parse_mode(raw: str) -> WorldSizeMode:
     try:
         return WorldSizeMode[raw.upper()]
@@ -173,6 +191,7 @@ SWITCH: Kind[bool] = Kind("one of 1/true/yes/on or 0/false/no/off", _check_bool,
 TEXT: Kind[str] = Kind("a non-empty string", _check_text, _parse_text)
 NAME: Kind[str] = Kind("a string", _check_name, _parse_text)
 MODE: Kind[WorldSizeMode] = Kind("DYNAMIC or FIXED_WITH_SPARES", _check_mode, _parse_mode)
+HANG_ACTION: Kind[str] = Kind("exit or keep", _check_hang_action, _parse_hang_action)
 
 
 # ----------------------------------------------------------------------------- variables
@@ -298,6 +317,14 @@ class ManagerConfig:
         SWITCH, True, env="TORCHFT_TELEMETRY", help="per-step telemetry to the lighthouse"
     )
     job_id: str = _setting(TEXT, "unknown", env="JOB_ID", help="job name in structured logs")
+    hang_action: str = _setting(
+        HANG_ACTION,
+        "exit",
+        env="TORCHFT_HANG_ACTION",
+        help="when the lighthouse holds this replica group hung: dump every thread's stack, "
+        "then exit with code 76 for the supervisor to restart the process (exit), or stay "
+        "(keep: the group rejoins and heals when its training loop comes back)",
+    )
     topology_file: str | None = _setting(
         TEXT,
         env="WORLD_TOPOLOGY_FILE",

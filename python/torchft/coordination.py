@@ -93,6 +93,14 @@ class NativeManagerServer(Protocol):
         """Records the group's committed step; heartbeats carry it to the lighthouse."""
         ...
 
+    def hung(self) -> str | None:
+        """Why the lighthouse holds the group hung, or None (see :mod:`torchft.hang`)."""
+        ...
+
+    def set_loop_busy(self, busy: bool) -> None:
+        """Marks the training loop as inside torchft (a heal) or back out of it."""
+        ...
+
     def shutdown(self) -> None:
         """Stops serving."""
         ...

@@ -58,6 +58,7 @@ from torchft.coordination import (
     NativePendingQuorum,
     NativeQuorumResult,
 )
+from torchft.hang import HangWatchdog
 from torchft.telemetry import RankTelemetry
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
@@ -385,6 +386,7 @@ class Manager:
         max_retries: int | None = None,
         quorum_retries: int = 0,
         telemetry: bool | None = None,
+        hang_action: str | None = None,
     ) -> None:
         """Creates the manager, connects to the replica group's store and manager server.
 
@@ -429,6 +431,11 @@ class Manager:
             quorum_retries: how often the manager server retries a failed lighthouse quorum.
             telemetry: report per-step timings and health to the lighthouse (fail-open; default
                 env ``TORCHFT_TELEMETRY``, else on). See :mod:`torchft.telemetry`.
+            hang_action: what the process does when the lighthouse holds its group hung
+                (its training loop stayed away from the manager past the hang timeout):
+                ``"exit"`` dumps every thread's stack and exits with code 76 for the
+                supervisor to restart it, ``"keep"`` dumps and stays (default env
+                ``TORCHFT_HANG_ACTION``, else ``"exit"``). See :mod:`torchft.hang`.
 
         Raises:
             ValueError: on invalid arguments or missing configuration.
@@ -455,6 +462,7 @@ class Manager:
             max_retries=max_retries,
             quorum_retries=quorum_retries,
             telemetry=telemetry,
+            hang_action=hang_action,
         )
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
@@ -597,6 +605,11 @@ class Manager:
                 enabled=cfg.telemetry,
             )
             self._watcher = _LostWatcher(self._client, self._on_lost)
+            if self._manager is not None:
+                # The hosting rank acts on the lighthouse's hang verdict (torchft.hang).
+                self._hang_watchdog = HangWatchdog(
+                    self._manager.hung, cfg.hang_action, self._replica_id
+                ).start()
         except BaseException:
             self.shutdown(wait=False)
             raise
@@ -1081,6 +1094,18 @@ class Manager:
 
     def _heal(self, quorum: NativeQuorumResult, max_step: int) -> None:
         """Fetches the live state of step ``max_step`` from the quorum's recovery source."""
+        server = self._manager
+        if server is None:
+            self._heal_body(quorum, max_step)
+            return
+        # However long the heal takes, the training loop is inside torchft, not hung.
+        server.set_loop_busy(True)
+        try:
+            self._heal_body(quorum, max_step)
+        finally:
+            server.set_loop_busy(False)
+
+    def _heal_body(self, quorum: NativeQuorumResult, max_step: int) -> None:
         self._healing = True
         src_rank = quorum.recover_src_replica_rank
         src_addr = quorum.recover_src_manager_address
@@ -1519,6 +1544,9 @@ class Manager:
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
             watcher.stop(wait=2 * _LostWatcher.POLL.total_seconds() if wait else 0.0)
+        hang_watchdog = getattr(self, "_hang_watchdog", None)
+        if hang_watchdog is not None:
+            hang_watchdog.stop()
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown(wait=wait, cancel_futures=True)

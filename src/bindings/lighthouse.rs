@@ -341,6 +341,7 @@ impl LighthouseServer {
             )?,
             progress_wait: ms_arg("progress_wait_ms", progress_wait_ms, d.progress_wait, true)?,
             state_file,
+            hang_timeout: None,
         };
         let od = ObservabilityOptions::default();
         let obs = ObservabilityOptions {
@@ -465,7 +466,7 @@ impl LighthouseClient {
         let client = self.inner.clone();
         block_on(py, async move {
             client
-                .heartbeat_lease(&replica_id, step, timeout)
+                .heartbeat_lease(&replica_id, step, None, timeout)
                 .await
                 .map_err(crate::error::Error::from)
         })?;

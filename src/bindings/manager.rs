@@ -169,6 +169,18 @@ impl PyManagerServer {
         Ok(())
     }
 
+    /// Why the lighthouse holds this group hung (its training loop stayed away from the
+    /// manager past the hang timeout while a round waited on it), or None.
+    fn hung(&self) -> Option<String> {
+        self.server.hung()
+    }
+
+    /// Marks the training loop as inside torchft (`busy=True`: a heal in progress, however
+    /// long) or back out of it; while busy the group is never reported away.
+    fn set_loop_busy(&self, busy: bool) {
+        self.server.set_loop_busy(busy);
+    }
+
     /// Stops the server (pending calls end with an error). Safe to call twice.
     fn shutdown(&self, py: Python<'_>) {
         block_on(py, self.server.shutdown());

@@ -14,7 +14,7 @@
 //! the lighthouse's lost-member events, which ranks collect with the `WatchEvents` long-poll.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -206,6 +206,13 @@ struct Inner {
     /// Why the lighthouse's round this group asks in waits, as its last heartbeat reply
     /// said (None when it did not say): the quorum request's long waits log it.
     lighthouse_waiting: Mutex<Option<String>>,
+    /// When the group's training loop last reached this server (a rank's quorum request or
+    /// commit vote); None before the first visit. Heartbeats report its age (hang watch).
+    loop_visit: Mutex<Option<Instant>>,
+    /// Heals in progress in the hosting rank: the loop is inside torchft, not away.
+    loop_busy: AtomicUsize,
+    /// Why the lighthouse holds this group hung, as its last heartbeat reply said.
+    hung: Mutex<Option<String>>,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -307,6 +314,9 @@ impl ManagerServer {
             commit_unsupported: AtomicBool::new(false),
             topology_unused: AtomicBool::new(false),
             lighthouse_waiting: Mutex::new(None),
+            loop_visit: Mutex::new(None),
+            loop_busy: AtomicUsize::new(0),
+            hung: Mutex::new(None),
             opts,
         });
 
@@ -353,12 +363,37 @@ impl ManagerServer {
         self.inner.lease_held()
     }
 
+    /// Why the lighthouse holds this group hung (its training loop stayed away from this
+    /// server past the hang timeout while a round waited on it), or None.
+    pub fn hung(&self) -> Option<String> {
+        self.inner
+            .hung
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Marks the hosting rank's training loop as inside torchft (`busy`: a heal, which may
+    /// take long) or back out of it; while busy the loop is never reported away.
+    pub fn set_loop_busy(&self, busy: bool) {
+        if busy {
+            self.inner.loop_busy.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .inner
+                .loop_busy
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+            self.inner.visit();
+        }
+    }
+
     /// Whether this group may commit the step `step` (its committed step count before the
     /// commit): its lease held, and the lighthouse accepted the write-ahead announcement of
     /// `step + 1` under the group's quorum (retried until `timeout` while the lighthouse is
     /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
     /// groups get the same gate through `ShouldCommit`.
     pub async fn may_commit(&self, step: i64, timeout: Duration) -> bool {
+        self.inner.visit();
         if !self.inner.lease_held() {
             return false;
         }
@@ -433,7 +468,12 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
         let step = inner.committed_step.load(Ordering::Relaxed);
         let result = inner
             .lighthouse
-            .heartbeat_lease(&inner.opts.replica_id, (step >= 0).then_some(step), period)
+            .heartbeat_lease(
+                &inner.opts.replica_id,
+                (step >= 0).then_some(step),
+                inner.loop_idle(sent),
+                period,
+            )
             .await;
         if result.is_err() {
             // A reason heard before the lighthouse went silent no longer holds.
@@ -453,6 +493,7 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
                     .lighthouse_waiting
                     .lock()
                     .unwrap_or_else(|p| p.into_inner()) = ack.waiting;
+                inner.set_hung(ack.hung);
                 if failing {
                     info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
                     failing = false;
@@ -528,6 +569,38 @@ async fn session_loop(inner: Arc<Inner>) {
 }
 
 impl Inner {
+    /// The group's training loop reached this server now.
+    fn visit(&self) {
+        *self.loop_visit.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    /// How long ago (as of `now`) the loop last reached this server: zero while a heal is in
+    /// progress, None before its first visit.
+    fn loop_idle(&self, now: Instant) -> Option<Duration> {
+        if self.loop_busy.load(Ordering::Relaxed) > 0 {
+            return Some(Duration::ZERO);
+        }
+        self.loop_visit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|at| now.saturating_duration_since(at))
+    }
+
+    /// Records the lighthouse's hang verdict for this group, logging its changes.
+    fn set_hung(&self, hung: Option<String>) {
+        let mut slot = self.hung.lock().unwrap_or_else(|p| p.into_inner());
+        match (&*slot, &hung) {
+            (None, Some(why)) => {
+                warn!(replica_id = %self.opts.replica_id, "the lighthouse holds this group hung: {why}")
+            }
+            (Some(_), None) => {
+                info!(replica_id = %self.opts.replica_id, "the lighthouse no longer holds this group hung")
+            }
+            _ => {}
+        }
+        *slot = hung;
+    }
+
     /// A member of a quorum was declared lost: ranks learn it through `WatchEvents`, and a
     /// commit vote of the current quorum in progress is decided "no" at once (a rank of this
     /// group may be held up by the lost peer; the step cannot commit anyway).
@@ -828,6 +901,7 @@ impl ManagerService for Service {
         let deadline = Instant::now() + timeout;
         let req = request.into_inner();
         let inner = &self.inner;
+        inner.visit();
         let joined = inner.gather.join(&req, deadline)?;
         let _guard = LeaveGuard {
             gather: &inner.gather,
@@ -875,6 +949,7 @@ impl ManagerService for Service {
     ) -> Result<Response<ShouldCommitResponse>, Status> {
         let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
+        self.inner.visit();
         let local = req.should_commit && self.inner.lease_held();
         let inner = self.inner.clone();
         let vote = self.inner.barrier.vote_gated(
