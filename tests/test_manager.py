@@ -93,6 +93,7 @@ class FakeNative:
     quorum_delay: float = 0.0
     lease: bool = True
     log_context: tuple[str, int] | None = None
+    busy_calls: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         native = self
@@ -120,7 +121,7 @@ class FakeNative:
                 return None
 
             def set_loop_busy(self, busy: bool) -> None:
-                pass
+                native.busy_calls.append(busy)
 
             def shutdown(self) -> None:
                 self.closed = True
@@ -824,6 +825,27 @@ def test_heal_of_a_failed_step_is_loaded_before_the_next_forward(harness: Any) -
     assert torch.equal(sd["user"]["default"]["w"], torch.full((3,), 3.0))
     assert m.should_commit()
     assert m.current_step() == 6
+
+
+def test_the_loop_is_marked_inside_torchft_through_quorum_heal_and_vote(harness: Any) -> None:
+    """The hang watch never counts the loop as away while it waits in torchft: the quorum
+    (and a heal), and the commit vote are each marked busy, and every mark is undone."""
+    h = harness()
+    _serve(h, 5, torch.full((3,), 3.0))
+    h.native.quorums = [_heal_quorum()]
+    m = h.manager
+    m.start_quorum()
+    m.wait_quorum()
+    after_quorum = list(h.native.busy_calls)
+    assert after_quorum.count(True) >= 2  # waiting for the quorum, and the heal inside it
+    assert m.should_commit()
+    calls = h.native.busy_calls
+    assert len(calls) > len(after_quorum)  # the vote too
+    depth = 0
+    for busy in calls:
+        depth += 1 if busy else -1
+        assert depth >= 0
+    assert depth == 0, calls
 
 
 def test_heal_disallowed_skips_recv(harness: Any) -> None:

@@ -834,7 +834,7 @@ class Manager:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
             self._quorum_future = fut
             try:
-                with self._timing_quorum():
+                with self._timing_quorum(), self._in_torchft():
                     self._run_quorum(allow_heal, shrink_only, quorum_timeout)
                 fut.set_result(None)
             except BaseException as e:
@@ -856,7 +856,7 @@ class Manager:
         # The quorum RPC and the heal each carry their own deadline; this bound is a backstop.
         limit = (self._quorum_timeout + 2 * self._timeout + self._connect_timeout).total_seconds()
         try:
-            with self._timing_quorum():
+            with self._timing_quorum(), self._in_torchft():
                 fut.result(timeout=limit)
         except FutureTimeoutError:
             # concurrent.futures' TimeoutError is the built-in one: a quorum that itself
@@ -864,6 +864,20 @@ class Manager:
             if fut.done():
                 raise
             raise TimeoutError(f"quorum did not finish within {limit:.1f}s") from None
+
+    @contextmanager
+    def _in_torchft(self) -> Iterator[None]:
+        """Marks the training loop as inside torchft (a quorum, its process group, a heal, a
+        vote): however long it takes, the lighthouse does not count it as away (hang watch)."""
+        server = self._manager
+        if server is None:
+            yield
+            return
+        server.set_loop_busy(True)
+        try:
+            yield
+        finally:
+            server.set_loop_busy(False)
 
     def _timing_quorum(self) -> Any:
         """Context counting the time inside it as blocked on the quorum (telemetry)."""
@@ -1094,16 +1108,9 @@ class Manager:
 
     def _heal(self, quorum: NativeQuorumResult, max_step: int) -> None:
         """Fetches the live state of step ``max_step`` from the quorum's recovery source."""
-        server = self._manager
-        if server is None:
+        # However long the heal takes (also on the quorum thread), the loop is not away.
+        with self._in_torchft():
             self._heal_body(quorum, max_step)
-            return
-        # However long the heal takes, the training loop is inside torchft, not hung.
-        server.set_loop_busy(True)
-        try:
-            self._heal_body(quorum, max_step)
-        finally:
-            server.set_loop_busy(False)
 
     def _heal_body(self, quorum: NativeQuorumResult, max_step: int) -> None:
         self._healing = True
@@ -1357,6 +1364,11 @@ class Manager:
             TornStateError: a heal that wrote into this group's tensors failed and no group
                 is left to heal it again: the process must restart (see docs/healing.md).
         """
+        # Waiting for collectives and the vote is inside torchft: never counted as away.
+        with self._in_torchft():
+            return self._should_commit(timeout)
+
+    def _should_commit(self, timeout: timedelta | None) -> bool:
         vote_timeout = timeout if timeout is not None else self._timeout
         quorum_timed_out: TimeoutError | None = None
         try:

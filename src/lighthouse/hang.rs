@@ -27,6 +27,10 @@ pub const HANG_FLOOR: Duration = Duration::from_secs(10);
 pub const HANG_CEILING: Duration = Duration::from_secs(3600);
 /// Round intervals kept for the median.
 const SAMPLES: usize = 32;
+/// Fewer round intervals than this (a fresh or restarted lighthouse) say nothing of the
+/// job's pace: the adaptive timeout is then the ceiling, so a job with long steps is not cut
+/// before its pace is known.
+const MIN_SAMPLES: usize = 3;
 
 /// A group found hung.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,9 +84,9 @@ impl HangWatch {
         self.last_round = Some(now);
     }
 
-    /// The median of the recent round intervals (None before two rounds).
+    /// The median of the recent round intervals (None before [`MIN_SAMPLES`] of them).
     pub fn pace(&self) -> Option<Duration> {
-        if self.intervals.is_empty() {
+        if self.intervals.len() < MIN_SAMPLES {
             return None;
         }
         let mut sorted: Vec<Duration> = self.intervals.iter().copied().collect();
@@ -91,13 +95,13 @@ impl HangWatch {
     }
 
     /// The hang timeout now: the configured one, else [`HANG_MULTIPLE`] × the pace within
-    /// [`HANG_FLOOR`] and [`HANG_CEILING`] (the floor before the pace is known).
+    /// [`HANG_FLOOR`] and [`HANG_CEILING`] (the ceiling before the pace is known).
     pub fn timeout(&self) -> Duration {
         if let Some(fixed) = self.fixed {
             return fixed;
         }
         self.pace()
-            .map_or(HANG_FLOOR, |p| p.saturating_mul(HANG_MULTIPLE))
+            .map_or(HANG_CEILING, |p| p.saturating_mul(HANG_MULTIPLE))
             .clamp(HANG_FLOOR, HANG_CEILING)
     }
 
@@ -112,8 +116,8 @@ impl HangWatch {
                 HANG_CEILING.as_secs()
             ),
             (None, None) => format!(
-                "the floor {}s (no round interval yet)",
-                HANG_FLOOR.as_secs()
+                "the ceiling {}s until {MIN_SAMPLES} round intervals show the job's pace",
+                HANG_CEILING.as_secs()
             ),
         }
     }
@@ -232,9 +236,15 @@ mod tests {
     fn timeout_follows_the_pace_within_floor_and_ceiling() {
         let t0 = Instant::now();
         let mut w = HangWatch::new(None);
-        assert_eq!(w.timeout(), HANG_FLOOR);
+        // Pace unknown (a fresh or restarted lighthouse): nobody is cut before it is known.
+        assert_eq!(w.timeout(), HANG_CEILING);
+        w.round_issued(t0);
+        w.round_issued(t0 + 50 * MS);
+        w.round_issued(t0 + 100 * MS);
+        assert_eq!(w.pace(), None);
+        assert_eq!(w.timeout(), HANG_CEILING);
         // Fast steps: the floor.
-        for i in 0..10 {
+        for i in 3..10 {
             w.round_issued(t0 + 50 * MS * i);
         }
         assert_eq!(w.pace(), Some(50 * MS));

@@ -1529,9 +1529,13 @@ mod tests {
         // one of the two healthy groups asking waits (no strict majority), as before.
         e.lost("b", t);
         assert!(e.is_hung("b").is_none());
-        e.heartbeat_full("c", None, Some(Duration::ZERO), t).unwrap();
+        e.heartbeat_full("c", None, Some(Duration::ZERO), t)
+            .unwrap();
         e.join(member("a"), t + sec).unwrap();
-        assert!(e.tick(t + sec).is_none(), "a alone of a and c is no majority");
+        assert!(
+            e.tick(t + sec).is_none(),
+            "a alone of a and c is no majority"
+        );
         e.join(member("c"), t + sec).unwrap();
         let q = e.tick(t + sec).expect("both ask");
         assert_eq!(ids(&q), vec!["a", "c"]);
