@@ -1134,9 +1134,15 @@ impl QuorumEngine {
     pub fn prune(&mut self, now: Instant) {
         let timeout = self.opts.heartbeat_timeout;
         let forget_after = timeout.saturating_mul(PRUNE_AFTER_TIMEOUTS);
+        let round_open = self.round_started.is_some();
+        // A group ahead of the round's candidates holds progress they would lose: the
+        // progress rule waits for it (up to progress_wait, then gives up on it), and it is not
+        // held hung meanwhile (its process must not end itself with the only newer state).
+        let candidates_step =
+            (round_open && !self.participants.is_empty()).then(|| self.candidates_step());
+        let waived = &self.waived;
         let participants = &self.participants;
         let hang = &mut self.hang;
-        let round_open = self.round_started.is_some();
         let mut healthy = 0;
         self.heartbeats.retain(|id, rec| {
             let waiting = participants.contains_key(id);
@@ -1145,7 +1151,11 @@ impl QuorumEngine {
             if rec.counted {
                 healthy += 1;
             }
-            if rec.counted && !waiting {
+            let ahead = match (candidates_step, rec.step) {
+                (Some(c), Some(held)) => held > c && waived.get(id).is_none_or(|w| held > *w),
+                _ => false,
+            };
+            if rec.counted && !waiting && !ahead {
                 hang.judge(id, round_open, now);
             } else {
                 hang.clear(id);
@@ -1539,6 +1549,53 @@ mod tests {
         e.join(member("c"), t + sec).unwrap();
         let q = e.tick(t + sec).expect("both ask");
         assert_eq!(ids(&q), vec!["a", "c"]);
+    }
+
+    #[test]
+    fn a_hung_group_ahead_of_the_round_is_waited_for_not_held_hung() {
+        let t0 = Instant::now();
+        let sec = Duration::from_secs(1);
+        let mut e = QuorumEngine::new(
+            LighthouseOptions {
+                hang_timeout: Some(2 * sec),
+                progress_wait: 20 * sec,
+                join_timeout: Duration::from_secs(600),
+                ..opts(1)
+            },
+            1,
+            t0,
+        );
+        // b holds step 9 and hangs; a restarted at step 0 asks.
+        e.heartbeat_full("b", Some(9), Some(Duration::ZERO), t0)
+            .unwrap();
+        e.join(
+            QuorumMember {
+                step: 0,
+                ..member("a")
+            },
+            t0,
+        )
+        .unwrap();
+        let mut t = t0;
+        while t < t0 + 10 * sec {
+            e.heartbeat_full("b", Some(9), Some(t - t0), t).unwrap();
+            assert!(e.tick(t).is_none(), "a waits for b's newer state");
+            t += Duration::from_millis(500);
+        }
+        // Away far past the hang timeout, but never held hung: it holds the only step 9.
+        assert!(e.take_newly_hung().is_empty());
+        assert!(e.is_hung("b").is_none());
+        // Its loop comes back: it asks, a heals from it.
+        e.join(
+            QuorumMember {
+                step: 9,
+                ..member("b")
+            },
+            t,
+        )
+        .unwrap();
+        let q = e.tick(t).expect("both ask");
+        assert_eq!(ids(&q), vec!["a", "b"]);
     }
 
     #[test]
