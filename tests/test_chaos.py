@@ -221,3 +221,39 @@ def test_an_asked_restart_is_counted_and_a_crash_is_a_violation(tmp_path: Path) 
     rep = check(tmp_path, target=1, min_replicas=1, groups=["a"])
     assert rep.restarts_asked == 0
     assert rep.violations == [f"process {big} (a) exited with 1"]
+
+
+def test_a_hung_exit_counts_only_after_an_injected_hang(tmp_path: Path) -> None:
+    """A process that ends with HUNG_EXIT after its history shows an injected hang is a hung
+    process that ended itself (restarted, counted apart); the same exit without a hang in
+    its history is a false hang verdict, a violation."""
+    from torchft.chaos.history import HUNG_EXIT
+
+    big = 10**6 + 200
+    hung_history = [
+        _commit("a", big, 1, 1, "s1", 0.2),
+        {"kind": "hang", "group": "a", "pid": big, "seconds": 20.0, "step": 1, "t": 0.3},
+    ]
+    restarted = [
+        _commit("a", big + 1, 2, 2, "s2", 12.0),
+        {"kind": "finish", "group": "a", "pid": big + 1, "step": 2, "state": "s2", "t": 13.0},
+    ]
+    _write(tmp_path / "a.history.jsonl", hung_history + restarted)
+    exits = [
+        {"kind": "start", "group": "a", "pid": big, "t": 0.0},
+        {"kind": "exit", "group": "a", "pid": big, "rc": HUNG_EXIT, "killed": False, "t": 10.5},
+        {"kind": "start", "group": "a", "pid": big + 1, "t": 11.0},
+        {"kind": "exit", "group": "a", "pid": big + 1, "rc": 0, "killed": False, "t": 14.0},
+    ]
+    _write(tmp_path / "processes.jsonl", exits)
+    rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
+    assert rep.violations == [] and rep.hang_exits == 1
+    assert "ended themselves (held hung, restarted): 1" in rep.text()
+    # Without the injected hang, the same exit is a false verdict.
+    _write(tmp_path / "a.history.jsonl", hung_history[:1] + restarted)
+    rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
+    assert rep.hang_exits == 0
+    assert rep.violations == [
+        f"process {big} (a) ended as held hung, but its training loop never hung: "
+        "a false hang verdict"
+    ]

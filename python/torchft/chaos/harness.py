@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from torch.distributed import TCPStore
 
-from torchft.chaos.history import RESTART_EXIT, Report, check, read_jsonl
+from torchft.chaos.history import HUNG_EXIT, RESTART_EXIT, Report, check, read_jsonl
 from torchft.launch import _ADDRESS_RE, _find_lighthouse_cmd
 
 #: Fault kinds and their default weights. Each kind is a method ``_fault_<kind>`` of
@@ -43,6 +43,7 @@ FAULT_KINDS: dict[str, float] = {
     "kill_heal_source": 1.0,
     "kill_in_commit": 1.5,
     "kill_lighthouse": 0.5,
+    "hang": 1.0,
 }
 
 
@@ -60,6 +61,9 @@ class ChaosConfig:
     join_timeout_ms: int = 1000
     min_replicas: int = 1
     stop_range: tuple[float, float] = (1.0, 8.0)
+    #: How long an injected hang blocks a group's training loop (its process lives on);
+    #: sometimes longer than the hang timeout (10 s at the chaos pace), so it is cut out.
+    hang_range: tuple[float, float] = (2.0, 25.0)
     weights: dict[str, float] = field(default_factory=lambda: dict(FAULT_KINDS))
     finish_steps: int = 20
     timeout: float = 1800.0
@@ -222,6 +226,8 @@ class Chaos:
                 str(self.cfg.min_replicas),
                 "--log-level",
                 self.cfg.worker_log_level,
+                "--hang-file",
+                str(self.dir / f"{group}.hang"),
             ]
             (self.dir / f"{tag}.history.jsonl").touch()
             with open(self.dir / f"{tag}.log", "wb") as out:
@@ -250,7 +256,7 @@ class Chaos:
                         "killed": p.killed,
                     },
                 )
-                asked = rc == RESTART_EXIT and not p.killed
+                asked = rc in (RESTART_EXIT, HUNG_EXIT) and not p.killed
                 if asked and not self.closing:
                     self.log(f"{group} (pid {p.proc.pid}) asked to be restarted; see its log")
                 if (p.killed or asked) and not self.closing:
@@ -354,6 +360,22 @@ class Chaos:
         timer.daemon = True
         timer.start()
         self._restarts.append(timer)
+        return [g]
+
+    def _fault_hang(self) -> list[str] | None:
+        """Blocks a group's training loop while its process (and heartbeats) lives on."""
+        running = [g for g in self._running() if g not in self.stopped]
+        if len(running) < 2:
+            return None
+        g = self.rng.choice(running)
+        hang_file = self.dir / f"{g}.hang"
+        if hang_file.exists():
+            return None  # the last one was not taken yet
+        secs = self.rng.uniform(*self.cfg.hang_range)
+        self._fault("hang", [g], seconds=round(secs, 2))
+        tmp = hang_file.with_suffix(".tmp")
+        tmp.write_text(f"{secs:.2f}")
+        os.replace(tmp, hang_file)
         return [g]
 
     def _healing(self) -> list[str]:

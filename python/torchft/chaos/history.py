@@ -36,6 +36,10 @@ import torch
 #: restarts it as a supervisor would, and the check does not count it as a crash.
 RESTART_EXIT = 75
 
+#: Exit code of a process that ended itself because the lighthouse held its group hung
+#: (torchft.hang): expected after an injected ``hang`` fault, a false verdict otherwise.
+HUNG_EXIT = 76
+
 
 def state_hash(*states: Any) -> str:
     """A hash of nested dicts/lists of tensors and scalars (sorted keys, raw bytes)."""
@@ -91,6 +95,10 @@ class HistoryWriter:
                 "state": state,
             }
         )
+
+    def hang(self, seconds: float, step: int) -> None:
+        """Records that the training loop blocks for ``seconds`` (an injected hang)."""
+        self._write({"kind": "hang", "seconds": seconds, "step": step})
 
     def finish(self, step: int, state: str) -> None:
         """Records the final step and state."""
@@ -158,6 +166,8 @@ class Report:
     commits: int = 0
     #: Processes that ended asking to be restarted (a heal torn with no source left).
     restarts_asked: int = 0
+    #: Processes that ended themselves while their injected hang outlasted the hang timeout.
+    hang_exits: int = 0
     final: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -188,6 +198,9 @@ class Report:
         lines.append(
             f"restarts asked for (a heal into own tensors torn, no source left): "
             f"{self.restarts_asked}"
+        )
+        lines.append(
+            f"hung processes that ended themselves (held hung, restarted): {self.hang_exits}"
         )
         lines.append(f"final: {self.final}")
         lines.append(f"violations: {len(self.violations)}")
@@ -266,6 +279,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     commits: list[dict[str, Any]] = []
     finishes: list[dict[str, Any]] = []
     ready: dict[int, dict[str, Any]] = {}
+    hung_pids: set[int] = set()
     for p in sorted(run_dir.glob("*.history.jsonl")):
         for rec in read_jsonl(p):
             if rec["kind"] == "commit":
@@ -274,6 +288,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 finishes.append(rec)
             elif rec["kind"] == "ready":
                 ready[rec["pid"]] = rec
+            elif rec["kind"] == "hang":
+                hung_pids.add(rec["pid"])
     if (run_dir / "floor.json").exists():
         floors = json.loads((run_dir / "floor.json").read_text())
         rep.floors = {"import": floors["import_s"], "torch": floors["torch_s"]}
@@ -363,6 +379,14 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     for r in procs:
         if r["kind"] == "exit" and r["rc"] == RESTART_EXIT and not r["killed"]:
             rep.restarts_asked += 1
+        elif r["kind"] == "exit" and r["rc"] == HUNG_EXIT and not r["killed"]:
+            if r["pid"] in hung_pids:
+                rep.hang_exits += 1
+            else:
+                rep.violations.append(
+                    f"process {r['pid']} ({r['group']}) ended as held hung, but its training "
+                    "loop never hung: a false hang verdict"
+                )
         elif r["kind"] == "exit" and r["rc"] != 0 and not r["killed"]:
             rep.violations.append(f"process {r['pid']} ({r['group']}) exited with {r['rc']}")
         if r["kind"] == "start" and r["pid"] not in death:
@@ -403,8 +427,10 @@ def _timings(
     other fault's window overlaps its own.
     """
     by_pid: dict[int, list[float]] = defaultdict(list)
+    by_group: dict[str, list[float]] = defaultdict(list)
     for c in commits:
         by_pid[c["pid"]].append(c["t"])
+        by_group[c["group"]].append(c["t"])
     starts = [r for r in procs if r["kind"] == "start"]
     group_of = {s["pid"]: s["group"] for s in starts}
     all_commits = sorted(c["t"] for c in commits)
@@ -427,6 +453,11 @@ def _timings(
                 None,
             )
             end = first_after(by_pid.get(pid, []), t) or t + f.get("seconds", 0.0)
+        elif f["fault"] == "hang":
+            # Until the hung group commits again (resumed, or restarted after ending itself;
+            # commits are sorted by time).
+            resumed = first_after(by_group[f["groups"][0]], t)
+            end = resumed if resumed is not None else t + f.get("seconds", 0.0)
         elif f["fault"].startswith("kill"):
             for g in f["groups"]:
                 # The group is back at the first commit of any later process of it (the

@@ -37,6 +37,18 @@ def _read_target(path: str) -> int | None:
         return None
 
 
+def _hang(path: str, history: HistoryWriter, step: int) -> None:
+    """Blocks the training loop as a stuck input pipeline would (the process lives on)."""
+    try:
+        with open(path) as f:
+            seconds = float(f.read())
+        os.remove(path)
+    except (OSError, ValueError):
+        return  # being written, or taken already: the next step looks again
+    history.hang(seconds, step)
+    time.sleep(seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Trains until the step in ``--target-file``; returns 0 when it got there."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument(
+        "--hang-file",
+        default=None,
+        help="when this file exists at the top of a step, the loop blocks for the seconds it "
+        "holds (removed first), while the process and its heartbeats live on",
+    )
     p.add_argument(
         "--log-level",
         default="WARNING",
@@ -85,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             target = _read_target(args.target_file)
             if target is not None and manager.current_step() >= target:
                 break
+            if args.hang_file and os.path.exists(args.hang_file):
+                _hang(args.hang_file, history, manager.current_step())
             os.pwrite(phase, b"q", 0)
             optim.zero_grad()
             # The data of a step depends only on the step: any group may take any step.
