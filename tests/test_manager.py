@@ -372,7 +372,10 @@ class Harness:
             "replica_id": "rg0",
             "timeout": timedelta(seconds=5),
             "quorum_timeout": timedelta(seconds=5),
-            "connect_timeout": timedelta(seconds=5),
+            # Connecting to the module's store only: generous, so a loaded machine (a chaos
+            # run beside the tests) does not fail the connect; a test that waits on something
+            # else still fails at its own timeout.
+            "connect_timeout": timedelta(seconds=30),
         }
         args.update(kwargs)
         self.manager = Manager(
