@@ -84,6 +84,7 @@ BAD_VALUES = {
     "TORCHFT_QUORUM_RETRIES": ["-1", "two"],
     "TORCHFT_MANAGER_PORT": ["70000", "http"],
     "TORCHFT_TELEMETRY": ["perhaps"],
+    "TORCHFT_HANG_ACTION": ["restart", "Exit!"],
     "RANK": ["first"],
     "WORLD_SIZE": ["0"],
     "MASTER_PORT": ["0", "port"],

@@ -337,6 +337,8 @@ def test_daemon_sigint_exits_zero() -> None:
         (["--min_replicas", "1", "--bogus"], "--bogus"),
         ([], "--min_replicas"),
         (["--min_replicas", "1", "--bind", "192.0.2.1:1"], "cannot bind"),
+        (["--min_replicas", "1", "--hang_timeout_ms", "soon"], "hang_timeout_ms"),
+        (["--min_replicas", "1", "--hang_timeout_ms=-5"], "hang_timeout_ms"),
     ],
 )
 def test_daemon_bad_flags(flags: list[str], message: str) -> None:

@@ -1303,6 +1303,8 @@ def test_non_zero_rank_reads_published_address(
         ({"world_size": 0}, ValueError, "world_size"),
         ({"port": 70000}, ValueError, "port"),
         ({"world_size_mode": "dynamic"}, TypeError, "world_size_mode"),
+        ({"hang_action": "restart"}, ValueError, "hang_action"),
+        ({"hang_action": 1}, TypeError, "hang_action"),
         ({"telemetry": "yes"}, TypeError, "telemetry"),
     ],
 )

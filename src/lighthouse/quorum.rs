@@ -1458,19 +1458,31 @@ mod tests {
 
     use Ev::*;
 
+    /// An engine with a fixed hang timeout (and `progress_wait`, if given) whose rounds are
+    /// never ended by the join timeout: only the hang rules let a round go on without a group.
+    fn hang_engine(
+        t0: Instant,
+        hang_timeout: Duration,
+        progress_wait: Option<Duration>,
+    ) -> QuorumEngine {
+        let base = opts(1);
+        QuorumEngine::new(
+            LighthouseOptions {
+                hang_timeout: Some(hang_timeout),
+                progress_wait: progress_wait.unwrap_or(base.progress_wait),
+                join_timeout: Duration::from_secs(600),
+                ..base
+            },
+            1,
+            t0,
+        )
+    }
+
     #[test]
     fn a_hung_group_is_not_waited_for_and_rejoins_when_its_loop_is_back() {
         let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = QuorumEngine::new(
-            LighthouseOptions {
-                hang_timeout: Some(5 * sec),
-                join_timeout: Duration::from_secs(600),
-                ..opts(1)
-            },
-            1,
-            t0,
-        );
+        let mut e = hang_engine(t0, 5 * sec, None);
         // Both train together; their loops report fresh visits.
         e.join(member("a"), t0).unwrap();
         e.join(member("b"), t0).unwrap();
@@ -1518,15 +1530,7 @@ mod tests {
     fn a_hung_group_that_dies_is_not_counted_hung_any_more() {
         let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = QuorumEngine::new(
-            LighthouseOptions {
-                hang_timeout: Some(2 * sec),
-                join_timeout: Duration::from_secs(600),
-                ..opts(1)
-            },
-            1,
-            t0,
-        );
+        let mut e = hang_engine(t0, 2 * sec, None);
         e.join(member("a"), t0).unwrap();
         e.join(member("b"), t0).unwrap();
         assert!(e.tick(t0).is_some());
@@ -1555,16 +1559,7 @@ mod tests {
     fn a_hung_group_ahead_of_the_round_is_waited_for_not_held_hung() {
         let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = QuorumEngine::new(
-            LighthouseOptions {
-                hang_timeout: Some(2 * sec),
-                progress_wait: 20 * sec,
-                join_timeout: Duration::from_secs(600),
-                ..opts(1)
-            },
-            1,
-            t0,
-        );
+        let mut e = hang_engine(t0, 2 * sec, Some(20 * sec));
         // b holds step 9 and hangs; a restarted at step 0 asks.
         e.heartbeat_full("b", Some(9), Some(Duration::ZERO), t0)
             .unwrap();
@@ -1602,15 +1597,7 @@ mod tests {
     fn a_group_that_never_reached_its_loop_or_a_busy_one_is_never_hung() {
         let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = QuorumEngine::new(
-            LighthouseOptions {
-                hang_timeout: Some(2 * sec),
-                join_timeout: Duration::from_secs(600),
-                ..opts(1)
-            },
-            1,
-            t0,
-        );
+        let mut e = hang_engine(t0, 2 * sec, None);
         e.join(member("a"), t0).unwrap();
         // b heartbeats without a loop report (joining, or an upstream manager that never
         // asked), c reports its loop inside torchft (a heal in progress).
