@@ -34,6 +34,10 @@ pub enum Error {
     /// changed.
     #[error("unauthenticated: {0}")]
     Unauthenticated(String),
+    /// The replica groups' committed states differ with no majority to say which is right
+    /// (runtime state parity): the group must stop training.
+    #[error("replica state diverged: {0}")]
+    Diverged(String),
     /// The server is shutting down.
     #[error("server is shutting down")]
     Shutdown,
@@ -67,6 +71,7 @@ impl Error {
             | Error::FailedPrecondition(m)
             | Error::Unavailable(m)
             | Error::Unauthenticated(m)
+            | Error::Diverged(m)
             | Error::Remote(m) => m.clone(),
             other => other.to_string(),
         }
@@ -84,6 +89,7 @@ impl Error {
             Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
             Error::Unavailable(m) => Error::Unavailable(m.clone()),
             Error::Unauthenticated(m) => Error::Unauthenticated(m.clone()),
+            Error::Diverged(m) => Error::Diverged(m.clone()),
             Error::Shutdown => Error::Shutdown,
             Error::Remote(m) => Error::Remote(m.clone()),
         }
@@ -106,6 +112,7 @@ impl From<Error> for Status {
             }
             Error::FailedPrecondition(_) => Status::failed_precondition(msg),
             Error::Unauthenticated(_) => Status::unauthenticated(msg),
+            Error::Diverged(_) => Status::data_loss(msg),
             Error::Remote(_) => Status::internal(msg),
         }
     }
@@ -120,6 +127,7 @@ impl From<Status> for Error {
             Code::FailedPrecondition => Error::FailedPrecondition(msg),
             Code::Unavailable => Error::Unavailable(msg),
             Code::Unauthenticated => Error::Unauthenticated(msg),
+            Code::DataLoss => Error::Diverged(msg),
             code => Error::Remote(format!("{code:?}: {msg}")),
         }
     }

@@ -62,11 +62,15 @@ pub enum EventKind {
     ReplicaHung,
     /// A hung replica group's training loop came back (`replica_id`, `hung_s`).
     ReplicaResumed,
+    /// Runtime state parity found a group's committed state different from the others' at
+    /// the same step (`replica_id`, `step`, `action`: `heal` from the agreeing majority or
+    /// `stop` when no majority agrees, `majority`, `compared`, `ranks`).
+    ReplicaDiverged,
 }
 
 impl EventKind {
     /// Every kind, in documentation order.
-    pub const ALL: [EventKind; 15] = [
+    pub const ALL: [EventKind; 16] = [
         EventKind::LighthouseStarted,
         EventKind::QuorumChanged,
         EventKind::ReplicaJoined,
@@ -82,6 +86,7 @@ impl EventKind {
         EventKind::ProgressRegressed,
         EventKind::ReplicaHung,
         EventKind::ReplicaResumed,
+        EventKind::ReplicaDiverged,
     ];
 
     /// The name events carry in `kind`.
@@ -102,6 +107,7 @@ impl EventKind {
             EventKind::ProgressRegressed => "progress_regressed",
             EventKind::ReplicaHung => "replica_hung",
             EventKind::ReplicaResumed => "replica_resumed",
+            EventKind::ReplicaDiverged => "replica_diverged",
         }
     }
 

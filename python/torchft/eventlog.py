@@ -56,6 +56,7 @@ REPLICA_KINDS: frozenset[str] = frozenset(
         "kill_requested",
         "replica_hung",
         "replica_resumed",
+        "replica_diverged",
     }
 )
 

@@ -22,6 +22,14 @@ pyo3::create_exception!(
     "A torchft operation failed (not a timeout, not a bad argument)."
 );
 
+pyo3::create_exception!(
+    _torchft,
+    StateDivergedError,
+    TorchFTError,
+    "This replica group's committed state differs from the others' with no majority to say \
+     which is right (runtime state parity): training must stop."
+);
+
 /// Ends the message of every `TimeoutError` raised from the native side: upstream torchft's
 /// deadline errors read like this (its scripts and tests match on "status: Cancelled" and
 /// "Timeout expired"), so they keep matching ours.
@@ -35,6 +43,7 @@ impl From<Error> for PyErr {
                 PyTimeoutError::new_err(format!("{msg} {UPSTREAM_TIMEOUT_SUFFIX}"))
             }
             Error::InvalidArgument(_) => PyValueError::new_err(msg),
+            Error::Diverged(_) => StateDivergedError::new_err(msg),
             _ => TorchFTError::new_err(msg),
         }
     }
@@ -73,6 +82,7 @@ fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::logging::init("warn")?;
     crate::runtime::threads_from_env()?;
     m.add("TorchFTError", m.py().get_type::<TorchFTError>())?;
+    m.add("StateDivergedError", m.py().get_type::<StateDivergedError>())?;
     m.add_function(wrap_pyfunction!(set_log_context, m)?)?;
     // The lighthouse's event kinds and whether each names a replica group (for tools that
     // read the event log, e.g. `python -m torchft.eventlog`, and their tests).

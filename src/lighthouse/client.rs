@@ -51,6 +51,11 @@ pub struct HeartbeatAck {
     pub waiting: Option<String>,
     /// While the lighthouse holds the group hung: why (None otherwise).
     pub hung: Option<String>,
+    /// The step of the last state digest the lighthouse took from the group (0 = none).
+    pub parity_step: i64,
+    /// When the parity check stopped the group (its state differs from the others' with no
+    /// majority): why (None otherwise).
+    pub diverged: Option<String>,
 }
 
 impl LighthouseClient {
@@ -252,6 +257,20 @@ impl LighthouseClient {
         loop_idle: Option<Duration>,
         timeout: Duration,
     ) -> std::result::Result<HeartbeatAck, Status> {
+        self.heartbeat_digest(replica_id, step, loop_idle, None, timeout)
+            .await
+    }
+
+    /// [`LighthouseClient::heartbeat_lease`] that also carries the group's state `digest` of
+    /// one committed step (runtime state parity), when it has one to send.
+    pub async fn heartbeat_digest(
+        &self,
+        replica_id: &str,
+        step: Option<i64>,
+        loop_idle: Option<Duration>,
+        digest: Option<crate::proto::StateDigest>,
+        timeout: Duration,
+    ) -> std::result::Result<HeartbeatAck, Status> {
         let mut client = self.client.clone();
         let req = with_timeout(
             LighthouseHeartbeatRequest {
@@ -259,6 +278,7 @@ impl LighthouseClient {
                 step,
                 quorum_id: self.last_quorum_id(),
                 loop_idle_ms: loop_idle.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                digest,
             },
             timeout,
         );
@@ -270,6 +290,8 @@ impl LighthouseClient {
                     timeout: (ms > 0).then(|| Duration::from_millis(ms)),
                     waiting: (!resp.waiting.is_empty()).then_some(resp.waiting),
                     hung: (!resp.hung.is_empty()).then_some(resp.hung),
+                    parity_step: resp.parity_step,
+                    diverged: (!resp.diverged.is_empty()).then_some(resp.diverged),
                 }
             }),
             Err(_) => Err(Status::deadline_exceeded(format!(

@@ -46,11 +46,14 @@ impl LighthouseService for Grpc {
             req.step,
             req.quorum_id,
             req.loop_idle_ms.map(Duration::from_millis),
+            req.digest,
         )?;
         Ok(Response::new(LighthouseHeartbeatResponse {
             heartbeat_timeout_ms: u64::try_from(reply.timeout.as_millis()).unwrap_or(u64::MAX),
             waiting: reply.waiting.map(|w| w.to_string()).unwrap_or_default(),
             hung: reply.hung.unwrap_or_default(),
+            parity_step: reply.parity_step,
+            diverged: reply.diverged.unwrap_or_default(),
         }))
     }
 
@@ -351,7 +354,7 @@ mod fuzz {
                 shared.snapshot().participants.into_iter().collect();
             prop_assert_eq!(waiting, joined);
             let before = shared.snapshot().heartbeats.len();
-            match shared.heartbeat(&beat, None, None, None) {
+            match shared.heartbeat(&beat, None, None, None, None) {
                 Ok(_) => prop_assert!(!beat.trim().is_empty()),
                 Err(_) => prop_assert_eq!(shared.snapshot().heartbeats.len(), before),
             }

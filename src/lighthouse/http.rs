@@ -77,6 +77,21 @@ pub struct StartupHoldStatus {
     pub ends_unix_s: f64,
 }
 
+/// The runtime state parity check (see docs/telemetry.md).
+#[derive(Debug, Serialize)]
+pub struct ParityStatus {
+    /// Steps whose state digests were compared across at least two groups.
+    pub checks: u64,
+    /// Groups found diverged (`replica_diverged` events).
+    pub diverged_total: u64,
+    /// The last step compared (null before the first comparison).
+    pub last_checked_step: Option<i64>,
+    /// Groups whose state differed from the majority's, healing from it now.
+    pub healing: Vec<String>,
+    /// Groups stopped because their states differ with no majority.
+    pub stopped: Vec<String>,
+}
+
 /// A replica group held hung (see `--hang_timeout_ms` in the README).
 #[derive(Debug, Serialize)]
 pub struct HungStatus {
@@ -117,6 +132,9 @@ pub struct StatusBody {
     pub hang_timeout_s: f64,
     /// How the hang timeout was chosen (configured, or adaptive from the round interval).
     pub hang_timeout_rule: String,
+    /// Runtime state parity: steps compared, groups found diverged, and the groups healing
+    /// from the majority or stopped (no majority) now.
+    pub parity: ParityStatus,
     /// Whether the next quorum would be issued now.
     pub ready: bool,
     /// Why the next quorum is, or is not yet, ready.
@@ -182,6 +200,13 @@ impl StatusBody {
                 .collect(),
             hang_timeout_s: s.hang_timeout.0.as_secs_f64(),
             hang_timeout_rule: s.hang_timeout.1.clone(),
+            parity: ParityStatus {
+                checks: s.parity.checks,
+                diverged_total: s.parity.diverged_total,
+                last_checked_step: s.parity.last_checked_step,
+                healing: s.parity.healing.clone(),
+                stopped: s.parity.stopped.clone(),
+            },
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),
             startup_hold: s.startup_hold.map(|(why, remaining)| StartupHoldStatus {
@@ -304,6 +329,9 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         event_log_dropped: shared.hub.log_dropped(),
         replicas_hung: snapshot.hung.len(),
         hang_timeout_s: snapshot.hang_timeout.0.as_secs_f64(),
+        parity_checks: snapshot.parity.checks,
+        replicas_diverged: snapshot.parity.diverged_total,
+        replicas_stopped: snapshot.parity.stopped.len(),
     };
     (
         [(

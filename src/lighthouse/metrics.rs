@@ -92,6 +92,12 @@ pub struct JobMetrics {
     pub replicas_hung: usize,
     /// The hang timeout now, in seconds.
     pub hang_timeout_s: f64,
+    /// Steps whose state digests were compared across groups.
+    pub parity_checks: u64,
+    /// Groups found diverged by the parity check.
+    pub replicas_diverged: u64,
+    /// Groups stopped now by the parity check (no majority).
+    pub replicas_stopped: usize,
 }
 
 /// Renders the exposition text.
@@ -178,6 +184,26 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
         "The hang timeout now (configured, or adaptive from the job's round interval).",
     );
     w.sample("torchft_hang_timeout_seconds", &[], job.hang_timeout_s);
+    w.family(
+        "torchft_parity_checks_total",
+        "counter",
+        "Steps whose committed-state digests were compared across replica groups.",
+    );
+    w.sample("torchft_parity_checks_total", &[], job.parity_checks as f64);
+    w.family(
+        "torchft_replicas_diverged_total",
+        "counter",
+        "Replica groups whose committed state differed from the others' at the same step \
+         (replica_diverged events).",
+    );
+    w.sample("torchft_replicas_diverged_total", &[], job.replicas_diverged as f64);
+    w.family(
+        "torchft_replicas_stopped",
+        "gauge",
+        "Replica groups stopped because their states differ with no majority to say which is \
+         right.",
+    );
+    w.sample("torchft_replicas_stopped", &[], job.replicas_stopped as f64);
 
     w.family(
         "torchft_replica_state",
@@ -298,6 +324,9 @@ mod tests {
             event_log_dropped: 0,
             replicas_hung: 1,
             hang_timeout_s: 10.0,
+            parity_checks: 3,
+            replicas_diverged: 1,
+            replicas_stopped: 0,
         };
         let text = render(&job, &[]);
         let mut families = 0;

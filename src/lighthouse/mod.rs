@@ -17,6 +17,7 @@ pub mod hang;
 pub mod http;
 pub mod hub;
 pub mod metrics;
+pub mod parity;
 pub mod quorum;
 mod reply;
 pub mod server;

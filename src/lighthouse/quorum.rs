@@ -43,6 +43,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use super::hang::{HangWatch, Hung};
+use super::parity::{Diverged, Parity};
 use super::{compact, LighthouseOptions};
 use crate::error::{Error, Result};
 use crate::proto::{Quorum, QuorumMember};
@@ -348,6 +349,23 @@ pub struct Snapshot {
     pub hung: Vec<Hung>,
     /// The hang timeout now, and how it was chosen.
     pub hang_timeout: (Duration, String),
+    /// The runtime state parity check (see [`super::parity`]).
+    pub parity: ParitySnapshot,
+}
+
+/// The parity check's state, as shown on the status pages.
+#[derive(Debug, Clone, Default)]
+pub struct ParitySnapshot {
+    /// Steps compared across at least two groups.
+    pub checks: u64,
+    /// Groups found diverged (each group at each step once).
+    pub diverged_total: u64,
+    /// The last step compared.
+    pub last_checked_step: Option<i64>,
+    /// Groups marked to heal from the agreeing majority (sorted).
+    pub healing: Vec<String>,
+    /// Groups stopped: their state differs with no majority (sorted).
+    pub stopped: Vec<String>,
 }
 
 /// The lighthouse's quorum state machine. Pure: the caller supplies `now` everywhere.
@@ -398,6 +416,8 @@ pub struct QuorumEngine {
     durable_revision: u64,
     /// The training loops' visits and the groups found hung (see [`super::hang`]).
     hang: HangWatch,
+    /// The groups' state digests, compared step by step (see [`super::parity`]).
+    parity: Parity,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -466,6 +486,7 @@ impl QuorumEngine {
             restored_quorum: None,
             durable_revision: 0,
             hang: HangWatch::new(opts.hang_timeout),
+            parity: Parity::default(),
             opts,
         }
     }
@@ -577,6 +598,9 @@ impl QuorumEngine {
             (None, Some((id, members))) => Some((*id, members.contains(replica_id), false)),
             (None, None) => None,
         };
+        if let Some(why) = self.parity.stopped(replica_id) {
+            return Ok(CommitVerdict::Refused(why.to_string()));
+        }
         if let Some((current_id, member, lost)) = current {
             if current_id != quorum_id || !member {
                 return Ok(CommitVerdict::Refused(format!(
@@ -804,6 +828,9 @@ impl QuorumEngine {
     /// Does not decide: call [`QuorumEngine::poll`] afterwards.
     pub fn join(&mut self, member: QuorumMember, now: Instant) -> Result<Joined> {
         validate_member(&member)?;
+        if let Some(why) = self.parity.stopped(&member.replica_id) {
+            return Err(Error::Diverged(why.to_string()));
+        }
         self.note_step(&member.replica_id, Some(member.step), now);
         self.hang.asked(&member.replica_id, now);
         let generation = self.next_generation;
@@ -876,6 +903,7 @@ impl QuorumEngine {
         self.waived.remove(replica_id);
         // A dead group is not hung: the hung count must only hold counted records.
         self.hang.forget(replica_id);
+        self.parity.lost(replica_id);
         if let Some(p) = self.participants.get(replica_id) {
             let generation = p.generation;
             self.leave(replica_id, generation);
@@ -1174,6 +1202,7 @@ impl QuorumEngine {
         self.healthy = healthy;
         let known = &self.heartbeats;
         self.waived.retain(|id, _| known.contains_key(id));
+        self.parity.evaluate(self.previous_ids.len(), now);
     }
 
     fn issue(&mut self, now: Instant) -> Quorum {
@@ -1209,6 +1238,7 @@ impl QuorumEngine {
             self.participants.drain().map(|(_, p)| p.member).collect()
         };
         members.sort_unstable_by(|a, b| a.replica_id.cmp(&b.replica_id));
+        self.present_diverged(&mut members);
 
         let same_members = self.previous.is_some()
             && members.len() == self.previous_ids.len()
@@ -1270,6 +1300,72 @@ impl QuorumEngine {
             Some(now)
         };
         quorum
+    }
+
+    /// Presents each member marked to heal by the parity check one step behind the best
+    /// agreeing member, so every manager (ours or upstream's) makes it heal from an agreeing
+    /// group. The mark goes once the group commits a step past the heal it was given.
+    fn present_diverged(&mut self, members: &mut [QuorumMember]) {
+        let marks = self.parity.heal_marks();
+        if marks.is_empty() {
+            return;
+        }
+        let mut cleared = Vec::new();
+        for m in members.iter() {
+            if let Some(mark) = marks.get(&m.replica_id) {
+                if mark.healing_to.is_some_and(|to| m.step > to) {
+                    cleared.push(m.replica_id.clone());
+                }
+            }
+        }
+        for id in &cleared {
+            marks.remove(id);
+        }
+        let best_agreeing = members
+            .iter()
+            .filter(|m| !marks.contains_key(&m.replica_id))
+            .map(|m| m.step)
+            .max();
+        let Some(best) = best_agreeing.filter(|b| *b >= 1) else {
+            return;
+        };
+        for m in members.iter_mut() {
+            if let Some(mark) = marks.get_mut(&m.replica_id) {
+                m.step = m.step.min(best - 1);
+                mark.healing_to = Some(best);
+            }
+        }
+    }
+
+    /// Takes group `replica_id`'s digests of its committed state after `step` (see
+    /// [`super::parity`]) and decides the steps that are ready; returns the step to
+    /// acknowledge.
+    pub fn offer_digest(
+        &mut self,
+        replica_id: &str,
+        step: i64,
+        ranks: Vec<Vec<u8>>,
+        now: Instant,
+    ) -> Result<i64> {
+        Self::check_id(replica_id)?;
+        let ack = self.parity.offer(replica_id, step, ranks, now)?;
+        self.parity.evaluate(self.previous_ids.len(), now);
+        Ok(ack)
+    }
+
+    /// The groups found diverged since the last call.
+    pub fn take_diverged(&mut self) -> Vec<Diverged> {
+        self.parity.take_verdicts()
+    }
+
+    /// Why `replica_id` is stopped by the parity check, if it is.
+    pub fn parity_stopped(&self, replica_id: &str) -> Option<&str> {
+        self.parity.stopped(replica_id)
+    }
+
+    /// The parity check's counters and marks.
+    pub fn parity(&self) -> &Parity {
+        &self.parity
     }
 
     /// Records the progress of a quorum issued at `to_step`: holders still `ahead` of it are
@@ -1344,6 +1440,13 @@ impl QuorumEngine {
             round_age: self.round_started.map(|t| now.saturating_duration_since(t)),
             hung: self.hang.hung().cloned().collect(),
             hang_timeout: (self.hang.timeout(), self.hang.timeout_rule()),
+            parity: ParitySnapshot {
+                checks: self.parity.checks,
+                diverged_total: self.parity.diverged_total,
+                last_checked_step: self.parity.last_checked,
+                healing: self.parity.healing(),
+                stopped: self.parity.stopped_ids(),
+            },
         }
     }
 }
@@ -1701,6 +1804,70 @@ mod tests {
         let q = last.expect("a quorum of every healthy replica is issued");
         assert_eq!(ids(&q), members);
         q
+    }
+
+    /// Asks with every id at `step` and returns the issued quorum's (id, step) pairs.
+    fn round_at(e: &mut QuorumEngine, ids: &[&str], step: i64, t: Instant) -> Vec<(String, i64)> {
+        let mut last = None;
+        for id in ids {
+            let mut m = member(id);
+            m.step = step;
+            e.join(m, t).unwrap();
+            last = e.poll(t).or(last);
+        }
+        last.expect("issued")
+            .participants
+            .iter()
+            .map(|m| (m.replica_id.clone(), m.step))
+            .collect()
+    }
+
+    #[test]
+    fn a_diverged_group_is_presented_behind_until_it_commits_past_its_heal() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 1, t);
+        quorum_of(&mut e, &["a", "b", "c"], t);
+        let good = vec![vec![7u8; 16]];
+        e.offer_digest("a", 10, good.clone(), t).unwrap();
+        e.offer_digest("b", 10, vec![vec![8u8; 16]], t).unwrap();
+        assert!(e.take_diverged().is_empty(), "c has not sent step 10 yet");
+        assert_eq!(e.offer_digest("c", 10, good, t).unwrap(), 10);
+        let v = e.take_diverged();
+        assert_eq!(v.len(), 1);
+        assert_eq!((v[0].replica_id.as_str(), v[0].step), ("b", 10));
+        // b asks at step 12 like the others: the quorum shows it behind, so it heals.
+        let q = round_at(&mut e, &["a", "b", "c"], 12, t);
+        assert_eq!(q, vec![("a".into(), 12), ("b".into(), 11), ("c".into(), 12)]);
+        // Its heal failed: it asks again at 12 and is shown behind again.
+        let q = round_at(&mut e, &["a", "b", "c"], 12, t);
+        assert_eq!(q[1], ("b".into(), 11));
+        // It committed 13 after the heal: the mark is gone.
+        let q = round_at(&mut e, &["a", "b", "c"], 13, t);
+        assert_eq!(q[1], ("b".into(), 13));
+        assert!(e.snapshot(t).parity.healing.is_empty());
+        assert_eq!(e.snapshot(t).parity.diverged_total, 1);
+    }
+
+    #[test]
+    fn two_groups_that_differ_are_stopped_their_joins_and_commits_refused() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 1, t);
+        let q = quorum_of(&mut e, &["a", "b"], t);
+        e.offer_digest("a", 5, vec![vec![1u8; 16]], t).unwrap();
+        e.offer_digest("b", 5, vec![vec![2u8; 16]], t).unwrap();
+        let v = e.take_diverged();
+        assert_eq!(v.len(), 2);
+        assert!(v.iter().all(|d| d.action == super::super::parity::Action::Stop));
+        assert!(e.parity_stopped("a").unwrap().contains("no majority"));
+        assert!(matches!(e.join(member("a"), t), Err(Error::Diverged(_))));
+        assert!(matches!(
+            e.commit("b", q.quorum_id, 6, t).unwrap(),
+            CommitVerdict::Refused(_)
+        ));
+        assert_eq!(e.snapshot(t).parity.stopped, vec!["a", "b"]);
+        // A dead process's stop goes with it (a new process has a new id).
+        e.lost("a", t);
+        assert_eq!(e.snapshot(t).parity.stopped, vec!["b"]);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::hub::Hub;
 use super::quorum::{CommitVerdict, Durable, EarlierLife, LostMember, QuorumEngine, Snapshot};
@@ -61,6 +61,10 @@ pub(crate) struct HeartbeatReply {
     pub(crate) waiting: Option<Arc<str>>,
     /// While the group is held hung: why.
     pub(crate) hung: Option<String>,
+    /// The step of the digest taken from this heartbeat (0 when it carried none).
+    pub(crate) parity_step: i64,
+    /// When the parity check stopped the group: why.
+    pub(crate) diverged: Option<String>,
 }
 
 /// A replica group declared lost, as shown on the status pages.
@@ -447,6 +451,50 @@ impl Shared {
         }
     }
 
+    /// Logs and records (`replica_diverged`) the groups the parity check found diverged.
+    fn announce_diverged(&self, state: &mut State, now: std::time::Instant) {
+        for d in state.engine.take_diverged() {
+            match d.action {
+                super::parity::Action::Heal => warn!(
+                    replica_id = %d.replica_id,
+                    step = d.step,
+                    ranks = ?d.ranks,
+                    majority = ?d.majority,
+                    "replica group {}'s committed state at step {} differs from the majority's \
+                     ({} of {} groups agree); it heals from them at its next quorum",
+                    d.replica_id,
+                    d.step,
+                    d.majority.len(),
+                    d.compared
+                ),
+                super::parity::Action::Stop => error!(
+                    replica_id = %d.replica_id,
+                    step = d.step,
+                    "replica group {}'s committed state at step {} differs from the others' \
+                     and no majority of the {} groups compared agrees on one: the group stops; \
+                     restore a known good state and restart it",
+                    d.replica_id,
+                    d.step,
+                    d.compared
+                ),
+            }
+            self.hub.with(|t| {
+                t.emit(
+                    now,
+                    crate::telemetry::EventKind::ReplicaDiverged,
+                    serde_json::json!({
+                        "replica_id": d.replica_id,
+                        "step": d.step,
+                        "action": d.action.as_str(),
+                        "majority": d.majority,
+                        "compared": d.compared,
+                        "ranks": d.ranks,
+                    }),
+                )
+            });
+        }
+    }
+
     /// Logs the end of an announced startup hold (once).
     fn announce_hold_end(state: &mut State, now: std::time::Instant) {
         if state.hold_announced && state.engine.startup_hold_until(now).is_none() {
@@ -567,6 +615,7 @@ impl Shared {
         step: Option<i64>,
         quorum_id: Option<i64>,
         loop_idle: Option<Duration>,
+        digest: Option<crate::proto::StateDigest>,
     ) -> Result<HeartbeatReply> {
         let now = now_instant();
         let mut guard = self.lock();
@@ -582,6 +631,14 @@ impl Shared {
         state
             .engine
             .heartbeat_full(replica_id, step, loop_idle, now)?;
+        let parity_step = match digest {
+            Some(d) => {
+                let ack = state.engine.offer_digest(replica_id, d.step, d.ranks, now)?;
+                self.announce_diverged(state, now);
+                ack
+            }
+            None => 0,
+        };
         if state
             .engine
             .holds_quorum(replica_id, quorum_id.unwrap_or(0))
@@ -605,6 +662,8 @@ impl Shared {
             timeout: state.engine.options().heartbeat_timeout,
             waiting,
             hung,
+            parity_step,
+            diverged: state.engine.parity_stopped(replica_id).map(str::to_string),
         })
     }
 
@@ -621,6 +680,7 @@ impl Shared {
         }
         Self::announce_hold_end(state, now);
         self.announce_hangs(state, now);
+        self.announce_diverged(state, now);
         Self::explain_wait(state, now);
         Self::announce_lost(&self.hub, state, before);
         // Steps heard in heartbeats and losses reach the state file within a tick.

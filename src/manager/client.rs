@@ -96,11 +96,28 @@ impl ManagerClient {
         should_commit: bool,
         timeout: Duration,
     ) -> Result<bool> {
+        self.should_commit_digest(group_rank, step, should_commit, None, timeout)
+            .await
+    }
+
+    /// [`ManagerClient::should_commit`] that also hands over this rank's digest of its
+    /// committed state after a step (`(step, digest)`, runtime state parity).
+    pub async fn should_commit_digest(
+        &self,
+        group_rank: i64,
+        step: i64,
+        should_commit: bool,
+        digest: Option<(i64, Vec<u8>)>,
+        timeout: Duration,
+    ) -> Result<bool> {
         let mut client = self.client.clone();
+        let (digest_step, digest) = digest.unwrap_or_default();
         let req = ShouldCommitRequest {
             should_commit,
             group_rank,
             step,
+            digest_step,
+            digest,
         };
         bounded(
             "should_commit",

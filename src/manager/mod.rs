@@ -16,6 +16,7 @@ pub mod client;
 pub mod commit;
 pub mod compute;
 pub mod gather;
+pub mod parity;
 pub mod reports;
 pub mod server;
 pub mod topology;

@@ -22,11 +22,12 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::{Request, Response, Status};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::commit::CommitBarrier;
 use super::compute::compute_quorum_results;
 use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
+use super::parity::DigestCollector;
 use super::reports::ReportQueue;
 use super::topology::{member_data, source_choice, SourceChoice};
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
@@ -213,6 +214,11 @@ struct Inner {
     loop_busy: AtomicUsize,
     /// Why the lighthouse holds this group hung, as its last heartbeat reply said.
     hung: Mutex<Option<String>>,
+    /// The ranks' state digests (runtime state parity), sent with the heartbeats.
+    digests: Mutex<DigestCollector>,
+    /// Why the parity check stopped this group (its state differs from the others' with no
+    /// majority): set once, for the life of the server; quorums and commits are refused.
+    diverged: Mutex<Option<String>>,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -317,6 +323,8 @@ impl ManagerServer {
             loop_visit: Mutex::new(None),
             loop_busy: AtomicUsize::new(0),
             hung: Mutex::new(None),
+            digests: Mutex::new(DigestCollector::new(opts.world_size)),
+            diverged: Mutex::new(None),
             opts,
         });
 
@@ -466,12 +474,18 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
         }
         let sent = Instant::now();
         let step = inner.committed_step.load(Ordering::Relaxed);
+        let digest = inner
+            .digests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .to_send();
         let result = inner
             .lighthouse
-            .heartbeat_lease(
+            .heartbeat_digest(
                 &inner.opts.replica_id,
                 (step >= 0).then_some(step),
                 inner.loop_idle(sent),
+                digest,
                 period,
             )
             .await;
@@ -494,6 +508,14 @@ async fn heartbeat_loop(inner: Arc<Inner>) {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner()) = ack.waiting;
                 inner.set_hung(ack.hung);
+                inner
+                    .digests
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .acknowledged(ack.parity_step);
+                if let Some(why) = ack.diverged {
+                    inner.set_diverged(why);
+                }
                 if failing {
                     info!(lighthouse = %inner.lighthouse_addr, "lighthouse heartbeat recovered");
                     failing = false;
@@ -599,6 +621,24 @@ impl Inner {
             _ => {}
         }
         *slot = hung;
+    }
+
+    /// Records that the parity check stopped this group (once; it is never lifted).
+    fn set_diverged(&self, why: String) {
+        let mut slot = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            error!(replica_id = %self.opts.replica_id,
+                "the lighthouse stopped this group: {why}");
+            *slot = Some(why);
+        }
+    }
+
+    /// Fails with the parity stop, if this group was stopped.
+    fn check_diverged(&self) -> Result<()> {
+        match &*self.diverged.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::Diverged(why.clone())),
+            None => Ok(()),
+        }
     }
 
     /// A member of a quorum was declared lost: ranks learn it through `WatchEvents`, and a
@@ -779,6 +819,10 @@ impl Inner {
                 Error::Timeout(_) | Error::InvalidArgument(_) | Error::FailedPrecondition(_) => {
                     return Err(err)
                 }
+                Error::Diverged(why) => {
+                    self.set_diverged(why.clone());
+                    return Err(Error::Diverged(why));
+                }
                 _ => {}
             }
             if attempt >= self.opts.quorum_retries {
@@ -902,6 +946,7 @@ impl ManagerService for Service {
         let req = request.into_inner();
         let inner = &self.inner;
         inner.visit();
+        inner.check_diverged()?;
         let joined = inner.gather.join(&req, deadline)?;
         let _guard = LeaveGuard {
             gather: &inner.gather,
@@ -950,6 +995,18 @@ impl ManagerService for Service {
         let timeout = server_budget(request_timeout(&request).unwrap_or(DEFAULT_REQUEST_TIMEOUT));
         let req = request.into_inner();
         self.inner.visit();
+        if !req.digest.is_empty() {
+            let offered = self
+                .inner
+                .digests
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .offer(req.group_rank, req.digest_step, req.digest);
+            if let Err(e) = offered {
+                warn!(group_rank = req.group_rank, "state digest refused: {e}");
+            }
+        }
+        self.inner.check_diverged()?;
         let local = req.should_commit && self.inner.lease_held();
         let inner = self.inner.clone();
         let vote = self.inner.barrier.vote_gated(

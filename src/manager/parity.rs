@@ -1,0 +1,144 @@
+//! The group's side of runtime state parity: every group rank digests its own committed state
+//! every `parity_every` steps and hands the digest over with a commit vote; this collects one
+//! digest per group rank and, once a step has all of them, gives the group's digest to the
+//! heartbeats until the lighthouse acknowledges it (see `crate::lighthouse::parity`).
+
+use std::collections::BTreeMap;
+
+use crate::error::{Error, Result};
+use crate::lighthouse::parity::MAX_DIGEST_BYTES;
+use crate::proto::StateDigest;
+
+/// Steps kept waiting for the rest of their ranks' digests (the oldest go first).
+const MAX_PENDING_STEPS: usize = 8;
+
+/// Collects the group ranks' state digests (see the module docs).
+#[derive(Debug)]
+pub struct DigestCollector {
+    world_size: usize,
+    pending: BTreeMap<i64, Vec<Option<Vec<u8>>>>,
+    ready: Option<StateDigest>,
+    acked: i64,
+}
+
+impl DigestCollector {
+    /// A collector for a group of `world_size` ranks.
+    pub fn new(world_size: u64) -> Self {
+        Self {
+            world_size: usize::try_from(world_size).unwrap_or(usize::MAX).max(1),
+            pending: BTreeMap::new(),
+            ready: None,
+            acked: 0,
+        }
+    }
+
+    /// Takes group rank `group_rank`'s digest of its committed state after `step`.
+    ///
+    /// Errors (`InvalidArgument`, nothing recorded) on a group rank outside the group, a
+    /// negative step, or a digest that is empty or longer than [`MAX_DIGEST_BYTES`].
+    pub fn offer(&mut self, group_rank: i64, step: i64, digest: Vec<u8>) -> Result<()> {
+        let rank = usize::try_from(group_rank)
+            .ok()
+            .filter(|r| *r < self.world_size)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "state digest from group rank {group_rank}, outside the group of {}",
+                    self.world_size
+                ))
+            })?;
+        if step < 1 {
+            return Err(Error::InvalidArgument(format!(
+                "a state digest's step must be positive, got {step}"
+            )));
+        }
+        if digest.is_empty() || digest.len() > MAX_DIGEST_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "a state digest must be 1 to {MAX_DIGEST_BYTES} bytes, got {}",
+                digest.len()
+            )));
+        }
+        let newest = self.ready.as_ref().map_or(self.acked, |r| r.step.max(self.acked));
+        if step <= newest {
+            return Ok(());
+        }
+        let slots = self
+            .pending
+            .entry(step)
+            .or_insert_with(|| vec![None; self.world_size]);
+        slots[rank] = Some(digest);
+        if slots.iter().all(Option::is_some) {
+            let slots = self.pending.remove(&step).expect("present");
+            self.ready = Some(StateDigest {
+                step,
+                ranks: slots.into_iter().map(|d| d.expect("complete")).collect(),
+            });
+            self.pending = self.pending.split_off(&(step + 1));
+        }
+        while self.pending.len() > MAX_PENDING_STEPS {
+            let oldest = *self.pending.keys().next().expect("not empty");
+            self.pending.remove(&oldest);
+        }
+        Ok(())
+    }
+
+    /// The group's newest complete digest the lighthouse has not acknowledged.
+    pub fn to_send(&self) -> Option<StateDigest> {
+        self.ready.clone()
+    }
+
+    /// The lighthouse took the group's digests up to `step`.
+    pub fn acknowledged(&mut self, step: i64) {
+        self.acked = self.acked.max(step);
+        if self.ready.as_ref().is_some_and(|r| r.step <= step) {
+            self.ready = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_sent_once_every_rank_gave_its_digest_until_acknowledged() {
+        let mut c = DigestCollector::new(3);
+        c.offer(0, 10, vec![1; 16]).unwrap();
+        c.offer(2, 10, vec![3; 16]).unwrap();
+        assert!(c.to_send().is_none());
+        c.offer(1, 10, vec![2; 16]).unwrap();
+        let d = c.to_send().unwrap();
+        assert_eq!(d.step, 10);
+        assert_eq!(d.ranks, vec![vec![1; 16], vec![2; 16], vec![3; 16]]);
+        assert!(c.to_send().is_some(), "resent until acknowledged");
+        c.acknowledged(10);
+        assert!(c.to_send().is_none());
+        // An old step's digest after the acknowledgement is ignored.
+        c.offer(0, 10, vec![9; 16]).unwrap();
+        assert!(c.pending.is_empty());
+    }
+
+    #[test]
+    fn a_newer_complete_step_replaces_an_older_and_drops_incomplete_older_ones() {
+        let mut c = DigestCollector::new(2);
+        c.offer(0, 10, vec![1; 8]).unwrap();
+        c.offer(0, 20, vec![1; 8]).unwrap();
+        c.offer(1, 20, vec![1; 8]).unwrap();
+        assert_eq!(c.to_send().unwrap().step, 20);
+        assert!(c.pending.is_empty(), "step 10 can no longer be sent");
+        for s in 30..60 {
+            c.offer(0, s, vec![1; 8]).unwrap();
+        }
+        assert!(c.pending.len() <= MAX_PENDING_STEPS);
+    }
+
+    #[test]
+    fn bad_digests_are_refused() {
+        let mut c = DigestCollector::new(2);
+        assert!(c.offer(2, 1, vec![1; 8]).is_err());
+        assert!(c.offer(-1, 1, vec![1; 8]).is_err());
+        assert!(c.offer(0, 0, vec![1; 8]).is_err());
+        assert!(c.offer(0, 1, vec![]).is_err());
+        assert!(c.offer(0, 1, vec![1; 65]).is_err());
+        assert!(c.pending.is_empty());
+    }
+}
