@@ -1,4 +1,5 @@
-"""One replica group (one rank) whose training loop can be made to hang, for the hang tests.
+"""One replica group (one rank) whose training loop can be made to hang, or whose parameters
+can be corrupted, for the hang and state parity tests.
 
 Trains a small MLP with the Manager, DDP and AdamW on Gloo until it has committed the step
 written in ``--target-file`` (once that file exists), appending a JSON line per commit to ``--history`` (step, participants, state hash,
@@ -6,6 +7,11 @@ time). When the file ``--hang-file`` exists at the top of a step, the loop block
 stuck input pipeline would) for the seconds the file holds, while the process and its
 manager server live on; the file is removed first, so the hang happens once. At the end the
 final state's hash is written as a ``finished`` line.
+
+When the file ``--flip-file`` exists at the top of a step (removed first), one bit of the
+first parameter is flipped in memory, as bad memory would, and a ``flip`` line is written.
+If the parity check stops the group (``StateDivergedError``), a ``stopped`` line is written
+and the process exits with :data:`DIVERGED_EXIT`.
 """
 
 from __future__ import annotations
@@ -20,8 +26,17 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
-from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft import (
+    DistributedDataParallel,
+    Manager,
+    Optimizer,
+    ProcessGroupGloo,
+    StateDivergedError,
+)
 from torchft.chaos.history import state_hash
+
+#: Exit code after the parity check stopped the group.
+DIVERGED_EXIT = 77
 
 
 def main() -> None:
@@ -30,6 +45,7 @@ def main() -> None:
     p.add_argument("--history", required=True)
     p.add_argument("--hang-file", required=True)
     p.add_argument("--target-file", required=True)
+    p.add_argument("--flip-file", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -72,13 +88,24 @@ def main() -> None:
                 record(hang=seconds, step=manager.current_step())
                 time.sleep(seconds)  # the loop is stuck; heartbeats go on
                 record(hang_over=True, step=manager.current_step())
+            if args.flip_file and os.path.exists(args.flip_file):
+                os.remove(args.flip_file)
+                with torch.no_grad():
+                    bits = model[0].weight.view(-1).view(torch.int32)
+                    bits[3] ^= 1 << 4  # a low mantissa bit: training goes on, state differs
+                record(flip=True, step=manager.current_step())
             optim.zero_grad()
             gen = torch.Generator().manual_seed(manager.current_step())
             x = torch.randn(32, 16, generator=gen)
             y = torch.randint(0, 4, (32,), generator=gen)
             nn.functional.cross_entropy(ddp(x), y).backward()
             before = manager.current_step()
-            optim.step()
+            try:
+                optim.step()
+            except StateDivergedError as e:
+                record(stopped=str(e), step=manager.current_step())
+                manager.shutdown(wait=False)
+                raise SystemExit(DIVERGED_EXIT) from e
             if manager.current_step() == before + 1:
                 record(
                     step=before + 1,

@@ -490,7 +490,7 @@ async fn a_yes_round_does_not_commit_while_the_lighthouse_is_unreachable() {
             c1.should_commit(1, 5, true, short)
         );
         assert!(!d0.unwrap() && !d1.unwrap());
-        assert!(!g.server.may_commit(5, short).await);
+        assert!(!g.server.may_commit(5, short).await.unwrap());
         g.server.shutdown().await;
     })
     .await;

@@ -47,8 +47,9 @@ def _status(addr: str) -> dict[str, Any]:
 class Job:
     """Replica groups of ``_hang_worker.py`` under one lighthouse daemon; cleans up."""
 
-    def __init__(self, tmp: Path, lighthouse: str) -> None:
+    def __init__(self, tmp: Path, lighthouse: str, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        self.env = env or {}
         self.lighthouse = lighthouse
         self.target = tmp / "target"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -63,6 +64,7 @@ class Job:
             TORCHFT_HANG_ACTION=action,
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
+            **self.env,
         )
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO), str(REPO / "python"), env.get("PYTHONPATH")) if p
@@ -80,6 +82,8 @@ class Job:
                     str(self.hang_file(name)),
                     "--target-file",
                     str(self.target),
+                    "--flip-file",
+                    str(self.flip_file(name)),
                 ],
                 env=env,
                 stdout=out,
@@ -93,10 +97,13 @@ class Job:
     def hang_file(self, name: str) -> Path:
         return self.tmp / f"{name}.hang"
 
+    def flip_file(self, name: str) -> Path:
+        return self.tmp / f"{name}.flip"
+
     def log(self, name: str, life: int) -> str:
         return (self.tmp / f"{name}.{life}.log").read_text(errors="replace")
 
-    def wait_for(self, what: str, cond: Any, timeout: float) -> Any:
+    def wait_for(self, what: str, cond: Any, timeout: float, ok_exits: tuple[int, ...] = ()) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = cond()
@@ -104,7 +111,7 @@ class Job:
                 return got
             for name, p in self.procs.items():
                 rc = p.poll()
-                if rc is not None and rc != 0 and rc != HUNG_EXIT_CODE:
+                if rc is not None and rc not in (0, HUNG_EXIT_CODE, *ok_exits):
                     raise AssertionError(
                         f"{name} exited {rc} while waiting for {what}:\n"
                         + self.log(name, self.lives[name])[-4000:]

@@ -87,6 +87,7 @@ class FakeNative:
     quorums: list[Any] = field(default_factory=list)
     quorum_calls: list[dict[str, Any]] = field(default_factory=list)
     commit_calls: list[tuple[int, int, bool]] = field(default_factory=list)
+    digests: list[tuple[int, int, bytes]] = field(default_factory=list)
     commit_result: bool | None = None  # None: echo the local vote
     metadata_by_addr: dict[str, str] = field(default_factory=dict)
     servers: list[Any] = field(default_factory=list)
@@ -116,6 +117,9 @@ class FakeNative:
 
             def may_commit(self, step: int, timeout: timedelta) -> bool:
                 return native.lease
+
+            def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
+                native.digests.append((group_rank, step, digest))
 
             def hung(self) -> str | None:
                 return None
@@ -182,6 +186,18 @@ class FakeNative:
                 if native.commit_result is None:
                     return should_commit
                 return native.commit_result and should_commit
+
+            def _should_commit_digest(
+                self,
+                group_rank: int,
+                step: int,
+                should_commit: bool,
+                timeout: timedelta,
+                digest_step: int,
+                digest: bytes,
+            ) -> bool:
+                native.digests.append((group_rank, digest_step, digest))
+                return self.should_commit(group_rank, step, should_commit, timeout)
 
             def _watch_events(
                 self, after_seq: int, timeout: timedelta

@@ -285,6 +285,10 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         step: Some(7),
         quorum_id: Some(42),
         loop_idle_ms: Some(1500),
+        digest: Some(ours::StateDigest {
+            step: 10,
+            ranks: vec![vec![1; 16], vec![2; 16]],
+        }),
     });
     assert_eq!(up.replica_id, "u");
     // Our heartbeat reply carries fields upstream does not know: they must be skippable.
@@ -292,6 +296,8 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         heartbeat_timeout_ms: 5000,
         waiting: "the round has waited 2.5s: waiting for 1 straggler".into(),
         hung: "no training-loop activity for 12.0s".into(),
+        parity_step: 10,
+        diverged: "no majority".into(),
     });
     // Upstream's empty reply reads as ours with nothing said.
     let back: ours::LighthouseHeartbeatResponse = cross(&upstream::LighthouseHeartbeatResponse {});
@@ -363,10 +369,18 @@ fn manager_messages_match_upstream_numbers_both_ways() {
         should_commit: true,
         group_rank: 2,
         step: 6,
+        ..Default::default()
     };
     let up: upstream::ShouldCommitRequest = cross(&sc);
     assert_eq!((up.should_commit, up.group_rank, up.step), (true, 2, 6));
     assert_eq!(cross::<_, ours::ShouldCommitRequest>(&up), sc);
+    // A vote carrying a state digest stays readable by an upstream manager server.
+    let up: upstream::ShouldCommitRequest = cross(&ours::ShouldCommitRequest {
+        digest_step: 5,
+        digest: vec![3; 16],
+        ..sc.clone()
+    });
+    assert_eq!((up.should_commit, up.group_rank, up.step), (true, 2, 6));
     let up: upstream::ShouldCommitResponse = cross(&ours::ShouldCommitResponse {
         should_commit: true,
     });

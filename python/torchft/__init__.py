@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torchft.data import DistributedSampler
 from torchft.ddp import DistributedDataParallel
-from torchft.manager import Manager
+from torchft.manager import Manager, StateDivergedError
 from torchft.optim import OptimizerWrapper as Optimizer
 from torchft.process_group import (
     ProcessGroupBabyGloo,
@@ -27,4 +27,5 @@ __all__ = [
     "ProcessGroupBabyNCCL",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
+    "StateDivergedError",
 ]

@@ -28,6 +28,10 @@ __all__ = [
 class TorchFTError(RuntimeError):
     """A torchft operation failed (not a timeout, not a bad argument)."""
 
+class StateDivergedError(TorchFTError):
+    """This replica group's committed state differs from the others' with no majority to say
+    which is right (runtime state parity): training must stop."""
+
 #: The lighthouse's event kinds, each with whether its events name a replica group.
 EVENT_KINDS: list[tuple[str, bool]]
 
@@ -207,7 +211,11 @@ class ManagerServer:
         """Whether this group may commit ``step`` (its committed step count before the
         commit): its lease held and the lighthouse accepted the write-ahead announcement
         (retried up to ``timeout`` while the lighthouse is unreachable). Raises ValueError if
-        ``step`` is negative."""
+        ``step`` is negative, StateDivergedError once the parity check stopped the group."""
+    def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
+        """Takes the hosting rank's digest of its committed state after ``step`` (runtime
+        state parity). Raises ValueError for a step below 1, a rank outside the group, or a
+        digest that is empty or longer than 64 bytes."""
     def note_committed_step(self, step: int) -> None:
         """Notes the group's committed step (after each commit); heartbeats carry it to the
         lighthouse. Raises ValueError if negative."""
@@ -301,6 +309,18 @@ class ManagerClient:
         outside the group or a negative step, and TorchFTError for every waiting rank when ranks
         vote for different steps.
         """
+    def _should_commit_digest(
+        self,
+        group_rank: int,
+        step: int,
+        should_commit: bool,
+        timeout: timedelta,
+        digest_step: int,
+        digest: bytes,
+    ) -> bool:
+        """``should_commit`` that also hands over this rank's digest of its committed state
+        after ``digest_step`` (runtime state parity). Raises ValueError for a step below 1 or
+        a digest that is empty or longer than 64 bytes."""
     def _watch_events(
         self, after_seq: int, timeout: timedelta
     ) -> tuple[int, list[tuple[str, int]]]:

@@ -325,6 +325,13 @@ class ManagerConfig:
         "then exit with code 76 for the supervisor to restart the process (exit), or stay "
         "(keep: the group rejoins and heals when its training loop comes back)",
     )
+    parity_every: int = _setting(
+        COUNT,
+        100,
+        env="TORCHFT_PARITY_EVERY",
+        help="runtime state parity: every this many committed steps each rank digests its "
+        "committed state and the lighthouse compares the groups' digests (0: off)",
+    )
     topology_file: str | None = _setting(
         TEXT,
         env="WORLD_TOPOLOGY_FILE",

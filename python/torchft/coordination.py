@@ -89,6 +89,10 @@ class NativeManagerServer(Protocol):
         the write-ahead commit announcement."""
         ...
 
+    def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
+        """Takes the hosting rank's digest of its committed state after ``step``."""
+        ...
+
     def note_committed_step(self, step: int) -> None:
         """Records the group's committed step; heartbeats carry it to the lighthouse."""
         ...
@@ -143,6 +147,18 @@ class NativeManagerClient(Protocol):
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
     ) -> bool:
         """Casts this rank's vote; True only if every rank of the group voted True."""
+        ...
+
+    def _should_commit_digest(
+        self,
+        group_rank: int,
+        step: int,
+        should_commit: bool,
+        timeout: timedelta,
+        digest_step: int,
+        digest: bytes,
+    ) -> bool:
+        """Casts this rank's vote and hands over its digest of a committed state."""
         ...
 
     def _watch_events(

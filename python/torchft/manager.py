@@ -59,6 +59,7 @@ from torchft.coordination import (
     NativeQuorumResult,
 )
 from torchft.hang import HangWatchdog
+from torchft.parity import StateParity
 from torchft.telemetry import RankTelemetry
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
@@ -192,6 +193,12 @@ class TornStateError(RuntimeError):
     restart of the process (which starts as it did before the heal, or loads a durable
     checkpoint) gets the group going again. Raised by :meth:`Manager.should_commit`; let it
     end the process so its supervisor (torchrun, Kubernetes, Ray) restarts it."""
+
+
+#: Raised by :meth:`Manager.should_commit` (and the optimizer step) once runtime state parity
+#: found this group's committed state different from the others' with no majority to say
+#: which is right: training stops; restore a known good state (see :mod:`torchft.parity`).
+StateDivergedError = _torchft.StateDivergedError
 
 
 class _QuorumTimeoutError(TimeoutError):
@@ -387,6 +394,7 @@ class Manager:
         quorum_retries: int = 0,
         telemetry: bool | None = None,
         hang_action: str | None = None,
+        parity_every: int | None = None,
     ) -> None:
         """Creates the manager, connects to the replica group's store and manager server.
 
@@ -436,6 +444,12 @@ class Manager:
                 ``"exit"`` dumps every thread's stack and exits with code 76 for the
                 supervisor to restart it, ``"keep"`` dumps and stays (default env
                 ``TORCHFT_HANG_ACTION``, else ``"exit"``). See :mod:`torchft.hang`.
+            parity_every: runtime state parity: every this many committed steps each rank
+                digests its committed user state off the training thread and the lighthouse
+                compares the groups' digests; a group that disagrees with a strict majority
+                heals from it, and with no majority the groups stop with
+                :class:`StateDivergedError` (default env ``TORCHFT_PARITY_EVERY``, else 100;
+                0 = off). See :mod:`torchft.parity`.
 
         Raises:
             ValueError: on invalid arguments or missing configuration.
@@ -463,6 +477,7 @@ class Manager:
             quorum_retries=quorum_retries,
             telemetry=telemetry,
             hang_action=hang_action,
+            parity_every=parity_every,
         )
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
@@ -493,6 +508,10 @@ class Manager:
             self.register_state_dict_fn(DEFAULT_STATE_DICT_KEY, load_state_dict, state_dict)
         self._state_dict_lock = _ReadWriteLock()
         self._write_locked = False
+        self._parity = StateParity(
+            cfg.parity_every,
+            lambda: {k: fn() for k, fn in self._user_state_dicts.items()},
+        )
 
         # ---- per-step state ----
         self._step = 0
@@ -506,6 +525,8 @@ class Manager:
         # the error that ends the process when nothing can make them whole again.
         self._state_torn = False
         self._torn_for_good: TornStateError | None = None
+        # Set once the parity check stopped this group (raised from should_commit).
+        self._diverged: Exception | None = None
         # Whether the state is still the one this process's start-up produced, which a
         # restart reproduces: no step committed, no heal applied yet (see _heal_into).
         self._startup_state = True
@@ -737,6 +758,10 @@ class Manager:
             e: the error (kept with its traceback; the first error of a step wins).
         """
         wrapped = e if isinstance(e, ExceptionWithTraceback) else ExceptionWithTraceback(e)
+        original = wrapped.original_exception if isinstance(e, ExceptionWithTraceback) else e
+        if isinstance(original, StateDivergedError):
+            # Not a step error: the parity check stopped this group for good.
+            self._diverged = original
         with self._error_lock:
             first = self._errored is None
             if first:
@@ -827,6 +852,12 @@ class Manager:
                 self._apply_pending_state_dict()
             except Exception as e:
                 self.report_error(e)
+        if not self._state_torn:
+            try:
+                self._parity.at_step_start(self._step)
+            except Exception:
+                # Fail-open: parity never stops training by failing itself.
+                logger.exception("state digest of step %d not taken", self._step)
         quorum_timeout = timeout if timeout is not None else self._quorum_timeout
         if self._use_async_quorum:
             self._quorum_future = self._start_async_quorum(allow_heal, shrink_only, quorum_timeout)
@@ -1380,6 +1411,9 @@ class Manager:
         if self._torn_for_good is not None:
             self._record(_error_logger, error=str(self._torn_for_good))
             raise self._torn_for_good
+        if self._diverged is not None:
+            self._record(_error_logger, error=str(self._diverged))
+            raise self._diverged
 
         for fut in self._pending_futures:
             fut.wait()  # wrapped futures never raise
@@ -1424,6 +1458,7 @@ class Manager:
             raise quorum_timed_out
         vote_t0 = time.perf_counter()
 
+        digest = self._parity.take()
         if self._group_world_size == 1:
             # The server's vote is a barrier + AND over the group's ranks; with a single rank
             # it is the local vote, so the round trip is skipped (hot path of plain DDP).
@@ -1431,8 +1466,16 @@ class Manager:
             # past it may have been declared lost) and the lighthouse must accept the
             # write-ahead commit (refused when the others went on without this group).
             server = self._manager
+            if server is not None and digest is not None:
+                server._offer_digest(self._group_rank, *digest)
             should_commit = local_vote and (
                 server is None or bool(server.may_commit(self._step, vote_timeout))
+            )
+        elif digest is not None:
+            should_commit = bool(
+                self._rpc()._should_commit_digest(
+                    self._group_rank, self._step, local_vote, vote_timeout, *digest
+                )
             )
         else:
             should_commit = bool(
@@ -1559,6 +1602,9 @@ class Manager:
         hang_watchdog = getattr(self, "_hang_watchdog", None)
         if hang_watchdog is not None:
             hang_watchdog.stop()
+        parity = getattr(self, "_parity", None)
+        if parity is not None:
+            parity.shutdown()
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown(wait=wait, cancel_futures=True)

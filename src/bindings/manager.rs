@@ -154,7 +154,14 @@ impl PyManagerServer {
                 "step must not be negative, got {step}"
             )));
         }
-        Ok(block_on(py, self.server.may_commit(step, timeout)))
+        Ok(block_on(py, self.server.may_commit(step, timeout))?)
+    }
+
+    /// Takes this (hosting) rank's digest of its committed state after `step` (runtime
+    /// state parity). Raises ValueError for a step below 1, a rank outside the group, or a
+    /// digest that is empty or longer than 64 bytes.
+    fn _offer_digest(&self, group_rank: i64, step: i64, digest: Vec<u8>) -> PyResult<()> {
+        Ok(self.server.offer_digest(group_rank, step, digest)?)
     }
 
     /// Notes the group's committed step (after each commit): heartbeats carry it to the
@@ -451,6 +458,38 @@ impl PyManagerClient {
         Ok(block_on(
             py,
             self.client.checkpoint_metadata(rank, timeout),
+        )?)
+    }
+
+    /// Casts this rank's vote for `step` like `should_commit`, and hands over this rank's
+    /// digest of its committed state after `digest_step` (runtime state parity).
+    fn _should_commit_digest(
+        &self,
+        py: Python<'_>,
+        group_rank: i64,
+        step: i64,
+        should_commit: bool,
+        timeout: Duration,
+        digest_step: i64,
+        digest: Vec<u8>,
+    ) -> PyResult<bool> {
+        let timeout = check_duration("timeout", timeout)?;
+        if digest_step < 1 || digest.is_empty() || digest.len() > 64 {
+            return Err(PyValueError::new_err(format!(
+                "a state digest needs a positive step and 1 to 64 bytes (got step \
+                 {digest_step}, {} bytes)",
+                digest.len()
+            )));
+        }
+        Ok(block_on(
+            py,
+            self.client.should_commit_digest(
+                group_rank,
+                step,
+                should_commit,
+                Some((digest_step, digest)),
+                timeout,
+            ),
         )?)
     }
 

@@ -82,7 +82,10 @@ fn _torchft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::logging::init("warn")?;
     crate::runtime::threads_from_env()?;
     m.add("TorchFTError", m.py().get_type::<TorchFTError>())?;
-    m.add("StateDivergedError", m.py().get_type::<StateDivergedError>())?;
+    m.add(
+        "StateDivergedError",
+        m.py().get_type::<StateDivergedError>(),
+    )?;
     m.add_function(wrap_pyfunction!(set_log_context, m)?)?;
     // The lighthouse's event kinds and whether each names a replica group (for tools that
     // read the event log, e.g. `python -m torchft.eventlog`, and their tests).

@@ -196,7 +196,11 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
         "Replica groups whose committed state differed from the others' at the same step \
          (replica_diverged events).",
     );
-    w.sample("torchft_replicas_diverged_total", &[], job.replicas_diverged as f64);
+    w.sample(
+        "torchft_replicas_diverged_total",
+        &[],
+        job.replicas_diverged as f64,
+    );
     w.family(
         "torchft_replicas_stopped",
         "gauge",

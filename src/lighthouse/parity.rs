@@ -354,7 +354,10 @@ mod tests {
         p.offer("b", 5, d(2, 1), t).unwrap();
         p.evaluate(2, t);
         let v = p.take_verdicts();
-        assert_eq!(v.iter().map(|x| x.action).collect::<Vec<_>>(), vec![Action::Stop; 2]);
+        assert_eq!(
+            v.iter().map(|x| x.action).collect::<Vec<_>>(),
+            vec![Action::Stop; 2]
+        );
         assert!(p.stopped("a").unwrap().contains("no majority"));
         assert_eq!(p.stopped_ids(), vec!["a", "b"]);
         assert!(p.healing().is_empty());

@@ -1837,7 +1837,10 @@ mod tests {
         assert_eq!((v[0].replica_id.as_str(), v[0].step), ("b", 10));
         // b asks at step 12 like the others: the quorum shows it behind, so it heals.
         let q = round_at(&mut e, &["a", "b", "c"], 12, t);
-        assert_eq!(q, vec![("a".into(), 12), ("b".into(), 11), ("c".into(), 12)]);
+        assert_eq!(
+            q,
+            vec![("a".into(), 12), ("b".into(), 11), ("c".into(), 12)]
+        );
         // Its heal failed: it asks again at 12 and is shown behind again.
         let q = round_at(&mut e, &["a", "b", "c"], 12, t);
         assert_eq!(q[1], ("b".into(), 11));
@@ -1857,7 +1860,9 @@ mod tests {
         e.offer_digest("b", 5, vec![vec![2u8; 16]], t).unwrap();
         let v = e.take_diverged();
         assert_eq!(v.len(), 2);
-        assert!(v.iter().all(|d| d.action == super::super::parity::Action::Stop));
+        assert!(v
+            .iter()
+            .all(|d| d.action == super::super::parity::Action::Stop));
         assert!(e.parity_stopped("a").unwrap().contains("no majority"));
         assert!(matches!(e.join(member("a"), t), Err(Error::Diverged(_))));
         assert!(matches!(

@@ -633,7 +633,9 @@ impl Shared {
             .heartbeat_full(replica_id, step, loop_idle, now)?;
         let parity_step = match digest {
             Some(d) => {
-                let ack = state.engine.offer_digest(replica_id, d.step, d.ranks, now)?;
+                let ack = state
+                    .engine
+                    .offer_digest(replica_id, d.step, d.ranks, now)?;
                 self.announce_diverged(state, now);
                 ack
             }

@@ -57,7 +57,10 @@ impl DigestCollector {
                 digest.len()
             )));
         }
-        let newest = self.ready.as_ref().map_or(self.acked, |r| r.step.max(self.acked));
+        let newest = self
+            .ready
+            .as_ref()
+            .map_or(self.acked, |r| r.step.max(self.acked));
         if step <= newest {
             return Ok(());
         }

@@ -400,15 +400,26 @@ impl ManagerServer {
     /// `step + 1` under the group's quorum (retried until `timeout` while the lighthouse is
     /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
     /// groups get the same gate through `ShouldCommit`.
-    pub async fn may_commit(&self, step: i64, timeout: Duration) -> bool {
+    pub async fn may_commit(&self, step: i64, timeout: Duration) -> Result<bool> {
         self.inner.visit();
+        self.inner.check_diverged()?;
         if !self.inner.lease_held() {
-            return false;
+            return Ok(false);
         }
-        tokio::select! {
+        Ok(tokio::select! {
             ok = self.inner.announce_commit(step, timeout) => ok,
             _ = shutting_down(self.inner.shutdown.clone()) => false,
-        }
+        })
+    }
+
+    /// Takes the hosting rank's digest of its committed state after `step` (runtime state
+    /// parity; other ranks hand theirs over with their commit votes).
+    pub fn offer_digest(&self, group_rank: i64, step: i64, digest: Vec<u8>) -> Result<()> {
+        self.inner
+            .digests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .offer(group_rank, step, digest)
     }
 
     /// Notes that the group has committed `step` (called by the hosting rank after each

@@ -1,0 +1,159 @@
+"""Runtime state parity: every N committed steps, a digest of this rank's committed state.
+
+Replica groups that committed the same step hold bit-identical state (the invariant the whole
+protocol keeps). A bit flipped in memory, a bad kernel or a wrong heal breaks it without a
+crash, and the group would train on unseen. So every ``parity_every`` committed steps
+(``Manager(parity_every=)`` or ``TORCHFT_PARITY_EVERY``; 0 turns it off) each rank:
+
+1. at the top of the next step (:meth:`StateParity.at_step_start`, from
+   ``Manager.start_quorum``: the optimizer has applied the commit, the forward pass has not
+   begun) copies the tensors of its registered user state, on their device;
+2. hashes the copy on a background thread (BLAKE2b, 16 bytes; ``hashlib`` releases the GIL
+   for large buffers, CUDA copies are waited for on that thread through an event);
+3. hands the digest over with a later commit vote; the manager server gathers the group's
+   ranks and sends them to the lighthouse, which compares groups (see docs/fault_tolerance.md:
+   a group that disagrees with a strict majority heals from it; with no majority the groups
+   stop with :class:`torchft.StateDivergedError`).
+
+What is digested: every tensor (dtype, shape and raw bytes) of the state dicts registered
+with the Manager, walked in sorted-key order; other values (plain numbers in an optimizer's
+``param_groups``, a data loader's position) are left out, since groups may legitimately hold
+different ones. Local SGD and DiLoCo turn parity off: their groups hold different inner states
+between synchronisations by design.
+
+A rank never blocks on parity beyond the copy: while a digest is still being computed, the
+next parity step is skipped (and said at DEBUG).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: Committed steps between two digests when nothing says otherwise.
+DEFAULT_EVERY = 100
+
+#: Bytes of one rank's digest.
+DIGEST_BYTES = 16
+
+
+def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], path: str = "") -> None:
+    """Collects the tensors of nested dicts / lists / tuples, keyed by their path."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=repr):
+            _tensors(obj[k], out, f"{path}/{k!r}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _tensors(v, out, f"{path}/{i}")
+
+
+def digest_tensors(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """The digest of host (or device) tensors: their paths, dtypes, shapes and bytes."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    for path, t in tensors:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        h.update(f"{path}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.digest()
+
+
+class StateParity:
+    """One rank's parity digests (see the module docs).
+
+    Args:
+        every: committed steps between digests; 0 = off.
+        state: returns the rank's registered user state (``{key: state_dict}``).
+    """
+
+    def __init__(self, every: int, state: Callable[[], dict[str, Any]]) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"parity_every must be an integer >= 0, got {every!r}")
+        self._every = every
+        self._state = state
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: Future[bytes] | None = None
+        self._running_step = 0
+        self._ready: tuple[int, bytes] | None = None
+        self._last_step = 0
+        self._off_reason: str | None = None if every else "parity_every=0"
+
+    @property
+    def every(self) -> int:
+        """Committed steps between digests (0 when off)."""
+        return 0 if self._off_reason is not None else self._every
+
+    def disable(self, why: str) -> None:
+        """Turns parity off for good (e.g. Local SGD: groups differ between syncs)."""
+        if self._off_reason is None:
+            logger.info("state parity off: %s", why)
+        self._off_reason = why
+
+    def at_step_start(self, step: int) -> None:
+        """Called at the top of every step with the committed step count: copies the state
+        when ``step`` is a parity step not yet digested."""
+        if self._off_reason is not None or step <= 0 or step % self._every:
+            return
+        if step <= self._last_step:
+            return
+        self._collect()
+        if self._running is not None:
+            logger.debug(
+                "state digest of step %d still running; skipping step %d",
+                self._running_step,
+                step,
+            )
+            return
+        self._last_step = step
+        tensors: list[tuple[str, torch.Tensor]] = []
+        _tensors(self._state(), tensors)
+        with torch.no_grad():
+            copies = [(p, t.detach().clone()) for p, t in tensors]
+        event = None
+        if any(t.is_cuda for _, t in copies):
+            event = torch.cuda.Event()
+            event.record()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_parity")
+
+        def work() -> bytes:
+            if event is not None:
+                event.synchronize()
+            return digest_tensors(copies)
+
+        self._running = self._pool.submit(work)
+        self._running_step = step
+
+    def _collect(self) -> None:
+        fut = self._running
+        if fut is None or not fut.done():
+            return
+        self._running = None
+        try:
+            self._ready = (self._running_step, fut.result())
+        except Exception:
+            logger.exception("state digest of step %d failed", self._running_step)
+
+    def take(self) -> tuple[int, bytes] | None:
+        """The finished digest not yet handed over, as ``(step, digest)``."""
+        self._collect()
+        ready, self._ready = self._ready, None
+        return ready
+
+    def shutdown(self) -> None:
+        """Stops the background thread (a digest in flight is dropped)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

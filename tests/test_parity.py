@@ -1,0 +1,161 @@
+"""Runtime state parity, with real processes: a bit flipped in one group's parameters is found
+by comparing the groups' digests of the same committed step, and the group heals from the
+majority (three groups) or every group stops (two groups: no majority can say which is right).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _hang_worker import DIVERGED_EXIT
+from conftest import start_lighthouse_process
+from test_hang import Job, _commits, _history, _status
+
+from torchft.parity import StateParity, digest_tensors
+
+EVERY = 10
+
+
+def _diverged(addr: str, name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in _status(addr)["events"]
+        if e["kind"] == "replica_diverged" and e["replica_id"].startswith(name + ":")
+    ]
+
+
+def _together(job: Job, names: list[str], n: int) -> bool:
+    return all(
+        len([c for c in _commits(job.history(g)) if c["participants"] == len(names)]) >= n
+        for g in names
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_flipped_bit_in_one_of_three_groups_is_found_and_healed(tmp_path: Path) -> None:
+    """Three groups; one bit of one group's parameters is flipped in memory. The lighthouse
+    names it diverged at the first parity step after the flip (within N steps), it heals from
+    the two that agree, and every group ends at the same step with one state."""
+    lh = start_lighthouse_process("--min_replicas", "1", "--quorum_tick_ms", "50")
+    job = Job(tmp_path, lh.address, env={"TORCHFT_PARITY_EVERY": str(EVERY)})
+    names = ["g0", "g1", "g2"]
+    bad = "g2"
+    try:
+        for n in names:
+            job.start(n, "exit")
+        job.wait_for("every group committing together", lambda: _together(job, names, 25), 120)
+        assert _status(lh.address)["parity"]["checks"] >= 1, "steps are compared"
+        assert not _diverged(lh.address, bad), "no divergence before the flip"
+        job.flip_file(bad).write_text("1")
+        flip = job.wait_for(
+            "the flip",
+            lambda: next((e for e in _history(job.history(bad)) if "flip" in e), None),
+            30,
+        )
+        event = job.wait_for("a replica_diverged event", lambda: _diverged(lh.address, bad), 60)[0]
+        assert event["action"] == "heal", event
+        assert len(event["majority"]) == 2 and event["compared"] == 3, event
+        # The first parity step after the flip holds the flipped state: found there.
+        assert flip["step"] < event["step"] <= flip["step"] + EVERY, (flip, event)
+        for other in ("g0", "g1"):
+            assert not _diverged(lh.address, other)
+
+        # It heals: its state agrees with the others' again at a later step.
+        def agrees_again() -> bool:
+            mine = {c["step"]: c["state"] for c in _commits(job.history(bad))}
+            theirs = {c["step"]: c["state"] for c in _commits(job.history("g0"))}
+            return any(
+                s > event["step"] and mine[s] == theirs[s] for s in mine.keys() & theirs.keys()
+            )
+
+        job.wait_for("the flipped group agreeing with the others again", agrees_again, 60)
+        status = _status(lh.address)
+        assert status["parity"]["diverged_total"] == 1, status["parity"]
+        top = max(c["step"] for n in names for c in _commits(job.history(n)))
+        job.set_target(top + 2 * EVERY)
+        for n in names:
+            assert job.procs[n].wait(timeout=120) == 0, job.log(n, 0)[-4000:]
+        finals = {n: [e for e in _history(job.history(n)) if "finished" in e][-1] for n in names}
+        assert len({f["finished"] for f in finals.values()}) == 1, finals
+        assert len({f["state"] for f in finals.values()}) == 1, finals
+        # One divergence, the injected one: later comparisons all agreed.
+        assert _status(lh.address)["parity"]["diverged_total"] == 1
+        assert "differs from the majority" in "".join(lh.log)
+    finally:
+        job.close()
+        lh.stop()
+        (tmp_path / "lighthouse.log").write_text("".join(lh.log))
+
+
+@pytest.mark.timeout(240)
+def test_two_groups_that_differ_both_stop_and_say_why(tmp_path: Path) -> None:
+    """Two groups; a bit flipped in one. No majority can say which state is right: both get
+    a ``replica_diverged`` event with action ``stop``, both processes end with
+    StateDivergedError, and neither commits a step after the one found diverged."""
+    lh = start_lighthouse_process("--min_replicas", "1", "--quorum_tick_ms", "50")
+    job = Job(tmp_path, lh.address, env={"TORCHFT_PARITY_EVERY": str(EVERY)})
+    names = ["g0", "g1"]
+    try:
+        for n in names:
+            job.start(n, "exit")
+        job.wait_for("both groups committing together", lambda: _together(job, names, 25), 120)
+        job.flip_file("g1").write_text("1")
+        for n in names:
+            rc = job.procs[n].wait(timeout=90)
+            assert rc == DIVERGED_EXIT, (n, rc, job.log(n, 0)[-4000:])
+            stopped = [e for e in _history(job.history(n)) if "stopped" in e]
+            assert stopped and "no majority" in stopped[-1]["stopped"], stopped
+        status = _status(lh.address)
+        events = [e for n in names for e in _diverged(lh.address, n)]
+        assert {e["action"] for e in events} == {"stop"}, events
+        assert len(events) == 2, events
+        step = events[0]["step"]
+        # Nothing past the step after the one found diverged was committed (the commit in
+        # flight when the verdict came may land; no later one does).
+        for n in names:
+            assert max(c["step"] for c in _commits(job.history(n))) <= step + EVERY, n
+        assert status["parity"]["diverged_total"] == 2, status["parity"]
+    finally:
+        job.close()
+        lh.stop()
+        (tmp_path / "lighthouse.log").write_text("".join(lh.log))
+
+
+def test_digests_follow_the_bits_and_bad_settings_are_refused() -> None:
+    """The digest changes with one flipped bit and with the layout; parity_every is checked;
+    digests run off the training thread and are handed over once."""
+    a = torch.arange(64, dtype=torch.float32)
+    b = a.clone()
+    b.view(torch.int32)[5] ^= 1
+    assert digest_tensors([("w", a)]) == digest_tensors([("w", a.clone())])
+    assert digest_tensors([("w", a)]) != digest_tensors([("w", b)])
+    assert digest_tensors([("w", a)]) != digest_tensors([("w", a.reshape(8, 8))])
+    assert len(digest_tensors([("w", a)])) == 16
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="parity_every"):
+            StateParity(bad, dict)  # type: ignore[arg-type]
+    state = {"model": {"w": a}, "data": {"position": 7}}
+    p = StateParity(10, lambda: state)
+    p.at_step_start(5)
+    assert p.take() is None, "not a parity step"
+    p.at_step_start(10)
+    a.add_(1.0)  # the copy was taken: changing the live tensor later changes nothing
+    deadline = time.monotonic() + 10
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = p.take()
+        time.sleep(0.01)
+    assert got is not None
+    assert got == (10, digest_tensors([("/'model'/'w'", a - 1.0)]))
+    assert p.take() is None, "handed over once"
+    p.at_step_start(10)
+    time.sleep(0.1)
+    assert p.take() is None, "a step is digested once"
+    p.disable("test")
+    p.at_step_start(20)
+    assert p.every == 0 and p.take() is None
+    p.shutdown()
