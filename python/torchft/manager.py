@@ -1242,8 +1242,11 @@ class Manager:
         so an optimizer step on the training thread (a DiLoCo inner step during an async
         quorum) waits instead of racing it, and no reader serves the half-written state."""
         if not in_place or self._state_dict_lock.held_by_me():
+            if in_place:
+                self._parity.settle()
             yield
             return
+        self._parity.settle()
         if not self._state_dict_lock.acquire_write(self._timeout.total_seconds()):
             raise TimeoutError(
                 f"the state stayed locked by a writer for {self._timeout}; cannot heal into it"
@@ -1279,6 +1282,7 @@ class Manager:
         pending = self._pending_state_dict
         if pending is None:
             return
+        self._parity.settle()
         self._pending_state_dict = None
         try:
             missing = set(self._load_state_dict_fns) - set(pending)
@@ -1401,6 +1405,9 @@ class Manager:
 
     def _should_commit(self, timeout: timedelta | None) -> bool:
         vote_timeout = timeout if timeout is not None else self._timeout
+        # The optimizer writes the state once the vote is in: the parity hash of the state
+        # must be done by then (it overlapped the step's compute).
+        self._parity.settle()
         quorum_timed_out: TimeoutError | None = None
         try:
             self.wait_quorum()

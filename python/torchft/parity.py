@@ -6,23 +6,27 @@ crash, and the group would train on unseen. So every ``parity_every`` committed 
 (``Manager(parity_every=)`` or ``TORCHFT_PARITY_EVERY``; 0 turns it off) each rank:
 
 1. at the top of the next step (:meth:`StateParity.at_step_start`, from
-   ``Manager.start_quorum``: the optimizer has applied the commit, the forward pass has not
-   begun) copies the tensors of its registered user state, on their device;
-2. hashes the copy on a background thread (BLAKE2b, 16 bytes; ``hashlib`` releases the GIL
-   for large buffers, CUDA copies are waited for on that thread through an event);
-3. hands the digest over with a later commit vote; the manager server gathers the group's
-   ranks and sends them to the lighthouse, which compares groups (see docs/fault_tolerance.md:
-   a group that disagrees with a strict majority heals from it; with no majority the groups
-   stop with :class:`torchft.StateDivergedError`).
+   ``Manager.start_quorum``: the optimizer has applied the commit) starts hashing the tensors
+   of its registered user state on a background thread (BLAKE2b, 16 bytes; ``hashlib``
+   releases the GIL, and CUDA tensors are copied to the host on that thread). No copy is
+   made: between the top of a step and its commit vote the step protocol leaves the state
+   alone (the forward and backward passes read the parameters; the optimizer writes them
+   after ``should_commit``), so the hash overlaps the step's compute;
+2. before anything writes the state (the commit vote, after which the optimizer steps, and a
+   heal loading into the tensors) the Manager waits for the hash (:meth:`StateParity.settle`):
+   the training thread waits only when hashing takes longer than the step's compute;
+3. the digest rides on a commit vote; the manager server gathers the group's ranks and sends
+   them to the lighthouse, which compares groups (a group that disagrees with a strict
+   majority heals from it; with no majority the groups stop with
+   :class:`torchft.StateDivergedError`).
 
 What is digested: every tensor (dtype, shape and raw bytes) of the state dicts registered
-with the Manager, walked in sorted-key order; other values (plain numbers in an optimizer's
-``param_groups``, a data loader's position) are left out, since groups may legitimately hold
-different ones. Local SGD and DiLoCo turn parity off: their groups hold different inner states
-between synchronisations by design.
-
-A rank never blocks on parity beyond the copy: while a digest is still being computed, the
-next parity step is skipped (and said at DEBUG).
+with the Manager, walked in sorted-key order, except batch-norm running statistics
+(:data:`EXCLUDED_NAMES`: each group computes them from its own batches, and a forward pass
+updates them in place). Other values (plain numbers in an optimizer's ``param_groups``, a data
+loader's position) are left out too, since groups may legitimately hold different ones. A
+model with other buffers that differ between groups by design must set ``parity_every=0``.
+Local SGD and DiLoCo turn parity off: their groups differ between synchronisations by design.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ DEFAULT_EVERY = 100
 #: Bytes of one rank's digest.
 DIGEST_BYTES = 16
 
+#: State dict entries left out of the digest (by the last part of their key): per-group
+#: statistics that a forward pass updates in place.
+EXCLUDED_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
 
 def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], path: str = "") -> None:
     """Collects the tensors of nested dicts / lists / tuples, keyed by their path."""
@@ -50,6 +58,8 @@ def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], path: str = "") -> N
         out.append((path, obj))
     elif isinstance(obj, dict):
         for k in sorted(obj, key=repr):
+            if isinstance(k, str) and k.rsplit(".", 1)[-1] in EXCLUDED_NAMES:
+                continue
             _tensors(obj[k], out, f"{path}/{k!r}")
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
@@ -102,39 +112,32 @@ class StateParity:
         self._off_reason = why
 
     def at_step_start(self, step: int) -> None:
-        """Called at the top of every step with the committed step count: copies the state
-        when ``step`` is a parity step not yet digested."""
+        """Called at the top of every step with the committed step count: starts hashing the
+        state when ``step`` is a parity step not yet digested."""
         if self._off_reason is not None or step <= 0 or step % self._every:
             return
         if step <= self._last_step:
             return
-        self._collect()
-        if self._running is not None:
-            logger.debug(
-                "state digest of step %d still running; skipping step %d",
-                self._running_step,
-                step,
-            )
-            return
+        self.settle()
         self._last_step = step
         tensors: list[tuple[str, torch.Tensor]] = []
         _tensors(self._state(), tensors)
-        with torch.no_grad():
-            copies = [(p, t.detach().clone()) for p, t in tensors]
-        event = None
-        if any(t.is_cuda for _, t in copies):
-            event = torch.cuda.Event()
-            event.record()
+        tensors = [(p, t.detach()) for p, t in tensors]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_parity")
-
-        def work() -> bytes:
-            if event is not None:
-                event.synchronize()
-            return digest_tensors(copies)
-
-        self._running = self._pool.submit(work)
+        self._running = self._pool.submit(digest_tensors, tensors)
         self._running_step = step
+
+    def settle(self) -> None:
+        """Waits for the hash in progress (call before anything writes the state)."""
+        fut = self._running
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Exception:
+            pass  # reported by _collect
+        self._collect()
 
     def _collect(self) -> None:
         fut = self._running
