@@ -78,6 +78,14 @@ class MockLighthouse:
         self.allow_kill = False
         self.quorum_id: int | None = 1732170000123456
         self.members: list[str] | None = None  # None: the healthy and straggler replicas
+        self.hung: list[dict] = []
+        self.parity: dict = {
+            "checks": 0,
+            "diverged_total": 0,
+            "last_checked_step": None,
+            "healing": [],
+            "stopped": [],
+        }
         self.fail_status = False
         self.kill_reply: tuple[int, str, str] = (
             200,
@@ -163,6 +171,8 @@ class MockLighthouse:
                 ],
                 "participants": [],
                 "lost": [],
+                "hung": copy.deepcopy(self.hung),
+                "parity": copy.deepcopy(self.parity),
                 "replicas": replicas,
                 "stragglers": [r["replica_id"] for r in replicas if r["straggler"]],
                 "counters": {
@@ -324,7 +334,9 @@ return Array.from(document.querySelectorAll('#replicas tr.replica')).map((tr) =>
       id: cell('replica-id'), state: cell('state'), step: cell('step'), hb: cell('hb-age'),
       rate: cell('rate'), busy: cell('busy'), step_time: cell('step-time'), skew: cell('skew'),
       parts: cell('participants'), heals: cell('heals'), error: cell('last-error'),
+      verdict: cell('verdict'),
     },
+    verdict_title: tr.querySelector('td.verdict').getAttribute('title'),
     error_title: tr.querySelector('td.last-error').getAttribute('title'),
     kill: kill ? {hidden: kill.hidden || kill.offsetParent === null, disabled: kill.disabled,
                   title: kill.getAttribute('title')} : null,
@@ -533,6 +545,45 @@ def test_straggler_rows_highlighted(mock: MockLighthouse, driver: Any) -> None:
         ),
         what="straggler classes to follow the status",
     )
+    assert_no_console_errors(driver)
+
+
+@pytest.mark.timeout(60)
+def test_verdicts_name_hung_diverged_and_stopped_groups(mock: MockLighthouse, driver: Any) -> None:
+    """The verdict column shows the lighthouse's verdict on each group's process (hung, or
+    diverged / stopped by the parity check), with the reason in its title, and clears."""
+    mock.set_replicas(
+        make_replica("a", step=3), make_replica("b", step=3), make_replica("c", step=3)
+    )
+    with mock.cond:
+        mock.hung = [
+            {"replica_id": "a:6f1c0a2b", "idle_s": 12.5, "hung_for_s": 1.0, "hang_timeout_s": 10}
+        ]
+        mock.parity["healing"] = ["b:6f1c0a2b"]
+        mock.parity["stopped"] = ["c:0000"]  # an earlier process of c: not this row's
+    open_page(driver, mock, rows_expected=3)
+    wait_until(
+        lambda: (
+            {r["id"]: r["cells"]["verdict"] for r in rows(driver)}
+            == {"a": "hung", "b": "diverged", "c": ""}
+        ),
+        what="verdicts of a and b",
+    )
+    got = row_map(driver)
+    assert "12.5" in got["a"]["verdict_title"] and "10.0" in got["a"]["verdict_title"]
+    assert "majority" in got["b"]["verdict_title"]
+    with mock.cond:
+        mock.hung = []
+        mock.parity["healing"] = []
+        mock.parity["stopped"] = ["c:6f1c0a2b"]
+    wait_until(
+        lambda: (
+            {r["id"]: r["cells"]["verdict"] for r in rows(driver)}
+            == {"a": "", "b": "", "c": "stopped"}
+        ),
+        what="verdicts to follow the status",
+    )
+    assert row_map(driver)["a"]["verdict_title"] is None
     assert_no_console_errors(driver)
 
 
