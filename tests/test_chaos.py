@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _lighthouse_bin() -> list[str] | None:
-    """The Rust daemon built by ``cargo test``/``cargo build`` if present (restarts fast)."""
-    for profile in ("release", "debug"):
-        b = ROOT / "target" / profile / "torchft_lighthouse"
-        if b.exists():
-            return [str(b)]
-    return None
+    """The Rust daemon built by ``cargo test``/``cargo build`` if present (restarts fast);
+    the newest build of the two profiles (a stale release build lacks newer features)."""
+    built = [ROOT / "target" / profile / "torchft_lighthouse" for profile in ("release", "debug")]
+    built = [b for b in built if b.exists()]
+    if not built:
+        return None
+    return [str(max(built, key=lambda b: b.stat().st_mtime))]
 
 
 @pytest.mark.timeout(180)

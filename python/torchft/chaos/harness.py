@@ -134,6 +134,8 @@ class Chaos:
         self.lighthouse: subprocess.Popen[str] | None = None
         self.address = ""
         self._restarts: list[threading.Timer] = []
+        #: Groups whose process ended and whose restart is scheduled but not started yet.
+        self._restarting: set[str] = set()
 
     # ---- processes ---------------------------------------------------------------------
 
@@ -193,6 +195,7 @@ class Chaos:
 
     def _start_group(self, group: str) -> None:
         with self.lock:
+            self._restarting.discard(group)
             running = self.procs.get(group)
             if self.closing or (running is not None and running.proc.poll() is None):
                 return  # closing, or already restarted (a timer and the final phase race)
@@ -262,6 +265,7 @@ class Chaos:
                 if (p.killed or asked) and not self.closing:
                     timer = threading.Timer(self.cfg.restart_delay, self._start_group, [group])
                     timer.daemon = True
+                    self._restarting.add(group)
                     timer.start()
                     self._restarts.append(timer)
                 elif rc != 0:
@@ -494,7 +498,11 @@ class Chaos:
             best = max(self._steps())
             target = best + cfg.finish_steps
             self.target_file.write_text(str(target))
-            self._wait(lambda: not self.procs, 300, "every group to finish")
+            # A process that asked to be restarted in this phase (e.g. a divergence stop)
+            # has not finished: its group's restart still has to.
+            self._wait(
+                lambda: not self.procs and not self._restarting, 300, "every group to finish"
+            )
             self.log(f"[{time.monotonic() - t0:6.1f}s] all groups finished at step {target}")
         finally:
             self.close()
