@@ -39,7 +39,9 @@ def _write(path: Path, recs: list[dict[str, object]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
-def _commit(group: str, pid: int, step: int, q: int, state: str, t: float) -> dict[str, object]:
+def _commit(
+    group: str, pid: int, step: int, q: int, state: str, t: float, healed: bool = False
+) -> dict[str, object]:
     return {
         "kind": "commit",
         "group": group,
@@ -48,6 +50,7 @@ def _commit(group: str, pid: int, step: int, q: int, state: str, t: float) -> di
         "quorum_id": q,
         "participants": 1,
         "state": state,
+        "healed": healed,
         "t": t,
     }
 
@@ -258,3 +261,171 @@ def test_a_hung_exit_counts_only_after_an_injected_hang(tmp_path: Path) -> None:
         f"process {big} (a) ended as held hung, but its training loop never hung: "
         "a false hang verdict"
     ]
+
+
+_FLIP_PIDS = {"a": 10**6 + 301, "b": 10**6 + 302, "c": 10**6 + 303}  # surely not running
+
+
+def _flip_run(
+    path: Path,
+    last: int,
+    flipped: dict[str, range],
+    flip_step: int = 2,
+    exits: dict[str, int] | None = None,
+) -> None:
+    """Three groups commit steps 1..``last`` in one quorum, one step per second; group
+    ``g`` holds another state at the steps in ``flipped[g]``; ``a`` flipped a bit at the top
+    of ``flip_step`` (parity every 10 steps: window 50), and healed where its flipped range
+    ends. Each group finishes at ``last`` with the state it holds then."""
+    exits = exits or {}
+    for g, pid in _FLIP_PIDS.items():
+        recs: list[dict[str, object]] = []
+        if g == "a":
+            flip = {"kind": "bitflip", "group": "a", "pid": pid, "step": flip_step}
+            recs.append({**flip, "param": "0.weight", "index": 5, "bit": 3, "parity_every": 10})
+            recs[-1]["t"] = flip_step + 0.5
+        mine = flipped.get(g, range(0))
+        for s in range(1, last + 1):
+            state = f"{g}{s}" if s in mine else f"s{s}"
+            healed = g == "a" and bool(mine) and s == mine.stop
+            # a commits first at even steps, last at odd ones (the fork rule's first holder).
+            t = s + 1 + ({"a": 0.1, "b": 0.2, "c": 0.3}[g] if s % 2 else {"a": 0.3}.get(g, 0.1))
+            recs.append(_commit(g, pid, s, 7, state, t, healed=healed))
+        final = f"{g}{last}" if last in mine else f"s{last}"
+        recs.append({"kind": "finish", "group": g, "pid": pid, "step": last, "state": final})
+        recs[-1]["t"] = last + 2.0
+        recs.sort(key=lambda r: float(r["t"]))  # type: ignore[arg-type]
+        _write(path / f"{g}.history.jsonl", recs)
+    procs: list[dict[str, object]] = []
+    for g, pid in _FLIP_PIDS.items():
+        procs.append({"kind": "start", "group": g, "pid": pid, "t": 0.0})
+    for g, pid in _FLIP_PIDS.items():
+        rc = exits.get(g, 0)
+        procs.append({"kind": "exit", "group": g, "pid": pid, "rc": rc, "killed": False})
+        procs[-1]["t"] = last + 3.0
+    _write(path / "processes.jsonl", procs)
+
+
+def test_a_bit_flip_healed_within_its_window_is_excused(tmp_path: Path) -> None:
+    """A flipped group whose commits differ from the others' for a few steps and then agree
+    again (healed by runtime parity) keeps every invariant; the report counts the flip as
+    healed and the excused disagreements."""
+    _flip_run(tmp_path, last=30, flipped={"a": range(3, 9)})
+    rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.violations == []
+    assert (rep.bitflips, rep.bitflips_healed, rep.divergences_excused) == (1, 1, 6)
+    assert rep.regressions == []
+    assert "bit flips applied: 1 (healed within the detection window: 1)" in rep.text()
+
+
+def test_a_bit_flip_not_healed_within_its_window_is_an_undetected_divergence(
+    tmp_path: Path,
+) -> None:
+    """The same flip whose state still differs past the detection window (3 x 10 + 20 steps
+    after it) and at the finish is an undetected divergence; its window's disagreements
+    stay excused, no later one is."""
+    _flip_run(tmp_path, last=60, flipped={"a": range(3, 61)})
+    rep = check(tmp_path, target=60, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.bitflips == 1 and rep.bitflips_healed == 0
+    assert rep.divergences_excused == 50  # steps 3..52
+    undetected = [v for v in rep.violations if v.startswith("undetected divergence")]
+    assert len(undetected) == 8 + 1  # steps 53..60, and the finish
+    assert undetected[0] == (
+        "undetected divergence: quorum 7 committed step 53 with 2 states, 51 steps after the "
+        "bit flip in a (pid 1000301) at step 2 (detection window 50 steps)"
+    )
+    assert "undetected divergence: groups finished with 2 different states" in rep.violations
+
+
+def test_a_bit_flip_excuses_only_its_own_group_and_one_state(tmp_path: Path) -> None:
+    """Within a flip's window, a disagreement between two groups that cannot carry the flip
+    (neither flipped nor healed since) is a violation, and so is a disagreement before the
+    flip; one flip excuses one extra state, not two."""
+    _flip_run(tmp_path, last=10, flipped={"b": range(5, 6), "c": range(1, 2)})
+    rep = check(tmp_path, target=10, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.divergences_excused == 0
+    assert "quorum 7 committed step 5 with 2 states" in rep.violations
+    assert "quorum 7 committed step 1 with 2 states" in rep.violations
+    _flip_run(tmp_path, last=10, flipped={"a": range(3, 5), "b": range(4, 5)})
+    rep = check(tmp_path, target=10, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.divergences_excused == 1  # step 3: a's flipped state
+    assert "quorum 7 committed step 4 with 3 states" in rep.violations
+    assert not any("step 3" in v for v in rep.violations), rep.violations
+
+
+def test_a_divergence_stop_counts_only_within_a_bit_flips_window(tmp_path: Path) -> None:
+    """A process that exits with DIVERGED_EXIT within a bit flip's detection window stopped
+    as runtime parity asked (counted, restarted); the same exit with no flip in the run, or
+    past the window, is a false divergence stop."""
+    from torchft.chaos.history import DIVERGED_EXIT
+
+    _flip_run(tmp_path, last=30, flipped={"a": range(3, 9)}, exits={"b": DIVERGED_EXIT})
+    rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.violations == [] and rep.divergence_stops == 1
+    assert "divergence stops (exit 77 within a bit flip's window, restarted): 1" in rep.text()
+    pid = _FLIP_PIDS["b"]
+    false_stop = (
+        f"process {pid} (b) stopped as diverged (exit 77) at step 60 with no bit flip within "
+        "the detection window before it: a false divergence stop"
+    )
+    _flip_run(tmp_path, last=60, flipped={}, exits={"b": DIVERGED_EXIT})
+    rep = check(tmp_path, target=60, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.violations == [false_stop] and rep.divergence_stops == 0
+    _flip_run(tmp_path, last=60, flipped={"a": range(3, 9)}, exits={"b": DIVERGED_EXIT})
+    rep = check(tmp_path, target=60, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.violations == [false_stop] and rep.divergence_stops == 0
+
+
+def test_the_worker_flips_one_low_mantissa_bit_and_records_it(tmp_path: Path) -> None:
+    """The bitflip fault changes exactly one of the low 16 bits of one float32 element of
+    one parameter, in place, takes its file, and records what it flipped."""
+    import torch
+    from torch import nn
+
+    from torchft.chaos.history import HistoryWriter, read_jsonl
+    from torchft.chaos.worker import _bitflip
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flip_file = tmp_path / "g0.bitflip"
+    flip_file.write_text("12345")
+    writer = HistoryWriter(str(tmp_path / "h.jsonl"), "g0", 1)
+    _bitflip(str(flip_file), model, writer, step=7, every=10)
+    writer._f.close()
+    assert not flip_file.exists()
+    (rec,) = read_jsonl(tmp_path / "h.jsonl")
+    assert rec["kind"] == "bitflip" and rec["step"] == 7 and rec["parity_every"] == 10
+    changed = []
+    for n, p in model.named_parameters():
+        old = before[n].view(-1).view(torch.int32)
+        new = p.detach().view(-1).view(torch.int32)
+        for i in (old != new).nonzero().flatten().tolist():
+            changed.append((n, i, int(old[i]) ^ int(new[i])))
+    assert changed == [(rec["param"], rec["index"], 1 << rec["bit"])]
+    assert 0 <= rec["bit"] < 16
+
+
+def test_the_jitter_and_parity_flags_parse_and_bad_values_are_refused(tmp_path: Path) -> None:
+    """--jitter and --parity-every reach the worker's flags and the run's config; a jitter
+    outside [0, 1), a negative parity interval, or bit flips with parity off are refused."""
+    from torchft.chaos.__main__ import main as chaos_main
+    from torchft.chaos.worker import parse_args
+
+    base = ["--group", "g0", "--history", "h", "--phase", "p", "--target-file", "t"]
+    args = parse_args(base + ["--jitter", "0.5", "--parity-every", "10"])
+    assert (args.jitter, args.parity_every) == (0.5, 10)
+    assert parse_args(base).jitter == 0.0
+    for bad in (["--jitter", "1.5"], ["--jitter", "-0.1"], ["--parity-every", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
+    ChaosConfig(seed=1, jitter=0.5, parity_every=10).validate()
+    for cfg in (
+        ChaosConfig(seed=1, jitter=1.0),
+        ChaosConfig(seed=1, parity_every=-1),
+        ChaosConfig(seed=1, parity_every=0),  # bitflip has a weight by default
+    ):
+        with pytest.raises(ValueError):
+            cfg.validate()
+    ChaosConfig(seed=1, parity_every=0, weights={"kill_one": 1.0}).validate()
+    with pytest.raises(SystemExit):
+        chaos_main(["--jitter", "2", "--out", str(tmp_path / "run")])

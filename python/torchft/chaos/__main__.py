@@ -22,6 +22,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
     p.add_argument("--progress-wait-ms", type=int, default=30000)
     p.add_argument(
+        "--parity-every",
+        type=int,
+        default=10,
+        help="runtime parity interval of the groups (TORCHFT_PARITY_EVERY; bit flips must be "
+        "healed within 3x this + 20 steps)",
+    )
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="each worker step's sleep is multiplied by a uniform random factor in [1-F, 1+F]",
+    )
+    p.add_argument(
         "--floor-runs",
         type=int,
         default=3,
@@ -79,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             restart_delay=args.restart_delay,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             progress_wait_ms=args.progress_wait_ms,
+            parity_every=args.parity_every,
+            jitter=args.jitter,
             weights=weights,
             lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
             restart_while_stopped=args.restart_while_stopped,

@@ -29,7 +29,15 @@ from typing import IO, Any
 
 from torch.distributed import TCPStore
 
-from torchft.chaos.history import HUNG_EXIT, RESTART_EXIT, Report, check, read_jsonl
+from torchft.chaos.history import (
+    DIVERGED_EXIT,
+    HUNG_EXIT,
+    RESTART_EXIT,
+    Report,
+    check,
+    detection_window,
+    read_jsonl,
+)
 from torchft.launch import _ADDRESS_RE, _find_lighthouse_cmd
 
 #: Fault kinds and their default weights. Each kind is a method ``_fault_<kind>`` of
@@ -44,6 +52,8 @@ FAULT_KINDS: dict[str, float] = {
     "kill_in_commit": 1.5,
     "kill_lighthouse": 0.5,
     "hang": 1.0,
+    "bitflip": 0.5,
+    "slow": 0.5,
 }
 
 
@@ -64,6 +74,14 @@ class ChaosConfig:
     #: How long an injected hang blocks a group's training loop (its process lives on);
     #: sometimes longer than the hang timeout (10 s at the chaos pace), so it is cut out.
     hang_range: tuple[float, float] = (2.0, 25.0)
+    #: How long an injected slow period makes a group's loop three times slower.
+    slow_range: tuple[float, float] = (3.0, 15.0)
+    #: Runtime parity interval of the groups' Managers (``TORCHFT_PARITY_EVERY``): small, so
+    #: an injected bit flip is found within a few seconds.
+    parity_every: int = 10
+    #: Each step's sleep in the workers is multiplied by a random factor in [1-j, 1+j]
+    #: (uneven group paces; no verdict may come of them).
+    jitter: float = 0.0
     weights: dict[str, float] = field(default_factory=lambda: dict(FAULT_KINDS))
     finish_steps: int = 20
     timeout: float = 1800.0
@@ -96,6 +114,12 @@ class ChaosConfig:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {list(FAULT_KINDS)}")
         if not any(w > 0 for w in self.weights.values()):
             raise ValueError("at least one fault kind needs a positive weight")
+        if self.parity_every < 0:
+            raise ValueError(f"parity_every must be >= 0, got {self.parity_every}")
+        if self.parity_every == 0 and self.weights.get("bitflip", 0) > 0:
+            raise ValueError("bitflip faults need runtime parity: parity_every > 0")
+        if not 0 <= self.jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
 
 
 # How much of a history file `_committed` reads, and what marks a commit record there.
@@ -136,6 +160,10 @@ class Chaos:
         self._restarts: list[threading.Timer] = []
         #: Groups whose process ended and whose restart is scheduled but not started yet.
         self._restarting: set[str] = set()
+        #: Per group, until when (wall time) an injected hang may still block its loop.
+        self._hung_until: dict[str, float] = {}
+        #: The run's best step when the last bit flip was injected (one flip at a time).
+        self._flip_step: int | None = None
 
     # ---- processes ---------------------------------------------------------------------
 
@@ -231,6 +259,14 @@ class Chaos:
                 self.cfg.worker_log_level,
                 "--hang-file",
                 str(self.dir / f"{group}.hang"),
+                "--slow-file",
+                str(self.dir / f"{group}.slow"),
+                "--bitflip-file",
+                str(self.dir / f"{group}.bitflip"),
+                "--parity-every",
+                str(self.cfg.parity_every),
+                "--jitter",
+                str(self.cfg.jitter),
             ]
             (self.dir / f"{tag}.history.jsonl").touch()
             with open(self.dir / f"{tag}.log", "wb") as out:
@@ -259,7 +295,7 @@ class Chaos:
                         "killed": p.killed,
                     },
                 )
-                asked = rc in (RESTART_EXIT, HUNG_EXIT) and not p.killed
+                asked = rc in (RESTART_EXIT, HUNG_EXIT, DIVERGED_EXIT) and not p.killed
                 if asked and not self.closing:
                     self.log(f"{group} (pid {p.proc.pid}) asked to be restarted; see its log")
                 if (p.killed or asked) and not self.closing:
@@ -377,9 +413,55 @@ class Chaos:
             return None  # the last one was not taken yet
         secs = self.rng.uniform(*self.cfg.hang_range)
         self._fault("hang", [g], seconds=round(secs, 2))
-        tmp = hang_file.with_suffix(".tmp")
-        tmp.write_text(f"{secs:.2f}")
-        os.replace(tmp, hang_file)
+        self._write_fault_file(hang_file, f"{secs:.2f}")
+        # Taken at the group's next step (a step may wait for a quorum): a margin.
+        self._hung_until[g] = time.time() + secs + 5.0
+        return [g]
+
+    def _write_fault_file(self, path: Path, text: str) -> None:
+        """Writes a fault file whole (the worker reads it at the top of a step)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def _fault_slow(self) -> list[str] | None:
+        """Makes a group's loop three times slower for a while (its process is healthy)."""
+        running = [g for g in self._running() if g not in self.stopped]
+        if len(running) < 2:
+            return None
+        g = self.rng.choice(running)
+        slow_file = self.dir / f"{g}.slow"
+        if slow_file.exists():
+            return None  # the last one was not taken yet
+        secs = self.rng.uniform(*self.cfg.slow_range)
+        self._fault("slow", [g], seconds=round(secs, 2))
+        self._write_fault_file(slow_file, f"{secs:.2f}")
+        return [g]
+
+    def _fault_bitflip(self) -> list[str] | None:
+        """Flips one bit of one group's model in memory; runtime parity must find and heal
+        it. Only while every group is alive and training (the flipped group is then a
+        minority of one), and one flip at a time (the last one's detection window over)."""
+        now = time.time()
+        if any(
+            g not in self.procs
+            or g in self.stopped
+            or not self._committed(g)
+            or self._hung_until.get(g, 0.0) > now
+            or (self.dir / f"{g}.hang").exists()
+            or (self.dir / f"{g}.bitflip").exists()
+            for g in self.names
+        ):
+            return None
+        best = max(self._steps())
+        if self._flip_step is not None and best <= self._flip_step + detection_window(
+            self.cfg.parity_every
+        ):
+            return None
+        g = self.rng.choice(self.names)
+        self._flip_step = best
+        self._fault("bitflip", [g], best_step=best)
+        self._write_fault_file(self.dir / f"{g}.bitflip", str(self.rng.randrange(1 << 31)))
         return [g]
 
     def _healing(self) -> list[str]:
@@ -457,7 +539,8 @@ class Chaos:
         t0 = time.monotonic()
         self.log(
             f"chaos seed {cfg.seed}: {cfg.groups} groups, {cfg.faults} faults, mtbf "
-            f"{cfg.mtbf}s, run dir {self.dir}"
+            f"{cfg.mtbf}s, parity every {cfg.parity_every} steps, jitter {cfg.jitter}, "
+            f"run dir {self.dir}"
         )
         kinds = [k for k, w in cfg.weights.items() if w > 0]
         weights = [cfg.weights[k] for k in kinds]
@@ -490,6 +573,8 @@ class Chaos:
                 for g in list(self.stopped):
                     os.killpg(self.procs[g].proc.pid, signal.SIGCONT)
                 self.stopped.clear()
+                for g in self.names:  # a flip not taken yet is not applied at all
+                    (self.dir / f"{g}.bitflip").unlink(missing_ok=True)
             self._sleep_reaping(0.1)
             for g in self.names:
                 if g not in self.procs:
@@ -497,6 +582,10 @@ class Chaos:
             self._wait(lambda: all(self._committed(g) for g in self.names), 180, "recovery")
             best = max(self._steps())
             target = best + cfg.finish_steps
+            flips = [r["step"] for r in self._records_of("bitflip")]
+            if flips:
+                # Past the last flip's detection window: the groups must agree by then.
+                target = max(target, max(flips) + detection_window(cfg.parity_every) + 1)
             self.target_file.write_text(str(target))
             # A process that asked to be restarted in this phase (e.g. a divergence stop)
             # has not finished: its group's restart still has to.
@@ -536,12 +625,15 @@ class Chaos:
             f"{floors['torch_s']:.2f}s"
         )
 
-    def _steps(self) -> list[int]:
-        steps = [0]
+    def _records_of(self, kind: str) -> list[dict[str, Any]]:
+        """Every process's history records of ``kind``."""
+        recs = []
         for p in self.dir.glob("*.history.jsonl"):
-            recs = read_jsonl(p)
-            steps += [r["step"] for r in recs if r["kind"] == "commit"]
-        return steps
+            recs += [r for r in read_jsonl(p) if r["kind"] == kind]
+        return recs
+
+    def _steps(self) -> list[int]:
+        return [0] + [r["step"] for r in self._records_of("commit")]
 
     def _sleep_reaping(self, secs: float) -> None:
         end = time.monotonic() + secs

@@ -5,7 +5,11 @@ Three kinds of files in a run directory, written by three independent parties:
 * ``*.history.jsonl`` (one per process, by the worker): a ``ready`` line once the process
   is set up (``imported``: wall time after the imports, ``t``: after the Manager, model, DDP
   and optimizer are built), a ``commit`` line per committed step (``step``, ``quorum_id``,
-  ``participants``, ``state`` hash, wall time ``t``) and a ``finish`` line at the target.
+  ``participants``, ``state`` hash, ``healed``: the process took a heal since its previous
+  commit, wall time ``t``) and a ``finish`` line at the target. Injected faults that act
+  inside the process add their own lines: ``hang`` (``seconds``, ``step``), ``slow``
+  (``seconds``, ``step``) and ``bitflip`` (``step``: the step the flipped state trains from,
+  ``param``, ``index``, ``bit``, and the ``parity_every`` the process's Manager runs with).
 * ``processes.jsonl`` (by the supervisor): ``start`` and ``exit`` of every process it ran
   (``group``, ``pid``, ``t``, and on exit ``rc`` and whether it was ``killed``).
 * ``floor.json`` (by the supervisor, optional): the floors measured during the run, under
@@ -15,8 +19,10 @@ Three kinds of files in a run directory, written by three independent parties:
 * ``faults.jsonl`` (by the fault injector): what was done when (``fault``, ``groups``, ``t``).
 
 :func:`check` reads them and returns a :class:`Report`. The invariants use only the history
-and the process lifetimes; the faults only serve the timing figures (recovery, stalls), so
-new fault kinds need no change here.
+and the process lifetimes; ``faults.jsonl`` only serves the timing figures (recovery,
+stalls). A fault kind that changes what a correct run may record (a ``hang`` may end in exit
+76, a ``bitflip`` makes one group's state differ until runtime parity heals it) records
+itself in the history, and the rule that allows its effect names it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,21 @@ RESTART_EXIT = 75
 #: Exit code of a process that ended itself because the lighthouse held its group hung
 #: (torchft.hang): expected after an injected ``hang`` fault, a false verdict otherwise.
 HUNG_EXIT = 76
+
+#: Exit code of a worker whose Manager raised ``StateDivergedError`` (runtime parity found
+#: its committed state disagreeing with no strict majority to heal from): expected within
+#: the detection window after an injected ``bitflip``, a false divergence stop otherwise.
+DIVERGED_EXIT = 77
+
+
+def detection_window(parity_every: int) -> int:
+    """Steps after a bit flip within which runtime parity must have healed it.
+
+    One parity interval for the next digested step, one for the slowest group to digest
+    it, one for the heal at the flipped group's next quorum, and 20 steps of slack for the
+    off-thread digest and the lighthouse round trip.
+    """
+    return 3 * parity_every + 20
 
 
 def state_hash(*states: Any) -> str:
@@ -84,8 +105,12 @@ class HistoryWriter:
         """Records that the process is set up; ``imported`` is when its imports were done."""
         self._write({"kind": "ready", "imported": imported})
 
-    def commit(self, step: int, quorum_id: int, participants: int, state: str) -> None:
-        """Records that ``step`` committed in ``quorum_id`` with ``participants`` groups."""
+    def commit(
+        self, step: int, quorum_id: int, participants: int, state: str, healed: bool = False
+    ) -> None:
+        """Records that ``step`` committed in ``quorum_id`` with ``participants`` groups;
+        ``healed``: the process took a heal since its previous commit (its state came from
+        another group)."""
         self._write(
             {
                 "kind": "commit",
@@ -93,12 +118,32 @@ class HistoryWriter:
                 "quorum_id": quorum_id,
                 "participants": participants,
                 "state": state,
+                "healed": healed,
             }
         )
 
     def hang(self, seconds: float, step: int) -> None:
         """Records that the training loop blocks for ``seconds`` (an injected hang)."""
         self._write({"kind": "hang", "seconds": seconds, "step": step})
+
+    def slow(self, seconds: float, step: int) -> None:
+        """Records that the training loop runs three times slower for ``seconds``."""
+        self._write({"kind": "slow", "seconds": seconds, "step": step})
+
+    def bitflip(self, step: int, param: str, index: int, bit: int, parity_every: int) -> None:
+        """Records that one bit of the in-memory state was flipped before ``step`` trained
+        on: bit ``bit`` of element ``index`` (flattened) of parameter ``param``, in a process
+        whose Manager digests every ``parity_every`` steps (0: never)."""
+        self._write(
+            {
+                "kind": "bitflip",
+                "step": step,
+                "param": param,
+                "index": index,
+                "bit": bit,
+                "parity_every": parity_every,
+            }
+        )
 
     def finish(self, step: int, state: str) -> None:
         """Records the final step and state."""
@@ -168,6 +213,14 @@ class Report:
     restarts_asked: int = 0
     #: Processes that ended themselves while their injected hang outlasted the hang timeout.
     hang_exits: int = 0
+    #: Bit flips applied (``bitflip`` history lines), and those after which the flipped
+    #: group's state agreed with the others' again within the detection window.
+    bitflips: int = 0
+    bitflips_healed: int = 0
+    #: (quorum, step) pairs committed with several states that a bit flip's window excused.
+    divergences_excused: int = 0
+    #: Processes that stopped as diverged (exit 77) within a bit flip's detection window.
+    divergence_stops: int = 0
     final: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -201,6 +254,15 @@ class Report:
         )
         lines.append(
             f"hung processes that ended themselves (held hung, restarted): {self.hang_exits}"
+        )
+        lines.append(
+            f"bit flips applied: {self.bitflips} (healed within the detection window: "
+            f"{self.bitflips_healed}); (quorum, step) pairs with several states excused "
+            f"within a window: {self.divergences_excused}"
+        )
+        lines.append(
+            f"divergence stops (exit {DIVERGED_EXIT} within a bit flip's window, restarted): "
+            f"{self.divergence_stops}"
         )
         lines.append(f"final: {self.final}")
         lines.append(f"violations: {len(self.violations)}")
@@ -262,24 +324,85 @@ def _pct(sorted_vals: list[float], p: float) -> float:
     return statistics.quantiles(sorted_vals, n=100, method="inclusive")[int(p) - 1]
 
 
+@dataclass(frozen=True)
+class _Flip:
+    """One applied bit flip and its detection window (steps ``step + 1`` .. ``end``)."""
+
+    group: str
+    pid: int
+    step: int
+    end: int
+    t: float
+
+
+class _Carriers:
+    """Which commits may carry a bit flip's state.
+
+    The flipped process carries it in the commits of its window; so may any process that
+    took a heal (or started) within the window, since its source may have carried it (a
+    restart that healed from the flipped group before parity caught it spreads the flip).
+    """
+
+    def __init__(self, flips: list[_Flip], commits: list[dict[str, Any]]) -> None:
+        self.flips = flips
+        #: Per process, the steps of its commits that followed a heal or its start.
+        self.joined: dict[int, list[int]] = defaultdict(list)
+        seen: set[int] = set()
+        for c in commits:
+            if c["pid"] not in seen or c.get("healed", False):
+                self.joined[c["pid"]].append(c["step"])
+            seen.add(c["pid"])
+
+    def carries(self, f: _Flip, pid: int, step: int) -> bool:
+        """Whether ``pid``'s commit of ``step`` may hold ``f``'s flipped state."""
+        if not f.step < step <= f.end:
+            return False
+        return pid == f.pid or any(f.step < h <= step for h in self.joined.get(pid, []))
+
+    def covering(self, commits: list[dict[str, Any]], step: int) -> list[_Flip]:
+        """The flips whose window holds ``step`` and that one of ``commits`` may carry."""
+        return [f for f in self.flips if any(self.carries(f, c["pid"], step) for c in commits)]
+
+    def excuse(self, commits: list[dict[str, Any]], step: int) -> bool:
+        """Whether bit flips explain the several states of one quorum's ``commits`` of
+        ``step``: each flip adds at most one state, and every state but one is held only by
+        commits that may carry a flip (the unflipped state may be held by anyone)."""
+        covering = self.covering(commits, step)
+        states = {c["state"] for c in commits}
+        if not covering or len(states) > 1 + len(covering):
+            return False
+        unexplained = {
+            c["state"]
+            for c in commits
+            if not any(self.carries(f, c["pid"], step) for f in covering)
+        }
+        return len(unexplained) <= 1
+
+
 def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> Report:
     """Checks the history of the run in ``run_dir`` against the invariants.
 
     Invariants:
       * members of one quorum commit identical states (same quorum id and step, same hash);
+        a bit flip excuses other states only within its detection window
+        (:func:`detection_window`), in commits that may carry it, and one state per flip;
+        past the window it is an undetected divergence;
       * a step committed with two different states only if, when the second state was
         committed, every process that had committed the first one was already dead (an
-        unavoidable regression, reported with the steps lost);
+        unavoidable regression, reported with the steps lost), or a bit flip's window
+        excuses it as above;
       * no commit with fewer than ``min_replicas`` participants;
       * quorum ids strictly increase over time, and per process never go back;
       * every group finishes at ``target`` with one state;
-      * no process is left running.
+      * no process is left running, none exited on its own with an unexpected code: exit
+        76 only after an injected hang, exit 77 only within a bit flip's window.
     """
     rep = Report()
     commits: list[dict[str, Any]] = []
     finishes: list[dict[str, Any]] = []
     ready: dict[int, dict[str, Any]] = {}
     hung_pids: set[int] = set()
+    flips: list[_Flip] = []
     for p in sorted(run_dir.glob("*.history.jsonl")):
         for rec in read_jsonl(p):
             if rec["kind"] == "commit":
@@ -290,53 +413,82 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 ready[rec["pid"]] = rec
             elif rec["kind"] == "hang":
                 hung_pids.add(rec["pid"])
+            elif rec["kind"] == "bitflip":
+                end = rec["step"] + detection_window(rec["parity_every"])
+                flips.append(_Flip(rec["group"], rec["pid"], rec["step"], end, rec["t"]))
     if (run_dir / "floor.json").exists():
         floors = json.loads((run_dir / "floor.json").read_text())
         rep.floors = {"import": floors["import_s"], "torch": floors["torch_s"]}
     commits.sort(key=lambda r: r["t"])
+    flips.sort(key=lambda f: f.t)
     rep.commits = len(commits)
+    rep.bitflips = len(flips)
+    carriers = _Carriers(flips, commits)
     procs = read_jsonl(run_dir / "processes.jsonl")
     death: dict[int, float] = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
     faults = read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else []
 
-    # Same quorum, same step: same state.
-    by_q: dict[tuple[int, int], set[str]] = defaultdict(set)
+    # Same quorum, same step: same state; a bit flip adds at most one state, within its
+    # window, held only by commits that may carry it.
+    by_q: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for c in commits:
-        by_q[(c["quorum_id"], c["step"])].add(c["state"])
-    for (q, s), states in sorted(by_q.items()):
-        if len(states) > 1:
-            rep.violations.append(f"quorum {q} committed step {s} with {len(states)} states")
+        by_q[(c["quorum_id"], c["step"])].append(c)
+    for (q, s), cs in sorted(by_q.items()):
+        states = {c["state"] for c in cs}
+        if len(states) == 1:
+            continue
+        if carriers.excuse(cs, s):
+            rep.divergences_excused += 1
+            continue
+        what = f"quorum {q} committed step {s} with {len(states)} states"
+        expired = [f for f in flips if f.end < s]
+        if expired:
+            f = expired[-1]
+            what = (
+                f"undetected divergence: {what}, {s - f.step} steps after the bit flip in "
+                f"{f.group} (pid {f.pid}) at step {f.step} (detection window "
+                f"{f.end - f.step} steps)"
+            )
+        rep.violations.append(what)
+    for f in flips:
+        rep.bitflips_healed += _healed(f, by_q)
 
     # Forks: a step committed with a second state. Allowed only if every process holding
     # the later state (one that had committed this step or a later one) was dead by then;
     # a stopped process is not dead.
     first_state: dict[int, str] = {}
+    first_q: dict[int, int] = {}  # step -> the quorum of its first commit
     last_step: dict[int, int] = {}  # pid -> its latest committed step so far
     covered: list[tuple[int, int]] = []  # step ranges of regressions already reported
     for c in commits:
         step, state = c["step"], c["state"]
         first = first_state.setdefault(step, state)
+        holder_q = first_q.setdefault(step, c["quorum_id"])
         if first != state and not any(lo <= step <= hi for lo, hi in covered):
             ahead = sorted(
                 pid
                 for pid, s in last_step.items()
                 if s >= step and pid != c["pid"] and death.get(pid, float("inf")) > c["t"]
             )
-            best = max(last_step.values(), default=step)
-            covered.append((step, best))
-            lost = max(best - step + 1, 0)
-            if ahead:
-                rep.violations.append(
-                    f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
-                    f"{c['quorum_id']}) committed step {step} with a new state while pids "
-                    f"{ahead} holding step >= {step} (best {best}) were alive"
-                )
-            else:
-                rep.steps_lost += lost
-                rep.regressions.append(
-                    f"step {step} re-committed by {c['group']} after every holder of it died "
-                    f"(best step then {best}: {lost} steps lost)"
-                )
+            # A second state in the same quorum that bit flips explain (the quorum rule
+            # above) is not a regression of progress.
+            flipped = c["quorum_id"] == holder_q and carriers.excuse(by_q[(holder_q, step)], step)
+            if not (ahead and flipped):
+                best = max(last_step.values(), default=step)
+                covered.append((step, best))
+                lost = max(best - step + 1, 0)
+                if ahead:
+                    rep.violations.append(
+                        f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
+                        f"{c['quorum_id']}) committed step {step} with a new state while pids "
+                        f"{ahead} holding step >= {step} (best {best}) were alive"
+                    )
+                else:
+                    rep.steps_lost += lost
+                    rep.regressions.append(
+                        f"step {step} re-committed by {c['group']} after every holder of it "
+                        f"died (best step then {best}: {lost} steps lost)"
+                    )
         last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
 
     for c in commits:
@@ -372,7 +524,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             rep.violations.append(f"group {g} finished at step {done[g]['step']} != {target}")
     states = {f["state"] for f in done.values()}
     if len(states) > 1:
-        rep.violations.append(f"groups finished with {len(states)} different states")
+        what = f"groups finished with {len(states)} different states"
+        rep.violations.append(f"undetected divergence: {what}" if flips else what)
     rep.final = {"groups": len(done), "states": len(states), "step": target}
 
     # No process left behind, none crashed on its own.
@@ -387,6 +540,19 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                     f"process {r['pid']} ({r['group']}) ended as held hung, but its training "
                     "loop never hung: a false hang verdict"
                 )
+        elif r["kind"] == "exit" and r["rc"] == DIVERGED_EXIT and not r["killed"]:
+            # The verdict comes from digests of steps after a flip, within its window.
+            ref = last_step.get(r["pid"])
+            if ref is None:  # never committed: judge by the run's progress then
+                ref = max((c["step"] for c in commits if c["t"] < r["t"]), default=0)
+            if any(f.t < r["t"] and f.step < ref <= f.end for f in flips):
+                rep.divergence_stops += 1
+            else:
+                rep.violations.append(
+                    f"process {r['pid']} ({r['group']}) stopped as diverged (exit "
+                    f"{DIVERGED_EXIT}) at step {ref} with no bit flip within the detection "
+                    "window before it: a false divergence stop"
+                )
         elif r["kind"] == "exit" and r["rc"] != 0 and not r["killed"]:
             rep.violations.append(f"process {r['pid']} ({r['group']}) exited with {r['rc']}")
         if r["kind"] == "start" and r["pid"] not in death:
@@ -396,6 +562,22 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
 
     _timings(rep, commits, procs, faults, ready)
     return rep
+
+
+def _healed(f: _Flip, by_q: dict[tuple[int, int], list[dict[str, Any]]]) -> bool:
+    """Whether the flipped group's last commit in ``f``'s window that another group also
+    committed (same quorum and step) agreed with it."""
+    last: tuple[int, float, bool] | None = None
+    for (_, s), cs in by_q.items():
+        if not f.step < s <= f.end:
+            continue
+        mine = [c for c in cs if c["group"] == f.group]
+        if not mine or not any(c["group"] != f.group for c in cs):
+            continue
+        key = (s, max(c["t"] for c in mine), len({c["state"] for c in cs}) == 1)
+        if last is None or key[:2] > last[:2]:
+            last = key
+    return last is not None and last[2]
 
 
 def _alive(pid: int) -> bool:
@@ -422,9 +604,10 @@ def _timings(
     """Fills faults by kind, the recoveries and the longest survivor stalls.
 
     Each fault is in effect over a window: a kill until the first commit of every group it
-    restarted, a stop until the stopped process's next commit, a lighthouse restart until
-    the first commit of any group after the daemon is back. A fault is isolated when no
-    other fault's window overlaps its own.
+    restarted, a stop until the stopped process's next commit, a hang until the hung group's
+    next commit, a slow period for its length, a lighthouse restart until the first commit
+    of any group after the daemon is back (a bit flip: the moment it was injected). A fault
+    is isolated when no other fault's window overlaps its own.
     """
     by_pid: dict[int, list[float]] = defaultdict(list)
     by_group: dict[str, list[float]] = defaultdict(list)
@@ -458,6 +641,9 @@ def _timings(
             # commits are sorted by time).
             resumed = first_after(by_group[f["groups"][0]], t)
             end = resumed if resumed is not None else t + f.get("seconds", 0.0)
+        elif f["fault"] == "slow":
+            # Every group's steps wait for the slow one while it lasts.
+            end = t + f.get("seconds", 0.0)
         elif f["fault"].startswith("kill"):
             for g in f["groups"]:
                 # The group is back at the first commit of any later process of it (the

@@ -5,9 +5,17 @@ lighthouse and the group name come from the environment as under torchrun (``RAN
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHFT_LIGHTHOUSE``).
 
 The history (see :mod:`torchft.chaos.history`) gets one JSON line per committed step: step,
-quorum id, participants, a hash of the parameters and optimizer state, and the wall time; a
-``finish`` line at the target step (written to ``--target-file`` by the harness). ``--phase`` is a one-byte file the worker overwrites
-with its phase (``q`` quorum/compute, ``c`` commit vote) so faults can aim at a phase.
+quorum id, participants, a hash of the parameters and optimizer state, whether a heal came
+before it, and the wall time; a ``finish`` line at the target step (written to
+``--target-file`` by the harness). ``--phase`` is a one-byte file the worker overwrites with
+its phase (``q`` quorum/compute, ``c`` commit vote) so faults can aim at a phase.
+
+Faults that act inside the process arrive as files the harness writes, looked at on the top
+of every step and removed when taken: ``--hang-file`` (block the loop), ``--slow-file`` (run
+three times slower for a while) and ``--bitflip-file`` (flip one bit of the model in memory).
+The Manager digests its committed state every ``--parity-every`` steps (runtime parity); a
+Manager that finds its state diverged with no majority to heal from raises
+``StateDivergedError``, and the worker exits with :data:`~torchft.chaos.history.DIVERGED_EXIT`.
 """
 
 from __future__ import annotations
@@ -15,16 +23,27 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
+import statistics
 import sys
 import time
+from collections import deque
 from datetime import timedelta
 
 import torch
 from torch import nn
 
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-from torchft.chaos.history import RESTART_EXIT, HistoryWriter, state_hash
+from torchft.chaos.history import DIVERGED_EXIT, RESTART_EXIT, HistoryWriter, state_hash
 from torchft.manager import TornStateError
+
+try:
+    from torchft.manager import StateDivergedError
+except ImportError:  # a torchft without runtime parity: never raised
+
+    class StateDivergedError(RuntimeError):  # type: ignore[no-redef]
+        """Stands in for ``torchft.manager.StateDivergedError``."""
+
 
 _IMPORTED = time.time()
 
@@ -35,6 +54,37 @@ def _read_target(path: str) -> int | None:
             return int(f.read())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def _take(path: str) -> str | None:
+    """The content of a fault file, which is removed (None: absent, or taken already)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        os.remove(path)
+    except OSError:
+        return None
+    return text
+
+
+def _bitflip(path: str, model: nn.Module, history: HistoryWriter, step: int, every: int) -> None:
+    """Flips one of the low 16 mantissa bits of one float32 element of one parameter, in
+    place, as a memory error would: the step trains on from the flipped state. The file
+    holds a seed for the choice, so a run's seed fixes it."""
+    text = _take(path)
+    if text is None:
+        return
+    try:
+        rng = random.Random(int(text))
+    except ValueError:
+        rng = random.Random()
+    params = [(n, p) for n, p in model.named_parameters() if p.dtype == torch.float32]
+    name, param = rng.choice(params)
+    index = rng.randrange(param.numel())
+    bit = rng.randrange(16)
+    with torch.no_grad():
+        param.view(-1).view(torch.int32)[index] ^= 1 << bit
+    history.bitflip(step, param=name, index=index, bit=bit, parity_every=every)
 
 
 def _hang(path: str, history: HistoryWriter, step: int) -> None:
@@ -49,8 +99,57 @@ def _hang(path: str, history: HistoryWriter, step: int) -> None:
     time.sleep(seconds)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Trains until the step in ``--target-file``; returns 0 when it got there."""
+def _slow(path: str, pace: _Pace, history: HistoryWriter, step: int) -> None:
+    """Starts a slow period, as a throttled or shared machine would cause."""
+    try:
+        seconds = float(_take(path) or "")
+    except ValueError:
+        return  # taken already (the harness writes it whole)
+    history.slow(seconds, step)
+    pace.slow(seconds)
+
+
+class _Pace:
+    """The sleep after each step: ``--step-sleep`` times a jitter factor, plus, while an
+    injected slow period lasts, twice the loop's normal step time (so it runs three times
+    slower)."""
+
+    #: The extra sleep of a slow step at most (a normal step that waited long for a quorum
+    #: must not turn the slow loop into a hung one).
+    MAX_EXTRA = 1.0
+
+    def __init__(self, step_sleep: float, jitter: float) -> None:
+        self.step_sleep = step_sleep
+        self.jitter = jitter
+        self.rng = random.Random()
+        self.slow_until = 0.0
+        self.normal: deque[float] = deque(maxlen=16)  # recent step times outside slow periods
+
+    def slow(self, seconds: float) -> None:
+        """Runs the loop three times slower for ``seconds`` from now."""
+        self.slow_until = time.monotonic() + seconds
+
+    def sleep(self, took: float) -> None:
+        """Sleeps after a step whose work (without this sleep) took ``took`` seconds."""
+        secs = self.step_sleep * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+        if time.monotonic() < self.slow_until:
+            normal = statistics.median(self.normal) if self.normal else took + secs
+            secs += min(2 * normal, self.MAX_EXTRA)
+        else:
+            self.normal.append(took + secs)
+        if secs > 0:
+            time.sleep(secs)
+
+
+def _jitter(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's flags (see the module documentation)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--group", required=True)
     p.add_argument("--history", required=True)
@@ -60,10 +159,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument(
+        "--jitter",
+        type=_jitter,
+        default=0.0,
+        help="each step's sleep is multiplied by a uniform random factor in [1-F, 1+F]",
+    )
+    p.add_argument(
+        "--parity-every",
+        type=int,
+        default=100,
+        help="runtime parity: the Manager digests its committed state every N steps "
+        "(TORCHFT_PARITY_EVERY; 0: off)",
+    )
+    p.add_argument(
         "--hang-file",
         default=None,
         help="when this file exists at the top of a step, the loop blocks for the seconds it "
         "holds (removed first), while the process and its heartbeats live on",
+    )
+    p.add_argument(
+        "--slow-file",
+        default=None,
+        help="when this file exists at the top of a step, the loop runs three times slower "
+        "for the seconds it holds (removed first)",
+    )
+    p.add_argument(
+        "--bitflip-file",
+        default=None,
+        help="when this file exists at the top of a step, one low mantissa bit of one model "
+        "parameter is flipped in memory (the file, removed first, holds a seed for the choice)",
     )
     p.add_argument(
         "--log-level",
@@ -72,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         help="level of the worker's own log lines (stderr, kept in the run directory)",
     )
     args = p.parse_args(argv)
+    if args.parity_every < 0:
+        p.error(f"--parity-every must be >= 0, got {args.parity_every}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Trains until the step in ``--target-file``; returns 0 when it got there."""
+    args = parse_args(argv)
+    # The Manager reads it when it is built (the one place that parses it).
+    os.environ["TORCHFT_PARITY_EVERY"] = str(args.parity_every)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s {args.group} %(name)s: %(message)s",
@@ -98,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     history = HistoryWriter(args.history, args.group, os.getpid())
     history.ready(imported=_IMPORTED)
     phase = os.open(args.phase, os.O_WRONLY | os.O_CREAT, 0o644)
+    pace = _Pace(args.step_sleep, args.jitter)
+    healed = False  # a heal since the last commit (a heal's step may not commit)
     try:
         while True:
             target = _read_target(args.target_file)
@@ -105,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if args.hang_file and os.path.exists(args.hang_file):
                 _hang(args.hang_file, history, manager.current_step())
+            if args.slow_file and os.path.exists(args.slow_file):
+                _slow(args.slow_file, pace, history, manager.current_step())
+            if args.bitflip_file and os.path.exists(args.bitflip_file):
+                step = manager.current_step()
+                _bitflip(args.bitflip_file, model, history, step, args.parity_every)
+            t0 = time.monotonic()
             os.pwrite(phase, b"q", 0)
             optim.zero_grad()
             # The data of a step depends only on the step: any group may take any step.
@@ -115,20 +257,27 @@ def main(argv: list[str] | None = None) -> int:
             os.pwrite(phase, b"c", 0)
             before = manager.current_step()
             optim.step()
+            healed = healed or bool(getattr(manager, "_healing", False))
             if manager.current_step() == before + 1:
                 history.commit(
                     step=before + 1,
                     quorum_id=manager._quorum_id,
                     participants=manager.num_participants(),
                     state=state_hash(model.state_dict(), optim.state_dict()),
+                    healed=healed,
                 )
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+                healed = False
+            pace.sleep(time.monotonic() - t0)
         history.finish(manager.current_step(), state_hash(model.state_dict(), optim.state_dict()))
     except TornStateError as e:
         # What a supervisor is for: the harness restarts a process that exits with this.
         logging.getLogger(__name__).error("%s", e)
         return RESTART_EXIT
+    except StateDivergedError as e:
+        # Runtime parity found this group's state diverged with no majority to heal from:
+        # the process stops, and a supervisor restarts it (it heals from whoever is left).
+        logging.getLogger(__name__).error("%s", e)
+        return DIVERGED_EXIT
     finally:
         os.close(phase)
         manager.shutdown(wait=False)
