@@ -66,7 +66,8 @@ MTBF ?= 1.5
 chaos: develop
 	cargo build --release -q --bin torchft_lighthouse
 	$(PY) -m torchft.chaos --faults $(FAULTS) --groups $(GROUPS) --mtbf $(MTBF) \
-		--lighthouse-bin target/release/torchft_lighthouse $(if $(SEED),--seed $(SEED))
+		--lighthouse-bin target/release/torchft_lighthouse $(if $(SEED),--seed $(SEED)) \
+		$(if $(JITTER),--jitter $(JITTER))
 
 test: test-rust test-python
 

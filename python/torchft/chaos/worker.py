@@ -35,15 +35,7 @@ from torch import nn
 
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 from torchft.chaos.history import DIVERGED_EXIT, RESTART_EXIT, HistoryWriter, state_hash
-from torchft.manager import TornStateError
-
-try:
-    from torchft.manager import StateDivergedError
-except ImportError:  # a torchft without runtime parity: never raised
-
-    class StateDivergedError(RuntimeError):  # type: ignore[no-redef]
-        """Stands in for ``torchft.manager.StateDivergedError``."""
-
+from torchft.manager import StateDivergedError, TornStateError
 
 _IMPORTED = time.time()
 
@@ -204,8 +196,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Trains until the step in ``--target-file``; returns 0 when it got there."""
     args = parse_args(argv)
-    # The Manager reads it when it is built (the one place that parses it).
-    os.environ["TORCHFT_PARITY_EVERY"] = str(args.parity_every)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s {args.group} %(name)s: %(message)s",
@@ -224,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         quorum_timeout=timedelta(seconds=120),
         connect_timeout=timedelta(seconds=30),
         replica_id=args.group,
+        parity_every=args.parity_every,
     )
     ddp = DistributedDataParallel(manager, model)
     optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
