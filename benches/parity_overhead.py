@@ -1,0 +1,233 @@
+"""Step time with runtime state parity on vs off, in one run (target: at most 1% apart at
+the default ``parity_every``).
+
+Two replica groups (one process each) train an MLP (256 -> H -> H -> 10, batch 32, AdamW)
+with Manager + torchft DDP on Gloo against an in-process lighthouse. Parity's cost comes once
+per digest (the hash of the whole state on a background thread, overlapped with the step's
+compute, a wait before the commit vote if it is not done, and the CPU the hash takes from
+the other process on a shared machine), so kinds rotate by blocks of ``--every`` steps, in
+both groups together: parity on (the block's first step is a parity step), off, and off again
+(a control). Short blocks interleave the kinds finely, so all three share the machine's
+background load (long blocks on this shared machine differ by tens of percent with no change).
+The mean step time of a block is one sample; per group, the median "on" block against the
+median of the "off" and control blocks pooled gives the cost of one digest, measured at
+``--every`` steps and projected to the default ``parity_every`` (the same digest, spread over
+more steps); control / off shows the noise floor of the same run. The slower group's figures
+are reported, and the projected ratio must be at most 1.01.
+
+It also times one digest of the same state in isolation (the background hash) as a second
+view of the cost.
+
+Usage: ``python benches/parity_overhead.py [--every N] [--blocks B] [--hidden H]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO_PYTHON = str(HERE.parent.parent / "python")
+TARGET = 1.01
+DEFAULT_EVERY = 100  # torchft.parity.DEFAULT_EVERY (checked in main)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One replica group: trains, toggling telemetry every ``block`` steps."""
+    import torch
+    from torch import nn
+
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, 10),
+    )
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=2,
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=60),
+        replica_id=args.replica_id,
+        parity_every=args.every,
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    gen = torch.Generator().manual_seed(int(os.environ["RANK_SEED"]))
+    parity = manager._parity
+    every = args.every
+    blocks: dict[str, list[list[float]]] = {"on": [], "off": [], "control": []}
+    kinds = ["on", "off", "control"]
+    warmup = 3 * every  # the first blocks: the process warms up
+    total = warmup + 3 * args.blocks * every
+    block_start = -1
+    try:
+        while manager.current_step() < total:
+            step = manager.current_step()
+            kind = kinds[(step // every) % 3]
+            parity._off_reason = None if kind == "on" else "off for this block"
+            if step % every == 0 and step >= warmup and step != block_start:
+                block_start = step
+                blocks[kind].append([])
+            x = torch.randn(32, 256, generator=gen)
+            y = torch.randint(0, 10, (32,), generator=gen)
+            start = time.perf_counter()
+            optim.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optim.step()
+            elapsed = time.perf_counter() - start
+            if step >= warmup and manager.current_step() == step + 1 and blocks[kind]:
+                blocks[kind][-1].append(elapsed)
+    finally:
+        manager.shutdown(wait=False)
+    means = {k: [statistics.fmean(b) for b in v if b] for k, v in blocks.items()}
+    Path(args.result).write_text(json.dumps({"means": means, "every": every}))
+
+
+def isolated_cost(hidden: int) -> float:
+    """Seconds of one digest of the benchmark's model and optimizer state, alone."""
+    import torch
+    from torch import nn
+
+    from torchft.parity import StateParity
+
+    model = nn.Sequential(
+        nn.Linear(256, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    nn.functional.cross_entropy(model(torch.randn(4, 256)), torch.tensor([0, 1, 2, 3])).backward()
+    optim.step()
+    p = StateParity(1, lambda: {"model": model.state_dict(), "optim": optim.state_dict()})
+    times = []
+    for step in range(1, 21):
+        t0 = time.perf_counter()
+        p.at_step_start(step)
+        p.settle()
+        times.append(time.perf_counter() - t0)
+        assert p.take() is not None
+    p.shutdown()
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=10, help="steps per block (and digest)")
+    parser.add_argument("--blocks", type=int, default=60, help="blocks per kind")
+    parser.add_argument("--hidden", type=int, default=512)
+    sub = parser.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--replica-id", required=True)
+    w.add_argument("--result", required=True)
+    w.add_argument("--every", type=int, required=True)
+    w.add_argument("--blocks", type=int, required=True)
+    w.add_argument("--hidden", type=int, required=True)
+    args = parser.parse_args()
+    if args.cmd == "worker":
+        worker(args)
+        return 0
+    if args.blocks < 3 or args.every < 2:
+        parser.error("--blocks must be at least 3 and --every at least 2")
+
+    from torch.distributed import TCPStore
+
+    from torchft.parity import DEFAULT_EVERY as LIBRARY_DEFAULT
+
+    assert LIBRARY_DEFAULT == DEFAULT_EVERY, "the benchmark's default is the library's"
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as d:
+        results = [Path(d) / f"g{i}.json" for i in range(2)]
+        stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "ab"]
+        try:
+            for i in range(2):
+                env = dict(os.environ)
+                env.update(
+                    {
+                        "RANK": "0",
+                        "WORLD_SIZE": "1",
+                        "RANK_SEED": str(i),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(stores[i].port),
+                        "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+                        "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
+                        "OMP_NUM_THREADS": "1",
+                    }
+                )
+                cmd = [sys.executable, str(HERE), "worker", "--replica-id", f"g{i}"]
+                cmd += ["--result", str(results[i]), "--blocks", str(args.blocks)]
+                cmd += ["--every", str(args.every)]
+                cmd += ["--hidden", str(args.hidden)]
+                procs.append(subprocess.Popen(cmd, env=env))
+            for p in procs:
+                if p.wait(timeout=1800) != 0:
+                    print(f"worker exited with {p.returncode}")
+                    return 1
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            lighthouse.shutdown()
+        projected, measured, noise = [], [], []
+        print(
+            f"hidden={args.hidden}, {args.blocks} blocks of {args.every} steps per kind "
+            f"(one digest per 'on' block); default parity_every={DEFAULT_EVERY}"
+        )
+        print(
+            f"{'group':>6} {'on (ms)':>9} {'off (ms)':>9} {'control':>9} {'ctrl/off':>8} "
+            f"{'on/off':>7} {'per digest':>11} {'at default':>10} {'spread':>7}"
+        )
+        for i, r in enumerate(results):
+            t = json.loads(r.read_text())["means"]
+            on, off, ctl = (statistics.median(t[k]) for k in ("on", "off", "control"))
+            pooled = statistics.median(t["off"] + t["control"])
+            per_digest = (on - pooled) * args.every
+            at_default = 1 + per_digest / (DEFAULT_EVERY * pooled)
+            q = statistics.quantiles(t["on"], n=4)
+            spread = (q[2] - q[0]) / on
+            projected.append(at_default)
+            measured.append(on / pooled)
+            noise.append(ctl / off)
+            print(
+                f"{'g' + str(i):>6} {on * 1e3:9.3f} {off * 1e3:9.3f} {ctl * 1e3:9.3f} "
+                f"{ctl / off:8.4f} {on / pooled:7.4f} {per_digest * 1e3:8.2f} ms "
+                f"{at_default:10.4f} {spread:7.1%}"
+            )
+    cost = isolated_cost(args.hidden)
+    worst = max(projected)
+    print(f"one digest of this state, alone: {cost * 1e3:.2f} ms (median of 20)")
+    print(
+        f"step time, parity on / off at parity_every={args.every}: {max(measured):.4f}; "
+        f"projected to the default parity_every={DEFAULT_EVERY}: {worst:.4f} "
+        f"(target <= {TARGET}); control / off (noise floor): "
+        f"{max(noise, key=lambda v: abs(v - 1)):.4f}"
+    )
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
