@@ -552,9 +552,19 @@ class Chaos:
             if cfg.floor_runs:
                 self._measure_floor(cfg.floor_runs)
             done = 0
+            # A bit flip drawn while not every group trains waits for the first moment all
+            # do (with faults every MTBF that moment is rare; skipping would starve the kind).
+            flip_wanted = False
             while done < cfg.faults:
                 pause = self.rng.expovariate(1.0 / cfg.mtbf)
                 self._sleep_reaping(pause)
+                if flip_wanted:
+                    with self.lock:
+                        hit = self._fault_bitflip()
+                    if hit is not None:
+                        flip_wanted = False
+                        done += 1
+                        continue
                 for _ in range(10):
                     kind = self.rng.choices(kinds, weights)[0]
                     with self.lock:
@@ -562,6 +572,8 @@ class Chaos:
                     if hit is not None:
                         done += 1
                         break
+                    if kind == "bitflip":
+                        flip_wanted = True
                 if time.monotonic() - t0 > cfg.timeout:
                     raise TimeoutError(f"chaos run exceeded {cfg.timeout}s")
                 if done and done % 25 == 0:
