@@ -463,6 +463,7 @@ impl PyManagerClient {
 
     /// Casts this rank's vote for `step` like `should_commit`, and hands over this rank's
     /// digest of its committed state after `digest_step` (runtime state parity).
+    #[allow(clippy::too_many_arguments)]
     fn _should_commit_digest(
         &self,
         py: Python<'_>,
