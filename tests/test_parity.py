@@ -134,7 +134,7 @@ def test_digests_follow_the_bits_and_bad_settings_are_refused() -> None:
     assert digest_tensors([("w", a)]) == digest_tensors([("w", a.clone())])
     assert digest_tensors([("w", a)]) != digest_tensors([("w", b)])
     assert digest_tensors([("w", a)]) != digest_tensors([("w", a.reshape(8, 8))])
-    assert len(digest_tensors([("w", a)])) == 16
+    assert len(digest_tensors([("w", a)])) == 8
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(ValueError, match="parity_every"):
             StateParity(bad, dict)  # type: ignore[arg-type]
