@@ -66,11 +66,14 @@ pub enum EventKind {
     /// the same step (`replica_id`, `step`, `action`: `heal` from the agreeing majority or
     /// `stop` when no majority agrees, `majority`, `compared`, `ranks`).
     ReplicaDiverged,
+    /// A lasting straggler was dropped from the quorum for a while
+    /// (`--straggler_drop_after_ms`): `replica_id`, `incarnation`, `reason`, `for_s`.
+    StragglerDropped,
 }
 
 impl EventKind {
     /// Every kind, in documentation order.
-    pub const ALL: [EventKind; 16] = [
+    pub const ALL: [EventKind; 17] = [
         EventKind::LighthouseStarted,
         EventKind::QuorumChanged,
         EventKind::ReplicaJoined,
@@ -87,6 +90,7 @@ impl EventKind {
         EventKind::ReplicaHung,
         EventKind::ReplicaResumed,
         EventKind::ReplicaDiverged,
+        EventKind::StragglerDropped,
     ];
 
     /// The name events carry in `kind`.
@@ -108,6 +112,7 @@ impl EventKind {
             EventKind::ReplicaHung => "replica_hung",
             EventKind::ReplicaResumed => "replica_resumed",
             EventKind::ReplicaDiverged => "replica_diverged",
+            EventKind::StragglerDropped => "straggler_dropped",
         }
     }
 

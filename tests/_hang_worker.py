@@ -8,6 +8,9 @@ stuck input pipeline would) for the seconds the file holds, while the process an
 manager server live on; the file is removed first, so the hang happens once. At the end the
 final state's hash is written as a ``finished`` line.
 
+While the file ``--slow-file`` exists, every step sleeps the seconds it holds before its
+forward pass (a slow machine: the group keeps taking part, late).
+
 When the file ``--flip-file`` exists at the top of a step (removed first), one bit of the
 first parameter is flipped in memory, as bad memory would, and a ``flip`` line is written.
 If the parity check stops the group (``StateDivergedError``), a ``stopped`` line is written
@@ -46,6 +49,7 @@ def main() -> None:
     p.add_argument("--hang-file", required=True)
     p.add_argument("--target-file", required=True)
     p.add_argument("--flip-file", default=None)
+    p.add_argument("--slow-file", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -95,6 +99,12 @@ def main() -> None:
                     bits[3] ^= 1 << 4  # a low mantissa bit: training goes on, state differs
                 record(flip=True, step=manager.current_step())
             optim.zero_grad()
+            if args.slow_file:
+                try:
+                    with open(args.slow_file) as f:
+                        time.sleep(float(f.read()))
+                except (OSError, ValueError):
+                    pass  # not slow (or the file is being written)
             gen = torch.Generator().manual_seed(manager.current_step())
             x = torch.randn(32, 16, generator=gen)
             y = torch.randint(0, 4, (32,), generator=gen)

@@ -79,6 +79,7 @@ class MockLighthouse:
         self.quorum_id: int | None = 1732170000123456
         self.members: list[str] | None = None  # None: the healthy and straggler replicas
         self.hung: list[dict] = []
+        self.dropped: list[dict] = []
         self.parity: dict = {
             "checks": 0,
             "diverged_total": 0,
@@ -172,6 +173,7 @@ class MockLighthouse:
                 "participants": [],
                 "lost": [],
                 "hung": copy.deepcopy(self.hung),
+                "dropped": copy.deepcopy(self.dropped),
                 "parity": copy.deepcopy(self.parity),
                 "replicas": replicas,
                 "stragglers": [r["replica_id"] for r in replicas if r["straggler"]],
@@ -550,8 +552,9 @@ def test_straggler_rows_highlighted(mock: MockLighthouse, driver: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_verdicts_name_hung_diverged_and_stopped_groups(mock: MockLighthouse, driver: Any) -> None:
-    """The verdict column shows the lighthouse's verdict on each group's process (hung, or
-    diverged / stopped by the parity check), with the reason in its title, and clears."""
+    """The verdict column shows the lighthouse's verdict on each group's process (hung,
+    diverged / stopped by the parity check, dropped as a lasting straggler), with the reason
+    in its title, and clears."""
     mock.set_replicas(
         make_replica("a", step=3), make_replica("b", step=3), make_replica("c", step=3)
     )
@@ -576,13 +579,17 @@ def test_verdicts_name_hung_diverged_and_stopped_groups(mock: MockLighthouse, dr
         mock.hung = []
         mock.parity["healing"] = []
         mock.parity["stopped"] = ["c:6f1c0a2b"]
+        mock.dropped = [
+            {"replica_id": "b:6f1c0a2b", "reason": "a straggler for 30.0s", "remaining_s": 12.0}
+        ]
     wait_until(
         lambda: (
             {r["id"]: r["cells"]["verdict"] for r in rows(driver)}
-            == {"a": "", "b": "", "c": "stopped"}
+            == {"a": "", "b": "dropped", "c": "stopped"}
         ),
         what="verdicts to follow the status",
     )
+    assert "straggler for 30.0s" in row_map(driver)["b"]["verdict_title"]
     assert row_map(driver)["a"]["verdict_title"] is None
     assert_no_console_errors(driver)
 

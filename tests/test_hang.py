@@ -84,6 +84,8 @@ class Job:
                     str(self.target),
                     "--flip-file",
                     str(self.flip_file(name)),
+                    "--slow-file",
+                    str(self.tmp / f"{name}.slow"),
                 ],
                 env=env,
                 stdout=out,

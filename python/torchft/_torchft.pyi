@@ -20,6 +20,7 @@ __all__ = [
     "QuorumResult",
     "EVENT_KINDS",
     "TorchFTError",
+    "StateDivergedError",
     "lighthouse_main",
     "security_settings",
     "set_log_context",

@@ -57,6 +57,7 @@ REPLICA_KINDS: frozenset[str] = frozenset(
         "replica_hung",
         "replica_resumed",
         "replica_diverged",
+        "straggler_dropped",
     }
 )
 

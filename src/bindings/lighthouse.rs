@@ -349,6 +349,7 @@ impl LighthouseServer {
             allow_kill,
             straggler_skew_pct: straggler_skew_pct.unwrap_or(od.straggler_skew_pct),
             straggler_min: ms_arg("straggler_min_ms", straggler_min_ms, od.straggler_min, true)?,
+            straggler_drop_after: None,
         };
         let security = Security::from_env_and(
             token_file.as_deref(),

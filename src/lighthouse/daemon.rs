@@ -130,6 +130,17 @@ pub struct Args {
     )]
     pub straggler_min_ms: u64,
 
+    /// A replica group that stays a straggler this long (ms) is dropped from the quorum for
+    /// as long again and told why (its quorum request waits, then it rejoins and heals), so
+    /// one slow machine does not set the pace of all. 0: stragglers are only flagged.
+    #[arg(
+        long = "straggler_drop_after_ms",
+        alias = "straggler-drop-after-ms",
+        env = "TORCHFT_STRAGGLER_DROP_AFTER_MS",
+        default_value_t = 0
+    )]
+    pub straggler_drop_after_ms: u64,
+
     /// Require this shared secret (read from the file) on every RPC and on the kill action
     /// (default: env TORCHFT_TOKEN_FILE, else TORCHFT_TOKEN; never pass the secret itself on
     /// a command line).
@@ -217,6 +228,8 @@ impl Args {
             allow_kill: self.allow_kill,
             straggler_skew_pct: self.straggler_skew_pct as f64,
             straggler_min: Duration::from_millis(self.straggler_min_ms),
+            straggler_drop_after: (self.straggler_drop_after_ms > 0)
+                .then(|| Duration::from_millis(self.straggler_drop_after_ms)),
         }
     }
 }

@@ -77,6 +77,17 @@ pub struct StartupHoldStatus {
     pub ends_unix_s: f64,
 }
 
+/// A replica group dropped from the quorum as a lasting straggler.
+#[derive(Debug, Serialize)]
+pub struct DroppedStatus {
+    /// The group's process (replica id with its incarnation).
+    pub replica_id: String,
+    /// Why (how long it has been a straggler, its busy time against the job's median).
+    pub reason: String,
+    /// Seconds until it rejoins.
+    pub remaining_s: f64,
+}
+
 /// The runtime state parity check (see docs/telemetry.md).
 #[derive(Debug, Serialize)]
 pub struct ParityStatus {
@@ -135,6 +146,9 @@ pub struct StatusBody {
     /// Runtime state parity: steps compared, groups found diverged, and the groups healing
     /// from the majority or stopped (no majority) now.
     pub parity: ParityStatus,
+    /// Groups dropped from the quorum now as lasting stragglers (`--straggler_drop_after_ms`):
+    /// their requests wait until the drop ends, then they rejoin.
+    pub dropped: Vec<DroppedStatus>,
     /// Whether the next quorum would be issued now.
     pub ready: bool,
     /// Why the next quorum is, or is not yet, ready.
@@ -207,6 +221,15 @@ impl StatusBody {
                 healing: s.parity.healing.clone(),
                 stopped: s.parity.stopped.clone(),
             },
+            dropped: s
+                .dropped
+                .iter()
+                .map(|(id, why, left)| DroppedStatus {
+                    replica_id: id.clone(),
+                    reason: why.clone(),
+                    remaining_s: left.as_secs_f64(),
+                })
+                .collect(),
             ready: s.verdict.is_ready(),
             reason: s.verdict.to_string(),
             startup_hold: s.startup_hold.map(|(why, remaining)| StartupHoldStatus {
@@ -332,6 +355,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         parity_checks: snapshot.parity.checks,
         replicas_diverged: snapshot.parity.diverged_total,
         replicas_stopped: snapshot.parity.stopped.len(),
+        replicas_dropped: snapshot.dropped.len(),
     };
     (
         [(

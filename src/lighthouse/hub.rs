@@ -38,6 +38,9 @@ pub struct ObservabilityOptions {
     pub straggler_skew_pct: f64,
     /// ... and at least this much above it.
     pub straggler_min: Duration,
+    /// A group that stays a straggler this long is dropped from the quorum for as long
+    /// again, told why, and then rejoins (None: stragglers are only flagged).
+    pub straggler_drop_after: Option<Duration>,
 }
 
 impl Default for ObservabilityOptions {
@@ -48,6 +51,7 @@ impl Default for ObservabilityOptions {
             allow_kill: false,
             straggler_skew_pct: t.straggler_skew_pct,
             straggler_min: t.straggler_min,
+            straggler_drop_after: None,
         }
     }
 }

@@ -98,6 +98,8 @@ pub struct JobMetrics {
     pub replicas_diverged: u64,
     /// Groups stopped now by the parity check (no majority).
     pub replicas_stopped: usize,
+    /// Groups dropped from the quorum now as lasting stragglers.
+    pub replicas_dropped: usize,
 }
 
 /// Renders the exposition text.
@@ -208,6 +210,13 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
          right.",
     );
     w.sample("torchft_replicas_stopped", &[], job.replicas_stopped as f64);
+    w.family(
+        "torchft_replicas_dropped",
+        "gauge",
+        "Replica groups dropped from the quorum now as lasting stragglers \
+         (straggler_dropped events).",
+    );
+    w.sample("torchft_replicas_dropped", &[], job.replicas_dropped as f64);
 
     w.family(
         "torchft_replica_state",
@@ -331,6 +340,7 @@ mod tests {
             parity_checks: 3,
             replicas_diverged: 1,
             replicas_stopped: 0,
+            replicas_dropped: 0,
         };
         let text = render(&job, &[]);
         let mut families = 0;

@@ -351,6 +351,8 @@ pub struct Snapshot {
     pub hang_timeout: (Duration, String),
     /// The runtime state parity check (see [`super::parity`]).
     pub parity: ParitySnapshot,
+    /// Groups dropped from the quorum as lasting stragglers: id, why, time left (sorted).
+    pub dropped: Vec<(String, String, Duration)>,
 }
 
 /// The parity check's state, as shown on the status pages.
@@ -418,6 +420,11 @@ pub struct QuorumEngine {
     hang: HangWatch,
     /// The groups' state digests, compared step by step (see [`super::parity`]).
     parity: Parity,
+    /// Groups dropped from the quorum as lasting stragglers, until when, and why: not
+    /// counted as healthy, and their requests wait in `parked` until then.
+    dropped: HashMap<String, (Instant, String)>,
+    /// Requests of dropped groups, joining the round when their drop ends.
+    parked: HashMap<String, Participant>,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -487,6 +494,8 @@ impl QuorumEngine {
             durable_revision: 0,
             hang: HangWatch::new(opts.hang_timeout),
             parity: Parity::default(),
+            dropped: HashMap::new(),
+            parked: HashMap::new(),
             opts,
         }
     }
@@ -661,6 +670,7 @@ impl QuorumEngine {
                     && now.saturating_duration_since(rec.last_seen) <= timeout
                     && !self.participants.contains_key(*id)
                     && !self.hang.is_hung(id)
+                    && !self.dropped.contains_key(*id)
             })
             .map(|(id, _)| id.clone())
             .collect();
@@ -688,6 +698,7 @@ impl QuorumEngine {
     pub fn is_waiting(&self, replica_id: &str, generation: u64) -> bool {
         self.participants
             .get(replica_id)
+            .or_else(|| self.parked.get(replica_id))
             .is_some_and(|p| p.generation == generation)
     }
 
@@ -835,6 +846,27 @@ impl QuorumEngine {
         self.hang.asked(&member.replica_id, now);
         let generation = self.next_generation;
         self.next_generation += 1;
+        if self.dropped.contains_key(&member.replica_id) {
+            // Dropped as a straggler: the request waits until the drop ends.
+            let replaced = self
+                .parked
+                .insert(
+                    member.replica_id.clone(),
+                    Participant { member, generation },
+                )
+                .map(|p| p.generation);
+            return Ok(Joined {
+                generation,
+                replaced,
+            });
+        }
+        Ok(self.enter_round(Participant { member, generation }, now))
+    }
+
+    /// Puts a request into the current round (replacing an earlier one of its replica).
+    fn enter_round(&mut self, participant: Participant, now: Instant) -> Joined {
+        let generation = participant.generation;
+        let member = participant.member;
         let shrink = member.shrink_only;
         let in_previous = self.previous_ids.contains(&member.replica_id);
         let replaced = match self.participants.insert(
@@ -860,10 +892,62 @@ impl QuorumEngine {
         if self.round_started.is_none() {
             self.round_started = Some(now);
         }
-        Ok(Joined {
+        Joined {
             generation,
             replaced,
-        })
+        }
+    }
+
+    /// Drops `replica_id` from the quorum for `window` (a lasting straggler, see
+    /// `--straggler_drop_after_ms`): it stops counting as healthy, so the others' rounds go
+    /// on without it, and its requests wait until the drop ends; then it rejoins (and heals).
+    /// Returns false (nothing changed) for a replica not known healthy or already dropped.
+    pub fn drop_straggler(
+        &mut self,
+        replica_id: &str,
+        window: Duration,
+        why: String,
+        now: Instant,
+    ) -> bool {
+        if self.dropped.contains_key(replica_id)
+            || !self.heartbeats.get(replica_id).is_some_and(|r| r.counted)
+        {
+            return false;
+        }
+        let until = now.checked_add(window).unwrap_or(now);
+        self.dropped.insert(replica_id.to_string(), (until, why));
+        if let Some(p) = self.participants.get(replica_id) {
+            let generation = p.generation;
+            let p = self.participants.get(replica_id).cloned();
+            self.leave(replica_id, generation);
+            if let Some(p) = p {
+                self.parked.insert(replica_id.to_string(), p);
+            }
+        }
+        true
+    }
+
+    /// Ends the drops whose time is up: their waiting requests join the round.
+    fn end_drops(&mut self, now: Instant) {
+        let over: Vec<String> = self
+            .dropped
+            .iter()
+            .filter(|(_, (until, _))| now >= *until)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in over {
+            self.dropped.remove(&id);
+            if let Some(p) = self.parked.remove(&id) {
+                self.enter_round(p, now);
+            }
+        }
+    }
+
+    /// Why `replica_id` is dropped from the quorum and for how much longer, if it is.
+    pub fn dropped(&self, replica_id: &str, now: Instant) -> Option<(String, Duration)> {
+        self.dropped
+            .get(replica_id)
+            .map(|(until, why)| (why.clone(), until.saturating_duration_since(now)))
     }
 
     /// Removes the request `generation` of `replica_id` from the round (cancelled or timed
@@ -871,6 +955,14 @@ impl QuorumEngine {
     pub fn leave(&mut self, replica_id: &str, generation: u64) -> bool {
         if !self.is_waiting(replica_id, generation) {
             return false;
+        }
+        if self
+            .parked
+            .get(replica_id)
+            .is_some_and(|p| p.generation == generation)
+        {
+            self.parked.remove(replica_id);
+            return true;
         }
         if let Some(p) = self.participants.remove(replica_id) {
             if p.member.shrink_only {
@@ -904,6 +996,8 @@ impl QuorumEngine {
         // A dead group is not hung: the hung count must only hold counted records.
         self.hang.forget(replica_id);
         self.parity.lost(replica_id);
+        self.dropped.remove(replica_id);
+        self.parked.remove(replica_id);
         if let Some(p) = self.participants.get(replica_id) {
             let generation = p.generation;
             self.leave(replica_id, generation);
@@ -952,8 +1046,19 @@ impl QuorumEngine {
         } else {
             asking
         };
-        // Hung groups (alive, training loop away; see `super::hang`) are not waited for.
-        let healthy = self.healthy.saturating_sub(self.hang.count()).max(asking);
+        // Hung groups (alive, training loop away; see `super::hang`) and groups dropped as
+        // lasting stragglers are not waited for.
+        let dropped = self
+            .dropped
+            .keys()
+            .filter(|id| {
+                !self.hang.is_hung(id) && self.heartbeats.get(*id).is_some_and(|r| r.counted)
+            })
+            .count();
+        let healthy = self
+            .healthy
+            .saturating_sub(self.hang.count() + dropped)
+            .max(asking);
         if (candidates as u64) < self.opts.min_replicas {
             return Verdict::BelowMinReplicas {
                 candidates,
@@ -1168,12 +1273,14 @@ impl QuorumEngine {
         // held hung meanwhile (its process must not end itself with the only newer state).
         let candidates_step =
             (round_open && !self.participants.is_empty()).then(|| self.candidates_step());
+        self.end_drops(now);
         let waived = &self.waived;
         let participants = &self.participants;
+        let parked = &self.parked;
         let hang = &mut self.hang;
         let mut healthy = 0;
         self.heartbeats.retain(|id, rec| {
-            let waiting = participants.contains_key(id);
+            let waiting = participants.contains_key(id) || parked.contains_key(id);
             let age = now.saturating_duration_since(rec.last_seen);
             rec.counted = waiting || (age <= timeout && rec.heard);
             if rec.counted {
@@ -1446,6 +1553,21 @@ impl QuorumEngine {
                 last_checked_step: self.parity.last_checked,
                 healing: self.parity.healing(),
                 stopped: self.parity.stopped_ids(),
+            },
+            dropped: {
+                let mut d: Vec<(String, String, Duration)> = self
+                    .dropped
+                    .iter()
+                    .map(|(id, (until, why))| {
+                        (
+                            id.clone(),
+                            why.clone(),
+                            until.saturating_duration_since(now),
+                        )
+                    })
+                    .collect();
+                d.sort();
+                d
             },
         }
     }
@@ -1820,6 +1942,52 @@ mod tests {
             .iter()
             .map(|m| (m.replica_id.clone(), m.step))
             .collect()
+    }
+
+    #[test]
+    fn a_dropped_straggler_waits_out_its_drop_and_then_rejoins() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 1, t);
+        let first = quorum_of(&mut e, &["a", "b"], t);
+        let window = Duration::from_secs(10);
+        assert!(e.drop_straggler("b", window, "slow".into(), t));
+        assert!(!e.drop_straggler("b", window, "slow".into(), t), "once");
+        assert!(!e.drop_straggler("zz", window, "unknown".into(), t));
+        // b's request waits; a alone is a majority now (b is not counted as healthy).
+        let jb = e.join(member("b"), t).unwrap();
+        e.join(member("a"), t).unwrap();
+        let q = e.poll(t).expect("a goes on without b");
+        assert_eq!(ids(&q), vec!["a"]);
+        assert_ne!(q.quorum_id, first.quorum_id);
+        assert!(e.is_waiting("b", jb.generation));
+        let (why, left) = e.dropped("b", t).unwrap();
+        assert_eq!((why.as_str(), left), ("slow", window));
+        assert_eq!(e.snapshot(t).dropped.len(), 1);
+        // When the drop ends, b's waiting request joins the round and both go on.
+        let later = t + window;
+        e.heartbeat("a", later).unwrap();
+        e.heartbeat("b", later).unwrap();
+        e.join(member("a"), later).unwrap();
+        let q = e.tick(later).expect("both again");
+        assert_eq!(ids(&q), vec!["a", "b"]);
+        assert!(e.dropped("b", later).is_none());
+    }
+
+    #[test]
+    fn a_dropped_stragglers_request_can_be_withdrawn_and_its_death_ends_the_drop() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 1, t);
+        quorum_of(&mut e, &["a", "b"], t);
+        // Dropped while asking: the request is parked, not lost.
+        let jb = e.join(member("b"), t).unwrap();
+        assert!(e.drop_straggler("b", Duration::from_secs(10), "slow".into(), t));
+        assert!(e.is_waiting("b", jb.generation));
+        assert!(e.leave("b", jb.generation));
+        assert!(!e.is_waiting("b", jb.generation));
+        e.join(member("b"), t).unwrap();
+        e.lost("b", t);
+        assert!(e.dropped("b", t).is_none());
+        assert!(e.snapshot(t).dropped.is_empty());
     }
 
     #[test]

@@ -451,6 +451,39 @@ impl Shared {
         }
     }
 
+    /// Drops the groups that stayed stragglers for `--straggler_drop_after_ms` from the
+    /// quorum for as long again (logged, `straggler_dropped`); their heartbeat replies say why.
+    fn drop_lasting_stragglers(&self, state: &mut State, now: std::time::Instant) {
+        let Some(window) = self.hub.opts.straggler_drop_after else {
+            return;
+        };
+        let long = self.hub.with(|t| t.take_long_stragglers(now, window));
+        for (incarnation, why) in long {
+            if !state
+                .engine
+                .drop_straggler(&incarnation, window, why.clone(), now)
+            {
+                continue;
+            }
+            warn!(replica_id = %incarnation,
+                "{why}: dropped from the quorum for {:.1}s; the others go on without it, \
+                 then it rejoins and heals",
+                window.as_secs_f64());
+            self.hub.with(|t| {
+                t.emit(
+                    now,
+                    crate::telemetry::EventKind::StragglerDropped,
+                    serde_json::json!({
+                        "replica_id": crate::telemetry::base_id(&incarnation),
+                        "incarnation": incarnation,
+                        "reason": why,
+                        "for_s": window.as_secs_f64(),
+                    }),
+                )
+            });
+        }
+    }
+
     /// Logs and records (`replica_diverged`) the groups the parity check found diverged.
     fn announce_diverged(&self, state: &mut State, now: std::time::Instant) {
         for d in state.engine.take_diverged() {
@@ -647,11 +680,17 @@ impl Shared {
         {
             Self::announce_hold(state, now);
         }
-        let waiting = state
-            .wait_reason
-            .as_ref()
-            .filter(|_| state.engine.is_asking(replica_id))
-            .cloned();
+        let waiting = match state.engine.dropped(replica_id, now) {
+            Some((why, remaining)) => Some(Arc::<str>::from(format!(
+                "dropped from the quorum: {why}; it rejoins in {:.1}s",
+                remaining.as_secs_f64()
+            ))),
+            None => state
+                .wait_reason
+                .as_ref()
+                .filter(|_| state.engine.is_asking(replica_id))
+                .cloned(),
+        };
         let hung = state.engine.is_hung(replica_id).map(|h| {
             format!(
                 "this group's training loop has not reached its manager for {:.1}s (hang \
@@ -677,6 +716,7 @@ impl Shared {
             return;
         }
         let before = state.last.clone();
+        self.drop_lasting_stragglers(state, now);
         if let Some(q) = state.engine.tick(now) {
             self.deliver(state, q);
         }

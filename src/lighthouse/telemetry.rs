@@ -189,6 +189,9 @@ struct Group {
     hb_at: Option<Instant>,
     in_quorum: bool,
     straggler: bool,
+    /// When it was last flagged a straggler (or rejoined after being dropped as one): the
+    /// drop window counts from here.
+    straggler_since: Option<Instant>,
     skew_pct: f64,
     state: GroupState,
     state_since: Instant,
@@ -221,6 +224,7 @@ impl Group {
             hb_at: None,
             in_quorum: false,
             straggler: false,
+            straggler_since: None,
             skew_pct: 0.0,
             state: GroupState::Joining,
             state_since: now,
@@ -838,9 +842,11 @@ impl Telemetry {
                                 "busy_s": round6(*b), "median_busy_s": round6(reference)});
             if !g.straggler && flag {
                 g.straggler = true;
+                g.straggler_since = Some(now);
                 events.push((EventKind::StragglerFlagged, fields));
             } else if g.straggler && clear {
                 g.straggler = false;
+                g.straggler_since = None;
                 events.push((EventKind::StragglerCleared, fields));
             }
         }
@@ -849,6 +855,7 @@ impl Telemetry {
         for (name, g) in &mut self.groups {
             if g.straggler && !judged.contains(name) {
                 g.straggler = false;
+                g.straggler_since = None;
                 events.push((
                     EventKind::StragglerCleared,
                     json!({"replica_id": name, "skew_pct": null, "busy_s": null,
@@ -859,6 +866,40 @@ impl Telemetry {
         for (kind, fields) in events {
             self.emit(now, kind, fields);
         }
+    }
+
+    /// Groups flagged stragglers for at least `window` without a break: `(incarnation, why)`
+    /// for each. Each is taken to be dropped for `window`: its next window counts from the
+    /// end of that drop (it must stay a straggler a whole window after it rejoins to be
+    /// dropped again).
+    pub fn take_long_stragglers(
+        &mut self,
+        now: Instant,
+        window: Duration,
+    ) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (name, g) in &mut self.groups {
+            let Some(since) = g.straggler_since else {
+                continue;
+            };
+            let flagged_for = now.saturating_duration_since(since);
+            if !g.straggler || flagged_for < window {
+                continue;
+            }
+            g.straggler_since = Some(now.checked_add(window).unwrap_or(now));
+            let busy = g.busy_median().unwrap_or(0.0);
+            out.push((
+                g.incarnation.clone(),
+                format!(
+                    "replica group {name} has been a straggler for {:.1}s (median busy time \
+                     {:.1} ms, {:+.0}% against the job's median)",
+                    flagged_for.as_secs_f64(),
+                    busy * 1e3,
+                    g.skew_pct
+                ),
+            ));
+        }
+        out
     }
 
     /// Re-derives one group's state and emits the transition (and a loss) if it changed.
@@ -1108,6 +1149,41 @@ mod tests {
         assert!(j
             .kinds()
             .contains(&(EventKind::StragglerCleared, "g2".into())));
+    }
+
+    #[test]
+    fn a_straggler_is_taken_once_per_window_and_its_next_window_starts_after_the_drop() {
+        let mut j = Job::new(3);
+        for _ in 0..WINDOW {
+            j.step_all(&[0.1, 0.1, 0.1]);
+        }
+        let window = Duration::from_secs(2);
+        for _ in 0..WINDOW {
+            j.step_all(&[0.1, 0.1, 0.4]);
+        }
+        assert_eq!(j.state("g2"), GroupState::Straggler);
+        // Flagged for less than the window so far (each step is 200 ms).
+        let flagged = j.t.groups["g2"].straggler_since.unwrap();
+        assert!(j
+            .t
+            .take_long_stragglers(flagged + window / 2, window)
+            .is_empty());
+        let at = flagged + window;
+        let long = j.t.take_long_stragglers(at, window);
+        assert_eq!(long.len(), 1);
+        assert!(long[0].0.starts_with("g2"), "{long:?}");
+        assert!(long[0].1.contains("straggler for 2.0s"), "{long:?}");
+        // Dropped for the window: not taken again before a whole window after it rejoins.
+        assert!(j.t.take_long_stragglers(at + window, window).is_empty());
+        assert_eq!(j.t.take_long_stragglers(at + window * 2, window).len(), 1);
+        // A cleared straggler is never taken.
+        for _ in 0..WINDOW {
+            j.step_all(&[0.1, 0.1, 0.1]);
+        }
+        assert!(j
+            .t
+            .take_long_stragglers(at + window * 10, window)
+            .is_empty());
     }
 
     #[test]
