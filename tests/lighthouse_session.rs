@@ -512,3 +512,68 @@ async fn heartbeat_replies_tell_an_asking_group_why_its_round_waits() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn heartbeats_carry_state_digests_and_two_groups_that_differ_are_stopped() {
+    use torchft::proto::StateDigest;
+    bounded(async {
+        let server = LighthouseServer::bind("127.0.0.1:0", opts(SLOW_HEARTBEAT))
+            .await
+            .unwrap();
+        let (ca, cb) = (client(&server).await, client(&server).await);
+        ca.heartbeat("a", CONNECT).await.unwrap();
+        cb.heartbeat("b", CONNECT).await.unwrap();
+        let q = quorum_ab(&ca, &cb).await;
+        let digest = |byte: u8| StateDigest {
+            step: 10,
+            ranks: vec![vec![byte; 8]],
+        };
+        // A bad digest (ranks of different lengths) is refused alone: the heartbeat, and so
+        // the group's lease, still succeeds, and the step is acknowledged (not resent).
+        let bad = StateDigest {
+            step: 9,
+            ranks: vec![vec![1; 8], vec![1; 4]],
+        };
+        let ack = ca
+            .heartbeat_digest("a", Some(9), None, Some(bad), CONNECT)
+            .await
+            .unwrap();
+        assert_eq!((ack.parity_step, ack.diverged), (9, None));
+        // a asks for the next quorum; then the digests of step 10 differ: no majority of two.
+        let asking = {
+            let ca = ca.clone();
+            tokio::spawn(async move { ca.quorum(member("a"), Duration::from_secs(30)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let ack = ca
+            .heartbeat_digest("a", Some(10), None, Some(digest(1)), CONNECT)
+            .await
+            .unwrap();
+        assert_eq!((ack.parity_step, ack.diverged.as_deref()), (10, None));
+        let ack = cb
+            .heartbeat_digest("b", Some(10), None, Some(digest(2)), CONNECT)
+            .await
+            .unwrap();
+        assert_eq!(ack.parity_step, 10);
+        assert!(ack.diverged.unwrap().contains("no majority"));
+        // a's waiting request ends with the verdict (DATA_LOSS), not with a quorum.
+        let err = asking.await.unwrap().unwrap_err();
+        assert!(matches!(err, torchft::error::Error::Diverged(_)), "{err:?}");
+        assert!(ca
+            .heartbeat_lease("a", None, None, CONNECT)
+            .await
+            .unwrap()
+            .diverged
+            .is_some());
+        // Its joins and commits are refused from now on.
+        let err = ca.quorum(member("a"), CONNECT).await.unwrap_err();
+        assert!(matches!(err, torchft::error::Error::Diverged(_)), "{err:?}");
+        assert!(cb
+            .commit("b", q.quorum_id, 11, CONNECT)
+            .await
+            .unwrap()
+            .is_some());
+        server.shutdown().await;
+    })
+    .await;
+}

@@ -511,6 +511,18 @@ impl Shared {
                     d.compared
                 ),
             }
+            if d.action == super::parity::Action::Stop {
+                // A request it has in the round must not make it a member of a quorum.
+                if let Some(w) = state.waiters.remove(&d.replica_id) {
+                    state.engine.leave(&d.replica_id, w.generation);
+                    let why = state
+                        .engine
+                        .parity_stopped(&d.replica_id)
+                        .unwrap_or("its state diverged")
+                        .to_string();
+                    let _ = w.tx.send(Err(Error::Diverged(why)));
+                }
+            }
             self.hub.with(|t| {
                 t.emit(
                     now,
@@ -666,9 +678,16 @@ impl Shared {
             .heartbeat_full(replica_id, step, loop_idle, now)?;
         let parity_step = match digest {
             Some(d) => {
-                let ack = state
-                    .engine
-                    .offer_digest(replica_id, d.step, d.ranks, now)?;
+                let step = d.step;
+                // A bad digest must not fail the heartbeat (the group's lease): it is refused
+                // alone, and acknowledged so the manager stops resending it.
+                let ack = match state.engine.offer_digest(replica_id, step, d.ranks, now) {
+                    Ok(ack) => ack,
+                    Err(e) => {
+                        warn!(replica_id = %replica_id, "state digest refused: {e}");
+                        step.max(0)
+                    }
+                };
                 self.announce_diverged(state, now);
                 ack
             }

@@ -641,6 +641,8 @@ impl Inner {
             error!(replica_id = %self.opts.replica_id,
                 "the lighthouse stopped this group: {why}");
             *slot = Some(why);
+            // Ranks already waiting in the commit vote get "no" now; their next call raises.
+            self.barrier.abort_round();
         }
     }
 
