@@ -212,6 +212,25 @@ def test_a_hung_group_is_cut_out_dumps_its_stacks_and_heals(
             assert "holds this replica group hung" in log, log[-4000:]
             assert "Current thread" in log or "Thread 0x" in log, log[-4000:]
             assert "_hang_worker.py" in log, log[-4000:]  # the stuck frame is named
+            assert "Native side: manager server of" in log, log[-4000:]
+            # The same report reaches the lighthouse: its replica_failed event carries the
+            # verdict, the native side's state and the stack of the stuck loop.
+            failed = job.wait_for(
+                "a replica_failed event with the hang report",
+                lambda: next(
+                    (
+                        e
+                        for e in _status(lh.address)["events"]
+                        if e["kind"] == "replica_failed" and e["replica_id"] == hung
+                    ),
+                    None,
+                ),
+                30,
+            )
+            report = failed["error"]
+            assert report.startswith("HungProcessError: hung:"), report[:400]
+            assert "native side: manager server of" in report, report[:800]
+            assert "_hang_worker.py" in report and "time.sleep(seconds)" in report, report
             job.start(hung, action)
         else:
             job.wait_for(

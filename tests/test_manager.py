@@ -121,6 +121,9 @@ class FakeNative:
             def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
                 native.digests.append((group_rank, step, digest))
 
+            def describe(self) -> str:
+                return "fake manager server"
+
             def hung(self) -> str | None:
                 return None
 

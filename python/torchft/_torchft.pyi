@@ -220,6 +220,10 @@ class ManagerServer:
     def note_committed_step(self, step: int) -> None:
         """Notes the group's committed step (after each commit); heartbeats carry it to the
         lighthouse. Raises ValueError if negative."""
+    def describe(self) -> str:
+        """The server's view of the group now, in one line: committed step and quorum, how
+        long ago the training loop last reached it, ranks waiting in a quorum request or the
+        commit vote, the lease, and what the lighthouse last said (for a hang report)."""
     def hung(self) -> str | None:
         """Why the lighthouse holds this group hung (its training loop stayed away from the
         manager past the hang timeout while a round waited on it), or None."""

@@ -97,6 +97,10 @@ class NativeManagerServer(Protocol):
         """Records the group's committed step; heartbeats carry it to the lighthouse."""
         ...
 
+    def describe(self) -> str:
+        """The server's view of the group now, in one line (for a hang report)."""
+        ...
+
     def hung(self) -> str | None:
         """Why the lighthouse holds the group hung, or None (see :mod:`torchft.hang`)."""
         ...

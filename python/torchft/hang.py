@@ -6,9 +6,14 @@ commit vote) for longer than the hang timeout while a quorum round waited on it;
 groups then go on without it. Its manager server hears the verdict in its heartbeat replies,
 and the :class:`HangWatchdog` of the hosting rank acts on it:
 
-- it logs the verdict and dumps every thread's Python stack to stderr, so the log says
-  where the loop is stuck;
-- with the ``exit`` action (the default) it then ends the process with
+- it logs the verdict and the native side's state (the manager server's view: committed
+  step and quorum, how long ago the loop last reached it, ranks waiting in a quorum request
+  or the commit vote, the lease, what the lighthouse said), then dumps every thread's Python
+  stack to stderr, so the log says where the loop is stuck;
+- with the ``exit`` action (the default) it sends the same (verdict, native state, every
+  thread's stack, cut to the telemetry error limit) as the rank's last telemetry report, so
+  the lighthouse's ``replica_failed`` event and the event log carry it, closes the manager
+  server (the lighthouse sees the group gone at once) and ends the process with
   :data:`HUNG_EXIT_CODE`, so its supervisor (torchrun, Kubernetes, Ray, ``torchft.launch``)
   restarts it and the new process heals from a live group;
 - with ``keep`` (``TORCHFT_HANG_ACTION=keep``) the process stays: when its loop comes back,
@@ -27,6 +32,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 
 __all__ = ["HUNG_EXIT_CODE", "HangWatchdog"]
@@ -49,6 +55,10 @@ class HangWatchdog:
         action: ``"exit"`` or ``"keep"`` (see the module docs).
         name: how the log names this group.
         exit: ends the process with a code (tests replace it).
+        describe: the native side's state in one line (the manager server's ``describe``).
+        last_words: called with the report (verdict, native state, stacks) before an
+            ``exit``: the Manager sends it as the rank's last telemetry report and closes
+            its manager server.
     """
 
     def __init__(
@@ -57,6 +67,8 @@ class HangWatchdog:
         action: str,
         name: str,
         exit: Callable[[int], None] = os._exit,
+        describe: Callable[[], str] | None = None,
+        last_words: Callable[[str], None] | None = None,
     ) -> None:
         if action not in ("exit", "keep"):
             raise ValueError(f"hang action must be 'exit' or 'keep', got {action!r}")
@@ -64,6 +76,8 @@ class HangWatchdog:
         self._action = action
         self._name = name
         self._exit = exit
+        self._describe = describe
+        self._last_words = last_words
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchft-hang-watchdog", daemon=True)
         self.dumps = 0
@@ -103,11 +117,18 @@ class HangWatchdog:
             if self._action == "exit"
             else "staying alive (TORCHFT_HANG_ACTION=keep): the group heals when its loop is back"
         )
+        native = "unknown"
+        if self._describe is not None:
+            try:
+                native = self._describe()
+            except Exception as e:  # noqa: BLE001 - the report goes on without it
+                native = f"unavailable ({e})"
         logger.error(
-            "%s: the lighthouse holds this replica group hung: %s. Every thread's stack "
-            "follows; %s",
+            "%s: the lighthouse holds this replica group hung: %s. Native side: %s. Every "
+            "thread's stack follows; %s",
             self._name,
             why,
+            native,
             ending,
         )
         for h in logging.getLogger().handlers + logger.handlers:
@@ -120,4 +141,27 @@ class HangWatchdog:
         sys.stderr.flush()
         self.dumps += 1
         if self._action == "exit":
+            if self._last_words is not None:
+                try:
+                    self._last_words(f"hung: {why}\nnative side: {native}\n{stacks()}")
+                except Exception:  # noqa: BLE001 - the exit must happen regardless
+                    logger.exception("%s: the hang report was not sent", self._name)
             self._exit(HUNG_EXIT_CODE)
+
+
+def stacks() -> str:
+    """Every thread's Python stack as text, the thread that is neither this one nor a
+    torchft helper first (the training loop, usually)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    frames = sorted(
+        sys._current_frames().items(),
+        key=lambda kv: (kv[0] == me, str(names.get(kv[0], "")).startswith("torchft")),
+    )
+    out = []
+    for ident, frame in frames:
+        if ident == me:
+            continue
+        out.append(f"Thread {names.get(ident, ident)}:\n")
+        out.extend(traceback.format_stack(frame))
+    return "".join(out)

@@ -201,6 +201,11 @@ class TornStateError(RuntimeError):
 StateDivergedError = _torchft.StateDivergedError
 
 
+class HungProcessError(RuntimeError):
+    """Why a process the lighthouse held hung ended itself (sent as its last telemetry
+    report: the verdict, the manager server's state and every thread's stack)."""
+
+
 class _QuorumTimeoutError(TimeoutError):
     """The quorum request itself hit its deadline (raised to wait_quorum/should_commit)."""
 
@@ -629,7 +634,11 @@ class Manager:
             if self._manager is not None:
                 # The hosting rank acts on the lighthouse's hang verdict (torchft.hang).
                 self._hang_watchdog = HangWatchdog(
-                    self._manager.hung, cfg.hang_action, self._replica_id
+                    self._manager.hung,
+                    cfg.hang_action,
+                    self._replica_id,
+                    describe=self._manager.describe,
+                    last_words=self._hang_last_words,
                 ).start()
         except BaseException:
             self.shutdown(wait=False)
@@ -668,6 +677,17 @@ class Manager:
         target.info(" ".join(f"{k}={v}" for k, v in extra.items()), extra=extra)
 
     # ------------------------------------------------------------------ state dicts
+
+    def _hang_last_words(self, report: str) -> None:
+        """Before a hung process ends itself: its report (verdict, native state, stacks) as
+        this rank's last telemetry report, then the manager server closed, which delivers
+        it and ends the group's session at once."""
+        tel = self._telemetry
+        if tel is not None:
+            tel.finish(HungProcessError(report), step=self._step)
+        server = self._manager
+        if server is not None:
+            server.shutdown()
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]

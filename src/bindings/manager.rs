@@ -182,6 +182,11 @@ impl PyManagerServer {
         self.server.hung()
     }
 
+    /// The server's view of the group now, in one line (for a hang report).
+    fn describe(&self) -> String {
+        self.server.describe()
+    }
+
     /// Marks the training loop as inside torchft (`busy=True`: a heal in progress, however
     /// long) or back out of it; while busy the group is never reported away.
     fn set_loop_busy(&self, busy: bool) {

@@ -381,6 +381,50 @@ impl ManagerServer {
             .clone()
     }
 
+    /// The server's view of the group now, in one line, for a hang report: its committed
+    /// step and quorum, how long ago its training loop last reached the server, the ranks
+    /// waiting in a quorum request or the commit vote, its lease, and what the lighthouse
+    /// last said about it.
+    pub fn describe(&self) -> String {
+        let inner = &self.inner;
+        let now = Instant::now();
+        let idle = match inner.loop_idle(now) {
+            Some(d) if d.is_zero() && inner.loop_busy.load(Ordering::Relaxed) > 0 => {
+                "inside torchft (a heal in progress)".to_string()
+            }
+            Some(d) => format!("last reached this server {:.1}s ago", d.as_secs_f64()),
+            None => "never reached this server".to_string(),
+        };
+        let said = |slot: &Mutex<Option<String>>| {
+            slot.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_else(|| "nothing".into())
+        };
+        format!(
+            "manager server of {}: committed step {}, quorum {}; training loop {idle}; ranks \
+             waiting in a quorum request: {}, in the commit vote: {}; lease {}; lighthouse \
+             says: waiting: {}; hung: {}",
+            inner.opts.replica_id,
+            inner.committed_step.load(Ordering::Relaxed),
+            inner.quorum_id.load(Ordering::Relaxed),
+            inner.gather.waiting(),
+            inner.barrier.pending_votes(),
+            if inner
+                .lease
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .held(now)
+            {
+                "held"
+            } else {
+                "lapsed"
+            },
+            said(&inner.lighthouse_waiting),
+            said(&inner.hung),
+        )
+    }
+
     /// Marks the hosting rank's training loop as inside torchft (`busy`: a heal, which may
     /// take long) or back out of it; while busy the loop is never reported away.
     pub fn set_loop_busy(&self, busy: bool) {
