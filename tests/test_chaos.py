@@ -429,3 +429,36 @@ def test_the_jitter_and_parity_flags_parse_and_bad_values_are_refused(tmp_path: 
     ChaosConfig(seed=1, parity_every=0, weights={"kill_one": 1.0}).validate()
     with pytest.raises(SystemExit):
         chaos_main(["--jitter", "2", "--out", str(tmp_path / "run")])
+
+
+def test_lighthouse_verdicts_must_each_follow_an_injected_fault(tmp_path: Path) -> None:
+    """The lighthouse's ``replica_hung`` and ``replica_diverged`` events (its event log in
+    the run directory) are each explained by an injected fault: a hung verdict during an
+    injected hang of that group, a divergence within a bit flip's window. Any other is a
+    false verdict, a violation, even when the process acted on nothing."""
+    _flip_run(tmp_path, last=30, flipped={"a": range(3, 9)})
+    hang = {"kind": "hang", "group": "b", "pid": _FLIP_PIDS["b"], "seconds": 20.0, "step": 4}
+    recs = [json.loads(line) for line in (tmp_path / "b.history.jsonl").read_text().splitlines()]
+    _write(tmp_path / "b.history.jsonl", [*recs, {**hang, "t": 5.0}])
+    events = [
+        {"seq": 1, "ts": 16.0, "kind": "replica_hung", "replica_id": "b:1"},
+        {"seq": 2, "ts": 13.0, "kind": "replica_diverged", "replica_id": "a:1", "step": 12},
+    ]
+    _write(tmp_path / "events.jsonl", events)
+    rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.violations == []
+    assert (rep.hung_verdicts, rep.diverged_verdicts) == (1, 1)
+    assert "lighthouse verdicts, each explained by an injected fault: hung 1, diverged 1" in (
+        rep.text()
+    )
+    false = [
+        {"seq": 3, "ts": 16.0, "kind": "replica_hung", "replica_id": "c:1"},  # c never hung
+        {"seq": 4, "ts": 31.0, "kind": "replica_hung", "replica_id": "b:1"},  # b's hang over
+        {"seq": 5, "ts": 29.0, "kind": "replica_diverged", "replica_id": "b:1", "step": 60},
+        {"seq": 6, "ts": 1.0, "kind": "replica_diverged", "replica_id": "b:1", "step": 2},
+    ]
+    _write(tmp_path / "events.jsonl", events + false)
+    rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
+    assert len(rep.violations) == 4, rep.violations
+    assert sum("false hang verdict" in v for v in rep.violations) == 2
+    assert sum("false divergence verdict" in v for v in rep.violations) == 2

@@ -221,6 +221,11 @@ class Report:
     divergences_excused: int = 0
     #: Processes that stopped as diverged (exit 77) within a bit flip's detection window.
     divergence_stops: int = 0
+    #: The lighthouse's verdicts in its event log (``events.jsonl``), each explained by an
+    #: injected fault: ``replica_hung`` during an injected hang of that group, and
+    #: ``replica_diverged`` within a bit flip's detection window.
+    hung_verdicts: int = 0
+    diverged_verdicts: int = 0
     final: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -254,6 +259,10 @@ class Report:
         )
         lines.append(
             f"hung processes that ended themselves (held hung, restarted): {self.hang_exits}"
+        )
+        lines.append(
+            f"lighthouse verdicts, each explained by an injected fault: hung "
+            f"{self.hung_verdicts}, diverged {self.diverged_verdicts}"
         )
         lines.append(
             f"bit flips applied: {self.bitflips} (healed within the detection window: "
@@ -402,6 +411,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     finishes: list[dict[str, Any]] = []
     ready: dict[int, dict[str, Any]] = {}
     hung_pids: set[int] = set()
+    hangs: list[dict[str, Any]] = []
     flips: list[_Flip] = []
     for p in sorted(run_dir.glob("*.history.jsonl")):
         for rec in read_jsonl(p):
@@ -413,6 +423,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 ready[rec["pid"]] = rec
             elif rec["kind"] == "hang":
                 hung_pids.add(rec["pid"])
+                hangs.append(rec)
             elif rec["kind"] == "bitflip":
                 end = rec["step"] + detection_window(rec["parity_every"])
                 flips.append(_Flip(rec["group"], rec["pid"], rec["step"], end, rec["t"]))
@@ -560,8 +571,52 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if r["kind"] == "start" and _alive(r["pid"]):
             rep.violations.append(f"process {r['pid']} ({r['group']}) is still running")
 
+    _judge_verdicts(rep, run_dir, hangs, flips)
     _timings(rep, commits, procs, faults, ready)
     return rep
+
+
+#: Seconds after an injected hang ends within which a hung verdict on it may still be told
+#: (heartbeat and tick delays of the lighthouse).
+VERDICT_SLACK_S = 5.0
+
+
+def _judge_verdicts(
+    rep: Report, run_dir: Path, hangs: list[dict[str, Any]], flips: list[_Flip]
+) -> None:
+    """No false verdicts: every ``replica_hung`` in the lighthouse's event log falls within
+    an injected hang of that group, and every ``replica_diverged`` within a bit flip's
+    detection window (the flipped state may have spread to a group that healed from it, so
+    any group may be named). A run without an event log has nothing to judge."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return
+    for ev in read_jsonl(path):
+        kind = ev.get("kind")
+        if kind == "replica_hung":
+            group = str(ev.get("replica_id", "")).split(":")[0]
+            ts = float(ev.get("ts", 0.0))
+            if any(
+                h["group"] == group and h["t"] <= ts <= h["t"] + h["seconds"] + VERDICT_SLACK_S
+                for h in hangs
+            ):
+                rep.hung_verdicts += 1
+            else:
+                rep.violations.append(
+                    f"the lighthouse held {ev.get('replica_id')} hung (event {ev.get('seq')}) "
+                    "while no hang was injected into it: a false hang verdict"
+                )
+        elif kind == "replica_diverged":
+            step = int(ev.get("step", -1))
+            ts = float(ev.get("ts", 0.0))
+            if any(f.t <= ts and f.step < step <= f.end for f in flips):
+                rep.diverged_verdicts += 1
+            else:
+                rep.violations.append(
+                    f"the lighthouse found {ev.get('replica_id')} diverged at step {step} "
+                    f"(event {ev.get('seq')}, action {ev.get('action')}) with no bit flip "
+                    "within the detection window before it: a false divergence verdict"
+                )
 
 
 def _healed(f: _Flip, by_q: dict[tuple[int, int], list[dict[str, Any]]]) -> bool:
