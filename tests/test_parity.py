@@ -139,7 +139,11 @@ def test_digests_follow_the_bits_and_bad_settings_are_refused() -> None:
         with pytest.raises(ValueError, match="parity_every"):
             StateParity(bad, dict)  # type: ignore[arg-type]
     bn = torch.ones(3)
-    state = {"model": {"w": a, "bn.running_mean": bn}, "data": {"position": 7}}
+    rng = torch.get_rng_state()
+    state = {
+        "model": {"w": a, "bn.running_mean": bn, "steps": torch.tensor([3])},
+        "data": {"position": 7, "rng": rng},
+    }
     p = StateParity(10, lambda: state)
     p.at_step_start(5)
     assert p.take() is None, "not a parity step"
@@ -148,7 +152,8 @@ def test_digests_follow_the_bits_and_bad_settings_are_refused() -> None:
     a.add_(1.0)
     bn.add_(1.0)
     got = p.take()
-    # Only the model's weights count: batch-norm statistics and plain numbers are left out.
+    # Only floating-point tensors count: batch-norm statistics, integer and byte tensors
+    # (a counter, an RNG state) and plain numbers are left out.
     assert got == (10, digest_tensors([("/'model'/'w'", a - 1.0)]))
     assert p.take() is None, "handed over once"
     p.at_step_start(10)

@@ -21,12 +21,13 @@ crash, and the group would train on unseen. So every ``parity_every`` committed 
    majority heals from it; with no majority the groups stop with
    :class:`torchft.StateDivergedError`).
 
-What is digested: every tensor (dtype, shape and raw bytes) of the state dicts registered
-with the Manager, walked in sorted-key order, except batch-norm running statistics
-(:data:`EXCLUDED_NAMES`: each group computes them from its own batches, and a forward pass
-updates them in place). Other values (plain numbers in an optimizer's ``param_groups``, a data
-loader's position) are left out too, since groups may legitimately hold different ones. A
-model with other buffers that differ between groups by design must set ``parity_every=0``.
+What is digested: every floating-point tensor (dtype, shape and raw bytes) of the state
+dicts registered with the Manager, walked in sorted-key order, except batch-norm running
+statistics (:data:`EXCLUDED_NAMES`: each group computes them from its own batches, and a
+forward pass updates them in place). Other values (integer and byte tensors such as an RNG
+state, plain numbers in an optimizer's ``param_groups``, a data loader's position) are left
+out, since groups may legitimately hold different ones. A model with other floating-point
+buffers that differ between groups by design must set ``parity_every=0``.
 Local SGD and DiLoCo turn parity off: their groups differ between synchronisations by design.
 """
 
@@ -56,7 +57,10 @@ EXCLUDED_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"
 def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], path: str = "") -> None:
     """Collects the tensors of nested dicts / lists / tuples, keyed by their path."""
     if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
+        # Parameters and optimizer moments; not integer or byte tensors (an RNG state, a
+        # counter), which groups may legitimately hold apart.
+        if obj.is_floating_point() or obj.is_complex():
+            out.append((path, obj))
     elif isinstance(obj, dict):
         for k in sorted(obj, key=repr):
             if isinstance(k, str) and k.rsplit(".", 1)[-1] in EXCLUDED_NAMES:
