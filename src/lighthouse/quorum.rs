@@ -159,7 +159,16 @@ pub struct Durable {
     pub best_step: Option<i64>,
     /// Replicas known to hold `best_step` that may still come back (sorted).
     pub holders: Vec<String>,
+    /// The other replicas known with a committed step below `best_step` that may still come
+    /// back and were not given up on, with that step (best first, at most
+    /// [`MAX_DURABLE_OTHERS`]): when every holder of the best step is gone, a restarted
+    /// lighthouse still waits for the best of these (absent in older state files).
+    #[serde(default)]
+    pub others: Vec<(String, i64)>,
 }
+
+/// Most replicas below the best step a state file remembers.
+pub const MAX_DURABLE_OTHERS: usize = 64;
 
 /// How an engine knows that the job ran before this life of the lighthouse began (so a
 /// replica still heartbeating may hold progress it has not heard of yet).
@@ -525,16 +534,19 @@ impl QuorumEngine {
         if let Some(step) = durable.best_step.filter(|s| *s >= 0) {
             e.high_water = Some(step);
             let until = now.checked_add(e.opts.progress_wait).unwrap_or(now);
-            for id in durable.holders {
-                e.heartbeats.insert(
-                    id,
-                    HeartbeatRecord {
-                        step: Some(step),
-                        restored_until: Some(until),
-                        heard: false,
-                        ..HeartbeatRecord::new(now)
-                    },
-                );
+            let remembered = durable.holders.into_iter().map(|id| (id, step)).chain(
+                durable
+                    .others
+                    .into_iter()
+                    .filter(|(_, s)| *s >= 0 && *s < step),
+            );
+            for (id, held) in remembered {
+                e.heartbeats.entry(id).or_insert_with(|| HeartbeatRecord {
+                    step: Some(held),
+                    restored_until: Some(until),
+                    heard: false,
+                    ..HeartbeatRecord::new(now)
+                });
             }
         }
         e
@@ -561,11 +573,24 @@ impl QuorumEngine {
             None => Vec::new(),
         };
         holders.sort();
+        let mut others: Vec<(String, i64)> = self
+            .heartbeats
+            .iter()
+            .filter_map(|(id, rec)| {
+                let step = rec.step?;
+                let below = self.high_water.is_some_and(|hw| step < hw);
+                let given_up = self.waived.get(id).is_some_and(|w| step <= *w);
+                (below && !given_up).then(|| (id.clone(), step))
+            })
+            .collect();
+        others.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        others.truncate(MAX_DURABLE_OTHERS);
         Durable {
             quorum_id,
             members,
             best_step: self.high_water,
             holders,
+            others,
         }
     }
 
@@ -3497,6 +3522,49 @@ mod tests {
         assert_eq!(ids(&q), ["a", "b", "c"]);
         assert!(q.quorum_id > 50);
         assert!(e.take_regressions().is_empty());
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_waits_for_the_best_holder_left_when_the_best_step_holders_died() {
+        // a held 101 and died; b (100) is stopped; c died too. The previous life waited for b.
+        let (mut e, t0) = running(100);
+        let qid = e.previous().unwrap().quorum_id;
+        e.commit("a", qid, 101, t0).unwrap();
+        e.lost("a", t0);
+        e.lost("c", t0);
+        let d = e.durable();
+        assert_eq!((d.best_step, d.holders.clone()), (Some(101), vec![]));
+        assert_eq!(d.others, vec![("b".to_string(), 100)]);
+        // Older state files have no `others`: they still load.
+        let old: Durable =
+            serde_json::from_str(r#"{"quorum_id":5,"members":["a"],"best_step":3,"holders":[]}"#)
+                .unwrap();
+        assert!(old.others.is_empty());
+        // Restarted while b is stopped, a fresh c asks at step 0: the job waits for b, not
+        // regresses to 0, and b's return ends the wait.
+        let mut t = t0 + Duration::from_secs(1);
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+        e.join(at("c", 0), t).unwrap();
+        // Past the startup hold (5 s) and up to progress_wait (10 s) after the restart.
+        for _ in 0..90 {
+            t += Duration::from_millis(100);
+            e.heartbeat("c", t).unwrap();
+            assert!(
+                e.tick(t).is_none(),
+                "issued behind the remembered holder of 100"
+            );
+        }
+        assert!(matches!(
+            e.verdict(t),
+            Verdict::WaitingForProgress { step: 100, .. }
+        ));
+        e.heartbeat_with_step("b", Some(100), t).unwrap();
+        e.join(at("b", 100), t).unwrap();
+        let q = e.poll(t).expect("a quorum");
+        assert_eq!(ids(&q), ["b", "c"]);
+        let r = e.take_regressions();
+        assert_eq!(r.len(), 1, "101 is lost with its holder, 100 is not");
+        assert_eq!((r[0].from_step, r[0].to_step), (101, 100));
     }
 
     #[test]
