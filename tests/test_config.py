@@ -85,6 +85,7 @@ BAD_VALUES = {
     "TORCHFT_MANAGER_PORT": ["70000", "http"],
     "TORCHFT_TELEMETRY": ["perhaps"],
     "TORCHFT_HANG_ACTION": ["restart", "Exit!"],
+    "TORCHFT_PARITY_EVERY": ["-1", "often", "1.5"],
     "RANK": ["first"],
     "WORLD_SIZE": ["0"],
     "MASTER_PORT": ["0", "port"],

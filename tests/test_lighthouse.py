@@ -339,6 +339,8 @@ def test_daemon_sigint_exits_zero() -> None:
         (["--min_replicas", "1", "--bind", "192.0.2.1:1"], "cannot bind"),
         (["--min_replicas", "1", "--hang_timeout_ms", "soon"], "hang_timeout_ms"),
         (["--min_replicas", "1", "--hang_timeout_ms=-5"], "hang_timeout_ms"),
+        (["--min_replicas", "1", "--straggler_drop_after_ms", "long"], "straggler_drop_after_ms"),
+        (["--min_replicas", "1", "--straggler_drop_after_ms=-1"], "straggler_drop_after_ms"),
     ],
 )
 def test_daemon_bad_flags(flags: list[str], message: str) -> None:

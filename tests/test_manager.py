@@ -1324,6 +1324,8 @@ def test_non_zero_rank_reads_published_address(
         ({"world_size_mode": "dynamic"}, TypeError, "world_size_mode"),
         ({"hang_action": "restart"}, ValueError, "hang_action"),
         ({"hang_action": 1}, TypeError, "hang_action"),
+        ({"parity_every": -1}, ValueError, "parity_every"),
+        ({"parity_every": 2.5}, TypeError, "parity_every"),
         ({"telemetry": "yes"}, TypeError, "telemetry"),
     ],
 )
