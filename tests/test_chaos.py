@@ -462,3 +462,17 @@ def test_lighthouse_verdicts_must_each_follow_an_injected_fault(tmp_path: Path) 
     assert len(rep.violations) == 4, rep.violations
     assert sum("false hang verdict" in v for v in rep.violations) == 2
     assert sum("false divergence verdict" in v for v in rep.violations) == 2
+
+
+def test_a_verdict_at_the_flips_own_step_is_explained(tmp_path: Path) -> None:
+    """The flip happens at the top of the loop with s steps committed, before the digest of
+    step s is taken: a divergence found at step s itself follows the flip."""
+    _flip_run(tmp_path, last=30, flipped={"a": range(3, 9)})
+    at_flip = {"seq": 1, "ts": 3.0, "kind": "replica_diverged", "replica_id": "a:1", "step": 2}
+    _write(tmp_path / "events.jsonl", [at_flip])
+    rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
+    assert rep.violations == [] and rep.diverged_verdicts == 1
+    # Before the flip in time, the same step is no explanation.
+    _write(tmp_path / "events.jsonl", [{**at_flip, "ts": 2.0}])
+    rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
+    assert len(rep.violations) == 1 and "false divergence verdict" in rep.violations[0]

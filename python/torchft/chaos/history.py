@@ -556,7 +556,9 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             ref = last_step.get(r["pid"])
             if ref is None:  # never committed: judge by the run's progress then
                 ref = max((c["step"] for c in commits if c["t"] < r["t"]), default=0)
-            if any(f.t < r["t"] and f.step < ref <= f.end for f in flips):
+            # A flip at the top of the loop with s steps committed precedes the digest of
+            # step s (taken as the next step starts): a stop may come at step s itself.
+            if any(f.t < r["t"] and f.step <= ref <= f.end for f in flips):
                 rep.divergence_stops += 1
             else:
                 rep.violations.append(
@@ -609,7 +611,9 @@ def _judge_verdicts(
         elif kind == "replica_diverged":
             step = int(ev.get("step", -1))
             ts = float(ev.get("ts", 0.0))
-            if any(f.t <= ts and f.step < step <= f.end for f in flips):
+            # A flip at the top of the loop with s steps committed precedes the digest of
+            # step s (taken as the next step starts): a verdict may name step s itself.
+            if any(f.t <= ts and f.step <= step <= f.end for f in flips):
                 rep.diverged_verdicts += 1
             else:
                 rep.violations.append(
