@@ -870,6 +870,30 @@ def test_the_loop_is_marked_inside_torchft_through_quorum_heal_and_vote(harness:
     assert depth == 0, calls
 
 
+def test_a_collective_in_flight_is_the_loop_inside_torchft(harness: Any) -> None:
+    """An allreduce in flight (the reducer waits for it inside backward, outside any other
+    torchft call) marks the loop busy until it completes, with or without an error, so a
+    group blocked on a collective is never held hung; the marks balance."""
+    h = harness()
+    h.native.quorums = [make_quorum(replica_world_size=2, max_world_size=2)]
+    m = h.manager
+    m.start_quorum()
+    m.wait_quorum()
+    before = len(h.native.busy_calls)
+    h.pg.future_error = RuntimeError("connection reset")
+    assert m.allreduce(torch.ones(2)).get_future().wait() is not None
+    # The quorum wait the allreduce does first (its own mark), then the collective's.
+    calls = h.native.busy_calls[before:]
+    assert calls == [True, False, True, False], calls
+    h.pg.future_error = None
+    m.start_quorum()
+    m.wait_quorum()
+    before = len(h.native.busy_calls)
+    h.pg.raise_on_allreduce = RuntimeError("peer died")
+    m.allreduce(torch.ones(2)).get_future().wait()
+    assert h.native.busy_calls[before:] == [True, False, True, False]
+
+
 def test_heal_disallowed_skips_recv(harness: Any) -> None:
     """allow_heal=False: a behind replica does not heal and does not participate."""
     h = harness(use_async_quorum=False)

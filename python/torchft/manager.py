@@ -1362,6 +1362,12 @@ class Manager:
 
         tel = self._telemetry
         token = tel.collective_started() if tel is not None else None
+        # A collective in flight is the loop inside torchft (the reducer waits for it inside
+        # backward, outside any other torchft call): never "away" for the hang watch. The
+        # collective's own timeout (an error, or the group's abort) bounds it.
+        server = self._manager
+        if server is not None:
+            server.set_loop_busy(True)
         try:
             avg = reduce_op == ReduceOp.AVG
             op = ReduceOp.SUM if avg else reduce_op
@@ -1376,6 +1382,8 @@ class Manager:
             def finish(f: Future[Any]) -> torch.Tensor:
                 if tel is not None:
                     tel.collective_finished(token)
+                if server is not None:
+                    server.set_loop_busy(False)
                 try:
                     f.value()
                 except Exception as e:
@@ -1394,6 +1402,8 @@ class Manager:
         except Exception as e:
             if tel is not None:
                 tel.collective_finished(token)  # never started: not in flight
+            if server is not None:
+                server.set_loop_busy(False)
             self.report_error(e)
             self._skipped_collective = True
             return _DummyWork(tensor)
