@@ -274,6 +274,15 @@ def test_bad_arguments_raise_value_error(
         c.should_commit(5, 0, True, LONG)
     with pytest.raises(ValueError, match="group rank 1"):
         c._checkpoint_metadata(1, LONG)
+    # State digests (runtime parity): a step below 1, an empty or too long digest, or a
+    # rank outside the group are refused before anything is recorded.
+    for step, digest in ((0, b"12345678"), (3, b""), (3, b"x" * 65)):
+        with pytest.raises(ValueError, match="digest"):
+            c._should_commit_digest(0, 0, True, LONG, step, digest)
+        with pytest.raises(ValueError, match="digest"):
+            g.server._offer_digest(0, step, digest)
+    with pytest.raises(ValueError, match="group rank 2"):
+        g.server._offer_digest(2, 3, b"12345678")
     with pytest.raises(ValueError):
         ManagerServer("b", lighthouse.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 0)
     with pytest.raises(ValueError):

@@ -941,13 +941,10 @@ impl QuorumEngine {
         }
         let until = now.checked_add(window).unwrap_or(now);
         self.dropped.insert(replica_id.to_string(), (until, why));
-        if let Some(p) = self.participants.get(replica_id) {
-            let generation = p.generation;
-            let p = self.participants.get(replica_id).cloned();
-            self.leave(replica_id, generation);
-            if let Some(p) = p {
-                self.parked.insert(replica_id.to_string(), p);
-            }
+        if let Some(p) = self.participants.get(replica_id).cloned() {
+            // Its waiting request leaves the round (counters kept by `leave`) and waits.
+            self.leave(replica_id, p.generation);
+            self.parked.insert(replica_id.to_string(), p);
         }
         true
     }
