@@ -27,49 +27,23 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
+from _groups import run_two_groups, train_group
+
 HERE = Path(__file__).resolve()
-REPO_PYTHON = str(HERE.parent.parent / "python")
 TARGET = 1.01
 DEFAULT_EVERY = 100  # torchft.parity.DEFAULT_EVERY (checked in main)
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One replica group: trains, toggling telemetry every ``block`` steps."""
+    """One replica group: trains, with parity on in one block of ``every`` steps out of three."""
     import torch
     from torch import nn
 
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(256, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, 10),
-    )
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        timeout=timedelta(seconds=30),
-        quorum_timeout=timedelta(seconds=60),
-        replica_id=args.replica_id,
-        parity_every=args.every,
-    )
-    ddp = DistributedDataParallel(manager, model)
-    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
-    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    manager, ddp, optim = train_group(args.replica_id, args.hidden, parity_every=args.every)
     gen = torch.Generator().manual_seed(int(os.environ["RANK_SEED"]))
     parity = manager._parity
     every = args.every
@@ -149,74 +123,51 @@ def main() -> int:
     if args.blocks < 3 or args.every < 2:
         parser.error("--blocks must be at least 3 and --every at least 2")
 
-    from torch.distributed import TCPStore
-
     from torchft.parity import DEFAULT_EVERY as LIBRARY_DEFAULT
 
     assert LIBRARY_DEFAULT == DEFAULT_EVERY, "the benchmark's default is the library's"
 
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
-    procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory() as d:
-        results = [Path(d) / f"g{i}.json" for i in range(2)]
-        stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "ab"]
-        try:
-            for i in range(2):
-                env = dict(os.environ)
-                env.update(
-                    {
-                        "RANK": "0",
-                        "WORLD_SIZE": "1",
-                        "RANK_SEED": str(i),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(stores[i].port),
-                        "TORCHFT_LIGHTHOUSE": lighthouse.address(),
-                        "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
-                        "OMP_NUM_THREADS": "1",
-                    }
-                )
-                cmd = [sys.executable, str(HERE), "worker", "--replica-id", f"g{i}"]
-                cmd += ["--result", str(results[i]), "--blocks", str(args.blocks)]
-                cmd += ["--every", str(args.every)]
-                cmd += ["--hidden", str(args.hidden)]
-                procs.append(subprocess.Popen(cmd, env=env))
-            for p in procs:
-                if p.wait(timeout=1800) != 0:
-                    print(f"worker exited with {p.returncode}")
-                    return 1
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            lighthouse.shutdown()
-        projected, measured, noise = [], [], []
-        print(
-            f"hidden={args.hidden}, {args.blocks} blocks of {args.every} steps per kind "
-            f"(one digest per 'on' block); default parity_every={DEFAULT_EVERY}"
+    try:
+        got = run_two_groups(
+            HERE,
+            [
+                "--blocks",
+                str(args.blocks),
+                "--every",
+                str(args.every),
+                "--hidden",
+                str(args.hidden),
+            ],
+            timeout_s=1800,
         )
+    except RuntimeError as e:
+        print(e)
+        return 1
+    projected, measured, noise = [], [], []
+    print(
+        f"hidden={args.hidden}, {args.blocks} blocks of {args.every} steps per kind "
+        f"(one digest per 'on' block); default parity_every={DEFAULT_EVERY}"
+    )
+    print(
+        f"{'group':>6} {'on (ms)':>9} {'off (ms)':>9} {'control':>9} {'ctrl/off':>8} "
+        f"{'on/off':>7} {'per digest':>11} {'at default':>10} {'spread':>7}"
+    )
+    for i, result in enumerate(got):
+        t = result["means"]
+        on, off, ctl = (statistics.median(t[k]) for k in ("on", "off", "control"))
+        pooled = statistics.median(t["off"] + t["control"])
+        per_digest = (on - pooled) * args.every
+        at_default = 1 + per_digest / (DEFAULT_EVERY * pooled)
+        q = statistics.quantiles(t["on"], n=4)
+        spread = (q[2] - q[0]) / on
+        projected.append(at_default)
+        measured.append(on / pooled)
+        noise.append(ctl / off)
         print(
-            f"{'group':>6} {'on (ms)':>9} {'off (ms)':>9} {'control':>9} {'ctrl/off':>8} "
-            f"{'on/off':>7} {'per digest':>11} {'at default':>10} {'spread':>7}"
+            f"{'g' + str(i):>6} {on * 1e3:9.3f} {off * 1e3:9.3f} {ctl * 1e3:9.3f} "
+            f"{ctl / off:8.4f} {on / pooled:7.4f} {per_digest * 1e3:8.2f} ms "
+            f"{at_default:10.4f} {spread:7.1%}"
         )
-        for i, r in enumerate(results):
-            t = json.loads(r.read_text())["means"]
-            on, off, ctl = (statistics.median(t[k]) for k in ("on", "off", "control"))
-            pooled = statistics.median(t["off"] + t["control"])
-            per_digest = (on - pooled) * args.every
-            at_default = 1 + per_digest / (DEFAULT_EVERY * pooled)
-            q = statistics.quantiles(t["on"], n=4)
-            spread = (q[2] - q[0]) / on
-            projected.append(at_default)
-            measured.append(on / pooled)
-            noise.append(ctl / off)
-            print(
-                f"{'g' + str(i):>6} {on * 1e3:9.3f} {off * 1e3:9.3f} {ctl * 1e3:9.3f} "
-                f"{ctl / off:8.4f} {on / pooled:7.4f} {per_digest * 1e3:8.2f} ms "
-                f"{at_default:10.4f} {spread:7.1%}"
-            )
     cost = isolated_cost(args.hidden)
     worst = max(projected)
     print(f"one digest of this state, alone: {cost * 1e3:.2f} ms (median of 20)")

@@ -20,16 +20,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from _groups import run_two_groups, train_group
+
 HERE = Path(__file__).resolve()
-REPO_PYTHON = str(HERE.parent.parent / "python")
 TARGET = 1.01
 
 
@@ -38,31 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
 
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(256, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, 10),
-    )
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        timeout=timedelta(seconds=30),
-        quorum_timeout=timedelta(seconds=60),
-        replica_id=args.replica_id,
-        telemetry=True,
-    )
-    ddp = DistributedDataParallel(manager, model)
-    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
-    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    manager, ddp, optim = train_group(args.replica_id, args.hidden, telemetry=True)
     gen = torch.Generator().manual_seed(int(os.environ["RANK_SEED"]))
     tel = manager._telemetry
     assert tel is not None
@@ -170,62 +145,40 @@ def main() -> int:
     if args.steps < 3 * args.block or args.block < 1:
         parser.error("--steps must cover at least three blocks and --block must be >= 1")
 
-    from torch.distributed import TCPStore
-
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
-    procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory() as d:
-        results = [Path(d) / f"g{i}.json" for i in range(2)]
-        stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "ab"]
-        try:
-            for i in range(2):
-                env = dict(os.environ)
-                env.update(
-                    {
-                        "RANK": "0",
-                        "WORLD_SIZE": "1",
-                        "RANK_SEED": str(i),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(stores[i].port),
-                        "TORCHFT_LIGHTHOUSE": lighthouse.address(),
-                        "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
-                        "OMP_NUM_THREADS": "1",
-                    }
-                )
-                cmd = [sys.executable, str(HERE), "worker", "--replica-id", f"g{i}"]
-                cmd += ["--result", str(results[i]), "--steps", str(args.steps)]
-                cmd += ["--warmup", str(args.warmup), "--block", str(args.block)]
-                cmd += ["--hidden", str(args.hidden)]
-                procs.append(subprocess.Popen(cmd, env=env))
-            for p in procs:
-                if p.wait(timeout=900) != 0:
-                    print(f"worker exited with {p.returncode}")
-                    return 1
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            lighthouse.shutdown()
-        ratios, noise = [], []
-        print(f"hidden={args.hidden}, {args.steps} steps, kind rotated every {args.block} step(s)")
-        print(
-            f"{'group':>6} {'on (ms)':>9} {'off (ms)':>9} {'control':>9} "
-            f"{'on/(off+ctrl)':>13} {'ctrl/off':>8} {'steps':>6}"
+    try:
+        got = run_two_groups(
+            HERE,
+            [
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--block",
+                str(args.block),
+                "--hidden",
+                str(args.hidden),
+            ],
+            timeout_s=900,
         )
-        for i, r in enumerate(results):
-            t = json.loads(r.read_text())
-            on, off, ctl = (statistics.median(t[k]) for k in ("on", "off", "control"))
-            # "on" is compared with every telemetry-off step (off and control pooled).
-            pooled = statistics.median(t["off"] + t["control"])
-            ratios.append(on / pooled)
-            noise.append(ctl / off)
-            print(
-                f"{'g' + str(i):>6} {on * 1e3:9.3f} {off * 1e3:9.3f} {ctl * 1e3:9.3f} "
-                f"{on / pooled:13.4f} {ctl / off:8.4f} {len(t['on']):>6}"
-            )
+    except RuntimeError as e:
+        print(e)
+        return 1
+    ratios, noise = [], []
+    print(f"hidden={args.hidden}, {args.steps} steps, kind rotated every {args.block} step(s)")
+    print(
+        f"{'group':>6} {'on (ms)':>9} {'off (ms)':>9} {'control':>9} "
+        f"{'on/(off+ctrl)':>13} {'ctrl/off':>8} {'steps':>6}"
+    )
+    for i, t in enumerate(got):
+        on, off, ctl = (statistics.median(t[k]) for k in ("on", "off", "control"))
+        # "on" is compared with every telemetry-off step (off and control pooled).
+        pooled = statistics.median(t["off"] + t["control"])
+        ratios.append(on / pooled)
+        noise.append(ctl / off)
+        print(
+            f"{'g' + str(i):>6} {on * 1e3:9.3f} {off * 1e3:9.3f} {ctl * 1e3:9.3f} "
+            f"{on / pooled:13.4f} {ctl / off:8.4f} {len(t['on']):>6}"
+        )
     cost = isolated_cost()
     worst = max(ratios)
     print(f"rank-side telemetry work per step, in isolation: {cost * 1e6:.1f} us")
