@@ -402,18 +402,28 @@ class Chaos:
         self._restarts.append(timer)
         return [g]
 
-    def _fault_hang(self) -> list[str] | None:
-        """Blocks a group's training loop while its process (and heartbeats) lives on."""
+    def _loop_fault(self, kind: str, seconds: tuple[float, float]) -> tuple[str, float] | None:
+        """Tells one running group's loop, through its ``{group}.{kind}`` file, to act for a
+        random time in ``seconds`` (a hang or a slow period: the process lives on); None when
+        fewer than two groups run or that group's last file was not taken yet."""
         running = [g for g in self._running() if g not in self.stopped]
         if len(running) < 2:
             return None
         g = self.rng.choice(running)
-        hang_file = self.dir / f"{g}.hang"
-        if hang_file.exists():
+        path = self.dir / f"{g}.{kind}"
+        if path.exists():
             return None  # the last one was not taken yet
-        secs = self.rng.uniform(*self.cfg.hang_range)
-        self._fault("hang", [g], seconds=round(secs, 2))
-        self._write_fault_file(hang_file, f"{secs:.2f}")
+        secs = self.rng.uniform(*seconds)
+        self._fault(kind, [g], seconds=round(secs, 2))
+        self._write_fault_file(path, f"{secs:.2f}")
+        return g, secs
+
+    def _fault_hang(self) -> list[str] | None:
+        """Blocks a group's training loop while its process (and heartbeats) lives on."""
+        hit = self._loop_fault("hang", self.cfg.hang_range)
+        if hit is None:
+            return None
+        g, secs = hit
         # Taken at the group's next step (a step may wait for a quorum): a margin.
         self._hung_until[g] = time.time() + secs + 5.0
         return [g]
@@ -426,17 +436,8 @@ class Chaos:
 
     def _fault_slow(self) -> list[str] | None:
         """Makes a group's loop three times slower for a while (its process is healthy)."""
-        running = [g for g in self._running() if g not in self.stopped]
-        if len(running) < 2:
-            return None
-        g = self.rng.choice(running)
-        slow_file = self.dir / f"{g}.slow"
-        if slow_file.exists():
-            return None  # the last one was not taken yet
-        secs = self.rng.uniform(*self.cfg.slow_range)
-        self._fault("slow", [g], seconds=round(secs, 2))
-        self._write_fault_file(slow_file, f"{secs:.2f}")
-        return [g]
+        hit = self._loop_fault("slow", self.cfg.slow_range)
+        return None if hit is None else [hit[0]]
 
     def _fault_bitflip(self) -> list[str] | None:
         """Flips one bit of one group's model in memory; runtime parity must find and heal
