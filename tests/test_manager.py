@@ -277,9 +277,19 @@ class FakePG:
         self.timeout: timedelta | None = None
         self.shut = False
         self.aborts = 0
+        # Opt-in behaviour of torchft's own groups: `hold` leaves allreduce futures pending
+        # (in flight) until an abort fails them; `strict_abort` makes an abort record its
+        # error (errored()) and refuse collectives until the next configure.
+        self.hold = False
+        self.held: list[Future[Any]] = []
+        self.strict_abort = False
+        self.aborted = False
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         self.configures.append((store_addr, replica_id, rank, world_size))
+        if self.strict_abort:
+            self.aborted = False
+            self.pg_error = None
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.timeout = timeout
@@ -288,7 +298,12 @@ class FakePG:
         self.allreduces.append(opts)
         if self.raise_on_allreduce is not None:
             raise self.raise_on_allreduce
+        if self.aborted:
+            raise RuntimeError("FakePG is not configured (it was aborted)")
         fut: Future[Any] = Future()
+        if self.hold:
+            self.held.append(fut)
+            return FakeWork(fut)
         if self.future_error is not None:
             fut.set_exception(self.future_error)
         else:
@@ -303,6 +318,13 @@ class FakePG:
 
     def abort(self) -> None:
         self.aborts += 1
+        if self.strict_abort:
+            self.aborted = True
+            if self.pg_error is None:
+                self.pg_error = RuntimeError("FakePG was aborted")
+        held, self.held = self.held, []
+        for fut in held:
+            fut.set_exception(RuntimeError("FakePG was aborted"))
 
     def shutdown(self) -> None:
         self.shut = True
@@ -531,6 +553,70 @@ def test_quorum_answered_before_a_members_loss_is_not_rebuilt(harness: Any) -> N
         "storehost:1234/torchft/7/0",
         "storehost:1234/torchft/9/0",
     ]
+
+
+def test_loss_after_the_steps_collectives_completed_still_commits(harness: Any) -> None:
+    """A member lost once the step's collectives have completed (it finished, or died after
+    its own vote) does not cost this group the step: the collectives hold every member's
+    data and the lost group may have committed it, so abandoning the step would leave two
+    states under one step number. The group is still aborted and rebuilt."""
+    h = harness()
+    h.pg.strict_abort = True
+    two = {"replica_rank": 0, "replica_world_size": 2, "max_world_size": 2}
+    h.native.quorums = [
+        make_quorum(quorum_id=7, replica_ids=["rg0", "gone"], **two),
+        make_quorum(quorum_id=9, replica_ids=["rg0"]),
+    ]
+    m = h.manager
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    m._on_lost("gone", 7)
+    assert h.pg.aborts == 1
+    assert m.should_commit()
+    assert m.current_step() == 1
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    assert m.should_commit()
+    assert [c[0] for c in h.pg.configures] == [
+        "storehost:1234/torchft/7/0",
+        "storehost:1234/torchft/9/0",
+    ]
+
+
+def test_loss_with_a_collective_in_flight_fails_the_step(harness: Any) -> None:
+    """A member lost while a collective of the step is in flight (or one the step issues
+    after the loss) fails the step at once; the next quorum rebuilds the group."""
+    h = harness()
+    h.pg.strict_abort = True
+    two = {"replica_rank": 0, "replica_world_size": 2, "max_world_size": 2}
+    h.native.quorums = [
+        make_quorum(quorum_id=7, replica_ids=["rg0", "gone"], **two),
+        make_quorum(quorum_id=9, replica_ids=["rg0", "late"], **two),
+        make_quorum(quorum_id=11, replica_ids=["rg0"]),
+    ]
+    m = h.manager
+    m.start_quorum()
+    h.pg.hold = True
+    work = m.allreduce(torch.ones(2))
+    m._on_lost("gone", 7)
+    work.wait()
+    assert not m.should_commit()
+    assert "gone" in str(m.errored())
+    assert m.current_step() == 0
+
+    # A loss between two collectives of a step: the later one fails on the aborted group.
+    h.pg.hold = False
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    m._on_lost("late", 9)
+    m.allreduce(torch.ones(2)).wait()
+    assert not m.should_commit()
+    assert "aborted" in str(m.errored())
+    m.start_quorum()
+    m._on_lost("late", 9)  # an event for a quorum this rank no longer runs: ignored
+    m.allreduce(torch.ones(2)).wait()
+    assert m.should_commit()
+    assert len(h.pg.configures) == 3
 
 
 def test_min_replica_size_guard(harness: Any) -> None:

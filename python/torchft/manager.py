@@ -550,6 +550,13 @@ class Manager:
         self._reconfig_lock = threading.Lock()
         self._pg_aborted = False
         self._quorum_in_progress = False
+        # Collectives of the step issued through `allreduce` and not completed yet, and the
+        # error an abort for a loss recorded in the group when there were none (that abort
+        # alone does not fail the step). The abort completes futures (and runs their
+        # callbacks) under `_reconfig_lock`, so the count has a lock of its own.
+        self._inflight_lock = threading.Lock()
+        self._collectives_in_flight = 0
+        self._loss_abort_error: Exception | None = None
         # Members declared lost, per quorum id (a few recent quorums): a quorum answer that
         # arrives after its member's loss must not rendezvous with the dead member.
         self._lost_in: dict[int, set[str]] = {}
@@ -861,6 +868,7 @@ class Manager:
                 pass
         with self._error_lock:
             self._errored = None
+        self._loss_abort_error = None
         self._healing = False
         self._pending_futures = []
         self._skipped_collective = False
@@ -953,8 +961,12 @@ class Manager:
     def _on_lost(self, replica_id: str, quorum_id: int) -> None:
         """Aborts the current quorum's process group when one of its members is lost.
 
-        The in-flight collectives fail at once instead of at their timeout, the step is not
-        committed, and the next quorum (without the lost group) reconfigures the group.
+        The collectives in flight fail at once instead of at their timeout, and so does any
+        the step issues later: the step then does not commit, and the next quorum (without
+        the lost group) reconfigures the group. A step whose collectives had all completed
+        before the loss still commits: they hold every member's data, and the lost group may
+        itself have committed the step (it finished, or died after its vote), so abandoning
+        the step here would leave two states under one step number.
 
         Args:
             replica_id: the lost replica group.
@@ -977,17 +989,29 @@ class Manager:
                 replica_id,
                 quorum_id,
             )
-            if not self._quorum_in_progress:
-                # The step runs on this quorum: it must not commit. (While a quorum request
-                # is in flight the step has not used the group yet; it is rebuilt instead.)
+            with self._inflight_lock:
+                idle = self._collectives_in_flight == 0
+            settled = not self._quorum_in_progress and idle
+            before = self._pg_error()
+            if not self._quorum_in_progress and not settled:
+                # The step runs on this quorum with collectives in flight: it must not commit.
+                # (While a quorum request is in flight the step has not used the group yet;
+                # it is rebuilt instead.)
                 self.report_error(
                     RuntimeError(f"replica group {replica_id} of quorum {quorum_id} was lost")
                 )
-            # Ends a configure in progress too: its rendezvous waits for the lost member.
+            elif settled and before is not None:
+                self.report_error(before)  # the group had failed before the loss
+            # Ends a configure in progress too: its rendezvous waits for the lost member. A
+            # collective the step issues from now on fails at once (and the step with it).
             try:
                 self._pg.abort()
             except Exception:
                 logger.exception("aborting the process group failed")
+            if settled:
+                # The abort's own error is no reason to abandon a step whose collectives
+                # had all completed (see should_commit).
+                self._loss_abort_error = self._pg_error()
             if replica_id == self._heal_source:
                 # Its state will never arrive: end the heal now, the next quorum picks
                 # another source.
@@ -996,6 +1020,11 @@ class Manager:
                     self._checkpoint_transport.abort_recv()
                 except Exception:
                     logger.exception("aborting the checkpoint transfer failed")
+
+    def _pg_error(self) -> Exception | None:
+        """The error the quorum's process group recorded since its configure, if any."""
+        pg_errored = getattr(self._pg, "errored", None)
+        return pg_errored() if pg_errored is not None else None
 
     def _adopt_quorum(self, quorum: NativeQuorumResult, allow_heal: bool) -> None:
         """Adopts an answer of an async quorum; errors are recorded, not raised."""
@@ -1118,6 +1147,7 @@ class Manager:
                 # and the next quorum must not reuse a half-built group silently.
                 self._quorum_id = quorum_id
                 self._pg_aborted = False
+                self._loss_abort_error = None
         if reconfigure:
             store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}"
             self._log_info(
@@ -1362,6 +1392,8 @@ class Manager:
 
         tel = self._telemetry
         token = tel.collective_started() if tel is not None else None
+        with self._inflight_lock:
+            self._collectives_in_flight += 1
         # A collective in flight is the loop inside torchft (the reducer waits for it inside
         # backward, outside any other torchft call): never "away" for the hang watch. The
         # collective's own timeout (an error, or the group's abort) bounds it.
@@ -1389,6 +1421,9 @@ class Manager:
                 except Exception as e:
                     self.report_error(e)
                     return tensor
+                finally:
+                    with self._inflight_lock:
+                        self._collectives_in_flight -= 1
                 if divisor:
                     if floating:
                         tensor.div_(divisor)
@@ -1402,6 +1437,8 @@ class Manager:
         except Exception as e:
             if tel is not None:
                 tel.collective_finished(token)  # never started: not in flight
+            with self._inflight_lock:
+                self._collectives_in_flight -= 1
             if server is not None:
                 server.set_loop_busy(False)
             self.report_error(e)
@@ -1473,11 +1510,9 @@ class Manager:
                     except Exception:
                         logger.exception("aborting the process group failed")
 
-        pg_errored = getattr(self._pg, "errored", None)
-        if pg_errored is not None:
-            err = pg_errored()
-            if err is not None:
-                self.report_error(err)
+        err = self._pg_error()
+        if err is not None and err is not self._loss_abort_error:
+            self.report_error(err)
 
         if quorum_timed_out is None and self._errored is None:
             try:
