@@ -1,7 +1,7 @@
 """Launch several replica groups of a training script, each under its own torchrun.
 
     python -m torchft.launch --replicas 3 --nproc-per-node 1 [--max-restarts N] \
-        script.py -- --script-args
+        [--standby N [--preload MODULE ...]] script.py -- --script-args
 
 Each replica group runs as ``torchrun --standalone`` (so it gets its own rendezvous store on a
 free port: nobody hand-assigns ports) with ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and
@@ -10,6 +10,16 @@ free port: nobody hand-assigns ports) with ``REPLICA_GROUP_ID``, ``NUM_REPLICA_G
 ``--max-restarts`` times) while the others keep training; SIGINT/SIGTERM are forwarded, and
 every process started here — including the training workers torchrun starts in their own
 sessions — is gone when the launcher exits.
+
+With ``--standby N`` the launcher keeps N warm spare processes (see :mod:`torchft.standby`:
+Python started, torch, its compiler stack, torchft and the ``--preload`` modules imported)
+and runs each group's ranks itself, as torchrun's agent would: it hosts the group's store and
+gives every rank torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` with ``TORCHELASTIC_USE_AGENT_STORE``,
+``TORCHELASTIC_RESTART_COUNT``, ...). When a rank dies, the group's other ranks are stopped
+and every rank is replaced by a spare handed that identity, which runs the script from the
+top in a process that has already paid torch's start-up; new spares warm up in the
+background. Without a ready spare a rank starts cold, as before.
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchft.config import env_value
+from torchft.standby import StandbyError, StandbyPool
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +63,11 @@ class GroupState:
     failed: bool = False
     started_at: float = 0.0
     start_times: list[float] = field(default_factory=list)
+    #: With standbys: the group's rank processes (rank order) and its store.
+    ranks: list[subprocess.Popen[str]] = field(default_factory=list)
+    store: Any = None
+    #: With standbys: how many of the current incarnation's ranks were warm spares.
+    warm: int = 0
 
 
 def _find_lighthouse_cmd() -> list[str]:
@@ -182,6 +199,8 @@ class Launcher:
         join_timeout_ms: int = 5000,
         env: dict[str, str] | None = None,
         on_line: LineHandler | None = None,
+        standby: int = 0,
+        preload: Sequence[str] = (),
     ) -> None:
         """Validates the job description; nothing is started until :meth:`start`.
 
@@ -199,6 +218,9 @@ class Launcher:
             env: extra environment for every group.
             on_line: called with (group index, line) for every output line of a group;
                 by default lines are printed with a ``[group i]`` prefix.
+            standby: warm spare processes to keep (0: every group runs under torchrun and
+                restarts cold).
+            preload: modules each spare imports besides torch and torchft.
         """
         if replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {replicas}")
@@ -210,6 +232,10 @@ class Launcher:
             raise ValueError(f"training script {script!r} does not exist")
         if min_replicas is not None and not 1 <= min_replicas <= replicas:
             raise ValueError(f"--min-replicas must be in [1, {replicas}], got {min_replicas}")
+        if standby < 0:
+            raise ValueError(f"--standby must be >= 0, got {standby}")
+        if preload and standby == 0:
+            raise ValueError("--preload needs --standby N (it names what the spares import)")
         self.script = script
         self.script_args = list(script_args)
         self.replicas = replicas
@@ -225,6 +251,11 @@ class Launcher:
         self.lighthouse: LighthouseProcess | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self.standby = standby
+        # Spares carry the launch marker, so shutdown finds them like any other process.
+        self.pool = StandbyPool(
+            standby, preload, env=dict(os.environ, **self.extra_env, **{MARKER_ENV: self.marker})
+        )
 
     @staticmethod
     def _print_line(group: int, line: str) -> None:
@@ -232,7 +263,16 @@ class Launcher:
         sys.stdout.flush()
 
     def start(self) -> None:
-        """Starts the lighthouse (if needed) and every replica group."""
+        """Starts the lighthouse (if needed), the spares and every replica group.
+
+        Raises:
+            StandbyError: spares cannot start (a ``--preload`` module fails to import).
+        """
+        if self.standby:
+            # Spares warm up while the lighthouse starts; a bad --preload fails here.
+            self.pool.start()
+            self.pool.wait_ready()
+            logger.info("%d standby process(es) warm", self.pool.ready_count())
         if self.lighthouse_addr is None:
             self.lighthouse = LighthouseProcess(self.min_replicas, self.join_timeout_ms)
             self.lighthouse_addr = self.lighthouse.address
@@ -240,7 +280,7 @@ class Launcher:
         for g in self.groups:
             self._spawn(g)
 
-    def _spawn(self, g: GroupState) -> None:
+    def _group_env(self, g: GroupState) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.extra_env)
         env.update(
@@ -253,6 +293,13 @@ class Launcher:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        return env
+
+    def _spawn(self, g: GroupState) -> None:
+        if self.standby:
+            self._spawn_ranks(g)
+            return
+        env = self._group_env(g)
         cmd = [
             sys.executable,
             "-m",
@@ -284,6 +331,78 @@ class Launcher:
             target=self._pump, args=(g.index, g.proc), name=f"group-{g.index}-out", daemon=True
         ).start()
 
+    def _spawn_ranks(self, g: GroupState) -> None:
+        """Starts the group's ranks as torchrun's agent would, on warm spares when ready."""
+        from torch.distributed import TCPStore
+
+        # A fresh store per incarnation: nothing a dead incarnation wrote can be read.
+        g.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        base = self._group_env(g)
+        n = self.nproc_per_node
+        base.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(g.store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(n),
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_NAME": "default",
+                "ROLE_WORLD_SIZE": str(n),
+                "TORCHELASTIC_RESTART_COUNT": str(g.restarts),
+                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+                "TORCHELASTIC_RUN_ID": f"{self.marker}-{g.index}",
+            }
+        )
+        g.ranks = []
+        g.warm = 0
+        g.started_at = time.monotonic()
+        g.start_times.append(g.started_at)
+        g.exit_code = None
+        for rank in range(n):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            spare = self.pool.take()
+            proc: subprocess.Popen[str] | None = None
+            if spare is not None:
+                try:
+                    proc = self.pool.promote(spare, [self.script, *self.script_args], env)
+                    g.warm += 1
+                except StandbyError as e:
+                    logger.warning("group %d rank %d: %s; starting it cold", g.index, rank, e)
+            if proc is None:
+                proc = subprocess.Popen(
+                    [sys.executable, "-u", self.script, *self.script_args],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            g.ranks.append(proc)
+            threading.Thread(
+                target=self._pump,
+                args=(g.index, proc),
+                name=f"group-{g.index}-r{rank}",
+                daemon=True,
+            ).start()
+        g.proc = g.ranks[0]
+        logger.info("group %d started: %d of %d rank(s) on warm standbys", g.index, g.warm, n)
+
+    def _poll_ranks(self, g: GroupState) -> int | None:
+        """With standbys: the group's exit code once it ended (None while it runs). A rank
+        that fails ends the group (its other ranks are stopped), as under torchrun."""
+        codes = [p.poll() for p in g.ranks]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in g.ranks:
+                if p.poll() is None:
+                    _kill_session(p)
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        return None
+
     def _pump(self, index: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -295,6 +414,8 @@ class Launcher:
     def group_pids(self, index: int) -> list[int]:
         """PIDs of the training workers of group ``index`` (not the torchrun agent)."""
         g = self.groups[index]
+        if self.standby:
+            return [p.pid for p in g.ranks if p.poll() is None]
         agent = g.proc.pid if g.proc else -1
         pids = []
         for pid in _pids_with_marker(self.marker):
@@ -325,7 +446,7 @@ class Launcher:
             for g in self.groups:
                 if g.finished or g.failed or g.proc is None:
                     continue
-                code = g.proc.poll()
+                code = self._poll_ranks(g) if self.standby else g.proc.poll()
                 if code is None:
                     continue
                 g.exit_code = code
@@ -351,6 +472,12 @@ class Launcher:
             return all(g.finished or g.failed for g in self.groups)
 
     def _kill_leftovers(self, index: int) -> None:
+        g = self.groups[index]
+        if self.standby:
+            for p in g.ranks:
+                _kill_session(p)
+            g.store = None
+            return
         for pid in self.group_pids(index):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -373,20 +500,20 @@ class Launcher:
     def shutdown(self, grace: float = 10.0) -> None:
         """Stops every group and the lighthouse; no process of this launch survives."""
         self._stopping = True
-        for g in self.groups:
-            if g.proc is not None and g.proc.poll() is None:
+        self.pool.close()
+        procs = [p for g in self.groups for p in (g.ranks if self.standby else [g.proc]) if p]
+        for p in procs:
+            if p.poll() is None:
                 try:
-                    g.proc.send_signal(signal.SIGTERM)
+                    p.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         end = time.monotonic() + grace
-        for g in self.groups:
-            if g.proc is not None:
-                try:
-                    g.proc.wait(max(0.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    g.proc.kill()
-                    g.proc.wait()
+        for p in procs:
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_session(p)
         for pid in _pids_with_marker(self.marker):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -394,6 +521,18 @@ class Launcher:
                 pass
         if self.lighthouse is not None:
             self.lighthouse.stop()
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """SIGKILLs a process started in its own session, with anything it started there."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        logger.error("process %d did not exit after SIGKILL", proc.pid)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -408,6 +547,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lighthouse", default=None, help="existing lighthouse address")
     p.add_argument("--min-replicas", "--min_replicas", type=int, default=None)
     p.add_argument("--join-timeout-ms", "--join_timeout_ms", type=int, default=5000)
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="warm spare processes to keep; a dead group's ranks are replaced by spares "
+        "that have already imported torch and torchft (default 0: restart cold under torchrun)",
+    )
+    p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        help="module the spares import besides torch and torchft (repeatable)",
+    )
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments after --")
     args = p.parse_args(argv)
@@ -430,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lighthouse=args.lighthouse,
             min_replicas=args.min_replicas,
             join_timeout_ms=args.join_timeout_ms,
+            standby=args.standby,
+            preload=args.preload,
         )
     except ValueError as e:
         print(f"torchft.launch: {e}", file=sys.stderr)
@@ -446,6 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("interrupted; stopping every replica group")
         launcher.shutdown()
         return 130
+    except StandbyError as e:
+        launcher.shutdown()
+        print(f"torchft.launch: standby processes cannot start: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         launcher.shutdown()
         print(f"torchft.launch: {e}", file=sys.stderr)

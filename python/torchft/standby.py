@@ -1,0 +1,447 @@
+"""Warm standby processes: spares that have already paid torch's start-up and wait to be
+given the identity of a replica group's process that died.
+
+A restarted replica group spends most of its recovery starting Python and importing torch
+(and the compiler stack ``torch.optim`` and DDP import on first use), not in torchft. A spare
+does all of that ahead of time:
+
+    python -m torchft.standby [--preload MODULE ...]
+
+imports torch, ``torch.distributed``, ``torch._dynamo``, torchft and the ``--preload``
+modules, runs one optimizer step on a CPU tensor (so lazily imported optimizer code is
+loaded too), then writes ``ready`` on its standard output and waits. It never touches an
+accelerator: a spare holds no GPU memory until it is promoted.
+
+To promote it, its owner writes one JSON line on its standard input::
+
+    {"argv": ["train.py", "--lr", "0.1"], "env": {...}, "cwd": "/job", "module": false,
+     "output": null}
+
+and closes it. The spare then becomes that process: it replaces its environment, working
+directory and ``sys.argv``, sends its output to ``output`` (a file) when one is named, and
+runs the script (or, with ``"module": true``, the module) as ``__main__``. Its exit status is
+the script's. End of input before a promotion (the owner went away) ends the spare quietly.
+
+:class:`StandbyPool` keeps a number of spares warm for an owner (``torchft.launch --standby``
+and the chaos harness use it): spares are spawned fresh (never forked from a process holding
+threads or a CUDA context), a spare that dies is replaced, and :meth:`StandbyPool.close`
+leaves none behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The line a spare writes once it is warm.
+READY = "ready"
+#: Exit status of a spare whose ``--preload`` module failed to import.
+PRELOAD_FAILED = 3
+#: Exit status of a spare given a promotion it cannot run (bad JSON, missing script).
+BAD_PROMOTION = 4
+
+#: Modules every spare imports (what a training process would import before its first
+#: step: torch imports ``torch._dynamo`` on the first optimizer and DDP construction).
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.optim",
+    "torch._dynamo",
+    "torchft",
+)
+
+
+class StandbyError(RuntimeError):
+    """A spare could not be made ready (e.g. a ``--preload`` module failed to import)."""
+
+
+def _check_modules(names: Sequence[str]) -> list[str]:
+    out = []
+    for name in names:
+        name = name.strip()
+        if not name or any(not part.isidentifier() for part in name.split(".")):
+            raise ValueError(
+                f"--preload needs module names (like 'numpy' or 'pkg.mod'), got {name!r}"
+            )
+        out.append(name)
+    return out
+
+
+# ---- the spare process ---------------------------------------------------------------------
+
+
+def _warm(preload: Sequence[str]) -> None:
+    """Imports what a training process imports before its first step."""
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    import torch
+
+    # The first optimizer step loads more of torch.optim lazily; a CPU tensor only, so no
+    # accelerator context is created.
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    torch.optim.AdamW([p], lr=0.0).step()
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # noqa: BLE001 - any failure of the user's module
+            print(
+                f"torchft.standby: --preload module {name!r} failed to import: "
+                f"{type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(PRELOAD_FAILED)
+
+
+def _read_promotion() -> dict[str, Any] | None:
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    try:
+        msg = json.loads(line)
+    except json.JSONDecodeError as e:
+        print(f"torchft.standby: promotion is not JSON: {e}", file=sys.stderr, flush=True)
+        sys.exit(BAD_PROMOTION)
+    argv = msg.get("argv") if isinstance(msg, dict) else None
+    env = msg.get("env") if isinstance(msg, dict) else None
+    if (
+        not isinstance(argv, list)
+        or not argv
+        or not all(isinstance(a, str) for a in argv)
+        or not isinstance(env, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        print(
+            "torchft.standby: a promotion needs 'argv' (a non-empty list of strings) and "
+            f"'env' (a mapping of strings); got {line.strip()[:200]!r}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(BAD_PROMOTION)
+    return msg
+
+
+def _become(msg: dict[str, Any]) -> None:
+    """Takes on the promoted identity and runs its script (or module) as ``__main__``."""
+    import torch
+
+    env: dict[str, str] = msg["env"]
+    threads = env.get("OMP_NUM_THREADS")
+    if threads and threads != os.environ.get("OMP_NUM_THREADS") and threads.isdigit():
+        # The warm-up sized torch's intra-op pool from the spare's own environment.
+        torch.set_num_threads(max(1, int(threads)))
+    os.environ.clear()
+    os.environ.update(env)
+    cwd = msg.get("cwd")
+    if cwd:
+        os.chdir(cwd)
+    output = msg.get("output")
+    if output:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    argv: list[str] = msg["argv"]
+    # sys.path[0] is what ``python script.py`` (the script's folder) or ``python -m mod``
+    # (the working directory) would have put there.
+    if msg.get("module"):
+        sys.argv = list(argv)
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        if not os.path.isfile(script):
+            print(f"torchft.standby: script {script!r} does not exist", file=sys.stderr)
+            sys.exit(BAD_PROMOTION)
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of a spare (``python -m torchft.standby``)."""
+    p = argparse.ArgumentParser(prog="python -m torchft.standby")
+    p.add_argument("--preload", action="append", default=[], help="module to import (repeat)")
+    args = p.parse_args(argv)
+    try:
+        preload = _check_modules(args.preload)
+    except ValueError as e:
+        print(f"torchft.standby: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    # Until promoted, the owner's SIGINT (a terminal's ^C) is the owner's business.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _warm(preload)
+    print(READY, flush=True)
+    msg = _read_promotion()
+    if msg is None:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _become(msg)
+
+
+# ---- the pool ------------------------------------------------------------------------------
+
+
+@dataclass
+class Spare:
+    """A spare process (ready once it wrote ``ready``)."""
+
+    proc: subprocess.Popen[str]
+    spawned: float
+    ready: threading.Event = field(default_factory=threading.Event)
+    #: What it printed before ``ready`` (an import error, typically).
+    output: list[str] = field(default_factory=list)
+    ready_s: float | None = None
+
+
+class StandbyPool:
+    """Keeps ``size`` warm spares (see the module documentation)."""
+
+    def __init__(
+        self,
+        size: int,
+        preload: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+    ) -> None:
+        """Validates; nothing starts until :meth:`start`.
+
+        Args:
+            size: spares to keep (0 keeps none: :meth:`take` always returns None).
+            preload: modules every spare imports besides torch and torchft.
+            env: environment spares start with (default: this process's). Every spare
+                carries it, so an owner can find its processes by a marker variable.
+            python: interpreter for spares (default: this one).
+        """
+        if size < 0:
+            raise ValueError(f"--standby must be >= 0, got {size}")
+        self.size = size
+        self.preload = _check_modules(preload)
+        self.env = dict(os.environ if env is None else env)
+        self.python = python or sys.executable
+        self._lock = threading.Lock()
+        self._spares: list[Spare] = []
+        self._closed = False
+        self._failed: str | None = None
+        self._wake = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.promoted = 0
+        self.replaced = 0
+
+    # ---- lifecycle
+
+    def start(self) -> None:
+        """Spawns the spares and a monitor that replaces the ones that die."""
+        if self.size == 0:
+            return
+        with self._lock:
+            for _ in range(self.size):
+                self._spares.append(self._spawn())
+        self._monitor = threading.Thread(target=self._watch, name="standby-pool", daemon=True)
+        self._monitor.start()
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Blocks until one spare is ready.
+
+        Raises:
+            StandbyError: a spare failed before it was ready (its output says why), or none
+                was ready within ``timeout``.
+        """
+        if self.size == 0:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._failed is not None:
+                    raise StandbyError(self._failed)
+                if any(s.ready.is_set() for s in self._spares):
+                    return
+            time.sleep(0.05)
+        raise StandbyError(f"no standby process was ready within {timeout:.0f}s")
+
+    def close(self) -> None:
+        """Kills every spare not promoted; none is left behind."""
+        with self._lock:
+            self._closed = True
+            spares, self._spares = self._spares, []
+        self._wake.set()
+        for s in spares:
+            _kill(s.proc)
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+
+    # ---- use
+
+    def ready_count(self) -> int:
+        """Spares ready to be promoted now."""
+        with self._lock:
+            return sum(1 for s in self._spares if s.ready.is_set() and s.proc.poll() is None)
+
+    def pids(self) -> list[int]:
+        """PIDs of the spares not promoted (ready or warming)."""
+        with self._lock:
+            return [s.proc.pid for s in self._spares]
+
+    def take(self) -> Spare | None:
+        """Removes and returns a ready spare (a new one starts warming in its place); None
+        when no spare is ready."""
+        with self._lock:
+            for s in self._spares:
+                if s.ready.is_set() and s.proc.poll() is None:
+                    self._spares.remove(s)
+                    if not self._closed and self._failed is None:
+                        self._spares.append(self._spawn())
+                    return s
+        return None
+
+    def promote(
+        self,
+        spare: Spare,
+        argv: Sequence[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        module: bool = False,
+        output: str | None = None,
+    ) -> subprocess.Popen[str]:
+        """Gives ``spare`` an identity: it runs ``argv`` (a script path and its arguments, or
+        a module name and its arguments with ``module``) with exactly ``env``.
+
+        Returns:
+            The spare's process, now the promoted one. Its standard output (and error) go to
+            ``output`` when given, else they stay on the pipe ``proc.stdout``.
+
+        Raises:
+            StandbyError: the spare died before it could be promoted.
+        """
+        msg = {
+            "argv": list(argv),
+            "env": dict(env),
+            "cwd": cwd or os.getcwd(),
+            "module": module,
+            "output": output,
+        }
+        assert spare.proc.stdin is not None
+        try:
+            spare.proc.stdin.write(json.dumps(msg) + "\n")
+            spare.proc.stdin.close()
+            spare.proc.stdin = None  # the promoted process reads nothing more from us
+        except (BrokenPipeError, OSError) as e:
+            _kill(spare.proc)
+            raise StandbyError(
+                f"standby process {spare.proc.pid} died before promotion: {e}"
+            ) from e
+        with self._lock:
+            self.promoted += 1
+        logger.info("promoted standby process %d (%s)", spare.proc.pid, " ".join(argv)[:200])
+        return spare.proc
+
+    # ---- internals
+
+    def _spawn(self) -> Spare:
+        cmd = [self.python, "-u", "-m", "torchft.standby"]
+        for name in self.preload:
+            cmd += ["--preload", name]
+        proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        spare = Spare(proc, time.monotonic())
+        threading.Thread(
+            target=self._await_ready, args=(spare,), name=f"standby-{proc.pid}", daemon=True
+        ).start()
+        return spare
+
+    def _await_ready(self, spare: Spare) -> None:
+        """Reads the spare's output up to ``ready`` (the rest belongs to the promoted run)."""
+        assert spare.proc.stdout is not None
+        try:
+            for line in spare.proc.stdout:
+                if line.strip() == READY:
+                    spare.ready_s = time.monotonic() - spare.spawned
+                    spare.ready.set()
+                    logger.debug("standby %d ready in %.2fs", spare.proc.pid, spare.ready_s)
+                    return
+                spare.output.append(line)
+                del spare.output[:-50]
+        except (ValueError, OSError):
+            pass  # closed by close(): the spare is being killed
+        self._wake.set()  # ended before ready: the monitor looks at it
+
+    def _watch(self) -> None:
+        while True:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            with self._lock:
+                if self._closed:
+                    return
+                for s in list(self._spares):
+                    code = s.proc.poll()
+                    if code is None:
+                        continue
+                    self._spares.remove(s)
+                    text = "".join(s.output).strip()
+                    if not s.ready.is_set() and code in (PRELOAD_FAILED, 2):
+                        # Every new spare would fail the same way: stop and say why.
+                        self._failed = text or f"standby process exited with {code}"
+                        logger.error("standby processes cannot start: %s", self._failed)
+                        continue
+                    if self._failed is None:
+                        logger.warning(
+                            "standby process %d died (exit %s) before promotion; replacing it%s",
+                            s.proc.pid,
+                            code,
+                            f": {text[-300:]}" if text else "",
+                        )
+                        self.replaced += 1
+                        self._spares.append(self._spawn())
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    main()

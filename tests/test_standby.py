@@ -1,0 +1,246 @@
+"""Warm standby processes: a spare takes a dead process's identity, dead spares are replaced,
+bad input fails at once, and nothing is left behind (real processes throughout)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from torchft.launch import Launcher, _pids_with_marker
+from torchft.standby import StandbyPool
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    """Polls ``cond`` until true or fails the test after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not reaped yet) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    warm = "torch" in sys.modules and "torch._dynamo" in sys.modules
+    print("argv", sys.argv[1:], "env", os.environ.get("WHO"), "cwd", os.getcwd(),
+          "warm", warm, "path0", sys.path[0], flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    sys.exit(int(os.environ.get("CODE", "0")))
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_pool_promotes_replaces_dead_spares_and_leaves_none(tmp_path: Path) -> None:
+    """A promoted spare runs the script with exactly the given argv, environment and working
+    directory (torch already imported), its exit status is the script's; a spare killed
+    before promotion is replaced; close() kills the rest."""
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    pool = StandbyPool(1, env=dict(os.environ))
+    pool.start()
+    try:
+        pool.wait_ready(90)
+        spare = pool.take()
+        assert spare is not None
+        assert pool.take() is None  # its replacement is still warming
+        env = {"WHO": "rank-3", "CODE": "7", "PATH": os.environ.get("PATH", "")}
+        env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+        proc = pool.promote(spare, [str(script), "--x", "1"], env, cwd=str(tmp_path))
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 7
+        assert f"argv ['--x', '1'] env rank-3 cwd {tmp_path} warm True path0 {tmp_path}" in out
+        assert "to stderr" in out
+
+        # The replacement warms; killing it before promotion gets it replaced again.
+        pool.wait_ready(90)
+        [victim] = pool.pids()
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: pool.replaced == 1 and victim not in pool.pids(), 30, "replacement")
+        pool.wait_ready(90)
+        spares = pool.pids()
+        assert len(spares) == 1 and spares[0] != victim
+    finally:
+        pool.close()
+    assert pool.pids() == []
+    assert not any(alive(p) for p in spares)
+
+
+@pytest.mark.timeout(120)
+def test_pool_output_file_and_bad_promotion(tmp_path: Path) -> None:
+    """A promotion may send the script's output to a file; a promotion naming no script is
+    refused by the spare with a clear message."""
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "out.log"
+    pool = StandbyPool(1, env=dict(os.environ))
+    pool.start()
+    try:
+        pool.wait_ready(90)
+        spare = pool.take()
+        assert spare is not None
+        proc = pool.promote(spare, [str(script)], dict(os.environ, WHO="file"), output=str(log))
+        assert proc.wait(60) == 0
+        text = log.read_text()
+        assert "env file" in text and "to stderr" in text
+
+        pool.wait_ready(90)
+        spare = pool.take()
+        assert spare is not None
+        proc = pool.promote(spare, [str(tmp_path / "missing.py")], dict(os.environ))
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 4
+        assert "missing.py" in out and "does not exist" in out
+    finally:
+        pool.close()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="--standby must be >= 0"):
+        StandbyPool(-1)
+    with pytest.raises(ValueError, match="module names"):
+        StandbyPool(1, preload=["not a module"])
+
+
+@pytest.mark.timeout(120)
+def test_launch_fails_at_once_on_a_preload_that_does_not_import(tmp_path: Path) -> None:
+    """``--preload`` of a module that does not import fails the launch with a clear error
+    naming it, before any group starts; no process is left."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    marker = f"TORCHFT_TEST_MARKER_{os.getpid()}"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchft.launch",
+            "--replicas",
+            "1",
+            "--standby",
+            "1",
+            "--preload",
+            "torchft_no_such_module",
+            "--lighthouse",
+            "http://127.0.0.1:9",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, **{marker: "1"}),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "torchft_no_such_module" in proc.stderr
+    assert "failed to import" in proc.stderr
+    assert "must not run" not in proc.stdout + proc.stderr
+    needle = f"{marker}=1".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    assert needle not in f.read().split(b"\0"), f"process {entry} left behind"
+            except OSError:
+                pass
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    warm = "torch._dynamo" in sys.modules
+    import torch.distributed as dist
+    d = Path(sys.argv[1])
+    g, rank = os.environ["REPLICA_GROUP_ID"], os.environ["RANK"]
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    # torchrun's contract: env:// rendezvous through the agent's store.
+    dist.init_process_group("gloo", world_size=int(os.environ["WORLD_SIZE"]), rank=int(rank))
+    import torch
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == int(os.environ["WORLD_SIZE"])
+    (d / f"started_{g}_{rank}_{restart}_{'warm' if warm else 'cold'}_{os.getpid()}").touch()
+    while not (d / "stop").exists():
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    """
+)
+
+
+def started(d: Path, group: int) -> list[str]:
+    return sorted(p.name for p in d.glob(f"started_{group}_*"))
+
+
+@pytest.mark.timeout(240)
+def test_launch_replaces_a_dead_groups_ranks_with_warm_spares(tmp_path: Path) -> None:
+    """Two groups of two ranks with two spares: SIGKILL of one rank of group 1 stops its
+    other rank and starts both on warm spares (restart count 1, torchrun's environment,
+    a working Gloo rendezvous); group 0 is untouched; nothing survives the launcher."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    launcher = Launcher(
+        str(script),
+        [str(tmp_path)],
+        replicas=2,
+        nproc_per_node=2,
+        max_restarts=2,
+        lighthouse="http://127.0.0.1:9",  # the worker never dials it
+        on_line=lambda g, line: None,
+        standby=2,
+    )
+    code: list[int] = []
+    spare_pids: list[int] = []
+    try:
+        launcher.start()
+        runner = threading.Thread(target=lambda: code.append(launcher.run(timeout=200)))
+        runner.start()
+        wait_for(
+            lambda: len(started(tmp_path, 0)) == 2 and len(started(tmp_path, 1)) == 2,
+            120,
+            "both groups",
+        )
+        # The first incarnation used the two spares ready at start (any mix is fine); wait
+        # for two warm spares again before the fault.
+        wait_for(lambda: launcher.pool.ready_count() == 2, 120, "spares to warm again")
+        first = started(tmp_path, 1)
+        killed = launcher.group_pids(1)
+        assert len(killed) == 2
+        os.kill(killed[1], signal.SIGKILL)  # rank 1 only: the launcher stops rank 0
+        wait_for(lambda: len(started(tmp_path, 1)) == 4, 120, "group 1 restart")
+        again = sorted(set(started(tmp_path, 1)) - set(first))
+        assert [n.split("_")[2:4] for n in again] == [["0", "1"], ["1", "1"]]
+        assert all("_warm_" in n for n in again), again
+        assert launcher.groups[1].restarts == 1 and launcher.groups[1].warm == 2
+        assert launcher.groups[0].restarts == 0
+        assert len(started(tmp_path, 0)) == 2, "group 0 must not have been restarted"
+        spare_pids = launcher.pool.pids()
+        (tmp_path / "stop").touch()
+        runner.join(120)
+        assert code == [0]
+    finally:
+        (tmp_path / "stop").touch()
+        launcher.shutdown()
+    assert _pids_with_marker(launcher.marker) == []
+    assert not any(alive(p) for p in spare_pids + killed)
