@@ -1,10 +1,12 @@
 """The main job: replica groups training on CPU while one of them is killed and heals.
 
 Starts ``torchft_lighthouse --min_replicas 2``, launches three replica groups of
-``examples/train_ddp.py`` (each under its own torchrun, via :mod:`torchft.launch`), SIGKILLs one
-group's trainer mid-run, lets the launcher restart it so it heals from a live peer, and prints a
-summary: steps committed, failures injected, heal time, final loss and whether every group ended
-with bit-identical model and optimizer state. Exits non-zero if any of that did not happen.
+``examples/train_ddp.py`` (via :mod:`torchft.launch`, which keeps one warm standby process:
+torch and torchft already imported), SIGKILLs one group's trainer mid-run, lets the launcher
+replace it with the standby so it heals from a live peer, and prints a summary: steps
+committed, failures injected, heal time, final loss and whether every group ended with
+bit-identical model and optimizer state. Exits non-zero if any of that did not happen.
+``--standby 0`` restarts the group cold under torchrun instead, for comparison.
 
 With ``--secure`` (``make demo DEMO_SECURE=1``) the whole job runs with a shared-secret
 token and mutual TLS: the lighthouse, every manager server and every healing transfer
@@ -199,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kill-group", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=1,
+        help="warm standby processes the launcher keeps (0: restart the killed group cold)",
+    )
     p.add_argument("--timeout", type=float, default=270.0, help="give up after this many seconds")
     p.add_argument(
         "--log-dir",
@@ -261,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         # The test certificate names localhost: every group advertises that name.
         extra_args = ["--hostname", "localhost"]
     mode = "token + mutual TLS" if args.secure else "plain"
-    print(f"torchft demo: {args.replicas} replica groups, {args.steps} steps, CPU/Gloo, {mode}")
+    spares = f", {args.standby} warm standby" if args.standby else ""
+    print(
+        f"torchft demo: {args.replicas} replica groups, {args.steps} steps, CPU/Gloo, {mode}{spares}"
+    )
     t0 = time.monotonic()
     event_log = log_dir / "events.jsonl"
     lighthouse = LighthouseProcess(min_replicas=2, join_timeout_ms=3000, event_log=str(event_log))
@@ -291,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         lighthouse=lighthouse.address,
         on_line=on_line,
         env={"TORCHFT_RESULT_FILE": result_file},
+        standby=args.standby,
     )
     killed: list[int] = []
     kill_step = None
@@ -358,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"failures injected       : {len(killed) and 1} SIGKILL of group {args.kill_group} at step {kill_step}"
     )
-    print(f"group restarts          : {restarts}")
+    victim_state = launcher.groups[args.kill_group]
+    how = (
+        f"on a warm standby ({victim_state.warm} of 1 rank)"
+        if args.standby and restarts
+        else "cold (torchrun)"
+    )
+    print(f"group restarts          : {restarts}, {how}")
     print(
         "heal time               : "
         + (f"{healed:.1f}s from kill to first committed step" if healed else "not healed")

@@ -351,6 +351,9 @@ class StandbyPool:
             raise StandbyError(
                 f"standby process {spare.proc.pid} died before promotion: {e}"
             ) from e
+        if output is not None and spare.proc.stdout is not None:
+            spare.proc.stdout.close()  # the promoted process writes to `output`
+            spare.proc.stdout = None
         with self._lock:
             self.promoted += 1
         logger.info("promoted standby process %d (%s)", spare.proc.pid, " ".join(argv)[:200])

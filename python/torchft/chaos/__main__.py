@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="level of the workers' log lines kept in the run directory (INFO: every heal)",
     )
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="warm standby processes kept for restarts (torchft.standby); 0 restarts cold",
+    )
     p.add_argument("--out", default=None, help="run directory (default: a new temp dir)")
     args = p.parse_args(argv)
     if args.check:
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             restart_while_stopped=args.restart_while_stopped,
             floor_runs=args.floor_runs,
             worker_log_level=args.worker_log_level,
+            standby=args.standby,
         )
         cfg.validate()
     except ValueError as e:

@@ -39,6 +39,7 @@ from torchft.chaos.history import (
     read_jsonl,
 )
 from torchft.launch import _ADDRESS_RE, _find_lighthouse_cmd
+from torchft.standby import StandbyError, StandbyPool
 
 #: Fault kinds and their default weights. Each kind is a method ``_fault_<kind>`` of
 #: :class:`Chaos` returning the groups it hit, or None when it does not apply right now
@@ -98,6 +99,8 @@ class ChaosConfig:
     #: Level of the workers' own log lines (their logs are kept in the run directory):
     #: INFO adds every reconfigure, heal and applied state, for reading a finding.
     worker_log_level: str = "WARNING"
+    #: Warm standby processes (``torchft.standby``) kept for restarts; 0 restarts cold.
+    standby: int = 0
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot make a meaningful run."""
@@ -116,6 +119,8 @@ class ChaosConfig:
             raise ValueError("at least one fault kind needs a positive weight")
         if self.parity_every < 0:
             raise ValueError(f"parity_every must be >= 0, got {self.parity_every}")
+        if self.standby < 0:
+            raise ValueError(f"standby must be >= 0, got {self.standby}")
         if self.parity_every == 0 and self.weights.get("bitflip", 0) > 0:
             raise ValueError("bitflip faults need runtime parity: parity_every > 0")
         if not 0 <= self.jitter < 1:
@@ -130,7 +135,7 @@ _COMMIT_RECORD = b'"kind": "commit"'
 @dataclass
 class _Proc:
     group: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[Any]
     store: TCPStore
     phase: Path
     started: float
@@ -164,6 +169,7 @@ class Chaos:
         self._hung_until: dict[str, float] = {}
         #: The run's best step when the last bit flip was injected (one flip at a time).
         self._flip_step: int | None = None
+        self.pool = StandbyPool(cfg.standby, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
     # ---- processes ---------------------------------------------------------------------
 
@@ -269,12 +275,25 @@ class Chaos:
                 str(self.cfg.jitter),
             ]
             (self.dir / f"{tag}.history.jsonl").touch()
-            with open(self.dir / f"{tag}.log", "wb") as out:
-                proc = subprocess.Popen(
-                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
+            spare = self.pool.take()
+            proc: subprocess.Popen[Any] | None = None
+            if spare is not None:
+                try:
+                    proc = self.pool.promote(
+                        spare, cmd[2:], env, module=True, output=str(self.dir / f"{tag}.log")
+                    )
+                except StandbyError as e:
+                    self.log(f"{group}: {e}; starting it cold")
+            if proc is None:
+                with open(self.dir / f"{tag}.log", "wb") as out:
+                    proc = subprocess.Popen(
+                        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
             self.procs[group] = _Proc(group, proc, store, phase, time.time())
-            self._record(self._records, {"kind": "start", "group": group, "pid": proc.pid})
+            self._record(
+                self._records,
+                {"kind": "start", "group": group, "pid": proc.pid, "warm": spare is not None},
+            )
 
     def _reap(self) -> None:
         """Records exits; schedules the restart of killed groups."""
@@ -546,6 +565,9 @@ class Chaos:
         kinds = [k for k, w in cfg.weights.items() if w > 0]
         weights = [cfg.weights[k] for k in kinds]
         try:
+            if cfg.standby:
+                self.pool.start()
+                self.pool.wait_ready()
             self._start_lighthouse("127.0.0.1:0")
             for g in self.names:
                 self._start_group(g)
@@ -666,6 +688,7 @@ class Chaos:
 
     def close(self) -> None:
         """Ends every process this run started (and records the exits)."""
+        self.pool.close()
         with self.lock:
             self.closing = True
             for timer in self._restarts:
