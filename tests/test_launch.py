@@ -99,3 +99,79 @@ def test_cli_rejects_bad_arguments(tmp_path: Path) -> None:
         )
         assert r.returncode == 2, r
         assert msg in r.stderr
+
+
+RESTARTED_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch
+    from torchft import Manager, ProcessGroupGloo
+
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    if restart == 1 and rank == 0:
+        time.sleep(3)  # rank 1 looks the manager up first, while the dead one's entry exists
+    m = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        replica_id="torchrun_group",
+        timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=30),
+    )
+    if restart == 0:
+        time.sleep(1)
+        if rank == 1:
+            os._exit(3)  # the agent stops rank 0 and restarts both
+        time.sleep(120)
+    m.start_quorum()
+    t = torch.ones(1)
+    m.allreduce(t).wait()
+    assert m.should_commit(), m.errored()
+    print(f"rank {rank} restart {restart} committed step {m.current_step()}", flush=True)
+    m.shutdown()
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_worker_restarted_inside_torchrun_finds_the_new_manager(tmp_path: Path) -> None:
+    """torchrun restarts a dead worker inside its agent (no new pod, no second torch import
+    for the agent); the restarted ranks find the new incarnation's manager server, not the
+    dead one's address left in the agent's store, and commit."""
+    from torchft._torchft import LighthouseServer
+
+    script = tmp_path / "worker.py"
+    script.write_text(RESTARTED_WORKER)
+    lighthouse = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                "--monitor-interval",
+                "0.1",
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=170,
+            env=dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1"),
+            start_new_session=True,
+        )
+    finally:
+        lighthouse.shutdown()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "rank 0 restart 1 committed step 1" in out
+    assert "rank 1 restart 1 committed step 1" in out

@@ -19,10 +19,11 @@ Errors on the training path (a peer died mid-allreduce, a heal failed) are recor
 from inside collectives. Bad arguments raise at once.
 
 Store keys: group rank 0 publishes the manager server address in the replica group's store under
-``torchft/manager/{replica_id}/addr`` (``replica_id`` is the constructor argument, so several
-replica groups may share one store if they use distinct replica ids). A restarted replica group
-should get a fresh store (torchrun creates one per restart), otherwise a non-zero rank could
-read the address published by the previous incarnation before rank 0 overwrites it.
+``torchft/manager/{replica_id}/{restart}/addr`` (``replica_id`` is the constructor argument, so
+several replica groups may share one store if they use distinct replica ids; ``restart`` is
+torchrun's ``TORCHELASTIC_RESTART_COUNT``, 0 without it). A worker restarted inside torchrun's
+agent meets the store its predecessor wrote to: the restart count in the key keeps a non-zero
+rank from reading the dead incarnation's address before rank 0 publishes the new one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import atexit
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -602,7 +604,10 @@ class Manager:
             timeout=cfg.connect_timeout,
         )
         base_id = cfg.replica_id if cfg.replica_id is not None else ""
-        key = f"torchft/manager/{base_id}/addr"
+        # torchrun restarts dead workers inside its agent, whose store keeps what the dead
+        # incarnation wrote: the key names the restart, so no rank reads a dead address.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"torchft/manager/{base_id}/{restart}/addr"
         try:
             if self._group_rank == 0:
                 full_id = f"{base_id}:{uuid.uuid4()}" if base_id else str(uuid.uuid4())
