@@ -67,7 +67,7 @@ chaos: develop
 	cargo build --release -q --bin torchft_lighthouse
 	$(PY) -m torchft.chaos --faults $(FAULTS) --groups $(GROUPS) --mtbf $(MTBF) \
 		--lighthouse-bin target/release/torchft_lighthouse $(if $(SEED),--seed $(SEED)) \
-		$(if $(JITTER),--jitter $(JITTER))
+		$(if $(JITTER),--jitter $(JITTER)) $(if $(STANDBY),--standby $(STANDBY))
 
 test: test-rust test-python
 
