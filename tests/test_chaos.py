@@ -35,6 +35,33 @@ def test_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     assert report.final["states"] == 1 and report.final["groups"] == 3
 
 
+@pytest.mark.timeout(240)
+def test_short_soak_on_warm_standbys(tmp_path: Path) -> None:
+    """Killed groups come back on warm standby processes (their start records say so) and
+    every invariant holds; no spare outlives the run."""
+    cfg = ChaosConfig(
+        seed=8,
+        faults=12,
+        mtbf=1.5,
+        lighthouse_cmd=_lighthouse_bin(),
+        floor_runs=0,
+        standby=1,
+        weights={"kill_one": 2.0, "kill_two": 1.0, "kill_healing": 1.0},
+    )
+    chaos = Chaos(cfg, tmp_path / "run")
+    report = chaos.run()
+    print(report.text())
+    assert report.violations == []
+    assert report.final["states"] == 1 and report.final["groups"] == 3
+    starts = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "processes.jsonl").read_text().splitlines()
+        if '"start"' in line
+    ]
+    assert sum(1 for r in starts if r.get("warm")) >= 3, starts
+    assert chaos.pool.pids() == []
+
+
 def _write(path: Path, recs: list[dict[str, object]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
 

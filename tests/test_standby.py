@@ -235,6 +235,12 @@ def test_launch_replaces_a_dead_groups_ranks_with_warm_spares(tmp_path: Path) ->
         assert launcher.groups[1].restarts == 1 and launcher.groups[1].warm == 2
         assert launcher.groups[0].restarts == 0
         assert len(started(tmp_path, 0)) == 2, "group 0 must not have been restarted"
+
+        # A promoted spare that crashes is a crash like any other: the group restarts again.
+        wait_for(lambda: launcher.pool.ready_count() == 2, 120, "spares to warm again")
+        os.kill(launcher.group_pids(1)[0], signal.SIGKILL)
+        wait_for(lambda: len(started(tmp_path, 1)) == 6, 120, "group 1 second restart")
+        assert launcher.groups[1].restarts == 2 and launcher.groups[1].warm == 2
         spare_pids = launcher.pool.pids()
         (tmp_path / "stop").touch()
         runner.join(120)
