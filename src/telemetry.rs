@@ -17,6 +17,8 @@ pub const MAX_BATCH: usize = 4096;
 pub const MAX_ID_BYTES: usize = 256;
 /// Longest host name.
 pub const MAX_HOSTNAME_BYTES: usize = 256;
+/// Longest heal address (`host:port`, an IPv6 host in brackets).
+pub const MAX_ADDR_BYTES: usize = MAX_HOSTNAME_BYTES + 16;
 /// Longest error text.
 pub const MAX_ERROR_BYTES: usize = 16 * 1024;
 /// Longest duration a report may carry (seconds).
@@ -169,6 +171,9 @@ pub fn validate_report(r: &TelemetryReport) -> Result<()> {
     if r.heal_source.len() > MAX_ID_BYTES {
         return bad(format!("heal_source longer than {MAX_ID_BYTES} bytes"));
     }
+    if r.heal_addr.len() > MAX_ADDR_BYTES {
+        return bad(format!("heal_addr longer than {MAX_ADDR_BYTES} bytes"));
+    }
     if r.hostname.len() > MAX_HOSTNAME_BYTES {
         return bad(format!("hostname longer than {MAX_HOSTNAME_BYTES} bytes"));
     }
@@ -308,6 +313,7 @@ mod tests {
             Box::new(|r| r.heal_s = f64::INFINITY),
             Box::new(|r| r.phase = 99),
             Box::new(|r| r.error = "e".repeat(MAX_ERROR_BYTES + 1)),
+            Box::new(|r| r.heal_addr = "a".repeat(MAX_ADDR_BYTES + 1)),
         ];
         for (i, break_it) in cases.iter().enumerate() {
             let mut r = good.clone();

@@ -14,7 +14,8 @@ wrong type, a ``ValueError`` naming the argument or the variable otherwise. Proc
 checkpoint transports apply ``TORCHFT_TIMEOUT_SEC`` through :func:`timeout_override`, so that
 variable means the same everywhere. The token and TLS variables are parsed by the native core
 (the same parser the lighthouse and manager servers use) and reach Python only through
-:func:`security_settings`; the checkpoint server's bind address through :func:`checkpoint_bind`.
+:func:`security_settings`; the checkpoint server's bind address through :func:`checkpoint_bind`,
+and the network interface heals are served on through :func:`heal_ifname`.
 :data:`ENV_VARS` lists every variable the package reads (``python -m torchft.config`` prints
 them with their current values, secrets masked); nothing else in the package reads
 ``os.environ`` for a setting.
@@ -34,11 +35,13 @@ from typing import Any, Generic, TypeVar
 
 __all__ = [
     "ENV_VARS",
+    "HealIfname",
     "ManagerConfig",
     "WorldSizeMode",
     "checkpoint_bind",
     "env_flag",
     "env_value",
+    "heal_ifname",
     "security_settings",
     "timeout_override",
 ]
@@ -145,6 +148,26 @@ def _parse_text(raw: str) -> str:
     return raw
 
 
+#: Longest network interface name (Linux: IFNAMSIZ - 1).
+_MAX_IFNAME = 15
+
+
+def _parse_ifname(raw: str) -> str:
+    bad = ("," in raw or "/" in raw) or any(c.isspace() for c in raw)
+    if not raw or len(raw) > _MAX_IFNAME or bad:
+        raise ValueError("not one interface name")
+    return raw
+
+
+def _check_ifname(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str, got {v!r}")
+    try:
+        return _parse_ifname(v)
+    except ValueError:
+        raise ValueError(f"{name} must be {IFNAME.what}, got {v!r}") from None
+
+
 def _check_name(name: str, v: Any) -> str:
     if not isinstance(v, str):
         raise TypeError(f"{name} must be a str, got {v!r}")
@@ -192,6 +215,11 @@ TEXT: Kind[str] = Kind("a non-empty string", _check_text, _parse_text)
 NAME: Kind[str] = Kind("a string", _check_name, _parse_text)
 MODE: Kind[WorldSizeMode] = Kind("DYNAMIC or FIXED_WITH_SPARES", _check_mode, _parse_mode)
 HANG_ACTION: Kind[str] = Kind("exit or keep", _check_hang_action, _parse_hang_action)
+IFNAME: Kind[str] = Kind(
+    f"one network interface name (e.g. eth0; at most {_MAX_IFNAME} characters)",
+    _check_ifname,
+    _parse_ifname,
+)
 
 
 # ----------------------------------------------------------------------------- variables
@@ -432,7 +460,26 @@ _OTHER_VARS = (
         "TORCHFT_CHECKPOINT_BIND",
         TEXT,
         "address the checkpoint server listens on (e.g. :: for every interface); "
-        "else the advertised host name's addresses",
+        "else the heal interface's address (TORCHFT_HEAL_IFNAME), else the advertised host "
+        "name's addresses",
+    ),
+    EnvVar(
+        "TORCHFT_HEAL_IFNAME",
+        IFNAME,
+        "network interface heals are served on: the checkpoint server listens on its address "
+        "and advertises it (IPv4, else global IPv6); else the first name of GLOO_SOCKET_IFNAME, "
+        "else of NCCL_SOCKET_IFNAME, else the host name. A Manager hostname= given wins",
+    ),
+    EnvVar(
+        "GLOO_SOCKET_IFNAME",
+        TEXT,
+        "gloo's interfaces (comma-separated); the first is the default of TORCHFT_HEAL_IFNAME",
+    ),
+    EnvVar(
+        "NCCL_SOCKET_IFNAME",
+        TEXT,
+        "NCCL's interfaces (=exact names, ^excluded ones, else name prefixes); the first is "
+        "the default of TORCHFT_HEAL_IFNAME when GLOO_SOCKET_IFNAME is unset (^ lists: none)",
     ),
 )
 
@@ -493,6 +540,73 @@ def checkpoint_bind(env: Mapping[str, str] | None = None) -> str | None:
     """The checkpoint server's bind address from ``TORCHFT_CHECKPOINT_BIND`` (None: unset)."""
     value = env_value("TORCHFT_CHECKPOINT_BIND", env)
     return None if value is None else str(value)
+
+
+_HEAL_IFNAME = "TORCHFT_HEAL_IFNAME"
+
+
+@dataclass(frozen=True)
+class HealIfname:
+    """The network interface heals are served on, as configured (see :func:`heal_ifname`)."""
+
+    #: The interface's name, or (``prefix``) the start of its name.
+    name: str
+    #: The variable it came from, for error messages.
+    variable: str
+    #: NCCL's plain form: ``name`` may be the start of the interface's name (``eth`` for
+    #: ``eth0``), the first interface so named is meant.
+    prefix: bool = False
+
+    def describe(self) -> str:
+        """``VAR=name``, and why that variable counts when it is not TORCHFT_HEAL_IFNAME."""
+        why = "" if self.variable == _HEAL_IFNAME else " (TORCHFT_HEAL_IFNAME is unset)"
+        return f"{self.variable}={self.name}{why}"
+
+
+def heal_ifname(env: Mapping[str, str] | None = None) -> HealIfname | None:
+    """The network interface this process serves heals on, from the environment.
+
+    ``TORCHFT_HEAL_IFNAME`` (one name), else the first name of ``GLOO_SOCKET_IFNAME``
+    (a comma-separated list), else the first name of ``NCCL_SOCKET_IFNAME``: ``=eth0,eth1``
+    names exact interfaces, ``eth`` the start of their names (NCCL's default form), and an
+    exclusion list (``^docker,lo``) names none. The interface's address is looked up by the
+    checkpoint transport (``torchft.checkpointing._interface``).
+
+    Args:
+        env: the environment (default ``os.environ``).
+
+    Returns:
+        The interface and the variable naming it; None when no variable names one (heals
+        then use the advertised host name, as without this setting).
+
+    Raises:
+        ValueError: naming the variable, when ``TORCHFT_HEAL_IFNAME`` is not one interface
+            name.
+    """
+    env = os.environ if env is None else env
+    own = env_value(_HEAL_IFNAME, env)
+    if own is not None:
+        return HealIfname(str(own), _HEAL_IFNAME)
+    gloo = env_value("GLOO_SOCKET_IFNAME", env)
+    if gloo is not None:
+        first = _first_name(str(gloo))
+        if first:
+            return HealIfname(first, "GLOO_SOCKET_IFNAME")
+    nccl = env_value("NCCL_SOCKET_IFNAME", env)
+    if nccl is not None and not str(nccl).startswith("^"):
+        exact = str(nccl).startswith("=")
+        first = _first_name(str(nccl).removeprefix("="))
+        if first:
+            return HealIfname(first, "NCCL_SOCKET_IFNAME", prefix=not exact)
+    return None
+
+
+def _first_name(names: str) -> str | None:
+    """The first non-empty name of a comma-separated list (None: there is none)."""
+    for name in names.split(","):
+        if name.strip():
+            return name.strip()
+    return None
 
 
 def security_settings() -> dict[str, str | None]:

@@ -195,6 +195,7 @@ class NativeManagerClient(Protocol):
         heal_s: float = 0.0,
         heal_bytes: int = 0,
         heal_source: str = "",
+        heal_addr: str = "",
         error: str = "",
         unix_s: float = 0.0,
     ) -> bool:

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -53,7 +54,7 @@ from torch.distributed import ReduceOp, TCPStore, Work
 from torch.futures import Future
 
 from torchft import _torchft
-from torchft.config import ManagerConfig, WorldSizeMode
+from torchft.config import ManagerConfig, WorldSizeMode, heal_ifname
 from torchft.coordination import (
     NativeManagerClient,
     NativeManagerServer,
@@ -81,6 +82,27 @@ DEFAULT_STATE_DICT_KEY = "default"
 
 #: A call to a heal source is retried in slices this long, checking whether it was lost.
 _SOURCE_POLL_S = 1.0
+
+
+class _ThisHost(str):
+    """The default of ``Manager(hostname=)``: this machine's name, marked as not given, so
+    the heal interface (``TORCHFT_HEAL_IFNAME``) wins over it while a given name wins over
+    the interface."""
+
+    __slots__ = ()
+
+
+_THIS_HOST = _ThisHost(socket.gethostname())
+
+
+def _heal_address(metadata: str) -> str:
+    """``host:port`` of a checkpoint URL, the address a heal fetched from ("" when the
+    transport's metadata is no URL, e.g. ``PGTransport``'s)."""
+    with contextlib.suppress(ValueError):
+        url = urllib.parse.urlsplit(metadata)
+        if url.scheme in ("http", "https") and url.hostname:
+            return url.netloc.rpartition("@")[2]
+    return ""
 
 
 def _group_name(incarnation: str) -> str:
@@ -393,7 +415,7 @@ class Manager:
         lighthouse_addr: str | None = None,
         replica_id: str | None = None,
         port: int | None = None,
-        hostname: str = socket.gethostname(),
+        hostname: str = _THIS_HOST,
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
         checkpoint_transport: CheckpointTransport[dict[str, Any]] | None = None,
         init_sync: bool = True,
@@ -429,10 +451,14 @@ class Manager:
             replica_id: stable name of the replica group; a fresh uuid is appended per start.
             port: port of the manager server on group rank 0 (default env
                 ``TORCHFT_MANAGER_PORT`` or 0 = any free port).
-            hostname: host name other replica groups use to reach this one; a healing group
-                prefers an up-to-date group on its own host, or, with env
-                ``WORLD_TOPOLOGY_FILE`` (and ``REPLICA_GROUP_ID``), the best-connected one
-                (see docs/healing.md).
+            hostname: host name other replica groups use to reach this one (default: this
+                machine's); a healing group prefers an up-to-date group on its own host, or,
+                with env ``WORLD_TOPOLOGY_FILE`` (and ``REPLICA_GROUP_ID``), the
+                best-connected one (see docs/healing.md). Heals are served under it only when
+                it is given or no heal interface is set: by default the checkpoint server
+                listens on and advertises the address of env ``TORCHFT_HEAL_IFNAME`` (else
+                the first interface of ``GLOO_SOCKET_IFNAME``, else of
+                ``NCCL_SOCKET_IFNAME``), see docs/healing.md.
             heartbeat_interval: how often the manager server heartbeats the lighthouse.
             checkpoint_transport: how live checkpoints move between replica groups
                 (default: ``HTTPTransport(timeout=timeout, num_chunks=0)``, which heals
@@ -459,10 +485,12 @@ class Manager:
                 0 = off). See :mod:`torchft.parity`.
 
         Raises:
-            ValueError: on invalid arguments or missing configuration.
+            ValueError: on invalid arguments or missing configuration, or a heal interface
+                that does not exist or has no address (nothing is started then).
             TypeError: on arguments of the wrong type.
         """
         # ---- arguments and environment, resolved in one place (fail fast, clearly) ----
+        hostname_given = not isinstance(hostname, _ThisHost)
         cfg = ManagerConfig.resolve(
             min_replica_size=min_replica_size,
             use_async_quorum=use_async_quorum,
@@ -477,7 +505,7 @@ class Manager:
             lighthouse_addr=lighthouse_addr,
             replica_id=replica_id,
             port=port,
-            hostname=hostname,
+            hostname=hostname if hostname_given else None,
             heartbeat_interval=heartbeat_interval,
             init_sync=init_sync,
             max_retries=max_retries,
@@ -589,7 +617,9 @@ class Manager:
                 state_dict=self._heal_into,
                 state_dict_lock=self._state_dict_lock.read,
                 state_version=self._state_dict_lock.version,
-                hostname=cfg.hostname,
+                # A given host name wins over the heal interface; without one, the
+                # transport serves on the interface's address (docs/healing.md).
+                hostname=cfg.hostname if hostname_given or heal_ifname() is None else None,
             )
         self._checkpoint_transport: CheckpointTransport[dict[str, Any]] = checkpoint_transport
 
@@ -1225,6 +1255,13 @@ class Manager:
                 lambda t: src_client._checkpoint_metadata(self._group_rank, timeout=t),
                 f"checkpoint metadata from {src_addr}",
             )
+            heal_addr = _heal_address(metadata)
+            self._log_info(
+                "fetching the checkpoint of step %d from replica %d at %s",
+                max_step,
+                src_rank,
+                heal_addr or metadata,
+            )
             in_place = self._receives_in_place()
             try:
                 with self._writing_state(in_place):
@@ -1250,11 +1287,11 @@ class Manager:
                 self._heal_source = None
         heal_s = time.perf_counter() - heal_t0
         source = _group_name(src_id) if src_id is not None else src_addr
-        heal_bytes = tel.heal_done(heal_s, received, source) if tel is not None else 0
+        heal_bytes = tel.heal_done(heal_s, received, source, heal_addr) if tel is not None else 0
         self._log_info(
             "healed to step %d from %s: %d bytes in %.3fs (%.3f GB/s) into %s tensors",
             max_step,
-            source,
+            f"{source} at {heal_addr}" if heal_addr else source,
             heal_bytes,
             heal_s,
             heal_bytes / heal_s / 1e9 if heal_s > 0 else 0.0,

@@ -43,6 +43,8 @@ MAX_ERROR_CHARS = 4000
 MAX_HOSTNAME_BYTES = 255
 #: Longest heal source name sent (the core refuses longer replica ids).
 MAX_SOURCE_BYTES = 256
+#: Longest heal address sent (``host:port``; the core refuses longer ones).
+MAX_ADDR_BYTES = MAX_HOSTNAME_BYTES + 17
 #: How long the last report waits to be delivered at shutdown.
 FINAL_FLUSH_S = 1.0
 
@@ -143,6 +145,7 @@ class RankTelemetry:
         self._heal_s = 0.0
         self._heal_bytes = 0
         self._heal_source = ""
+        self._heal_addr = ""
         self._outstanding = 0
         self._coll_since = 0.0
         self._coll_total = 0.0
@@ -193,9 +196,10 @@ class RankTelemetry:
         """Reports that this rank starts fetching live state (the group shows ``healing``)."""
         self._send(phase="heal_started", step=step, quorum_id=quorum_id)
 
-    def heal_done(self, seconds: float, received: object, source: str = "") -> int:
-        """Records a finished heal: its duration, the bytes of state received and the replica
-        group (its name) it came from.
+    def heal_done(self, seconds: float, received: object, source: str = "", addr: str = "") -> int:
+        """Records a finished heal: its duration, the bytes of state received, the replica
+        group (its name) it came from and the address (``host:port``) its state was fetched
+        from, which shows the network the heal used.
 
         Returns:
             The bytes of tensor data received.
@@ -205,6 +209,7 @@ class RankTelemetry:
             self._heal_s += seconds
             self._heal_bytes += size
             self._heal_source = _truncate_utf8(source, MAX_SOURCE_BYTES)
+            self._heal_addr = _truncate_utf8(addr, MAX_ADDR_BYTES)
         return size
 
     def step_ended(
@@ -240,11 +245,11 @@ class RankTelemetry:
             step_s = now - self._last_end
             quorum_wait, collective = self._quorum_wait, self._coll_total
             heal_s, heal_bytes = self._heal_s, self._heal_bytes
-            heal_source = self._heal_source
+            heal_source, heal_addr = self._heal_source, self._heal_addr
             self._last_end = now
             self._quorum_wait = self._coll_total = self._heal_s = 0.0
             self._heal_bytes = 0
-            self._heal_source = ""
+            self._heal_source = self._heal_addr = ""
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)
@@ -263,6 +268,7 @@ class RankTelemetry:
             heal_s=heal_s,
             heal_bytes=heal_bytes,
             heal_source=heal_source,
+            heal_addr=heal_addr,
             error=error[:MAX_ERROR_CHARS] if error else "",
             rank=rank,
         )

@@ -303,6 +303,7 @@ impl PyManagerClient {
         heal_s = 0.0,
         heal_bytes = 0,
         heal_source = String::new(),
+        heal_addr = String::new(),
         error = String::new(),
         unix_s = 0.0,
     ))]
@@ -330,6 +331,7 @@ impl PyManagerClient {
         heal_s: f64,
         heal_bytes: u64,
         heal_source: String,
+        heal_addr: String,
         error: String,
         unix_s: f64,
     ) -> PyResult<bool> {
@@ -354,6 +356,7 @@ impl PyManagerClient {
             heal_s,
             heal_bytes,
             heal_source,
+            heal_addr,
             error,
             phase: parse_phase(phase)? as i32,
             unix_s,

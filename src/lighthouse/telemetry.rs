@@ -310,6 +310,9 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
 pub struct HealRecord {
     /// The replica group it healed from (empty if the reporter did not say).
     pub source: String,
+    /// The address (`host:port`) its state was fetched from: the network the heal used
+    /// (empty if the reporter did not say).
+    pub addr: String,
     /// The step it healed to.
     pub step: i64,
     /// Seconds from asking the source to holding its state.
@@ -324,6 +327,7 @@ impl HealRecord {
     fn from_report(r: &TelemetryReport) -> Self {
         Self {
             source: r.heal_source.clone(),
+            addr: r.heal_addr.clone(),
             step: r.step,
             seconds: round6(r.heal_s),
             bytes: r.heal_bytes,
@@ -715,7 +719,7 @@ impl Telemetry {
                             EventKind::ReplicaHealed,
                             json!({"replica_id": name, "step": r.step, "heal_s": r.heal_s,
                                    "heal_bytes": r.heal_bytes, "source": heal.source,
-                                   "gbps": heal.gbps}),
+                                   "addr": heal.addr, "gbps": heal.gbps}),
                         ));
                         g.last_heal = Some(heal);
                     }
@@ -1231,6 +1235,7 @@ mod tests {
         r.heal_s = 0.5;
         r.heal_bytes = 1000;
         r.heal_source = "g0".into();
+        r.heal_addr = "192.0.2.2:41000".into();
         j.t.on_report(&r, j.now);
         assert_eq!(j.state("g1"), GroupState::Healthy);
         assert_eq!(j.t.groups["g1"].counters.heals, 1);
@@ -1241,6 +1246,7 @@ mod tests {
             g1.last_heal,
             Some(HealRecord {
                 source: "g0".into(),
+                addr: "192.0.2.2:41000".into(),
                 step: 1,
                 seconds: 0.5,
                 bytes: 1000,
@@ -1253,6 +1259,7 @@ mod tests {
             .find(|e| e.kind == EventKind::ReplicaHealed)
             .unwrap();
         assert_eq!(healed.fields["source"], "g0");
+        assert_eq!(healed.fields["addr"], "192.0.2.2:41000");
         assert_eq!(healed.fields["heal_bytes"], 1000);
         let transitions: Vec<(String, String)> = events
             .into_iter()

@@ -12,8 +12,10 @@ so any implementation of the transport (this HTTP one, or a native one behind th
   its own certificate (mutual TLS, required by servers with ``TORCHFT_TLS_CLIENT_CA``).
   A plain request to a TLS server is answered with a clear 400; a TLS request to a plain
   server fails at the handshake with a message saying so.
-- **Bind**: the server listens on the address of the host name the manager advertises, not
-  on every interface, unless told to (``bind=`` or ``TORCHFT_CHECKPOINT_BIND``).
+- **Bind**: the server listens on one address, not on every interface unless told to
+  (``bind=`` or ``TORCHFT_CHECKPOINT_BIND``): that of the heal interface when one is set
+  (``TORCHFT_HEAL_IFNAME``, else gloo's or NCCL's interface variable), else that of the host
+  name the manager advertises (see :func:`endpoint` for the precedence).
 
 The variables are parsed once, by the native core, the same code the lighthouse and manager
 servers use, and reach this module through :mod:`torchft.config` like every other setting.
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import logging
 import socket
 import ssl
 from dataclasses import dataclass
 
 from torchft import config
+from torchft.checkpointing import _interface
+from torchft.checkpointing._interface import InterfaceAddress
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -204,36 +209,100 @@ def describe_tls_failure(e: BaseException, url: str) -> str:
     )
 
 
-def bind_addresses(
-    hostname: str | None, bind: str | None
-) -> tuple[list[tuple[socket.AddressFamily, str]], bool]:
-    """Where a checkpoint server listens, most preferred first, and whether that was set
-    explicitly (``bind`` or the variable) rather than derived from the host name.
+#: Bind addresses that listen on every interface.
+WILDCARDS = ("::", "0.0.0.0")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a checkpoint server listens and the host receivers are told to fetch from.
+
+    Attributes:
+        listen: (family, address) to listen on, most preferred first.
+        advertise: the host receivers dial; None when the server listens everywhere and no
+            host was chosen (the transport then finds one it is reachable under).
+        interface: the heal interface in force (``TORCHFT_HEAL_IFNAME`` and its defaults),
+            None when none is.
+    """
+
+    listen: list[tuple[socket.AddressFamily, str]]
+    advertise: str | None
+    interface: InterfaceAddress | None = None
+
+
+def endpoint(hostname: str | None, bind: str | None) -> Endpoint:
+    """Where a checkpoint server listens and what it advertises. First match wins:
+
+    1. ``hostname`` given: advertised; listen on ``bind`` (else ``TORCHFT_CHECKPOINT_BIND``),
+       else on its addresses. The interface variables are not read.
+    2. A specific bind address (``bind``/``TORCHFT_CHECKPOINT_BIND``, not ``::``/``0.0.0.0``):
+       listened on and advertised. An explicit ``TORCHFT_HEAL_IFNAME`` must own it;
+       ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` are not read.
+    3. The heal interface (``TORCHFT_HEAL_IFNAME``, else the first of ``GLOO_SOCKET_IFNAME``,
+       else of ``NCCL_SOCKET_IFNAME``): its address (IPv4, else global IPv6) is advertised
+       and listened on, or every interface when the bind address is ``::``/``0.0.0.0``.
+    4. A wildcard bind address: listen everywhere, advertise a name found reachable.
+    5. Otherwise this machine's host name: advertised, listened on at its addresses.
 
     Args:
-        hostname: the host name peers are told to fetch from (default: this machine's).
-        bind: an explicit address (``"::"`` or ``"0.0.0.0"`` for every interface); default
-            env ``TORCHFT_CHECKPOINT_BIND``, else the addresses ``hostname`` resolves to.
+        hostname: the host name peers are told to fetch from (None: not given).
+        bind: an explicit listen address; default env ``TORCHFT_CHECKPOINT_BIND``.
 
     Raises:
-        ValueError: ``hostname`` does not resolve.
+        ValueError: the host name does not resolve; the interface does not exist or has no
+            address; ``TORCHFT_HEAL_IFNAME`` does not own the specific bind address.
     """
     bind = bind if bind is not None else config.checkpoint_bind()
+    explicit: list[tuple[socket.AddressFamily, str]] | None = None
     if bind is not None:
         host = bind.strip("[]")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return [(family, host)], True
-    name = hostname or socket.gethostname()
+        explicit = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+    if hostname:
+        return Endpoint(explicit or _resolve_listen(hostname), hostname)
+    specific = explicit is not None and explicit[0][1] not in WILDCARDS
+    setting = config.heal_ifname()
+    if setting is not None and (not specific or setting.variable == "TORCHFT_HEAL_IFNAME"):
+        iface = _interface.resolve(setting)
+        if explicit is not None and specific:
+            if not any(_same_ip(explicit[0][1], a) for a in iface.addresses):
+                raise ValueError(
+                    f"{setting.describe()} and checkpoint bind address {bind!r} (bind= or "
+                    f"{BIND_ENV}) disagree: it is not an address of {iface.interface} "
+                    f"({', '.join(iface.addresses)}); set one of them, or bind '::'"
+                )
+            return Endpoint(explicit, explicit[0][1], iface)
+        return Endpoint(explicit or [(iface.family, iface.address)], iface.address, iface)
+    if explicit is not None:
+        return Endpoint(explicit, explicit[0][1] if specific else None)
+    name = socket.gethostname()
+    return Endpoint(_resolve_listen(name), name)
+
+
+def _same_ip(a: str, b: str) -> bool:
+    """Whether two addresses are the same (``fd00:0::2`` is ``fd00::2``)."""
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+
+
+def _resolve_listen(name: str) -> list[tuple[socket.AddressFamily, str]]:
+    """The addresses host ``name`` resolves to, to listen on (first preferred).
+
+    Raises:
+        ValueError: ``name`` does not resolve.
+    """
     try:
         infos = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)
     except OSError as e:
         raise ValueError(
             f"cannot resolve the advertised host name {name!r} to listen on: {e}; pass "
-            f"bind= or set {BIND_ENV} (e.g. '::' for every interface)"
+            f"bind= or set {BIND_ENV} (e.g. '::' for every interface), or name the network "
+            "interface heals use with TORCHFT_HEAL_IFNAME"
         ) from e
     out: list[tuple[socket.AddressFamily, str]] = []
     for family, _, _, _, addr in infos:
         entry = (socket.AddressFamily(family), str(addr[0]))
         if entry not in out:
             out.append(entry)
-    return out, False
+    return out

@@ -11,9 +11,10 @@ Two paths carry the tensor bytes:
 - **HTTP** (TLS links, peers without a data port, ``native=False``): the stdlib server
   below streams the same frames over HTTP(S).
 
-The sender runs a small threaded HTTP server (stdlib) listening on the address of the host
-name the manager advertises (see :mod:`torchft.checkpointing._security` for binding, the
-shared-secret token and TLS, which every request goes through). Between
+The sender runs a small threaded HTTP server (stdlib) listening on one address: that of the
+heal interface (``TORCHFT_HEAL_IFNAME``, else gloo's or NCCL's interface variable), else that
+of the host name the manager advertises (see :mod:`torchft.checkpointing._security` for
+binding, the shared-secret token and TLS, which every request goes through). Between
 ``send_checkpoint(step)`` and ``disallow_checkpoint()`` it serves the state of that step,
 encoded by :mod:`torchft.checkpointing._serialization` (JSON header + raw tensor bytes with
 CRCs, never pickle). Receivers stream the body straight into tensor memory, either as one
@@ -58,10 +59,11 @@ from torchft import _torchft
 from torchft.checkpointing import _serialization as ser
 from torchft.checkpointing._security import (
     CheckpointAuthError,
+    Endpoint,
     TransportSecurity,
     accept_connection,
-    bind_addresses,
     describe_tls_failure,
+    endpoint,
 )
 from torchft.checkpointing.transport import CheckpointTransport, _timeout_from_env
 
@@ -257,13 +259,10 @@ def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _listen(
-    transport: HTTPTransport, hostname: str | None, bind: str | None, tls: ssl.SSLContext | None
-) -> _Server:
-    """Binds the checkpoint server on the first usable address (see ``bind_addresses``)."""
+def _listen(transport: HTTPTransport, where: Endpoint, tls: ssl.SSLContext | None) -> _Server:
+    """Binds the checkpoint server on the first usable address of ``where.listen``."""
     errors = []
-    addresses, _ = bind_addresses(hostname, bind)
-    for family, host in addresses:
+    for family, host in where.listen:
         try:
             return _Server(transport, family, host, tls)
         except OSError as e:
@@ -331,10 +330,16 @@ class HTTPTransport(CheckpointTransport[T]):
             served only while the number is the one it had when offered, so a receive
             never gets some tensors from before a write and others from after it: it
             fails instead (and the heal is retried).
-        hostname: the host name receivers fetch from (the Manager passes the one it
-            advertises; default: this machine's). The server listens on its addresses only.
+        hostname: the host name receivers fetch from (the Manager passes the one it was
+            given). The server listens on its addresses only. Default: the address of the
+            heal interface (env ``TORCHFT_HEAL_IFNAME``, else the first interface of
+            ``GLOO_SOCKET_IFNAME``, else of ``NCCL_SOCKET_IFNAME``), which the server then
+            listens on; without one, this machine's host name. A given ``hostname`` wins
+            over the interface variables (they are then not read).
         bind: listen here instead (``"::"`` or ``"0.0.0.0"`` for every interface); default
-            env ``TORCHFT_CHECKPOINT_BIND``.
+            env ``TORCHFT_CHECKPOINT_BIND``. A specific address is also what receivers are
+            told (unless ``hostname`` is given) and wins over gloo's and NCCL's interface
+            variables; ``TORCHFT_HEAL_IFNAME``, when set, must own it.
         security: token and TLS settings (default: from ``TORCHFT_TOKEN_FILE`` /
             ``TORCHFT_TOKEN`` / ``TORCHFT_TLS_*``, as the manager server reads them).
         native: serve and fetch tensor bytes over the native data path when the link is
@@ -381,7 +386,10 @@ class HTTPTransport(CheckpointTransport[T]):
         self._receiving: list[_Receiving] = []
         self._recv_lock = threading.Lock()
 
-        self._server = _listen(self, hostname, bind, self._security.server_context())
+        # Resolved before anything listens: a bad host name or interface fails here, with
+        # no server started.
+        where = endpoint(hostname, bind)
+        self._server = _listen(self, where, self._security.server_context())
         self._port = int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -406,21 +414,21 @@ class HTTPTransport(CheckpointTransport[T]):
                     "native checkpoint data server unavailable, serving over HTTP: %s", e
                 )
         try:
-            bound = str(self._server.server_address[0])
-            if hostname:
-                self._host = hostname
-            elif bound in ("::", "0.0.0.0"):
-                self._host = _reachable_host(
-                    self._port, socket.AddressFamily(self._server.address_family)
-                )
-            elif bind_addresses(None, bind)[1]:
-                self._host = bound  # an explicit address: peers dial exactly it
-            else:
-                self._host = socket.gethostname()
+            self._host = where.advertise or _reachable_host(
+                self._port, socket.AddressFamily(self._server.address_family)
+            )
         except Exception:
             self.shutdown(wait=False)
             raise
-        logger.info("checkpoint server listening at %s", self.metadata())
+        if where.interface is not None:
+            logger.info(
+                "checkpoint server listening at %s (interface %s, %s)",
+                self.metadata(),
+                where.interface.interface,
+                where.interface.setting.describe(),
+            )
+        else:
+            logger.info("checkpoint server listening at %s", self.metadata())
 
     # ------------------------------------------------------------------ sender side
 
