@@ -323,6 +323,12 @@ class ManagerConfig:
     store_port: int = _setting(
         STORE_PORT, env="MASTER_PORT", help="port of the replica group's TCPStore", required=True
     )
+    restart_count: int = _setting(
+        COUNT,
+        0,
+        env="TORCHELASTIC_RESTART_COUNT",
+        help="times torchrun's agent restarted this worker (names the group's store entries)",
+    )
     lighthouse_addr: str = _setting(
         TEXT, env="TORCHFT_LIGHTHOUSE", help="lighthouse address (http://host:port)", required=True
     )
@@ -534,6 +540,13 @@ def env_value(name: str, env: Mapping[str, str] | None = None) -> Any | None:
         ValueError: naming the variable, when its value is invalid.
     """
     return ENV_VARS[name].read(os.environ if env is None else env)
+
+
+def adopt_environment(env: Mapping[str, str]) -> None:
+    """Replaces this process's whole environment with ``env`` (a warm standby taking the
+    identity of the process it replaces); every setting read afterwards sees ``env``."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def checkpoint_bind(env: Mapping[str, str] | None = None) -> str | None:

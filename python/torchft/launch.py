@@ -253,9 +253,10 @@ class Launcher:
         self._stopping = False
         self.standby = standby
         # Spares carry the launch marker, so shutdown finds them like any other process.
-        self.pool = StandbyPool(
-            standby, preload, env=dict(os.environ, **self.extra_env, **{MARKER_ENV: self.marker})
-        )
+        spare_env = dict(os.environ)
+        spare_env.update(self.extra_env)
+        spare_env[MARKER_ENV] = self.marker
+        self.pool = StandbyPool(standby, preload, env=spare_env)
 
     @staticmethod
     def _print_line(group: int, line: str) -> None:

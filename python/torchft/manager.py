@@ -32,7 +32,6 @@ import atexit
 import contextlib
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -636,8 +635,7 @@ class Manager:
         base_id = cfg.replica_id if cfg.replica_id is not None else ""
         # torchrun restarts dead workers inside its agent, whose store keeps what the dead
         # incarnation wrote: the key names the restart, so no rank reads a dead address.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        key = f"torchft/manager/{base_id}/{restart}/addr"
+        key = f"torchft/manager/{base_id}/{cfg.restart_count}/addr"
         try:
             if self._group_rank == 0:
                 full_id = f"{base_id}:{uuid.uuid4()}" if base_id else str(uuid.uuid4())

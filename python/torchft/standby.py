@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchft.config import adopt_environment
+
 logger = logging.getLogger(__name__)
 
 #: The line a spare writes once it is warm.
@@ -142,12 +144,12 @@ def _become(msg: dict[str, Any]) -> None:
     import torch
 
     env: dict[str, str] = msg["env"]
+    own = dict(os.environ)
     threads = env.get("OMP_NUM_THREADS")
-    if threads and threads != os.environ.get("OMP_NUM_THREADS") and threads.isdigit():
+    if threads and threads != own.get("OMP_NUM_THREADS") and threads.isdigit():
         # The warm-up sized torch's intra-op pool from the spare's own environment.
         torch.set_num_threads(max(1, int(threads)))
-    os.environ.clear()
-    os.environ.update(env)
+    adopt_environment(env)
     cwd = msg.get("cwd")
     if cwd:
         os.chdir(cwd)
@@ -238,7 +240,7 @@ class StandbyPool:
             raise ValueError(f"--standby must be >= 0, got {size}")
         self.size = size
         self.preload = _check_modules(preload)
-        self.env = dict(os.environ if env is None else env)
+        self.env = dict(os.environ) if env is None else dict(env)
         self.python = python or sys.executable
         self._lock = threading.Lock()
         self._spares: list[Spare] = []

@@ -169,7 +169,9 @@ class Chaos:
         self._hung_until: dict[str, float] = {}
         #: The run's best step when the last bit flip was injected (one flip at a time).
         self._flip_step: int | None = None
-        self.pool = StandbyPool(cfg.standby, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        spare_env = dict(os.environ)
+        spare_env["OMP_NUM_THREADS"] = "1"  # as the workers' own (see _start_group)
+        self.pool = StandbyPool(cfg.standby, env=spare_env)
 
     # ---- processes ---------------------------------------------------------------------
 
