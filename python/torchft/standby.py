@@ -136,7 +136,8 @@ def _read_promotion() -> dict[str, Any] | None:
             flush=True,
         )
         sys.exit(BAD_PROMOTION)
-    return msg
+    checked: dict[str, Any] = msg
+    return checked
 
 
 def _become(msg: dict[str, Any]) -> None:
