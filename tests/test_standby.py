@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from torchft.launch import Launcher, _pids_with_marker
-from torchft.standby import StandbyPool
+from torchft.standby import StandbyError, StandbyPool
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -114,6 +114,21 @@ def test_pool_output_file_and_bad_promotion(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 4
         assert "missing.py" in out and "does not exist" in out
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_pool_gives_up_when_spares_keep_dying_before_ready() -> None:
+    """Spares that cannot start (here: an interpreter that exits at once) are respawned a
+    few times, then the pool stops and says why instead of churning forever."""
+    pool = StandbyPool(1, python="/bin/false")
+    pool.start()
+    try:
+        with pytest.raises(StandbyError, match="5 standby processes in a row died"):
+            pool.wait_ready(50)
+        assert pool.pids() == []
+        assert pool.take() is None
     finally:
         pool.close()
 

@@ -56,6 +56,9 @@ PRELOAD_FAILED = 3
 #: Exit status of a spare given a promotion it cannot run (bad JSON, missing script).
 BAD_PROMOTION = 4
 
+#: Spares dying before they are ready, in a row, after which the pool gives up.
+MAX_EARLY_DEATHS = 5
+
 #: Modules every spare imports (what a training process would import before its first
 #: step: torch imports ``torch._dynamo`` on the first optimizer and DDP construction).
 WARM_MODULES = (
@@ -251,6 +254,9 @@ class StandbyPool:
         self._monitor: threading.Thread | None = None
         self.promoted = 0
         self.replaced = 0
+        # Spares that died before they were ready, in a row: past MAX_EARLY_DEATHS the pool
+        # stops respawning (a machine that cannot start one would churn forever).
+        self._early_deaths = 0
 
     # ---- lifecycle
 
@@ -412,9 +418,19 @@ class StandbyPool:
                         continue
                     self._spares.remove(s)
                     text = "".join(s.output).strip()
-                    if not s.ready.is_set() and code in (PRELOAD_FAILED, 2):
+                    early = not s.ready.is_set()
+                    self._early_deaths = self._early_deaths + 1 if early else 0
+                    if early and (
+                        code in (PRELOAD_FAILED, 2) or self._early_deaths >= MAX_EARLY_DEATHS
+                    ):
                         # Every new spare would fail the same way: stop and say why.
                         self._failed = text or f"standby process exited with {code}"
+                        if code not in (PRELOAD_FAILED, 2):
+                            self._failed = (
+                                f"{self._early_deaths} standby processes in a row died before "
+                                f"they were ready (the last exited with {code}): "
+                                + self._failed[-500:]
+                            )
                         logger.error("standby processes cannot start: %s", self._failed)
                         continue
                     if self._failed is None:
