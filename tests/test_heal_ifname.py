@@ -352,6 +352,11 @@ def test_manager_refuses_an_unknown_interface_before_starting_anything(
     with pytest.raises(Exception) as err:
         Manager(**args, hostname="localhost")
     assert "no-such-if0" not in str(err.value)
+    # ... and the checkpoint server it had started is gone again with the failed store.
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in set(threading.enumerate()) - before]
 
 
 # ----------------------------------------------------------------------------- heals

@@ -625,18 +625,20 @@ class Manager:
         # ---- store, manager server, client ----
         self._store_addr = cfg.store_addr
         self._store_port = cfg.store_port
-        self._store = TCPStore(
-            host_name=cfg.store_addr,
-            port=cfg.store_port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=cfg.connect_timeout,
-        )
         base_id = cfg.replica_id if cfg.replica_id is not None else ""
         # torchrun restarts dead workers inside its agent, whose store keeps what the dead
         # incarnation wrote: the key names the restart, so no rank reads a dead address.
         key = f"torchft/manager/{base_id}/{cfg.restart_count}/addr"
         try:
+            # Inside the try: a store that cannot be reached must not leave the checkpoint
+            # server (started above) serving.
+            self._store = TCPStore(
+                host_name=cfg.store_addr,
+                port=cfg.store_port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=cfg.connect_timeout,
+            )
             if self._group_rank == 0:
                 full_id = f"{base_id}:{uuid.uuid4()}" if base_id else str(uuid.uuid4())
                 self._manager = _torchft.ManagerServer(
