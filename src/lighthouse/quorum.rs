@@ -728,6 +728,9 @@ impl QuorumEngine {
     }
 
     fn touch(&mut self, replica_id: &str, now: Instant) -> &mut HeartbeatRecord {
+        if !self.heartbeats.contains_key(replica_id) {
+            self.forget_superseded(replica_id);
+        }
         let healthy = &mut self.healthy;
         let rec = self
             .heartbeats
@@ -742,6 +745,38 @@ impl QuorumEngine {
             *healthy += 1;
         }
         rec
+    }
+
+    /// A replica group runs one incarnation at a time (`{name}:{uuid}`): once a new one of
+    /// `replica_id`'s group is heard, the group's incarnations remembered only from a
+    /// previous life of the lighthouse (not heard in this one) are gone for good. Nobody
+    /// waits for them: a lighthouse restarted more often than `progress_wait` would
+    /// otherwise wait for a dead incarnation forever.
+    fn forget_superseded(&mut self, replica_id: &str) {
+        let base = crate::telemetry::base_id(replica_id);
+        if base == replica_id {
+            return; // no incarnation suffix: nothing to tell incarnations apart by
+        }
+        let mut gone = Vec::new();
+        for (id, rec) in &self.heartbeats {
+            if rec.restored_until.is_some()
+                && !rec.heard
+                && !rec.session
+                && crate::telemetry::base_id(id) == base
+            {
+                gone.push(id.clone());
+            }
+        }
+        for id in gone {
+            if let Some(rec) = self.heartbeats.remove(&id) {
+                if rec.counted {
+                    self.healthy = self.healthy.saturating_sub(1);
+                }
+                self.hang.forget(&id);
+                self.waived.remove(&id);
+                self.durable_revision += 1;
+            }
+        }
     }
 
     /// Notes that `replica_id` (alive at `now`) committed `step`, raising the best step known
@@ -3562,6 +3597,53 @@ mod tests {
         let r = e.take_regressions();
         assert_eq!(r.len(), 1, "101 is lost with its holder, 100 is not");
         assert_eq!((r[0].from_step, r[0].to_step), (101, 100));
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_does_not_wait_for_an_incarnation_its_group_replaced() {
+        // g1's old incarnation held 1411 (remembered by the state file); its group now runs
+        // a new incarnation at step 0. Waiting for the old one (progress_wait after every
+        // restart of the lighthouse) would stall the job for as long as the lighthouse keeps
+        // being restarted: the regression is decided at once, as every holder is gone.
+        const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
+        const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
+        const G0: &str = "g0:33333333-3333-3333-3333-333333333333";
+        let d = Durable {
+            quorum_id: Some(40),
+            members: vec![OLD.into()],
+            best_step: Some(1411),
+            holders: vec![OLD.into()],
+            others: vec![],
+        };
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
+        // A plain id shares no group with it: still remembered.
+        e.heartbeat("g1", t0).unwrap();
+        assert!(e.durable().holders.contains(&OLD.to_string()));
+        let mut t = t0 + Duration::from_secs(6); // past the startup hold
+        e.join(at(NEW, 0), t).unwrap();
+        e.join(at(G0, 0), t).unwrap();
+        assert!(!e.durable().holders.contains(&OLD.to_string()));
+        let q = loop {
+            if let Some(q) = e.tick(t) {
+                break q;
+            }
+            t += Duration::from_millis(100);
+            assert!(
+                t < t0 + progress_opts().progress_wait,
+                "waited for the replaced one"
+            );
+            e.heartbeat(NEW, t).unwrap();
+            e.heartbeat(G0, t).unwrap();
+        };
+        assert_eq!(ids(&q), [G0, NEW]);
+        let r = e.take_regressions();
+        assert_eq!(r.len(), 1);
+        assert_eq!((r[0].from_step, r[0].to_step), (1411, 0));
+        assert!(
+            r[0].alive_holders.is_empty(),
+            "the replaced incarnation is not alive"
+        );
     }
 
     #[test]
