@@ -126,6 +126,79 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     assert len(rep.regressions) == 1
 
 
+def test_checker_flags_a_process_whose_own_progress_goes_back(tmp_path: Path) -> None:
+    """A process that commits a step it already committed (same state, so no fork) is a
+    violation: its progress went back, though nobody else holds another state."""
+    p1 = 10**6 + 300  # a pid that is surely not running here
+    _write(
+        tmp_path / "a.history.jsonl",
+        [
+            _commit("a", p1, 1, 10, "s1", 1.0),
+            _commit("a", p1, 2, 10, "s2", 2.0),
+            _commit("a", p1, 2, 11, "s2", 3.0),
+            {"kind": "finish", "group": "a", "pid": p1, "step": 2, "state": "s2", "t": 9.0},
+        ],
+    )
+    _write(
+        tmp_path / "processes.jsonl",
+        [
+            {"kind": "start", "group": "a", "pid": p1, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": p1, "rc": 0, "killed": False, "t": 10.0},
+        ],
+    )
+    rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
+    assert rep.violations == [
+        f"a (pid {p1}) committed step 2 after its own commit of step 2: a process's "
+        "progress went back"
+    ]
+
+
+def test_checker_judges_a_fork_inside_a_reported_regression_on_its_own(tmp_path: Path) -> None:
+    """After an unavoidable regression over steps 2..3 (their holder died), a third state of
+    step 3 committed while the holder of the second one lives is still a violation."""
+    p1, p2, p3 = 10**6 + 310, 10**6 + 311, 10**6 + 312  # pids surely not running here
+    _write(
+        tmp_path / "a.history.jsonl",
+        [
+            _commit("a", p1, 1, 10, "s1", 1.0),
+            _commit("a", p1, 2, 10, "s2", 2.0),
+            _commit("a", p1, 3, 10, "s3", 3.0),
+        ],
+    )
+    _write(
+        tmp_path / "b.history.jsonl",
+        [
+            _commit("b", p2, 2, 11, "x2", 4.0),
+            _commit("b", p2, 3, 11, "x3", 5.0),
+            {"kind": "finish", "group": "b", "pid": p2, "step": 3, "state": "x3", "t": 9.0},
+        ],
+    )
+    _write(
+        tmp_path / "c.history.jsonl",
+        [
+            _commit("c", p3, 3, 12, "y3", 6.0),
+            {"kind": "finish", "group": "c", "pid": p3, "step": 3, "state": "x3", "t": 9.0},
+        ],
+    )
+    _write(
+        tmp_path / "processes.jsonl",
+        [
+            {"kind": "start", "group": "a", "pid": p1, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": p1, "rc": -9, "killed": True, "t": 3.5},
+            {"kind": "start", "group": "b", "pid": p2, "t": 3.6},
+            {"kind": "start", "group": "c", "pid": p3, "t": 3.6},
+            {"kind": "exit", "group": "b", "pid": p2, "rc": 0, "killed": False, "t": 10.0},
+            {"kind": "exit", "group": "c", "pid": p3, "rc": 0, "killed": False, "t": 10.0},
+        ],
+    )
+    rep = check(tmp_path, target=3, min_replicas=1, groups=["b", "c"])
+    assert len(rep.regressions) == 1 and rep.steps_lost == 2
+    assert rep.violations == [
+        f"progress regressed: c (pid {p3}, quorum 12) committed step 3 with a new state "
+        f"while pids [{p2}] holding step >= 3 (best 3) were alive"
+    ]
+
+
 def test_report_splits_recoveries_into_phases_and_isolated_or_overlapped(tmp_path: Path) -> None:
     """Each kill's recovery carries its own restart delay, the worker's phases and the excess
     over the floors; a kill whose window meets another fault's is overlapped, a restart

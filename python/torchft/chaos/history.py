@@ -402,6 +402,11 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         excuses it as above;
       * no commit with fewer than ``min_replicas`` participants;
       * quorum ids strictly increase over time, and per process never go back;
+      * per process, committed steps strictly increase (a process never re-commits a step
+        it committed, nor one below it);
+      * every fork (a step committed with another state than before) is judged on its own:
+        one inside the step range of a regression already reported still needs every
+        holder of the newer state dead;
       * every group finishes at ``target`` with one state;
       * no process is left running, none exited on its own with an unexpected code: exit
         76 only after an injected hang, exit 77 only within a bit flip's window.
@@ -475,7 +480,13 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         step, state = c["step"], c["state"]
         first = first_state.setdefault(step, state)
         holder_q = first_q.setdefault(step, c["quorum_id"])
-        if first != state and not any(lo <= step <= hi for lo, hi in covered):
+        own = last_step.get(c["pid"])
+        if own is not None and step <= own:
+            rep.violations.append(
+                f"{c['group']} (pid {c['pid']}) committed step {step} after its own commit of "
+                f"step {own}: a process's progress went back"
+            )
+        if first != state:
             ahead = sorted(
                 pid
                 for pid, s in last_step.items()
@@ -484,22 +495,23 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             # A second state in the same quorum that bit flips explain (the quorum rule
             # above) is not a regression of progress.
             flipped = c["quorum_id"] == holder_q and carriers.excuse(by_q[(holder_q, step)], step)
-            if not (ahead and flipped):
-                best = max(last_step.values(), default=step)
+            best = max(last_step.values(), default=step)
+            if ahead and not flipped:
+                rep.violations.append(
+                    f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
+                    f"{c['quorum_id']}) committed step {step} with a new state while pids "
+                    f"{ahead} holding step >= {step} (best {best}) were alive"
+                )
+            elif not ahead and not any(lo <= step <= hi for lo, hi in covered):
+                # One regression re-commits a range of steps: reported (and its steps lost
+                # counted) once, at its first step.
                 covered.append((step, best))
                 lost = max(best - step + 1, 0)
-                if ahead:
-                    rep.violations.append(
-                        f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
-                        f"{c['quorum_id']}) committed step {step} with a new state while pids "
-                        f"{ahead} holding step >= {step} (best {best}) were alive"
-                    )
-                else:
-                    rep.steps_lost += lost
-                    rep.regressions.append(
-                        f"step {step} re-committed by {c['group']} after every holder of it "
-                        f"died (best step then {best}: {lost} steps lost)"
-                    )
+                rep.steps_lost += lost
+                rep.regressions.append(
+                    f"step {step} re-committed by {c['group']} after every holder of it "
+                    f"died (best step then {best}: {lost} steps lost)"
+                )
         last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
 
     for c in commits:
