@@ -296,6 +296,36 @@ def test_a_group_counts_as_a_holder_only_once_it_committed(tmp_path: Path) -> No
         chaos._faults.close()
 
 
+def test_kill_in_commit_is_recorded_only_when_the_commit_phase_was_seen(tmp_path: Path) -> None:
+    """A worker not seen in its commit phase within the injector's second is killed all the
+    same, but recorded as the plain kill it was (the report counted it as a kill in commit)."""
+    from types import SimpleNamespace
+
+    chaos = Chaos(ChaosConfig(seed=1, faults=1, floor_runs=0), tmp_path / "run")
+    killed: list[str] = []
+    try:
+        chaos._running = lambda: ["g0", "g1"]  # type: ignore[method-assign]
+        chaos._committed = lambda g: True  # type: ignore[method-assign]
+        chaos._kill = killed.append  # type: ignore[method-assign]
+        for g in ("g0", "g1"):
+            phase = tmp_path / f"{g}.phase"
+            phase.write_bytes(b"f")  # in its forward pass, never reaching the vote
+            chaos.procs[g] = SimpleNamespace(phase=phase)  # type: ignore[assignment]
+        assert chaos._fault_kill_in_commit() is not None
+        for g in ("g0", "g1"):
+            (tmp_path / f"{g}.phase").write_bytes(b"c")
+        assert chaos._fault_kill_in_commit() is not None
+    finally:
+        chaos._records.close()
+        chaos._faults.close()
+    faults = [
+        json.loads(line)["fault"]
+        for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()
+    ]
+    assert faults == ["kill_one", "kill_in_commit"]
+    assert len(killed) == 2
+
+
 def test_an_asked_restart_is_counted_and_a_crash_is_a_violation(tmp_path: Path) -> None:
     """A worker whose Manager raised TornStateError exits with RESTART_EXIT: the harness
     restarts it as a supervisor would and the check counts it apart; any other non-zero exit
