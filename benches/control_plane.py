@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -177,8 +178,9 @@ def bench_lighthouse_rpc(steps: int, warmup: int) -> list[float]:
         lighthouse.shutdown()
 
 
-def main() -> None:
-    """Runs both measurements and prints a comparison (or JSON with ``--json``)."""
+def main() -> int:
+    """Runs both measurements and prints a comparison (or JSON with ``--json``); exits 1
+    when the manager step's median misses its target."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
@@ -203,9 +205,10 @@ def main() -> None:
     median = summary["manager step (_quorum + should_commit)"]["median_ms"]
     floor = summary["lighthouse quorum RPC alone"]["median_ms"]
     secure_median = summary["manager step, token + mutual TLS"]["median_ms"]
+    met = median <= TARGET_MEDIAN_MS
     if args.json:
-        print(json.dumps({"steps": args.steps, "results": summary}, indent=2))
-        return
+        print(json.dumps({"steps": args.steps, "results": summary, "target_met": met}, indent=2))
+        return 0 if met else 1
     print(f"control plane per step, {args.steps} steps (after {args.warmup} warm-up)")
     print(f"{'':42s} {'median ms':>10s} {'p90 ms':>8s} {'p99 ms':>8s}")
     for name, s in summary.items():
@@ -213,13 +216,14 @@ def main() -> None:
     print(
         f"manager step / bare lighthouse RPC: {median / floor:.2f}x; "
         f"target median <= {TARGET_MEDIAN_MS} ms (reference {REFERENCE_MEDIAN_MS} ms): "
-        f"{'met' if median <= TARGET_MEDIAN_MS else 'NOT met'}"
+        f"{'met' if met else 'NOT met'}"
     )
     print(
         f"token + mutual TLS / plain manager step: {secure_median / median:.2f}x "
         f"(+{secure_median - median:.3f} ms per step)"
     )
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
