@@ -69,7 +69,7 @@ chaos: develop
 		--lighthouse-bin target/release/torchft_lighthouse $(if $(SEED),--seed $(SEED)) \
 		$(if $(JITTER),--jitter $(JITTER)) $(if $(STANDBY),--standby $(STANDBY))
 
-test: test-rust test-python
+test: test-rust test-python test-integrations
 
 test-rust:
 	cargo test --all-targets -q
