@@ -92,8 +92,8 @@ test-python: develop browser upstream
 	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
 	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
-# Runs torchft under the engines users launch it with (Ray Train), installing them first.
-# Slower than `make test` (a Ray cluster starts); CI runs it too.
+# Runs torchft under the engines users launch it with (Ray Train), installing them first
+# (part of `make test`; a Ray cluster starts, so it is the slowest part).
 test-integrations: develop
 	$(PY) -m pip install -q "$(INTEGRATION_DEPS)"
 	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
