@@ -2,7 +2,9 @@
 //! hold the previous quorum, old-style clients that do not, and a scripted lighthouse whose
 //! compact replies cannot be expanded.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,16 +20,9 @@ use torchft::proto::{
     LighthouseQuorumResponse, Quorum, QuorumMember, SessionEvent, SessionRequest,
 };
 
-const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 const ASK: Duration = Duration::from_secs(10);
 
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
-
 fn member(id: &str, step: i64) -> QuorumMember {
     QuorumMember {
         replica_id: id.to_string(),

@@ -1,18 +1,14 @@
 //! HTTP pages of a real lighthouse: health, readiness, status JSON, metrics, events, the
 //! dashboard, and bad requests.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
 use torchft::proto::QuorumMember;
-
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(Duration::from_secs(60), f)
-        .await
-        .expect("test timed out");
-}
 
 async fn start(min: u64) -> LighthouseServer {
     let o = LighthouseOptions {

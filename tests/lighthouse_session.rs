@@ -10,7 +10,10 @@
 //! The SIGKILL test re-runs this test binary as a child process acting as a manager (the
 //! `child_manager` test, which does nothing unless the parent sets its environment).
 
-use std::future::Future;
+mod common;
+use common::bounded;
+use common::TEST_TIMEOUT;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,7 +21,6 @@ use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer}
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
 use torchft::proto::{LostEvent, ManagerQuorumRequest, Quorum, QuorumMember, SessionEvent};
 
-const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 const CONNECT: Duration = Duration::from_secs(5);
 /// Long enough that anything faster than it was not decided by heartbeat expiry.
 const SLOW_HEARTBEAT: Duration = Duration::from_secs(5);
@@ -28,12 +30,6 @@ const CHILD_ADDR_ENV: &str = "TORCHFT_TEST_CHILD_LIGHTHOUSE";
 const CHILD_ID_ENV: &str = "TORCHFT_TEST_CHILD_REPLICA";
 
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
-
 fn opts(heartbeat_timeout: Duration) -> LighthouseOptions {
     LighthouseOptions {
         min_replicas: 1,

@@ -1,21 +1,16 @@
 //! Wire tests: a real lighthouse on 127.0.0.1:0 and real gRPC/HTTP clients.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+use common::TEST_TIMEOUT;
+
 use std::time::Duration;
 
 use torchft::error::Error;
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
 use torchft::proto::{Quorum, QuorumMember};
 
-const TEST_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
-
 fn opts(min_replicas: u64, join_timeout_ms: u64) -> LighthouseOptions {
     LighthouseOptions {
         min_replicas,

@@ -1,6 +1,8 @@
 //! The manager against scripted lighthouses: what it sends, how often, retries, heartbeats.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,14 +17,6 @@ use torchft::proto::{
     LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, SessionEvent,
     SessionRequest, TelemetryAck, TelemetryBatch, TelemetryReport,
 };
-
-const TEST_TIMEOUT: Duration = Duration::from_secs(30);
-
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
 
 /// A lighthouse whose heartbeat handler records the arrival and then hangs for a long time.
 #[derive(Clone, Default)]

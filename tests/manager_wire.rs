@@ -1,6 +1,8 @@
 //! Wire tests: a real lighthouse and real manager servers on 127.0.0.1:0, real gRPC clients.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+
 use std::time::{Duration, Instant};
 
 use torchft::error::Error;
@@ -8,17 +10,10 @@ use torchft::lighthouse::{LighthouseOptions, LighthouseServer};
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
 use torchft::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
 
-const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 const CONNECT: Duration = Duration::from_secs(5);
 const LONG: Duration = Duration::from_secs(10);
 
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
-
 async fn lighthouse(min_replicas: u64) -> LighthouseServer {
     lighthouse_on("127.0.0.1:0", min_replicas).await
 }

@@ -2,7 +2,9 @@
 //! 127.0.0.1:0, real clients; every RPC and route without token, with a wrong one and with the
 //! right one; TLS on, off and mismatched; request size limits.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -14,17 +16,10 @@ use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
 use torchft::proto::{ManagerQuorumRequest, QuorumMember, TelemetryBatch};
 use torchft::security::{Security, TlsFiles, Token};
 
-const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 const CONNECT: Duration = Duration::from_secs(5);
 const CALL: Duration = Duration::from_secs(5);
 
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
-
 fn cert(name: &str) -> Option<PathBuf> {
     Some(
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))

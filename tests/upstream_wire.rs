@@ -6,7 +6,9 @@
 //! last ones run an upstream-style client — the upstream messages only, so no compact replies
 //! are asked for — against a real lighthouse on 127.0.0.1:0, alone and next to our client.
 
-use std::future::Future;
+mod common;
+use common::bounded;
+
 use std::time::Duration;
 
 use prost::Message;
@@ -148,16 +150,9 @@ mod upstream {
     }
 }
 
-const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 const ASK: Duration = Duration::from_secs(10);
 
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
-async fn bounded<F: Future<Output = ()>>(f: F) {
-    tokio::time::timeout(TEST_TIMEOUT, f)
-        .await
-        .expect("test timed out");
-}
-
 /// Encodes `msg` with one side's type and decodes it with the other's.
 fn cross<A: Message, B: Message + Default>(msg: &A) -> B {
     B::decode(msg.encode_to_vec().as_slice()).expect("decodes across the contract")
