@@ -145,19 +145,7 @@ def child_env(
 
 
 def spawn(group: str, store_port: int, lighthouse: str, stop: bool) -> subprocess.Popen[str]:
-    env = dict(
-        os.environ,
-        **{CHILD: "1"},
-        RANK="0",
-        WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store_port),
-        TORCHFT_LIGHTHOUSE=lighthouse,
-        OMP_NUM_THREADS="1",
-        BENCH_GROUP=group,
-        BENCH_STOP_AFTER_COMMIT="1" if stop else "0",
-        TORCHFT_BENCH_T0=repr(time.time()),
-    )
+    env = child_env(group, store_port, lighthouse, stop, time.time())
     return subprocess.Popen([sys.executable, __file__], env=env, stdout=subprocess.PIPE, text=True)
 
 

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_security import listening_addresses
 
 from torchft import Manager, ProcessGroupGloo
 from torchft._torchft import LighthouseServer
@@ -84,22 +84,6 @@ def _global_ipv6() -> tuple[str, str]:
         if v6:
             return name, v6[0]
     pytest.skip("no network interface with a global IPv6 address on this machine")
-
-
-def _listening(port: int) -> list[str]:
-    """Local addresses (hex, as /proc/net/tcp* write them) listening on ``port``."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            host, hex_port = fields[1].split(":")
-            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                found.append(host)
-    return found
 
 
 def _proc_hex_v4(addr: str) -> str:
@@ -207,9 +191,9 @@ def test_naming_loopback_binds_and_advertises_its_address(monkeypatch: pytest.Mo
     with _transport() as t:
         assert _host(t) == "127.0.0.1"
         assert t.metadata() == f"http://127.0.0.1:{t._port}/checkpoint"
-        assert _listening(t._port) == [_proc_hex_v4("127.0.0.1")]
+        assert listening_addresses(t._port) == [_proc_hex_v4("127.0.0.1")]
         assert t._data is not None
-        assert _listening(t._data.port) == [_proc_hex_v4("127.0.0.1")]
+        assert listening_addresses(t._data.port) == [_proc_hex_v4("127.0.0.1")]
 
 
 @pytest.mark.timeout(60)
@@ -220,7 +204,7 @@ def test_naming_another_interface_binds_only_its_address(monkeypatch: pytest.Mon
     monkeypatch.setenv("TORCHFT_HEAL_IFNAME", name)
     with _transport() as t:
         assert _host(t) == addr
-        assert _listening(t._port) == [_proc_hex_v4(addr)]
+        assert listening_addresses(t._port) == [_proc_hex_v4(addr)]
         assert t._data is not None
         for port in (t._port, t._data.port):
             assert _refused("127.0.0.1", port), f"127.0.0.1:{port} accepted a connection"

@@ -9,37 +9,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from test_launch import started, wait_for
 
+from torchft.chaos.history import _alive as alive
 from torchft.launch import Launcher, _pids_with_marker
 from torchft.standby import StandbyError, StandbyPool
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    """Polls ``cond`` until true or fails the test after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not reaped yet) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 SCRIPT = textwrap.dedent(
     """
@@ -202,10 +179,6 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def started(d: Path, group: int) -> list[str]:
-    return sorted(p.name for p in d.glob(f"started_{group}_*"))
 
 
 @pytest.mark.timeout(240)

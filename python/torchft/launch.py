@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchft.config import env_value
-from torchft.standby import StandbyError, StandbyPool
+from torchft.standby import StandbyError, StandbyPool, kill_session
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class Launcher:
         if failed:
             for p in g.ranks:
                 if p.poll() is None:
-                    _kill_session(p)
+                    kill_session(p)
             return failed[0]
         if all(c == 0 for c in codes):
             return 0
@@ -476,7 +476,7 @@ class Launcher:
         g = self.groups[index]
         if self.standby:
             for p in g.ranks:
-                _kill_session(p)
+                kill_session(p)
             g.store = None
             return
         for pid in self.group_pids(index):
@@ -514,7 +514,7 @@ class Launcher:
             try:
                 p.wait(max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_session(p)
+                kill_session(p)
         for pid in _pids_with_marker(self.marker):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -522,18 +522,6 @@ class Launcher:
                 pass
         if self.lighthouse is not None:
             self.lighthouse.stop()
-
-
-def _kill_session(proc: subprocess.Popen[str]) -> None:
-    """SIGKILLs a process started in its own session, with anything it started there."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        logger.error("process %d did not exit after SIGKILL", proc.pid)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

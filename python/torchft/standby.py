@@ -444,7 +444,9 @@ class StandbyPool:
                         self._spares.append(self._spawn())
 
 
-def _kill(proc: subprocess.Popen[str]) -> None:
+def kill_session(proc: subprocess.Popen[str], wait_s: float = 10.0) -> None:
+    """SIGKILLs a process started in its own session, with anything it started there, and
+    reaps it (the launcher's ranks and the pool's spares end this way)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -454,9 +456,14 @@ def _kill(proc: subprocess.Popen[str]) -> None:
             except ProcessLookupError:
                 pass
     try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
-        pass
+        logger.error("process %d did not exit after SIGKILL", proc.pid)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """Ends a spare and closes the pipes the pool holds to it."""
+    kill_session(proc, wait_s=5.0)
     for f in (proc.stdin, proc.stdout):
         if f is not None:
             try:
