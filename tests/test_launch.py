@@ -89,6 +89,12 @@ def test_cli_rejects_bad_arguments(tmp_path: Path) -> None:
         (["--replicas", "0", str(script)], "--replicas must be at least 1"),
         (["--replicas", "2", str(tmp_path / "missing.py")], "does not exist"),
         (["--replicas", "2", "--min-replicas", "3", str(script)], "--min-replicas"),
+        (["--replicas", "2", "--standby", "-1", str(script)], "--standby must be >= 0"),
+        (["--replicas", "2", "--preload", "numpy", str(script)], "--preload needs --standby"),
+        (
+            ["--replicas", "2", "--standby", "1", "--preload", "not a module", str(script)],
+            "module names",
+        ),
     ]:
         r = subprocess.run(
             [sys.executable, "-m", "torchft.launch", *args],

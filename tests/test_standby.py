@@ -91,6 +91,18 @@ def test_pool_output_file_and_bad_promotion(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 4
         assert "missing.py" in out and "does not exist" in out
+
+        # A promotion that is not JSON, or lacks its fields, is refused the same way.
+        for garbage in ("not json\n", '{"argv": []}\n'):
+            pool.wait_ready(90)
+            spare = pool.take()
+            assert spare is not None and spare.proc.stdin is not None
+            spare.proc.stdin.write(garbage)
+            spare.proc.stdin.close()
+            spare.proc.stdin = None
+            out, _ = spare.proc.communicate(timeout=60)
+            assert spare.proc.returncode == 4, out
+            assert "promotion" in out
     finally:
         pool.close()
 
@@ -111,8 +123,12 @@ def test_pool_gives_up_when_spares_keep_dying_before_ready() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
+    from torchft.chaos import ChaosConfig
+
     with pytest.raises(ValueError, match="--standby must be >= 0"):
         StandbyPool(-1)
+    with pytest.raises(ValueError, match="standby must be >= 0"):
+        ChaosConfig(seed=1, standby=-1).validate()
     with pytest.raises(ValueError, match="module names"):
         StandbyPool(1, preload=["not a module"])
 
