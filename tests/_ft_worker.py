@@ -186,6 +186,11 @@ def main() -> int:
     parser.add_argument("--native-store", default="")
     parser.add_argument("--native-rank", type=int, default=0)
     parser.add_argument("--native-world", type=int, default=1)
+    parser.add_argument(
+        "--commit-log",
+        default="",
+        help="append [step, param hash, optim hash] per commit to this path + .r<RANK>",
+    )
     args = parser.parse_args()
     if args.native_store and (args.fail_steps or args.kill_self_in_configure):
         parser.error("fault injection through the process group needs a torchft group")
@@ -290,6 +295,14 @@ def main() -> int:
             attempts.append([before, committed, hash_state(model.state_dict())[:12]])
             if committed:
                 commit_times.append([before, time.time()])
+                if args.commit_log:
+                    line = [
+                        manager.current_step(),
+                        hash_state(model.state_dict()),
+                        hash_state(optim.state_dict()),
+                    ]
+                    with open(f"{args.commit_log}.r{group_rank}", "a") as f:
+                        f.write(json.dumps(line) + "\n")
             if args.data_log and stream is not None:
                 record = [stream.position, before, committed, manager.is_participating(), ids]
                 with open(args.data_log, "a") as f:

@@ -168,6 +168,26 @@ def _check_ifname(name: str, v: Any) -> str:
         raise ValueError(f"{name} must be {IFNAME.what}, got {v!r}") from None
 
 
+def _check_dir(name: str, v: Any) -> str:
+    if isinstance(v, os.PathLike):
+        v = os.fspath(v)
+    text = _check_text(name, v)
+    return _parse_dir(text)
+
+
+def _parse_dir(raw: str) -> str:
+    if "://" in raw:
+        # No object store stands behind a URL here: refuse it rather than write a local
+        # directory named like one.
+        raise ValueError(
+            f"snapshot directory {raw!r} is a URL; only a directory path is supported "
+            "(a shared file system mounted on every host)"
+        )
+    if "\x00" in raw:
+        raise ValueError("a directory path cannot contain NUL")
+    return raw
+
+
 def _check_name(name: str, v: Any) -> str:
     if not isinstance(v, str):
         raise TypeError(f"{name} must be a str, got {v!r}")
@@ -214,6 +234,7 @@ SWITCH: Kind[bool] = Kind("one of 1/true/yes/on or 0/false/no/off", _check_bool,
 TEXT: Kind[str] = Kind("a non-empty string", _check_text, _parse_text)
 NAME: Kind[str] = Kind("a string", _check_name, _parse_text)
 MODE: Kind[WorldSizeMode] = Kind("DYNAMIC or FIXED_WITH_SPARES", _check_mode, _parse_mode)
+DIRECTORY: Kind[str] = Kind("a directory path (no URL)", _check_dir, _parse_dir)
 HANG_ACTION: Kind[str] = Kind("exit or keep", _check_hang_action, _parse_hang_action)
 IFNAME: Kind[str] = Kind(
     f"one network interface name (e.g. eth0; at most {_MAX_IFNAME} characters)",
@@ -365,6 +386,28 @@ class ManagerConfig:
         env="TORCHFT_PARITY_EVERY",
         help="runtime state parity: every this many committed steps each rank digests its "
         "committed state and the lighthouse compares the groups' digests (0: off)",
+    )
+    snapshot_dir: str | None = _setting(
+        DIRECTORY,
+        env="TORCHFT_SNAPSHOT_DIR",
+        help="durable snapshots: directory (shared by every replica group) that one replica "
+        "group writes its committed state to every TORCHFT_SNAPSHOT_EVERY committed steps, "
+        "and that a job whose every group died resumes from (unset: off)",
+    )
+    snapshot_every: int = _setting(
+        POSITIVE,
+        500,
+        env="TORCHFT_SNAPSHOT_EVERY",
+        help="committed steps between two durable snapshots (read with TORCHFT_SNAPSHOT_DIR)",
+        only_with="snapshot_dir",
+    )
+    snapshot_keep: int = _setting(
+        POSITIVE,
+        3,
+        env="TORCHFT_SNAPSHOT_KEEP",
+        help="complete durable snapshots kept; older ones are deleted (read with "
+        "TORCHFT_SNAPSHOT_DIR)",
+        only_with="snapshot_dir",
     )
     topology_file: str | None = _setting(
         TEXT,

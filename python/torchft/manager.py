@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -62,6 +63,14 @@ from torchft.coordination import (
 )
 from torchft.hang import HangWatchdog
 from torchft.parity import StateParity
+from torchft.snapshot import (
+    Snapshot,
+    SnapshotResult,
+    SnapshotWriter,
+    choose_restore,
+    list_snapshots,
+    load_rank,
+)
 from torchft.telemetry import RankTelemetry
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
@@ -423,6 +432,9 @@ class Manager:
         telemetry: bool | None = None,
         hang_action: str | None = None,
         parity_every: int | None = None,
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        snapshot_every: int | None = None,
+        snapshot_keep: int | None = None,
     ) -> None:
         """Creates the manager, connects to the replica group's store and manager server.
 
@@ -482,6 +494,17 @@ class Manager:
                 heals from it, and with no majority the groups stop with
                 :class:`StateDivergedError` (default env ``TORCHFT_PARITY_EVERY``, else 100;
                 0 = off). See :mod:`torchft.parity`.
+            snapshot_dir: durable snapshots: a directory shared by every replica group
+                (default env ``TORCHFT_SNAPSHOT_DIR``, else off). Every ``snapshot_every``
+                committed steps one participating group (a different one each time) writes
+                its committed state there with ``torch.distributed.checkpoint`` in the
+                background; a job whose every group died resumes from the newest complete
+                snapshot instead of step 0. See :mod:`torchft.snapshot` and
+                docs/snapshots.md.
+            snapshot_every: committed steps between snapshots (default env
+                ``TORCHFT_SNAPSHOT_EVERY``, else 500).
+            snapshot_keep: complete snapshots kept (default env ``TORCHFT_SNAPSHOT_KEEP``,
+                else 3).
 
         Raises:
             ValueError: on invalid arguments or missing configuration, or a heal interface
@@ -512,6 +535,9 @@ class Manager:
             telemetry=telemetry,
             hang_action=hang_action,
             parity_every=parity_every,
+            snapshot_dir=snapshot_dir,
+            snapshot_every=snapshot_every,
+            snapshot_keep=snapshot_keep,
         )
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
@@ -594,6 +620,13 @@ class Manager:
         # when the lighthouse declares that group lost.
         self._heal_source: str | None = None
         self._heal_lost = threading.Event()
+        # Durable snapshots (torchft.snapshot): the writer once the group's id is known, the
+        # (step, quorum id) this group writes at the top of its next step, and a snapshot's
+        # state loaded while this process held its start-up state, applied after the vote.
+        self._snapshots: SnapshotWriter | None = None
+        self._snapshot_due: tuple[int, int] | None = None
+        self._pending_restore: tuple[Snapshot, dict[str, Any]] | None = None
+        self._restore_round = 0
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._manager: NativeManagerServer | None = None
@@ -673,6 +706,18 @@ class Manager:
                 enabled=cfg.telemetry,
             )
             self._watcher = _LostWatcher(self._client, self._on_lost)
+            if cfg.snapshot_dir is not None:
+                self._snapshots = SnapshotWriter(
+                    cfg.snapshot_dir,
+                    every=cfg.snapshot_every,
+                    keep=cfg.snapshot_keep,
+                    replica_id=base_id or self._replica_id,
+                    incarnation=self._replica_id,
+                    group_rank=self._group_rank,
+                    group_world_size=self._group_world_size,
+                    timeout=cfg.timeout.total_seconds(),
+                    on_done=self._snapshot_written,
+                )
             if self._manager is not None:
                 # The hosting rank acts on the lighthouse's hang verdict (torchft.hang).
                 self._hang_watchdog = HangWatchdog(
@@ -915,6 +960,16 @@ class Manager:
                 self._apply_pending_state_dict()
             except Exception as e:
                 self.report_error(e)
+        due = self._snapshot_due
+        if due is not None and self._snapshots is not None:
+            self._snapshot_due = None
+            if due[0] == self._step and not self._state_torn:
+                # The optimizer has applied the commit: the state is the step's committed
+                # state, the one a heal would send. Only the copy runs on this thread.
+                try:
+                    self._snapshots.save(due[0], due[1], self._manager_state_dict())
+                except Exception:
+                    logger.exception("snapshot of step %d not taken", due[0])
         if not self._state_torn:
             try:
                 self._parity.at_step_start(self._step)
@@ -1208,6 +1263,9 @@ class Manager:
             max_step=max_step,
             heal=heal,
         )
+
+        if self._snapshots is not None and self._startup_state and allow_heal:
+            self._maybe_restore(quorum_id, max_step)
 
         if allow_heal:
             dst_ranks = list(quorum.recover_dst_replica_ranks)
@@ -1625,6 +1683,17 @@ class Manager:
                 # Heartbeats carry it: the lighthouse knows this group's progress even while
                 # it is not asking for a quorum (no quorum may then regress past it).
                 self._manager.note_committed_step(self._step)
+            snaps = self._snapshots
+            if (
+                snaps is not None
+                and snaps.due(self._step)
+                and self._participating_replica_rank is not None
+                and self._participating_replica_rank
+                == snaps.writer_rank(self._step, self._participating_replica_world_size)
+            ):
+                # Every group committed this step under the same quorum: exactly one of
+                # them is chosen, a different one at each snapshot step.
+                self._snapshot_due = (self._step, self._quorum_id)
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:
@@ -1634,7 +1703,101 @@ class Manager:
                 )
                 self._record(_error_logger, error=msg)
                 raise RuntimeError(msg)
+        if self._pending_restore is not None:
+            self._apply_restore()
         return should_commit
+
+    # ------------------------------------------------------------------ durable snapshots
+
+    def _maybe_restore(self, quorum_id: int, max_step: int) -> None:
+        """Loads the newest usable snapshot newer than every live group's state, if any.
+
+        Called at each quorum answer while this process holds its start-up state. Group rank
+        0 chooses (and verifies) the snapshot and tells the other ranks through the group's
+        store, so every rank loads its part of the same one. When one is loaded the step
+        fails (its forward pass ran on the old state); the state applies after the vote.
+        """
+        snaps = self._snapshots
+        assert snaps is not None
+        self._restore_round += 1
+        key = f"torchft/snapshot/{self._replica_id}/{self._restore_round}"
+        if self._group_rank == 0:
+            chosen: Snapshot | None = None
+            floor = max(max_step, self._step)
+            newest = list_snapshots(snaps.directory)
+            if newest and newest[0].step > floor:
+                self._log_info(
+                    "no live replica group is past step %d; newest snapshot is step %d: "
+                    "checking it",
+                    floor,
+                    newest[0].step,
+                )
+                chosen = choose_restore(
+                    snaps.directory,
+                    floor,
+                    self._group_world_size,
+                    set(self._load_state_dict_fns),
+                )
+            if self._group_world_size > 1:
+                self._store.set(key, str(chosen.path) if chosen is not None else "")
+        else:
+            choice = self._store.get(key).decode()
+            matches = [s for s in list_snapshots(snaps.directory) if str(s.path) == choice]
+            if choice and not matches:
+                raise RuntimeError(f"snapshot {choice} chosen by group rank 0 is not readable")
+            chosen = matches[0] if choice else None
+        if chosen is None:
+            return
+        t0 = time.perf_counter()
+        state = load_rank(chosen, self._group_rank, template=self._manager_state_dict())
+        self._pending_restore = (chosen, state)
+        self._log_info(
+            "loaded snapshot of step %d from %s in %.3fs (live replica groups are at step "
+            "%d); this step does not commit, the next one trains from step %d",
+            chosen.step,
+            chosen.path,
+            time.perf_counter() - t0,
+            max_step,
+            chosen.step,
+        )
+        raise RuntimeError(
+            f"restored the snapshot of step {chosen.step} from {chosen.path} under quorum "
+            f"{quorum_id}; this step's forward pass ran on the previous state, so it does "
+            "not commit"
+        )
+
+    def _apply_restore(self) -> None:
+        """Applies a loaded snapshot (after the vote of the step that loaded it)."""
+        pending = self._pending_restore
+        self._pending_restore = None
+        if pending is None:
+            return
+        snap, state = pending
+        self._parity.settle()
+        self.load_state_dict(state["torchft"])
+        self._pending_state_dict = state["user"]
+        self._apply_pending_state_dict()
+        # The failed step still counts in commit_failures: the next quorum gets a new id,
+        # so the process group aborted after this step is rebuilt on a fresh store prefix.
+        self._startup_state = False
+        self._log_info("resumed from the snapshot of step %d (%s)", snap.step, snap.path)
+
+    def _snapshot_written(self, result: SnapshotResult) -> None:
+        """Reports a snapshot write (on the writer thread; never raises)."""
+        tel = self._telemetry
+        if tel is None:
+            return
+        if result.error is not None:
+            tel.snapshot_failed(result.step, str(result.path), result.error)
+        elif result.complete:
+            tel.snapshot_done(
+                result.step,
+                str(result.path),
+                stage_s=result.stage_s,
+                write_s=result.write_s,
+                tensor_bytes=result.tensor_bytes,
+                quorum_id=max(self._quorum_id, 0),
+            )
 
     def _report_step(self, committed: bool, vote_s: float, error: str | None) -> None:
         """Queues this step's telemetry report (never raises, never waits)."""
@@ -1719,6 +1882,10 @@ class Manager:
         parity = getattr(self, "_parity", None)
         if parity is not None:
             parity.shutdown()
+        snaps = getattr(self, "_snapshots", None)
+        if snaps is not None:
+            # A write in flight finishes (a snapshot is worth the wait); none starts after.
+            snaps.shutdown(wait=wait)
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown(wait=wait, cancel_futures=True)

@@ -1,0 +1,669 @@
+"""Durable snapshots of the committed state, coordinated by the quorum.
+
+Live healing needs one live replica group. When every group dies at once (a rack lost, the
+whole job preempted), the job resumes from the newest durable snapshot instead of step 0.
+
+Writing (``Manager(snapshot_dir=, snapshot_every=)`` or ``TORCHFT_SNAPSHOT_DIR`` /
+``TORCHFT_SNAPSHOT_EVERY``): when a step ``s`` with ``s % every == 0`` commits, exactly one
+participating replica group writes it, the one whose participating rank is
+``(s // every) % participants`` (the same answer in every group, since they committed under
+the same quorum, and a different group at each snapshot step). At the top of its next step,
+when the optimizer has applied the commit and the state is exactly what a heal would send
+(the user state dicts and the Manager's counters), every rank of that group copies its state
+into host staging buffers (the only time the training thread waits), and a background thread
+writes the copy with :func:`torch.distributed.checkpoint.save` into
+``<dir>/step_<step>_<tag>/rank_<r>`` (a standard DCP checkpoint of that rank's state),
+checksums the files and writes ``rank_<r>.json``. Group rank 0 then waits for every rank's
+file and writes ``manifest.json`` last, atomically: a snapshot without a manifest is
+incomplete and never loaded. Rank 0 then deletes snapshots beyond the newest ``keep`` and
+tells the lighthouse (telemetry), which records the newest complete snapshot in ``/status``,
+``/metrics`` and its state file. A failure (full disk, unwritable directory) is logged and
+reported as a ``snapshot_failed`` event; training goes on.
+
+Restoring: a group whose process holds its start-up state (no step committed, no heal
+applied) checks, at each quorum answer, whether a complete snapshot is newer than the
+quorum's ``max_step``; a live group that is ahead, or level, always wins and the group heals
+from it as usual. Otherwise group rank 0 picks the newest snapshot that is complete,
+compatible (same ranks per group, the registered state keys) and whose checksums verify,
+skipping others with a warning that names them; every rank loads its own part. The step of
+that quorum does not commit (its gradients were taken on the old state); the state is applied
+after its vote, and the next quorum trains on from the snapshot's step.
+
+Non-tensor values (an optimizer's ``param_groups``, a data loader's position) are stored by
+DCP as pickled bytes: load snapshots only from a directory the job alone writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: Version of the manifest layout this module writes and reads.
+FORMAT = 1
+#: Written last: a snapshot directory without it is incomplete.
+MANIFEST = "manifest.json"
+#: A manifest whose files failed their checksums is renamed to this and never used again.
+CORRUPT = "manifest.json.corrupt"
+#: Committed steps between snapshots when only the directory is set.
+DEFAULT_EVERY = 500
+#: Complete snapshots kept when nothing says otherwise.
+DEFAULT_KEEP = 3
+_PREFIX = "step_"
+_CHUNK = 8 << 20
+
+# Every rank writes and reads its own part alone (no collectives): DCP warns that it
+# assumes a single process, which is what is meant.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)")
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be written or used."""
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A complete snapshot on disk (its manifest parsed)."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    def rank_dir(self, rank: int) -> Path:
+        """The DCP checkpoint of group rank ``rank``."""
+        return self.path / f"rank_{rank}"
+
+
+def _file_checksum(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return crc
+            crc = zlib.crc32(chunk, crc)
+
+
+def _files_of(rank_dir: Path) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of every file of one rank's checkpoint."""
+    out: dict[str, dict[str, int]] = {}
+    for f in sorted(rank_dir.iterdir()):
+        if f.is_file():
+            out[f.name] = {"bytes": f.stat().st_size, "crc32": _file_checksum(f)}
+    return out
+
+
+def _state_digest(ranks: dict[str, Any]) -> str:
+    """One digest over every rank's files (their names, sizes and checksums)."""
+    h = hashlib.sha256()
+    for rank in sorted(ranks, key=int):
+        for name, f in sorted(ranks[rank]["files"].items()):
+            h.update(f"{rank}/{name}:{f['bytes']}:{f['crc32']};".encode())
+    return h.hexdigest()
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    with open(path / MANIFEST, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict):
+        raise ValueError("the manifest is not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"manifest format {manifest.get('format')!r}, expected {FORMAT}")
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"bad step {step!r}")
+    ranks = manifest.get("ranks")
+    if not isinstance(ranks, dict) or not ranks:
+        raise ValueError("the manifest lists no ranks")
+    return manifest
+
+
+def list_snapshots(directory: str | os.PathLike[str]) -> list[Snapshot]:
+    """The complete snapshots in ``directory``, newest first (by step, then write time).
+
+    Directories without a manifest (incomplete) are left out silently; a manifest that cannot
+    be read is left out with a warning naming it; a directory that cannot be listed is an
+    error in the log and no snapshots.
+    """
+    root = Path(directory)
+    found: list[tuple[int, float, str, Snapshot]] = []
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        # Never a reason to stop training: the job goes on without snapshots to restore.
+        logger.error("snapshot directory %s cannot be read (%s): no snapshot is used", root, e)
+        return []
+    for entry in entries:
+        if not entry.name.startswith(_PREFIX) or not (entry / MANIFEST).is_file():
+            continue
+        try:
+            manifest = _read_manifest(entry)
+        except (OSError, ValueError) as e:
+            logger.warning("snapshot %s skipped: unreadable manifest (%s)", entry, e)
+            continue
+        written = manifest.get("written_unix")
+        when = float(written) if isinstance(written, (int, float)) else 0.0
+        found.append(
+            (manifest["step"], when, entry.name, Snapshot(entry, manifest["step"], manifest))
+        )
+    found.sort(key=lambda t: (t[0], t[1], t[2]), reverse=True)
+    return [t[3] for t in found]
+
+
+def unusable_reason(snap: Snapshot, group_world_size: int, user_keys: set[str]) -> str | None:
+    """Why ``snap`` cannot restore this group, checked without reading the data (None: it
+    may). Incompatible layouts and missing or truncated files are caught here."""
+    m = snap.manifest
+    if m.get("group_world_size") != group_world_size:
+        return (
+            f"written by a replica group of {m.get('group_world_size')} ranks, this group has "
+            f"{group_world_size}"
+        )
+    ranks = m["ranks"]
+    missing_keys = user_keys - set(m.get("user_keys", []))
+    if missing_keys:
+        return f"holds no state for the registered keys {sorted(missing_keys)}"
+    for rank in range(group_world_size):
+        entry = ranks.get(str(rank))
+        if not isinstance(entry, dict) or not isinstance(entry.get("files"), dict):
+            return f"lists no files of rank {rank}"
+        for name, f in entry["files"].items():
+            p = snap.rank_dir(rank) / name
+            try:
+                size = p.stat().st_size
+            except OSError:
+                return f"file {p} is missing"
+            if size != f.get("bytes"):
+                return f"file {p} has {size} bytes, the manifest says {f.get('bytes')}"
+    return None
+
+
+def verify(snap: Snapshot) -> str | None:
+    """Checks every rank's files against the manifest's checksums (reads them all).
+
+    Returns:
+        None when they match, else what differs.
+    """
+    for rank, entry in sorted(snap.manifest["ranks"].items(), key=lambda kv: int(kv[0])):
+        for name, f in entry["files"].items():
+            p = snap.rank_dir(int(rank)) / name
+            try:
+                crc = _file_checksum(p)
+            except OSError as e:
+                return f"file {p} unreadable: {e}"
+            if crc != f.get("crc32"):
+                return (
+                    f"file {p} fails its checksum (CRC-32 {crc:#010x}, manifest {f.get('crc32')})"
+                )
+    if snap.manifest.get("digest") != _state_digest(snap.manifest["ranks"]):
+        return "the manifest's digest does not match its file list"
+    return None
+
+
+def mark_corrupt(snap: Snapshot) -> None:
+    """Renames the manifest so no process picks the snapshot again."""
+    try:
+        os.replace(snap.path / MANIFEST, snap.path / CORRUPT)
+    except OSError as e:
+        logger.warning("could not mark snapshot %s corrupt: %s", snap.path, e)
+
+
+def _load_all(rank_dir: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, without a template (nested as it was saved)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    state: dict[str, Any] = _load_state_dict_from_keys(checkpoint_id=str(rank_dir))
+    return state
+
+
+def _restore_int_keys(state: Any, int_keys: list[dict[str, Any]]) -> None:
+    """DCP stores dict keys as text: gives back the integer keys (an optimizer's ``state``)
+    recorded when the snapshot was written."""
+    for entry in int_keys:
+        node = state
+        for part in entry["path"]:
+            node = node[part] if isinstance(node, list) else node[str(part)]
+        if not isinstance(node, dict):
+            raise SnapshotError(f"snapshot layout changed at {entry['path']}")
+        for key in entry["keys"]:
+            if str(key) in node:
+                node[key] = node.pop(str(key))
+
+
+def _like(loaded: Any, template: Any) -> Any:
+    """Places loaded host tensors like the tensors the rank holds now: on their device, and
+    a DTensor's local shard back into a DTensor of the same mesh and placements."""
+    if isinstance(loaded, torch.Tensor) and isinstance(template, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(template, DTensor):
+            local = loaded.to(template.to_local().device)
+            return DTensor.from_local(
+                local,
+                template.device_mesh,
+                template.placements,
+                run_check=False,
+                shape=template.shape,
+                stride=template.stride(),
+            )
+        return loaded.to(template.device) if template.device != loaded.device else loaded
+    if isinstance(loaded, dict) and isinstance(template, dict):
+        return {k: _like(v, template.get(k)) for k, v in loaded.items()}
+    if isinstance(loaded, list) and isinstance(template, list) and len(loaded) == len(template):
+        return [_like(v, t) for v, t in zip(loaded, template, strict=True)]
+    return loaded
+
+
+def load_rank(snap: Snapshot, rank: int, template: Any = None) -> dict[str, Any]:
+    """Loads group rank ``rank``'s state of ``snap`` (``{"user": ..., "torchft": ...}``).
+
+    Args:
+        template: the state the rank holds now: loaded tensors go to its tensors' devices,
+            and DTensors are rebuilt on its meshes.
+    """
+    state = _load_all(snap.rank_dir(rank))
+    entry = snap.manifest["ranks"][str(rank)]
+    _restore_int_keys(state, entry.get("int_keys", []))
+    if "user" not in state or "torchft" not in state:
+        raise SnapshotError(f"snapshot {snap.path} rank {rank} lacks 'user'/'torchft'")
+    return _like(state, template) if template is not None else state
+
+
+# ----------------------------------------------------------------------------- staging
+
+
+class _Staging:
+    """Host copies of one rank's state, reused from one snapshot to the next (a fresh
+    allocation per snapshot pays first-touch page faults on every byte)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.int_keys: list[dict[str, Any]] = []
+        self.tensor_bytes = 0
+
+    def stage(self, state: Any) -> Any:
+        self.int_keys = []
+        self.tensor_bytes = 0
+        seen: set[str] = set()
+        copied = self._walk(state, [], seen)
+        pending_cuda = any(b.is_pinned() for k, b in self._buffers.items() if k in seen)
+        if pending_cuda and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for key in set(self._buffers) - seen:
+            del self._buffers[key]
+        return copied
+
+    def _tensor(self, t: torch.Tensor, path: list[Any], seen: set[str]) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        t = t.detach()
+        key = "/".join(map(repr, path))
+        seen.add(key)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.device.type == "cuda"
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        self.tensor_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def _walk(self, obj: Any, path: list[Any], seen: set[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path, seen)
+        if isinstance(obj, dict):
+            ints = [k for k in obj if isinstance(k, int) and not isinstance(k, bool)]
+            bad = [k for k in obj if not isinstance(k, str) and k not in ints]
+            if bad:
+                raise SnapshotError(
+                    f"state keys must be str or int for a snapshot; {path} has {bad[:3]!r}"
+                )
+            if ints:
+                self.int_keys.append({"path": list(path), "keys": ints})
+            return {k: self._walk(v, [*path, k], seen) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._walk(v, [*path, i], seen) for i, v in enumerate(obj)]
+        # Anything else (numbers, strings, tuples of them, a sampler's state object) is
+        # copied as it is now: the training thread changes it after this returns.
+        return copy.deepcopy(obj)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _atomic_json(path: Path, value: Any) -> None:
+    """Writes JSON durably: a temporary file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def snapshot_tag(incarnation: str) -> str:
+    """Short name of the writing group's incarnation in a snapshot's directory name."""
+    return hashlib.sha1(incarnation.encode()).hexdigest()[:10]
+
+
+def snapshot_path(directory: str | os.PathLike[str], step: int, incarnation: str) -> Path:
+    """Where the snapshot of ``step`` written by ``incarnation`` lives."""
+    return Path(directory) / f"{_PREFIX}{step:012d}_{snapshot_tag(incarnation)}"
+
+
+@dataclass
+class SnapshotResult:
+    """What one rank's write did (for telemetry and tests)."""
+
+    step: int
+    path: Path
+    stage_s: float
+    write_s: float
+    tensor_bytes: int
+    complete: bool
+    error: str | None = None
+
+
+class SnapshotWriter:
+    """Writes this rank's snapshots (see the module docs).
+
+    Args:
+        directory: the snapshot directory (shared by every group).
+        every: committed steps between snapshots.
+        keep: complete snapshots kept.
+        replica_id: the group's stable name (recorded in the manifest).
+        incarnation: the group's id for this start (names the directory).
+        group_rank: this rank in its group.
+        group_world_size: ranks in the group.
+        timeout: how long rank 0 waits for the other ranks' parts.
+        on_done: called with each write's :class:`SnapshotResult` (on the writer thread).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        every: int,
+        keep: int,
+        replica_id: str,
+        incarnation: str,
+        group_rank: int,
+        group_world_size: int,
+        timeout: float,
+        on_done: Callable[[SnapshotResult], None] | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.every = every
+        self.keep = keep
+        self._replica_id = replica_id
+        self._incarnation = incarnation
+        self._rank = group_rank
+        self._world = group_world_size
+        self._timeout = timeout
+        self._on_done = on_done
+        self._staging = _Staging()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_snapshot")
+        self._running: Future[SnapshotResult] | None = None
+        self._running_step = -1
+        self._lock = threading.Lock()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            # Training goes on; every snapshot then reports the error.
+            logger.error("snapshot directory %s cannot be created: %s", self.directory, e)
+
+    def due(self, step: int) -> bool:
+        """Whether committed step ``step`` is a snapshot step."""
+        return step > 0 and step % self.every == 0
+
+    def writer_rank(self, step: int, participants: int) -> int:
+        """The participating rank of the group that writes the snapshot of ``step``."""
+        return (step // self.every) % max(participants, 1)
+
+    def busy(self) -> bool:
+        """Whether a write is still in flight."""
+        running = self._running
+        return running is not None and not running.done()
+
+    def save(self, step: int, quorum_id: int, state: dict[str, Any]) -> SnapshotResult | None:
+        """Stages ``state`` (the committed state of ``step``) on the calling thread and
+        writes it in the background.
+
+        Returns:
+            None when the write was queued; a failed result (already reported) when the
+            previous snapshot is still being written or staging failed.
+        """
+        path = snapshot_path(self.directory, step, self._incarnation)
+        if self.busy():
+            msg = (
+                f"snapshot of step {step} skipped: the snapshot of step {self._running_step} "
+                "is still being written (raise the interval or speed up the target)"
+            )
+            return self._fail(step, path, 0.0, msg)
+        t0 = time.perf_counter()
+        try:
+            staged = self._staging.stage(state)
+        except Exception as e:
+            return self._fail(step, path, time.perf_counter() - t0, f"staging failed: {e}")
+        stage_s = time.perf_counter() - t0
+        int_keys = list(self._staging.int_keys)
+        tensor_bytes = self._staging.tensor_bytes
+        user_keys = sorted(state.get("user", {}))
+        self._running_step = step
+        self._running = self._pool.submit(
+            self._write, step, quorum_id, path, staged, int_keys, user_keys, tensor_bytes, stage_s
+        )
+        return None
+
+    def _fail(self, step: int, path: Path, stage_s: float, msg: str) -> SnapshotResult:
+        logger.error("snapshot of step %d to %s failed: %s", step, path, msg)
+        result = SnapshotResult(step, path, stage_s, 0.0, 0, False, msg)
+        if self._on_done is not None:
+            try:
+                self._on_done(result)
+            except Exception:
+                logger.exception("snapshot callback failed")
+        return result
+
+    def _write(
+        self,
+        step: int,
+        quorum_id: int,
+        path: Path,
+        staged: dict[str, Any],
+        int_keys: list[dict[str, Any]],
+        user_keys: list[str],
+        tensor_bytes: int,
+        stage_s: float,
+    ) -> SnapshotResult:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        rank_file = path / f"rank_{self._rank}.json"
+        try:
+            rank_dir = path / f"rank_{self._rank}"
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            dcp.save(staged, checkpoint_id=str(rank_dir), no_dist=True)
+            part = {
+                "rank": self._rank,
+                "files": _files_of(rank_dir),
+                "int_keys": int_keys,
+                "tensor_bytes": tensor_bytes,
+                "stage_s": stage_s,
+            }
+            _atomic_json(rank_file, part)
+            complete = False
+            if self._rank == 0:
+                ranks = self._gather_parts(path)
+                total = sum(int(p.get("tensor_bytes", 0)) for p in ranks.values())
+                manifest = {
+                    "format": FORMAT,
+                    "step": step,
+                    "quorum_id": quorum_id,
+                    "replica_id": self._replica_id,
+                    "incarnation": self._incarnation,
+                    "group_world_size": self._world,
+                    "user_keys": user_keys,
+                    "tensor_bytes": total,
+                    "written_unix": time.time(),
+                    "ranks": ranks,
+                    "digest": _state_digest(ranks),
+                    "torch": torch.__version__,
+                }
+                _atomic_json(path / MANIFEST, manifest)
+                complete = True
+                tensor_bytes = total
+                self._retain()
+        except BaseException as e:  # noqa: BLE001 - reported, never raised into training
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                _atomic_json(path / f"rank_{self._rank}.failed", {"error": str(e)})
+            except Exception:
+                pass
+            return self._fail(step, path, stage_s, f"{type(e).__name__}: {e}")
+        write_s = time.perf_counter() - t0
+        if complete:
+            logger.info(
+                "snapshot of step %d complete at %s: %d bytes, staged in %.3fs, written in %.3fs",
+                step,
+                path,
+                tensor_bytes,
+                stage_s,
+                write_s,
+            )
+        result = SnapshotResult(step, path, stage_s, write_s, tensor_bytes, complete)
+        if self._on_done is not None:
+            try:
+                self._on_done(result)
+            except Exception:
+                logger.exception("snapshot callback failed")
+        return result
+
+    def _gather_parts(self, path: Path) -> dict[str, Any]:
+        """Rank 0 waits for every rank's part of the snapshot (or a rank's failure)."""
+        deadline = time.monotonic() + self._timeout
+        parts: dict[str, Any] = {}
+        next_log = time.monotonic() + 5.0
+        while True:
+            for rank in range(self._world):
+                if str(rank) in parts:
+                    continue
+                failed = path / f"rank_{rank}.failed"
+                if failed.exists():
+                    raise SnapshotError(f"rank {rank} failed its part: {failed.read_text()[:500]}")
+                f = path / f"rank_{rank}.json"
+                if f.exists():
+                    with open(f, encoding="utf-8") as fh:
+                        parts[str(rank)] = json.load(fh)
+            if len(parts) == self._world:
+                return parts
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(set(map(str, range(self._world))) - set(parts), key=int)
+                raise SnapshotError(
+                    f"ranks {missing} did not write their parts within {self._timeout:.0f}s"
+                )
+            if now >= next_log:
+                logger.info(
+                    "snapshot %s: waiting for the parts of ranks %s (gives up in %.0fs)",
+                    path.name,
+                    sorted(set(map(str, range(self._world))) - set(parts), key=int),
+                    deadline - now,
+                )
+                next_log = now + 5.0
+            time.sleep(0.02)
+
+    def _retain(self) -> None:
+        """Deletes complete snapshots beyond the newest ``keep``, and incomplete ones older
+        than the oldest kept (a newer incomplete one may still be being written)."""
+        complete = list_snapshots(self.directory)
+        kept, dropped = complete[: self.keep], complete[self.keep :]
+        oldest_kept = min((s.step for s in kept), default=0)
+        doomed = [s.path for s in dropped]
+        kept_paths = {s.path for s in kept}
+        for entry in self.directory.iterdir():
+            if not entry.name.startswith(_PREFIX) or entry in kept_paths or entry in doomed:
+                continue
+            if (entry / MANIFEST).exists():
+                continue
+            try:
+                step = int(entry.name[len(_PREFIX) :].split("_", 1)[0])
+            except ValueError:
+                continue
+            if step < oldest_kept:
+                doomed.append(entry)
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+            logger.info("snapshot %s deleted (keeping the newest %d)", p.name, self.keep)
+
+    def wait(self, timeout: float | None = None) -> SnapshotResult | None:
+        """Waits for the write in flight (tests, shutdown)."""
+        running = self._running
+        if running is None:
+            return None
+        return running.result(timeout=timeout)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Lets a write in flight finish (``wait``), then stops the writer thread."""
+        self._pool.shutdown(wait=wait)
+
+
+# ----------------------------------------------------------------------------- choosing
+
+
+def choose_restore(
+    directory: str | os.PathLike[str],
+    above_step: int,
+    group_world_size: int,
+    user_keys: set[str],
+) -> Snapshot | None:
+    """The newest usable snapshot newer than ``above_step``, checksums verified.
+
+    Snapshots that are incompatible, incomplete or corrupt are skipped with a warning naming
+    them (a corrupt one is also marked, so no process tries it again).
+    """
+    for snap in list_snapshots(directory):
+        if snap.step <= above_step:
+            return None
+        reason = unusable_reason(snap, group_world_size, user_keys)
+        if reason is None:
+            reason = verify(snap)
+            if reason is not None:
+                mark_corrupt(snap)
+                reason = f"corrupt: {reason}"
+        if reason is None:
+            return snap
+        logger.warning(
+            "snapshot %s (step %d) skipped: %s; trying the previous one",
+            snap.path,
+            snap.step,
+            reason,
+        )
+    return None
