@@ -45,6 +45,8 @@ MAX_HOSTNAME_BYTES = 255
 MAX_SOURCE_BYTES = 256
 #: Longest heal address sent (``host:port``; the core refuses longer ones).
 MAX_ADDR_BYTES = MAX_HOSTNAME_BYTES + 17
+#: Longest snapshot path sent (bytes; the core refuses longer ones).
+MAX_PATH_BYTES = 4096
 #: How long the last report waits to be delivered at shutdown.
 FINAL_FLUSH_S = 1.0
 
@@ -271,6 +273,39 @@ class RankTelemetry:
             heal_addr=heal_addr,
             error=error[:MAX_ERROR_CHARS] if error else "",
             rank=rank,
+        )
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot_done(
+        self,
+        step: int,
+        path: str,
+        *,
+        stage_s: float,
+        write_s: float,
+        tensor_bytes: int,
+        quorum_id: int,
+    ) -> None:
+        """Reports a complete durable snapshot of committed step ``step`` (its manifest is
+        written); the lighthouse records the newest one."""
+        self._send(
+            phase="snapshot",
+            step=step,
+            quorum_id=quorum_id,
+            snapshot_path=_truncate_utf8(path, MAX_PATH_BYTES),
+            snapshot_stage_s=max(0.0, stage_s),
+            snapshot_write_s=max(0.0, write_s),
+            snapshot_bytes=max(0, tensor_bytes),
+        )
+
+    def snapshot_failed(self, step: int, path: str, error: str) -> None:
+        """Reports a durable snapshot of step ``step`` that failed (``error`` says why)."""
+        self._send(
+            phase="snapshot_failed",
+            step=step,
+            snapshot_path=_truncate_utf8(path, MAX_PATH_BYTES),
+            error=error[:MAX_ERROR_CHARS],
         )
 
     # ------------------------------------------------------------------ lifecycle
