@@ -21,6 +21,8 @@ pub const MAX_HOSTNAME_BYTES: usize = 256;
 pub const MAX_ADDR_BYTES: usize = MAX_HOSTNAME_BYTES + 16;
 /// Longest error text.
 pub const MAX_ERROR_BYTES: usize = 16 * 1024;
+/// Longest snapshot path (a directory name; Linux's `PATH_MAX`).
+pub const MAX_PATH_BYTES: usize = 4096;
 /// Longest duration a report may carry (seconds).
 pub const MAX_SECONDS: f64 = 1e7;
 
@@ -71,11 +73,17 @@ pub enum EventKind {
     /// A lasting straggler was dropped from the quorum for a while
     /// (`--straggler_drop_after_ms`): `replica_id`, `incarnation`, `reason`, `for_s`.
     StragglerDropped,
+    /// A durable snapshot of a committed step completed (`replica_id`, `incarnation`, `step`,
+    /// `path`, `bytes`, `stage_s`, `write_s`, `quorum_id`, `unix_s`, `latest`: whether it is
+    /// now the latest complete snapshot the lighthouse knows).
+    SnapshotComplete,
+    /// A durable snapshot attempt failed (`replica_id`, `step`, `error`, `path`).
+    SnapshotFailed,
 }
 
 impl EventKind {
     /// Every kind, in documentation order.
-    pub const ALL: [EventKind; 17] = [
+    pub const ALL: [EventKind; 19] = [
         EventKind::LighthouseStarted,
         EventKind::QuorumChanged,
         EventKind::ReplicaJoined,
@@ -93,6 +101,8 @@ impl EventKind {
         EventKind::ReplicaResumed,
         EventKind::ReplicaDiverged,
         EventKind::StragglerDropped,
+        EventKind::SnapshotComplete,
+        EventKind::SnapshotFailed,
     ];
 
     /// The name events carry in `kind`.
@@ -115,6 +125,8 @@ impl EventKind {
             EventKind::ReplicaResumed => "replica_resumed",
             EventKind::ReplicaDiverged => "replica_diverged",
             EventKind::StragglerDropped => "straggler_dropped",
+            EventKind::SnapshotComplete => "snapshot_complete",
+            EventKind::SnapshotFailed => "snapshot_failed",
         }
     }
 
@@ -180,6 +192,9 @@ pub fn validate_report(r: &TelemetryReport) -> Result<()> {
     if r.error.len() > MAX_ERROR_BYTES {
         return bad(format!("error longer than {MAX_ERROR_BYTES} bytes"));
     }
+    if r.snapshot_path.len() > MAX_PATH_BYTES {
+        return bad(format!("snapshot_path longer than {MAX_PATH_BYTES} bytes"));
+    }
     if r.group_world_size < 1 || r.group_world_size > 1 << 20 {
         return bad(format!(
             "group_world_size must be in 1..=1048576, got {}",
@@ -208,6 +223,8 @@ pub fn validate_report(r: &TelemetryReport) -> Result<()> {
         ("should_commit_s", r.should_commit_s),
         ("busy_s", r.busy_s),
         ("heal_s", r.heal_s),
+        ("snapshot_stage_s", r.snapshot_stage_s),
+        ("snapshot_write_s", r.snapshot_write_s),
     ] {
         if !v.is_finite() || !(0.0..=MAX_SECONDS).contains(&v) {
             return bad(format!(
@@ -300,6 +317,18 @@ mod tests {
     fn bad_reports_are_refused() {
         let good = report(&inc("a", U1));
         assert!(validate_report(&good).is_ok());
+        let snapshot = TelemetryReport {
+            phase: Phase::Snapshot as i32,
+            snapshot_path: "p".repeat(MAX_PATH_BYTES),
+            snapshot_stage_s: 0.25,
+            snapshot_write_s: 12.0,
+            snapshot_bytes: u64::MAX,
+            ..good.clone()
+        };
+        assert!(
+            validate_report(&snapshot).is_ok(),
+            "a snapshot at the limits"
+        );
         type Breaker = Box<dyn Fn(&mut TelemetryReport)>;
         let cases: Vec<Breaker> = vec![
             Box::new(|r| r.replica_id.clear()),
@@ -314,6 +343,10 @@ mod tests {
             Box::new(|r| r.phase = 99),
             Box::new(|r| r.error = "e".repeat(MAX_ERROR_BYTES + 1)),
             Box::new(|r| r.heal_addr = "a".repeat(MAX_ADDR_BYTES + 1)),
+            Box::new(|r| r.snapshot_path = "p".repeat(MAX_PATH_BYTES + 1)),
+            Box::new(|r| r.snapshot_stage_s = -0.5),
+            Box::new(|r| r.snapshot_write_s = f64::NAN),
+            Box::new(|r| r.snapshot_write_s = f64::INFINITY),
         ];
         for (i, break_it) in cases.iter().enumerate() {
             let mut r = good.clone();

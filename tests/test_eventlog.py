@@ -343,6 +343,72 @@ def test_open_interval_and_lighthouse_restart(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_snapshots_are_counted_and_the_latest_is_the_highest_step(tmp_path: Path) -> None:
+    """``snapshot_complete`` / ``snapshot_failed`` are counted per log and per replica; the
+    latest snapshot is the highest step (a late report of an older one does not replace it,
+    nor move the writer's last step)."""
+
+    def complete(dt: float, rid: str, step: int, latest: bool) -> dict[str, Any]:
+        return _ev(
+            dt,
+            "snapshot_complete",
+            replica_id=rid,
+            incarnation=f"{rid}:1",
+            step=step,
+            path=f"/snap/step_{step}",
+            bytes=4096,
+            stage_s=0.1,
+            write_s=3.0,
+            quorum_id=Q0,
+            unix_s=T0 + dt,
+            latest=latest,
+        )
+
+    events = _numbered(
+        [
+            _ev(0.0, "lighthouse_started", min_replicas=1, pid=1),
+            _state(1.0, "a", "joining", "healthy", "committed", 1),
+            _state(1.0, "b", "joining", "healthy", "committed", 1),
+            complete(10.0, "a", 500, True),
+            _ev(
+                11.0,
+                "snapshot_failed",
+                replica_id="b",
+                step=1000,
+                error="OSError: [Errno 28] No space left on device",
+                path="/snap/step_1000",
+            ),
+            complete(20.0, "a", 1500, True),
+            _ev(21.0, "commit_failed", replica_id="b", step=1510, error=None),
+            complete(22.0, "b", 1000, False),  # a slow write of an older step, reported late
+        ]
+    )
+    s = eventlog.summarize(eventlog.read_events(_write_log(tmp_path / "log", events))[0])
+    assert (s["snapshots"], s["snapshot_failures"]) == (3, 1)
+    assert s["latest_snapshot"] == {
+        "ts": T0 + 20.0,
+        "step": 1500,
+        "replica_id": "a",
+        "path": "/snap/step_1500",
+        "bytes": 4096,
+    }
+    assert s["kinds"]["snapshot_complete"] == 3
+    a, b = s["replicas"]["a"], s["replicas"]["b"]
+    assert (a["snapshots"], a["snapshot_failures"]) == (2, 0)
+    assert (b["snapshots"], b["snapshot_failures"]) == (1, 1)
+    assert a["last_step"] == 1 and b["last_step"] == 1510, "a snapshot's step is not progress"
+    assert a["first_error"] is None and b["first_error"] is None, "not a training error"
+
+    lines = eventlog.format_summary(s).splitlines()
+    assert "  snapshots    3 complete, latest step 1500 (a, /snap/step_1500), 1 failed" in lines
+    assert "  snapshots        1 written, 1 failed" in lines
+    # A log without snapshots has no snapshot lines.
+    plain = eventlog.summarize(events[:3])
+    assert plain["latest_snapshot"] is None and plain["snapshots"] == 0
+    assert "snapshots" not in eventlog.format_summary(plain)
+
+
+@pytest.mark.timeout(60)
 def test_summarize_empty() -> None:
     s = eventlog.summarize([])
     assert s["events"] == 0

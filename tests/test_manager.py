@@ -235,6 +235,10 @@ class FakeNative:
                 heal_addr: str = "",
                 error: str = "",
                 unix_s: float = 0.0,
+                snapshot_path: str = "",
+                snapshot_stage_s: float = 0.0,
+                snapshot_write_s: float = 0.0,
+                snapshot_bytes: int = 0,
             ) -> bool:
                 self.reports.append({"step": step, "phase": phase, "committed": committed})
                 return True

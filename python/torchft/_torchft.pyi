@@ -267,11 +267,19 @@ class ManagerClient:
         heal_addr: str = ...,
         error: str = ...,
         unix_s: float = 0.0,
+        snapshot_path: str = ...,
+        snapshot_stage_s: float = 0.0,
+        snapshot_write_s: float = 0.0,
+        snapshot_bytes: int = 0,
     ) -> bool:
         """Queues a telemetry report (never waits); False if the queue was full.
 
-        ``phase`` is one of step, heal_started, finished, failed. Raises ValueError on a
-        malformed report.
+        ``phase`` is one of step, heal_started, finished, failed, snapshot (a durable
+        snapshot of committed step ``step`` completed: ``snapshot_path``, ``snapshot_stage_s``,
+        ``snapshot_write_s``, the group's ``snapshot_bytes``; sent once per snapshot) and
+        snapshot_failed (``error`` says why); neither snapshot phase is a step. Raises
+        ValueError on a malformed report (unknown phase, negative or non-finite seconds, a
+        path over 4096 bytes, ...).
         """
     def _telemetry_flush(self, timeout: timedelta = ...) -> None:
         """Sends the queued telemetry reports now, waiting at most ``timeout``."""

@@ -198,6 +198,10 @@ class NativeManagerClient(Protocol):
         heal_addr: str = "",
         error: str = "",
         unix_s: float = 0.0,
+        snapshot_path: str = "",
+        snapshot_stage_s: float = 0.0,
+        snapshot_write_s: float = 0.0,
+        snapshot_bytes: int = 0,
     ) -> bool:
         """Queues a telemetry report without waiting; False if it was dropped."""
         ...

@@ -26,6 +26,9 @@ Rules the summary follows, so that its numbers are reproducible:
   ``healthy`` (or ``straggler``, which is healthy but slow). Time in those states before a
   replica was first healthy is start-up (``startup_s``), and time in them at the end of the
   log without a return is ``down_at_end_s``; neither counts as downtime.
+* The latest snapshot is the ``snapshot_complete`` event with the highest ``step`` (the first
+  one seen on a tie), as the lighthouse records it. A snapshot's ``step`` is the step it
+  holds, reported when its write ends, so it never moves a replica's ``last_step``.
 """
 
 from __future__ import annotations
@@ -58,8 +61,13 @@ REPLICA_KINDS: frozenset[str] = frozenset(
         "replica_resumed",
         "replica_diverged",
         "straggler_dropped",
+        "snapshot_complete",
+        "snapshot_failed",
     }
 )
+
+#: Kinds whose ``step`` is not the replica's progress (a snapshot holds an earlier step).
+_NOT_PROGRESS: frozenset[str] = frozenset({"snapshot_complete", "snapshot_failed"})
 
 #: Every kind the lighthouse writes (checked against the native list in the tests).
 KINDS: frozenset[str] = REPLICA_KINDS | {
@@ -230,6 +238,8 @@ def _new_replica(replica_id: str) -> dict[str, Any]:
         "startup_s": 0.0,
         "down_at_end_s": 0.0,
         "first_error": None,
+        "snapshots": 0,
+        "snapshot_failures": 0,
     }
 
 
@@ -320,14 +330,18 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         A JSON-serialisable dict with ``first_ts``, ``last_ts``, ``duration_s``, ``events``
         (count), ``kinds`` (count per kind, sorted), ``lighthouse_starts``,
         ``quorum_changes``, ``first_quorum_id``, ``last_quorum_id``, ``min_participants``,
-        ``max_participants`` and ``replicas``: one record per ``replica_id``, sorted by id,
+        ``max_participants``, ``snapshots`` (``snapshot_complete`` events),
+        ``snapshot_failures`` (``snapshot_failed`` events), ``latest_snapshot`` (``ts``,
+        ``step``, ``replica_id``, ``path``, ``bytes`` of the complete snapshot with the
+        highest step, or ``None``) and ``replicas``: one record per ``replica_id``, sorted by id,
         with ``incarnations``, ``last_incarnation``, ``hostname``, ``lost``, ``heals``,
         ``heal_bytes``, ``heal_s``, ``heal_sources`` (heals per source group),
         ``commit_failures``, ``straggler_flags``,
         ``straggler_clears``, ``failures``, ``finished``, ``final_state``, ``last_step``,
         ``transitions`` (``ts``, ``from``, ``to``, ``reason``, ``step``), ``time_in_state_s``,
-        ``downtime_s``, ``recoveries``, ``startup_s``, ``down_at_end_s`` and ``first_error``
-        (``ts``, ``kind``, ``step``, ``error``, or ``None``). Times without events are
+        ``downtime_s``, ``recoveries``, ``startup_s``, ``down_at_end_s``, ``first_error``
+        (``ts``, ``kind``, ``step``, ``error``, or ``None``), ``snapshots`` and
+        ``snapshot_failures`` (those it wrote and failed). Times without events are
         ``None``.
     """
     events = [event for event in events if _check_event(event) is None]
@@ -339,6 +353,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     first_quorum_id: Any = None
     last_quorum_id: Any = None
     participant_counts: list[int] = []
+    snapshots = 0
+    snapshot_failures = 0
+    latest_snapshot: dict[str, Any] | None = None
     prev_ts: float | None = None
 
     for event in events:
@@ -368,7 +385,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 clocks[replica_id] = _StateClock()
             step = event.get("step")
             if isinstance(step, int) and not isinstance(step, bool):
-                rec["last_step"] = step
+                if kind not in _NOT_PROGRESS:
+                    rec["last_step"] = step
             else:
                 step = None
 
@@ -416,6 +434,20 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 rec["failures"] += 1
             elif kind == "replica_finished":
                 rec["finished"] = True
+            elif kind == "snapshot_complete":
+                snapshots += 1
+                rec["snapshots"] += 1
+                if step is not None and (latest_snapshot is None or step > latest_snapshot["step"]):
+                    latest_snapshot = {
+                        "ts": ts,
+                        "step": step,
+                        "replica_id": replica_id,
+                        "path": event.get("path"),
+                        "bytes": event.get("bytes"),
+                    }
+            elif kind == "snapshot_failed":
+                snapshot_failures += 1
+                rec["snapshot_failures"] += 1
 
             error = event.get("error")
             if kind in ("commit_failed", "replica_failed") and error not in (None, ""):
@@ -459,6 +491,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "last_quorum_id": last_quorum_id,
         "min_participants": min(participant_counts) if participant_counts else None,
         "max_participants": max(participant_counts) if participant_counts else None,
+        "snapshots": snapshots,
+        "snapshot_failures": snapshot_failures,
+        "latest_snapshot": latest_snapshot,
         "replicas": {rid: replicas[rid] for rid in sorted(replicas)},
     }
 
@@ -591,6 +626,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     else:
         lines.append("  quorums      0 changes")
+    latest = summary.get("latest_snapshot")
+    failed = summary.get("snapshot_failures", 0)
+    if latest is not None or summary.get("snapshots", 0) or failed:
+        newest = ""
+        if latest is not None:
+            path = latest.get("path")
+            where = f"{latest['replica_id']}, {path}" if path else latest["replica_id"]
+            newest = f", latest step {latest['step']} ({where})"
+        lines.append(
+            f"  snapshots    {summary.get('snapshots', 0)} complete{newest}, {failed} failed"
+        )
     replicas: dict[str, dict[str, Any]] = summary["replicas"]
     names = ", ".join(replicas) if replicas else "none"
     lines.append(f"  replicas     {len(replicas)}: {names}")
@@ -633,6 +679,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append("  finished         yes")
         if rec["last_step"] is not None:
             lines.append(f"  last step        {rec['last_step']}")
+        if rec.get("snapshots") or rec.get("snapshot_failures"):
+            lines.append(
+                f"  snapshots        {rec.get('snapshots', 0)} written,"
+                f" {rec.get('snapshot_failures', 0)} failed"
+            )
         err = rec["first_error"]
         if err is not None:
             step = f" step {err['step']}" if err["step"] is not None else ""

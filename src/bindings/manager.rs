@@ -253,9 +253,12 @@ fn parse_phase(phase: &str) -> PyResult<Phase> {
         "heal_started" => Phase::HealStarted,
         "finished" => Phase::Finished,
         "failed" => Phase::Failed,
+        "snapshot" => Phase::Snapshot,
+        "snapshot_failed" => Phase::SnapshotFailed,
         other => {
             return Err(PyValueError::new_err(format!(
-                "phase must be one of step, heal_started, finished, failed; got {other:?}"
+                "phase must be one of step, heal_started, finished, failed, snapshot, \
+                 snapshot_failed; got {other:?}"
             )))
         }
     })
@@ -278,8 +281,15 @@ impl PyManagerClient {
 
     /// Queues one telemetry report for the manager server; never waits for the network.
     ///
+    /// `phase="snapshot"` says a durable snapshot of committed step `step` completed (sent
+    /// once per snapshot, by the rank that wrote its manifest, with `snapshot_path`,
+    /// `snapshot_stage_s`, `snapshot_write_s` and the group's `snapshot_bytes`);
+    /// `phase="snapshot_failed"` that an attempt failed (`error` says why). Neither is a
+    /// step.
+    ///
     /// Returns False if the queue was full (the report is dropped and counted). Raises
-    /// ValueError on a malformed report.
+    /// ValueError on a malformed report (an unknown phase, negative or non-finite seconds, a
+    /// field over its length limit, ...).
     #[pyo3(signature = (
         *,
         replica_id,
@@ -306,6 +316,10 @@ impl PyManagerClient {
         heal_addr = String::new(),
         error = String::new(),
         unix_s = 0.0,
+        snapshot_path = String::new(),
+        snapshot_stage_s = 0.0,
+        snapshot_write_s = 0.0,
+        snapshot_bytes = 0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn report(
@@ -334,6 +348,10 @@ impl PyManagerClient {
         heal_addr: String,
         error: String,
         unix_s: f64,
+        snapshot_path: String,
+        snapshot_stage_s: f64,
+        snapshot_write_s: f64,
+        snapshot_bytes: u64,
     ) -> PyResult<bool> {
         let report = TelemetryReport {
             replica_id,
@@ -360,6 +378,10 @@ impl PyManagerClient {
             error,
             phase: parse_phase(phase)? as i32,
             unix_s,
+            snapshot_path,
+            snapshot_stage_s,
+            snapshot_write_s,
+            snapshot_bytes,
         };
         validate_report(&report)?;
         Ok(self.reporter().queue.push(report))

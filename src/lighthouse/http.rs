@@ -24,7 +24,7 @@ use tokio::sync::broadcast;
 use super::metrics::JobMetrics;
 use super::quorum::Snapshot;
 use super::state::Shared;
-use super::telemetry::{GlobalCounters, ReplicaStatus};
+use super::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
 use crate::manager::ManagerClient;
 use crate::telemetry::EventKind;
 
@@ -168,6 +168,9 @@ pub struct StatusBody {
     pub stragglers: Vec<String>,
     /// Job-wide telemetry counters.
     pub counters: GlobalCounters,
+    /// The latest complete durable snapshot heard of (kept across lighthouse restarts with
+    /// `--state_file`), with its age; null before the first.
+    pub snapshot: Option<SnapshotStatus>,
     /// The most recent events, oldest first.
     pub events: Vec<Value>,
 }
@@ -243,6 +246,7 @@ impl StatusBody {
             replicas: Vec::new(),
             stragglers: Vec::new(),
             counters: GlobalCounters::default(),
+            snapshot: None,
             events: Vec::new(),
         }
     }
@@ -305,6 +309,7 @@ fn status_body(shared: &Shared) -> StatusBody {
         body.heartbeat_timeout_s = t.options().heartbeat_timeout.as_secs_f64();
         body.replicas = t.replicas(now);
         body.counters = t.counters().clone();
+        body.snapshot = t.snapshot_status(now);
         body.events = t.recent_events().map(|e| e.to_json()).collect();
     });
     body.allow_kill = shared.hub.opts.allow_kill;
@@ -341,9 +346,14 @@ async fn index() -> Response {
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     let snapshot = shared.snapshot();
-    let (replicas, counters) = shared
-        .hub
-        .read(|t| (t.replicas(Instant::now()), t.counters().clone()));
+    let now = Instant::now();
+    let (replicas, counters, latest_snapshot) = shared.hub.read(|t| {
+        (
+            t.replicas(now),
+            t.counters().clone(),
+            t.snapshot_status(now),
+        )
+    });
     let job = JobMetrics {
         quorum_id: snapshot.quorum_id,
         quorum_participants: snapshot.members.len(),
@@ -356,6 +366,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         replicas_diverged: snapshot.parity.diverged_total,
         replicas_stopped: snapshot.parity.stopped.len(),
         replicas_dropped: snapshot.dropped.len(),
+        snapshot: latest_snapshot,
     };
     (
         [(

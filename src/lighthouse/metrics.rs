@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use super::telemetry::{GlobalCounters, GroupState, ReplicaStatus};
+use super::telemetry::{GlobalCounters, GroupState, ReplicaStatus, SnapshotStatus};
 
 /// Escapes a label value (backslash, double quote, newline).
 fn label(v: &str) -> String {
@@ -100,6 +100,8 @@ pub struct JobMetrics {
     pub replicas_stopped: usize,
     /// Groups dropped from the quorum now as lasting stragglers.
     pub replicas_dropped: usize,
+    /// The latest complete durable snapshot, with its age (None before the first).
+    pub snapshot: Option<SnapshotStatus>,
 }
 
 /// Renders the exposition text.
@@ -167,6 +169,16 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
             "Event log lines dropped because the writer fell behind.",
             job.event_log_dropped,
         ),
+        (
+            "torchft_snapshots_total",
+            "Durable snapshots reported complete (snapshot_complete events), newer or not.",
+            job.counters.snapshots,
+        ),
+        (
+            "torchft_snapshot_failures_total",
+            "Durable snapshot attempts reported failed (snapshot_failed events).",
+            job.counters.snapshot_failures,
+        ),
     ] {
         w.family(name, "counter", help);
         w.sample(name, &[], v as f64);
@@ -217,6 +229,42 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
          (straggler_dropped events).",
     );
     w.sample("torchft_replicas_dropped", &[], job.replicas_dropped as f64);
+    // The latest snapshot's gauges are absent until one completed (like torchft_quorum_id
+    // before the first quorum): a made-up value would read as a real step or age.
+    if let Some(s) = &job.snapshot {
+        for (name, help, v) in [
+            (
+                "torchft_snapshot_latest_step",
+                "Committed step of the latest complete durable snapshot.",
+                s.record.step as f64,
+            ),
+            (
+                "torchft_snapshot_age_seconds",
+                "Seconds since the latest complete durable snapshot completed.",
+                s.age_s,
+            ),
+            (
+                "torchft_snapshot_bytes",
+                "Bytes of tensor data the latest complete durable snapshot holds.",
+                s.record.bytes as f64,
+            ),
+            (
+                "torchft_snapshot_write_seconds",
+                "Seconds the latest complete durable snapshot took to write (in the \
+                 background).",
+                s.record.write_s,
+            ),
+            (
+                "torchft_snapshot_stage_seconds",
+                "Seconds the training thread was blocked staging the latest complete durable \
+                 snapshot.",
+                s.record.stage_s,
+            ),
+        ] {
+            w.family(name, "gauge", help);
+            w.sample(name, &[], v);
+        }
+    }
 
     w.family(
         "torchft_replica_state",
@@ -341,6 +389,7 @@ mod tests {
             replicas_diverged: 1,
             replicas_stopped: 0,
             replicas_dropped: 0,
+            snapshot: None,
         };
         let text = render(&job, &[]);
         let mut families = 0;
@@ -354,5 +403,58 @@ mod tests {
         }
         assert!(families > 10);
         assert!(text.contains("torchft_quorum_id 9\n"));
+        assert!(text.contains("torchft_snapshots_total 0\n"));
+        assert!(text.contains("torchft_snapshot_failures_total 0\n"));
+    }
+
+    #[test]
+    fn the_latest_snapshot_gauges_are_absent_until_one_completed() {
+        let mut job = JobMetrics {
+            quorum_id: None,
+            quorum_participants: 0,
+            min_replicas: 1,
+            counters: GlobalCounters::default(),
+            event_log_dropped: 0,
+            replicas_hung: 0,
+            hang_timeout_s: 10.0,
+            parity_checks: 0,
+            replicas_diverged: 0,
+            replicas_stopped: 0,
+            replicas_dropped: 0,
+            snapshot: None,
+        };
+        let text = render(&job, &[]);
+        assert!(!text.contains("torchft_snapshot_latest_step"), "{text}");
+        assert!(!text.contains("torchft_snapshot_age_seconds"), "{text}");
+        job.counters.snapshots = 3;
+        job.counters.snapshot_failures = 1;
+        job.snapshot = Some(SnapshotStatus {
+            record: crate::lighthouse::telemetry::SnapshotRecord {
+                step: 120,
+                replica_id: "a".into(),
+                incarnation: String::new(),
+                path: "/ckpt".into(),
+                bytes: 2048,
+                stage_s: 0.25,
+                write_s: 4.5,
+                quorum_id: 1,
+                unix_s: 1.0,
+            },
+            age_s: 30.5,
+        });
+        let text = render(&job, &[]);
+        for line in [
+            "torchft_snapshot_latest_step 120",
+            "torchft_snapshot_age_seconds 30.5",
+            "torchft_snapshot_bytes 2048",
+            "torchft_snapshot_write_seconds 4.5",
+            "torchft_snapshot_stage_seconds 0.25",
+            "torchft_snapshots_total 3",
+            "torchft_snapshot_failures_total 1",
+            "# TYPE torchft_snapshot_latest_step gauge",
+            "# TYPE torchft_snapshots_total counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing: {text}");
+        }
     }
 }

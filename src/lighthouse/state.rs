@@ -26,6 +26,7 @@ use tracing::{debug, error, info, warn};
 use super::hub::Hub;
 use super::quorum::{CommitVerdict, Durable, EarlierLife, LostMember, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
+use super::telemetry::SnapshotRecord;
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::proto::{LostEvent, Quorum, QuorumMember, SessionEvent, TelemetryBatch};
@@ -94,6 +95,8 @@ struct State {
     last: Option<Arc<Issued>>,
     /// The engine's durable revision last written to the state file.
     saved_revision: u64,
+    /// The telemetry's snapshot revision last written to the state file.
+    saved_snapshot_revision: u64,
     /// The startup hold was announced in the log and its end is still to be logged.
     hold_announced: bool,
     /// The last long wait explained in the log: the round (its start) and when.
@@ -147,8 +150,34 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     }
 }
 
+/// What the state file holds: the engine's durable state and, next to its fields, the
+/// latest complete durable snapshot the lighthouse heard of (absent in older files).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StateFile {
+    #[serde(flatten)]
+    durable: Durable,
+    /// Read as any JSON value: a damaged record is dropped alone (it only informs), where a
+    /// damaged quorum state refuses the whole file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot: Option<serde_json::Value>,
+}
+
+/// The snapshot record of a state file, or None (with a warning) when it is unusable.
+fn snapshot_record(value: serde_json::Value, path: &std::path::Path) -> Option<SnapshotRecord> {
+    let problem = match serde_json::from_value::<SnapshotRecord>(value) {
+        Ok(record) => match record.problem() {
+            None => return Some(record),
+            Some(problem) => problem,
+        },
+        Err(e) => e.to_string(),
+    };
+    warn!(path = %path.display(), problem = %problem,
+        "the state file's latest snapshot record is unusable; it is forgotten");
+    None
+}
+
 /// Reads a state file written by [`save_state`]; None if there is none yet.
-fn load_state(path: &std::path::Path) -> Result<Option<Durable>> {
+fn load_state(path: &std::path::Path) -> Result<Option<(Durable, Option<SnapshotRecord>)>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -159,19 +188,29 @@ fn load_state(path: &std::path::Path) -> Result<Option<Durable>> {
             )))
         }
     };
-    serde_json::from_str(&text).map(Some).map_err(|e| {
+    let file: StateFile = serde_json::from_str(&text).map_err(|e| {
         Error::InvalidArgument(format!(
             "the state file {} is not a lighthouse state ({e}); move it away to start from \
              nothing",
             path.display()
         ))
-    })
+    })?;
+    let snapshot = file.snapshot.and_then(|v| snapshot_record(v, path));
+    Ok(Some((file.durable, snapshot)))
 }
 
 /// Writes `durable` to `path` atomically: a temporary file next to it, then a rename (a
 /// reader, or the lighthouse after a crash, sees the old or the new state, never a mix).
-fn save_state(path: &std::path::Path, durable: &Durable) -> Result<()> {
-    let text = serde_json::to_vec(durable)
+fn save_state(
+    path: &std::path::Path,
+    durable: Durable,
+    snapshot: Option<&SnapshotRecord>,
+) -> Result<()> {
+    let snapshot = snapshot
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(|e| Error::Remote(format!("cannot encode the latest snapshot: {e}")))?;
+    let text = serde_json::to_vec(&StateFile { durable, snapshot })
         .map_err(|e| Error::Remote(format!("cannot encode the lighthouse state: {e}")))?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
@@ -209,13 +248,16 @@ impl Shared {
         security: Security,
     ) -> Result<Self> {
         let now = now_instant();
-        let engine = match opts
-            .state_file
-            .as_deref()
-            .map(load_state)
-            .transpose()?
-            .flatten()
-        {
+        let (durable, snapshot) = match opts.state_file.as_deref().map(load_state).transpose()? {
+            Some(Some((durable, snapshot))) => (Some(durable), snapshot),
+            _ => (None, None),
+        };
+        if let Some(record) = snapshot {
+            info!(step = record.step, replica_id = %record.replica_id, path = %record.path,
+                "the state file remembers the latest complete snapshot");
+            hub.with(|t| t.restore_snapshot(record));
+        }
+        let engine = match durable {
             Some(durable) => {
                 info!(
                     quorum_id = ?durable.quorum_id,
@@ -236,6 +278,7 @@ impl Shared {
             shutting_down: false,
             last: None,
             saved_revision: 0,
+            saved_snapshot_revision: 0,
             hold_announced: false,
             explained: None,
             wait_reason: None,
@@ -251,18 +294,23 @@ impl Shared {
         })
     }
 
-    /// Writes the engine's durable state to the state file if it changed since the last
-    /// write (no-op without a state file).
+    /// Writes the engine's durable state and the latest snapshot record to the state file
+    /// if either changed since the last write (no-op without a state file).
     fn persist(&self, state: &mut State) -> Result<()> {
         let revision = state.engine.durable_revision();
-        if revision == state.saved_revision {
+        let snapshot_revision = self.hub.read(|t| t.snapshot_revision());
+        if revision == state.saved_revision && snapshot_revision == state.saved_snapshot_revision {
             return Ok(());
         }
         let Some(path) = state.engine.options().state_file.clone() else {
             return Ok(());
         };
-        save_state(&path, &state.engine.durable())?;
+        let (snapshot_revision, snapshot) = self
+            .hub
+            .read(|t| (t.snapshot_revision(), t.snapshot().cloned()));
+        save_state(&path, state.engine.durable(), snapshot.as_ref())?;
         state.saved_revision = revision;
+        state.saved_snapshot_revision = snapshot_revision;
         Ok(())
     }
 
@@ -744,7 +792,8 @@ impl Shared {
         self.announce_diverged(state, now);
         Self::explain_wait(state, now);
         Self::announce_lost(&self.hub, state, before);
-        // Steps heard in heartbeats and losses reach the state file within a tick.
+        // Steps heard in heartbeats, losses and a new latest snapshot reach the state file
+        // within a tick.
         self.persist_or_warn(state);
     }
 
@@ -1056,6 +1105,127 @@ mod tests {
         assert_eq!(event["steps_lost"], 40);
         assert_eq!(event["unavoidable"], true);
         assert_eq!(event["quorum_id"], issued[0].quorum.quorum_id);
+    }
+
+    /// A fresh file path in a new temporary folder (removed with the guard).
+    struct TempFile(std::path::PathBuf);
+
+    impl TempFile {
+        fn new() -> Self {
+            let dir = std::env::temp_dir().join(format!("torchft-state-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(dir.join("lighthouse.state"))
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            if let Some(dir) = self.0.parent() {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+    }
+
+    fn record(step: i64) -> SnapshotRecord {
+        SnapshotRecord {
+            step,
+            replica_id: "a".into(),
+            incarnation: "a:x".into(),
+            path: format!("/ckpt/{step}"),
+            bytes: 42,
+            stage_s: 0.5,
+            write_s: 2.0,
+            quorum_id: 7,
+            unix_s: 1.7e9,
+        }
+    }
+
+    #[test]
+    fn the_state_file_keeps_the_latest_snapshot_and_older_files_still_load() {
+        let file = TempFile::new();
+        let durable = Durable {
+            quorum_id: Some(5),
+            members: vec!["a".into()],
+            best_step: Some(3),
+            holders: vec!["a".into()],
+            others: vec![("b".into(), 1)],
+        };
+        save_state(&file.0, durable.clone(), Some(&record(3))).unwrap();
+        let (d, snap) = load_state(&file.0).unwrap().unwrap();
+        assert_eq!((d, snap), (durable.clone(), Some(record(3))));
+        // Flat: the engine's fields as before, the record next to them.
+        let raw: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&file.0).unwrap()).unwrap();
+        assert_eq!(raw["best_step"], 3);
+        assert_eq!(raw["snapshot"]["step"], 3);
+        // A file of an older lighthouse (no record) loads; none is written without one.
+        std::fs::write(
+            &file.0,
+            r#"{"quorum_id":5,"members":["a"],"best_step":3,"holders":["a"]}"#,
+        )
+        .unwrap();
+        let (d, snap) = load_state(&file.0).unwrap().unwrap();
+        assert_eq!(d.best_step, Some(3));
+        assert_eq!(snap, None);
+        save_state(&file.0, durable, None).unwrap();
+        assert!(!std::fs::read_to_string(&file.0)
+            .unwrap()
+            .contains("snapshot"));
+    }
+
+    #[test]
+    fn a_damaged_snapshot_record_is_dropped_alone() {
+        let file = TempFile::new();
+        let engine = r#""quorum_id":5,"members":["a"],"best_step":3,"holders":["a"]"#;
+        for bad in [
+            "7",
+            "\"x\"",
+            "[]",
+            "{}",
+            r#"{"step":"ten","replica_id":"a"}"#,
+            r#"{"step":-4,"replica_id":"a"}"#,
+            r#"{"step":4,"replica_id":""}"#,
+            r#"{"step":4,"replica_id":"a","write_s":-1.0}"#,
+            r#"{"step":4,"replica_id":"a","bytes":-1}"#,
+        ] {
+            std::fs::write(&file.0, format!("{{{engine},\"snapshot\":{bad}}}")).unwrap();
+            let (d, snap) = load_state(&file.0).unwrap().unwrap();
+            assert_eq!(d.quorum_id, Some(5), "{bad}");
+            assert_eq!(snap, None, "{bad}");
+        }
+        // null is no record; a minimal one is a record.
+        std::fs::write(&file.0, format!("{{{engine},\"snapshot\":null}}")).unwrap();
+        assert_eq!(load_state(&file.0).unwrap().unwrap().1, None);
+        std::fs::write(
+            &file.0,
+            format!("{{{engine},\"snapshot\":{{\"step\":4,\"replica_id\":\"a\"}}}}"),
+        )
+        .unwrap();
+        assert_eq!(
+            load_state(&file.0).unwrap().unwrap().1.map(|s| s.step),
+            Some(4)
+        );
+        // A file that is not a lighthouse state still refuses to start (as before).
+        std::fs::write(&file.0, "not json").unwrap();
+        assert!(load_state(&file.0).is_err());
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_shows_and_keeps_the_remembered_snapshot() {
+        let file = TempFile::new();
+        save_state(&file.0, Durable::default(), Some(&record(9))).unwrap();
+        let o = LighthouseOptions {
+            state_file: Some(file.0.clone()),
+            ..opts()
+        };
+        let hub = Hub::new(Default::default(), o.heartbeat_timeout, o.min_replicas).unwrap();
+        let shared = Shared::with_hub(o, 10, hub, Security::none()).unwrap();
+        assert_eq!(shared.hub.read(|t| t.snapshot().cloned()), Some(record(9)));
+        // Later writes of the engine's state carry it along.
+        round(&shared, &[member("a", 12), member("b", 12)]);
+        let (d, snap) = load_state(&file.0).unwrap().unwrap();
+        assert!(d.quorum_id.is_some());
+        assert_eq!(snap, Some(record(9)));
     }
 
     fn member(id: &str, step: i64) -> QuorumMember {
