@@ -87,6 +87,8 @@ class MockLighthouse:
             "healing": [],
             "stopped": [],
         }
+        self.snapshot: dict | None = None
+        self.snapshot_failures = 0
         self.fail_status = False
         self.kill_reply: tuple[int, str, str] = (
             200,
@@ -182,7 +184,10 @@ class MockLighthouse:
                     "reports": 100,
                     "reports_rejected": 0,
                     "events": self._seq,
+                    "snapshots": 0 if self.snapshot is None else 1,
+                    "snapshot_failures": self.snapshot_failures,
                 },
+                "snapshot": copy.deepcopy(self.snapshot),
                 "events": copy.deepcopy(self.status_events[-100:]),
             }
 
@@ -591,6 +596,44 @@ def test_verdicts_name_hung_diverged_and_stopped_groups(mock: MockLighthouse, dr
     )
     assert "straggler for 30.0s" in row_map(driver)["b"]["verdict_title"]
     assert row_map(driver)["a"]["verdict_title"] is None
+    assert_no_console_errors(driver)
+
+
+@pytest.mark.timeout(60)
+def test_latest_snapshot_and_failures_in_the_header(mock: MockLighthouse, driver: Any) -> None:
+    """The header shows the latest complete snapshot (step, age, writer, size; path in the
+    title) or none, and the failed attempts, with server text inserted as text."""
+    mock.set_replicas(make_replica("a", step=3))
+    open_page(driver, mock, rows_expected=1)
+    assert text_of(driver, "snapshot-step") == "none"
+    assert text_of(driver, "snapshot-failures") == ""
+    with mock.cond:
+        mock.snapshot = {
+            "step": 1500,
+            "replica_id": EVIL_ID,
+            "incarnation": f"{EVIL_ID}:6f1c0a2b",
+            "path": "/shared/snapshots/step_1500",
+            "bytes": 3 * 1024**3,
+            "stage_s": 0.21,
+            "write_s": 14.5,
+            "quorum_id": 7,
+            "unix_s": time.time() - 125,
+            "age_s": 125.0,
+        }
+        mock.snapshot_failures = 2
+    wait_until(lambda: text_of(driver, "snapshot-step") == "1500", what="the snapshot step")
+    detail = text_of(driver, "snapshot-detail")
+    assert detail == f"2m 05s ago · {EVIL_ID} · 3.00 GiB", detail
+    title = driver.execute_script(
+        "return document.getElementById('snapshot-field').getAttribute('title');"
+    )
+    assert "/shared/snapshots/step_1500" in title and "14.5 s" in title, title
+    assert text_of(driver, "snapshot-failures") == "· 2 failed"
+    assert (
+        driver.execute_script("return document.getElementById('snapshot-failures').className;")
+        == "bad"
+    )
+    assert driver.execute_script("return document.querySelectorAll('header img').length;") == 0
     assert_no_console_errors(driver)
 
 
