@@ -2,13 +2,15 @@
 //! dashboard, and bad requests.
 
 mod common;
-use common::bounded;
+use common::{bounded, TempDir};
 
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
-use torchft::proto::QuorumMember;
+use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
+use torchft::proto::telemetry_report::Phase;
+use torchft::proto::{QuorumMember, TelemetryBatch, TelemetryReport};
 
 async fn start(min: u64) -> LighthouseServer {
     let o = LighthouseOptions {
@@ -301,6 +303,207 @@ async fn events_stream_live_and_replay_after_last_event_id() {
             .await
             .expect("stream not ended by shutdown")
             .ok();
+    })
+    .await;
+}
+
+/// Polls `f` every 20 ms until it returns Some (at most 10 s).
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {what} within 10s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn get_json(http: &reqwest::Client, url: &str) -> serde_json::Value {
+    http.get(url).send().await.unwrap().json().await.unwrap()
+}
+
+async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    http.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// A snapshot report as the rank that wrote the manifest sends it.
+fn snapshot_report(step: i64, phase: Phase) -> TelemetryReport {
+    TelemetryReport {
+        replica_id: "g0".into(),
+        group_rank: 0,
+        group_world_size: 1,
+        hostname: "h".into(),
+        step,
+        quorum_id: 3,
+        phase: phase as i32,
+        snapshot_path: format!("/snap/step_{step}"),
+        snapshot_stage_s: 0.25,
+        snapshot_write_s: 4.5,
+        snapshot_bytes: 1 << 20,
+        error: if phase == Phase::SnapshotFailed {
+            "disk full".into()
+        } else {
+            String::new()
+        },
+        unix_s: 1.7e9,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_show_in_status_and_metrics_and_survive_a_restart() {
+    bounded(async {
+        let dir = TempDir::new("snapshot");
+        let state_file = dir.0.join("lighthouse.state");
+        let o = LighthouseOptions {
+            min_replicas: 1,
+            join_timeout: Duration::from_secs(60),
+            quorum_tick: Duration::from_millis(10),
+            heartbeat_timeout: Duration::from_secs(5),
+            progress_wait: Duration::ZERO,
+            state_file: Some(state_file.clone()),
+            hang_timeout: None,
+        };
+        let server = LighthouseServer::bind("127.0.0.1:0", o.clone())
+            .await
+            .unwrap();
+        let base = server.address();
+        let http = reqwest::Client::new();
+        let s = get_json(&http, &format!("{base}/status")).await;
+        assert!(s["snapshot"].is_null(), "{}", s["snapshot"]);
+        let text = get_text(&http, &format!("{base}/metrics")).await;
+        assert!(!text.contains("torchft_snapshot_latest_step"), "{text}");
+        assert!(text.contains("torchft_snapshots_total 0\n"), "{text}");
+
+        // Through a real manager server, as a rank's report travels.
+        let manager = ManagerServer::start(ManagerOptions {
+            replica_id: "g0".into(),
+            lighthouse_addr: base.clone(),
+            hostname: "127.0.0.1".into(),
+            bind: "127.0.0.1:0".into(),
+            store_addr: "g0-store:1".into(),
+            world_size: 1,
+            heartbeat_interval: Duration::from_millis(50),
+            connect_timeout: Duration::from_secs(5),
+            ..ManagerOptions::default()
+        })
+        .await
+        .unwrap();
+        let rank = ManagerClient::connect(&manager.address(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let send = |reports: Vec<TelemetryReport>| {
+            let rank = rank.clone();
+            async move {
+                let batch = TelemetryBatch {
+                    reports,
+                    dropped: 0,
+                };
+                rank.report(batch, Duration::from_secs(5)).await.unwrap();
+            }
+        };
+        send(vec![snapshot_report(100, Phase::Snapshot)]).await;
+        let snap = eventually("snapshot in /status", || async {
+            let s = get_json(&http, &format!("{base}/status")).await;
+            (!s["snapshot"].is_null()).then(|| s["snapshot"].clone())
+        })
+        .await;
+        assert_eq!(snap["step"], 100);
+        assert_eq!(snap["replica_id"], "g0");
+        assert_eq!(snap["path"], "/snap/step_100");
+        assert_eq!(snap["bytes"], 1 << 20);
+        assert_eq!(snap["stage_s"], 0.25);
+        assert_eq!(snap["write_s"], 4.5);
+        assert_eq!(snap["quorum_id"], 3);
+        assert_eq!(snap["unix_s"], 1.7e9);
+        assert!(snap["age_s"].as_f64().unwrap() > 0.0, "{snap}");
+
+        // An older snapshot and a failed attempt: counted and announced, the latest stays.
+        send(vec![
+            snapshot_report(50, Phase::Snapshot),
+            snapshot_report(150, Phase::SnapshotFailed),
+        ])
+        .await;
+        let s = eventually("the counters", || async {
+            let s = get_json(&http, &format!("{base}/status")).await;
+            (s["counters"]["snapshot_failures"] == 1).then_some(s)
+        })
+        .await;
+        assert_eq!(s["counters"]["snapshots"], 2);
+        assert_eq!(s["snapshot"]["step"], 100);
+        let kinds: Vec<(String, serde_json::Value, serde_json::Value)> = s["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["kind"].as_str().unwrap().starts_with("snapshot_"))
+            .map(|e| {
+                (
+                    e["kind"].as_str().unwrap().into(),
+                    e["step"].clone(),
+                    e["latest"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("snapshot_complete".into(), 100.into(), true.into()),
+                ("snapshot_complete".into(), 50.into(), false.into()),
+                (
+                    "snapshot_failed".into(),
+                    150.into(),
+                    serde_json::Value::Null
+                ),
+            ]
+        );
+        // Not a step: the group has no committed step.
+        let g0 = &s["replicas"][0];
+        assert_eq!(g0["replica_id"], "g0");
+        assert_eq!(g0["counters"]["steps_committed"], 0);
+        assert_eq!(g0["counters"]["commit_failures"], 0);
+        let text = get_text(&http, &format!("{base}/metrics")).await;
+        for line in [
+            "torchft_snapshot_latest_step 100",
+            "torchft_snapshot_bytes 1048576",
+            "torchft_snapshot_write_seconds 4.5",
+            "torchft_snapshot_stage_seconds 0.25",
+            "torchft_snapshots_total 2",
+            "torchft_snapshot_failures_total 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing: {text}");
+        }
+        assert!(text.contains("\ntorchft_snapshot_age_seconds "), "{text}");
+
+        // The state file has it within a tick; a restarted lighthouse still shows it.
+        eventually("the snapshot in the state file", || async {
+            let saved = std::fs::read_to_string(&state_file).ok()?;
+            let saved: serde_json::Value = serde_json::from_str(&saved).ok()?;
+            (saved["snapshot"]["step"] == 100).then_some(())
+        })
+        .await;
+        manager.shutdown().await;
+        server.shutdown().await;
+        let server = LighthouseServer::bind("127.0.0.1:0", o).await.unwrap();
+        let base = server.address();
+        let s = get_json(&http, &format!("{base}/status")).await;
+        assert_eq!(s["snapshot"]["step"], 100);
+        assert_eq!(s["snapshot"]["path"], "/snap/step_100");
+        assert_eq!(s["snapshot"]["replica_id"], "g0");
+        assert_eq!(s["counters"]["snapshots"], 0, "counters are this life's");
+        let text = get_text(&http, &format!("{base}/metrics")).await;
+        assert!(
+            text.contains("\ntorchft_snapshot_latest_step 100\n"),
+            "{text}"
+        );
+        server.shutdown().await;
     })
     .await;
 }

@@ -2,6 +2,7 @@
 
 mod common;
 use common::bounded;
+use common::TempDir;
 use common::TEST_TIMEOUT;
 
 use std::time::Duration;
@@ -405,28 +406,6 @@ async fn wildcard_bind_reports_dialable_hostname() {
         server.shutdown().await;
     })
     .await;
-}
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let dir =
-            std::env::temp_dir().join(format!("torchft-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Heartbeats for `replica_id` every 100 ms, as a manager does, until aborted.

@@ -17,16 +17,18 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _cluster import Cluster
 
-from torchft._torchft import LighthouseServer
+from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
 
 # Workers run until told to stop (the default step limit is reached in seconds here).
 LONG = ["--max-steps", "1000000"]
@@ -410,3 +412,97 @@ def test_kill_action_requires_allow_kill_and_kills(tmp_path: Path) -> None:
         assert ("kill_requested", "g1") in kinds and ("replica_failed", "g1") in kinds
     finally:
         j.close()
+
+
+@pytest.mark.timeout(60)
+def test_snapshot_reports_reach_status_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    """A ``phase="snapshot"`` report travels rank -> manager server -> lighthouse into
+    ``/status`` (and the state file: a restarted lighthouse still shows it); a failed one is
+    counted; negative or non-finite seconds and an overlong path raise ValueError."""
+    state = tmp_path / "lighthouse.state"
+    lighthouse = LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, progress_wait_ms=0, state_file=str(state)
+    )
+    server = ManagerServer(
+        replica_id="g0",
+        lighthouse_addr=lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:1",
+        world_size=1,
+    )
+    try:
+        assert status(lighthouse.address())["snapshot"] is None
+        client = ManagerClient(server.address(), connect_timeout=timedelta(seconds=10))
+        base = dict(replica_id="g0", group_rank=0, group_world_size=1, hostname="h")
+        snapshot = dict(
+            base,
+            step=1500,
+            phase="snapshot",
+            quorum_id=7,
+            snapshot_path="/shared/snapshots/step_1500",
+            snapshot_stage_s=0.25,
+            snapshot_write_s=14.5,
+            snapshot_bytes=3 * 1024**3,
+            unix_s=time.time(),
+        )
+        assert client.report(**snapshot) is True
+        assert (
+            client.report(
+                **base,
+                step=2000,
+                phase="snapshot_failed",
+                snapshot_path="/shared/snapshots/step_2000",
+                error="OSError: [Errno 28] No space left on device",
+            )
+            is True
+        )
+        for bad in [
+            dict(snapshot_stage_s=-1.0),
+            dict(snapshot_write_s=float("nan")),
+            dict(snapshot_write_s=float("inf")),
+            dict(snapshot_path="p" * 4097),
+            dict(snapshot_path="\u00e9" * 2049),  # 4098 bytes in UTF-8
+            dict(phase="snapshotted"),
+        ]:
+            with pytest.raises(ValueError, match="snapshot"):
+                client.report(**{**snapshot, **bad})
+        with pytest.raises(OverflowError):  # an unsigned count, like heal_bytes
+            client.report(**{**snapshot, "snapshot_bytes": -1})
+        assert client.report(**{**snapshot, "snapshot_path": "p" * 4096}), "at the limit"
+        client._telemetry_flush(timeout=timedelta(seconds=5))
+
+        deadline = time.monotonic() + 20
+        while True:
+            s = status(lighthouse.address())
+            if s["counters"]["snapshot_failures"] == 1 and s["counters"]["snapshots"] == 2:
+                break
+            assert time.monotonic() < deadline, s["counters"]
+            time.sleep(0.05)
+        snap = s["snapshot"]
+        assert snap["step"] == 1500 and snap["replica_id"] == "g0", snap
+        assert snap["path"] == "/shared/snapshots/step_1500", "not replaced by the same step"
+        assert (snap["bytes"], snap["stage_s"], snap["write_s"]) == (3 * 1024**3, 0.25, 14.5)
+        assert snap["quorum_id"] == 7 and 0 <= snap["age_s"] < 60
+        code, body = http(lighthouse.address(), "/metrics")
+        assert code == 200 and b"\ntorchft_snapshot_latest_step 1500\n" in body
+        assert b"\ntorchft_snapshot_failures_total 1\n" in body
+        g0 = {r["replica_id"]: r for r in s["replicas"]}["g0"]
+        assert g0["counters"]["steps_committed"] == 0, "a snapshot is not a step"
+
+        # Written to the state file within a tick; a restarted lighthouse still shows it.
+        deadline = time.monotonic() + 20
+        while '"snapshot"' not in (state.read_text() if state.exists() else ""):
+            assert time.monotonic() < deadline, "snapshot never written to the state file"
+            time.sleep(0.05)
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()
+    again = LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, progress_wait_ms=0, state_file=str(state)
+    )
+    try:
+        snap = status(again.address())["snapshot"]
+        assert snap is not None and snap["step"] == 1500, snap
+    finally:
+        again.shutdown()

@@ -12,3 +12,28 @@ pub async fn bounded<F: Future<Output = ()>>(f: F) {
         .await
         .expect("test timed out");
 }
+
+/// A fresh directory under the system temp dir, removed on drop.
+#[allow(dead_code)] // not every test file makes one
+pub struct TempDir(pub std::path::PathBuf);
+
+#[allow(dead_code)]
+impl TempDir {
+    /// Creates `torchft-{tag}-{pid}-{nanos}` under the system temp dir.
+    pub fn new(tag: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir =
+            std::env::temp_dir().join(format!("torchft-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
