@@ -62,6 +62,34 @@ def test_short_soak_on_warm_standbys(tmp_path: Path) -> None:
     assert chaos.pool.pids() == []
 
 
+@pytest.mark.timeout(240)
+def test_short_soak_with_total_losses(tmp_path: Path) -> None:
+    """Every group SIGKILLed at once, sometimes with the lighthouse and its state file, among
+    other faults: each time the run resumes from the newest complete durable snapshot with
+    the state committed at that step, losing at most the interval (the checker's rules)."""
+    cfg = ChaosConfig(
+        seed=9,
+        faults=8,
+        mtbf=2.0,
+        lighthouse_cmd=_lighthouse_bin(),
+        floor_runs=0,
+        snapshot_every=10,
+        weights={"kill_all": 3.0, "kill_one": 1.0, "stop": 1.0},
+    )
+    report = Chaos(cfg, tmp_path / "run").run()
+    print(report.text())
+    assert report.violations == []
+    assert report.total_losses, "no total loss was injected"
+    restores = [
+        line
+        for p in (tmp_path / "run").glob("*.history.jsonl")
+        for line in p.read_text().splitlines()
+        if '"restore"' in line
+    ]
+    assert restores, "no group resumed from a snapshot"
+    assert report.final["states"] == 1 and report.final["groups"] == 3
+
+
 def _write(path: Path, recs: list[dict[str, object]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
 
@@ -606,3 +634,148 @@ def test_a_verdict_at_the_flips_own_step_is_explained(tmp_path: Path) -> None:
     _write(tmp_path / "events.jsonl", [{**at_flip, "ts": 2.0}])
     rep = check(tmp_path, target=30, min_replicas=1, groups=["a", "b", "c"])
     assert len(rep.violations) == 1 and "false divergence verdict" in rep.violations[0]
+
+
+#: Fake pids of the checker's synthetic histories: never a live process here.
+P1, P2, P3, P4 = 10**6 + 1, 10**6 + 2, 10**6 + 3, 10**6 + 4
+
+
+def _total_loss_run(
+    tmp_path: Path,
+    restored_step: int = 4,
+    restored_state: str = "s4",
+    kill_t: float = 10.0,
+    snapshot_step: int = 4,
+    best: int = 6,
+) -> list[str]:
+    """Two groups commit steps 1..6 (pids 1, 2), a kill_all at ``kill_t`` kills both, two
+    new processes (3, 4) restore a snapshot and re-commit 5..6 with new states together.
+    Returns the checker's violations."""
+    first = [
+        _commit(g, pid, s, 10, f"s{s}", float(s)) for s in range(1, 7) for g, pid in (("a", P1),)
+    ]
+    first_b = [_commit("b", P2, s, 10, f"s{s}", float(s) + 0.1) for s in range(1, 7)]
+    finish = [
+        {"kind": "finish", "group": g, "pid": pid, "step": 6, "state": "n6", "t": 30.0}
+        for g, pid in (("a", P3), ("b", P4))
+    ]
+    again = []
+    for g, pid in (("a", P3), ("b", P4)):
+        again.append(
+            {
+                "kind": "restore",
+                "group": g,
+                "pid": pid,
+                "step": restored_step,
+                "state": restored_state,
+                "t": 20.0,
+            }
+        )
+        again += [
+            _commit(g, pid, s, 20, f"n{s}", 21.0 + s + (pid - P3) * 0.1)
+            for s in range(restored_step + 1, 7)
+        ]
+    _write(tmp_path / "a.0.history.jsonl", first)
+    _write(tmp_path / "b.0.history.jsonl", first_b)
+    _write(tmp_path / "a.1.history.jsonl", [again[i] for i in range(len(again) // 2)] + finish[:1])
+    _write(tmp_path / "b.1.history.jsonl", again[len(again) // 2 :] + finish[1:])
+    _write(
+        tmp_path / "processes.jsonl",
+        [
+            {"kind": "start", "group": "a", "pid": P1, "t": 0.0},
+            {"kind": "start", "group": "b", "pid": P2, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": P1, "rc": -9, "killed": True, "t": 10.1},
+            {"kind": "exit", "group": "b", "pid": P2, "rc": -9, "killed": True, "t": 10.1},
+            {"kind": "start", "group": "a", "pid": P3, "t": 11.0},
+            {"kind": "start", "group": "b", "pid": P4, "t": 11.0},
+            {"kind": "exit", "group": "a", "pid": P3, "rc": 0, "killed": False, "t": 31.0},
+            {"kind": "exit", "group": "b", "pid": P4, "rc": 0, "killed": False, "t": 31.0},
+        ],
+    )
+    _write(
+        tmp_path / "faults.jsonl",
+        [
+            {
+                "kind": "fault",
+                "fault": "kill_all",
+                "groups": ["a", "b"],
+                "t": kill_t,
+                "best_step": best,
+                "snapshot_step": snapshot_step,
+                "snapshot_every": 2,
+                "lighthouse": True,
+                "state_file_deleted": True,
+            }
+        ],
+    )
+    return check(tmp_path, target=6, min_replicas=1, groups=["a", "b"]).violations
+
+
+def test_a_total_loss_resumed_from_the_newest_snapshot_is_no_violation(tmp_path: Path) -> None:
+    """Both restarted groups restore step 4 with the state committed then and re-commit 5
+    and 6 together with new states: one unavoidable regression, no violation (the second
+    group's re-commit of a step matches the new reference, not the dead one's state)."""
+    assert _total_loss_run(tmp_path) == []
+    rep = check(tmp_path, target=6, min_replicas=1, groups=["a", "b"])
+    assert len(rep.regressions) == 1
+    assert rep.total_losses[0]["lost"] == 2 and rep.total_losses[0]["snapshot"] == 4
+    assert "total losses (every group killed): 1" in rep.text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"snapshot_step": 2, "best": 6}, "newest complete snapshot at the total loss was step 2"),
+        ({"restored_state": "zz"}, "with a state no group had committed at that step"),
+        ({"kill_t": 25.0}, "with no total loss before it"),
+        ({"snapshot_step": 4, "best": 9}, "more than two snapshot intervals"),
+    ],
+    ids=["older-snapshot", "other-state", "no-total-loss", "too-many-lost"],
+)
+def test_a_total_loss_check_can_fail(
+    tmp_path: Path, kwargs: dict[str, object], expected: str
+) -> None:
+    """Resuming from a snapshot older than the newest complete one, holding a state never
+    committed, restoring while no total loss happened, or losing more than two intervals:
+    each is a violation that names what went wrong."""
+    violations = _total_loss_run(tmp_path, **kwargs)  # type: ignore[arg-type]
+    assert any(expected in v for v in violations), violations
+
+
+def test_after_a_total_loss_the_first_commit_must_follow_the_snapshot(tmp_path: Path) -> None:
+    """Groups that trained from scratch after a total loss (first commit step 1, no restore)
+    are a violation when a snapshot existed."""
+    _write(
+        tmp_path / "a.0.history.jsonl",
+        [_commit("a", P1, s, 10, f"s{s}", float(s)) for s in (1, 2, 3)],
+    )
+    _write(
+        tmp_path / "a.1.history.jsonl",
+        [_commit("a", P2, s, 20, f"s{s}", 20.0 + s) for s in (1, 2, 3)]
+        + [{"kind": "finish", "group": "a", "pid": P2, "step": 3, "state": "s3", "t": 30.0}],
+    )
+    _write(
+        tmp_path / "processes.jsonl",
+        [
+            {"kind": "start", "group": "a", "pid": P1, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": P1, "rc": -9, "killed": True, "t": 10.1},
+            {"kind": "start", "group": "a", "pid": P2, "t": 11.0},
+            {"kind": "exit", "group": "a", "pid": P2, "rc": 0, "killed": False, "t": 31.0},
+        ],
+    )
+    _write(
+        tmp_path / "faults.jsonl",
+        [
+            {
+                "kind": "fault",
+                "fault": "kill_all",
+                "groups": ["a"],
+                "t": 10.0,
+                "best_step": 3,
+                "snapshot_step": 2,
+                "snapshot_every": 2,
+            }
+        ],
+    )
+    violations = check(tmp_path, target=3, min_replicas=1, groups=["a"]).violations
+    assert any("did not resume from the snapshot" in v for v in violations), violations

@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="warm standby processes kept for restarts (torchft.standby); 0 restarts cold",
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=20,
+        help="durable snapshot interval of the groups (kill_all resumes from them; 0: off, "
+        "which needs --weight kill_all=0)",
+    )
     p.add_argument("--out", default=None, help="run directory (default: a new temp dir)")
     args = p.parse_args(argv)
     if args.check:
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_runs=args.floor_runs,
             worker_log_level=args.worker_log_level,
             standby=args.standby,
+            snapshot_every=args.snapshot_every,
         )
         cfg.validate()
     except ValueError as e:

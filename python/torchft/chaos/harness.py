@@ -39,6 +39,7 @@ from torchft.chaos.history import (
     read_jsonl,
 )
 from torchft.launch import _ADDRESS_RE, _find_lighthouse_cmd
+from torchft.snapshot import list_snapshots
 from torchft.standby import StandbyError, StandbyPool
 
 #: Fault kinds and their default weights. Each kind is a method ``_fault_<kind>`` of
@@ -52,6 +53,7 @@ FAULT_KINDS: dict[str, float] = {
     "kill_heal_source": 1.0,
     "kill_in_commit": 1.5,
     "kill_lighthouse": 0.5,
+    "kill_all": 0.4,
     "hang": 1.0,
     "bitflip": 0.5,
     "slow": 0.5,
@@ -101,6 +103,9 @@ class ChaosConfig:
     worker_log_level: str = "WARNING"
     #: Warm standby processes (``torchft.standby``) kept for restarts; 0 restarts cold.
     standby: int = 0
+    #: Durable snapshot interval of the groups (``TORCHFT_SNAPSHOT_EVERY``, into
+    #: ``<run dir>/snapshots``); a ``kill_all`` resumes from them. 0: off.
+    snapshot_every: int = 20
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot make a meaningful run."""
@@ -121,6 +126,10 @@ class ChaosConfig:
             raise ValueError(f"parity_every must be >= 0, got {self.parity_every}")
         if self.standby < 0:
             raise ValueError(f"standby must be >= 0, got {self.standby}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
+        if self.snapshot_every == 0 and self.weights.get("kill_all", 0) > 0:
+            raise ValueError("kill_all faults need durable snapshots: snapshot_every > 0")
         if self.parity_every == 0 and self.weights.get("bitflip", 0) > 0:
             raise ValueError("bitflip faults need runtime parity: parity_every > 0")
         if not 0 <= self.jitter < 1:
@@ -158,6 +167,7 @@ class Chaos:
         self.lock = threading.RLock()
         self.closing = False
         self.target_file = self.dir / "target"
+        self.snapshots = self.dir / "snapshots"
         self._records: IO[str] = open(self.dir / "processes.jsonl", "a", buffering=1)  # noqa: SIM115
         self._faults: IO[str] = open(self.dir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
         self.lighthouse: subprocess.Popen[str] | None = None
@@ -249,6 +259,9 @@ class Chaos:
                 TORCHFT_LIGHTHOUSE=self.address,
                 OMP_NUM_THREADS="1",
             )
+            if self.cfg.snapshot_every:
+                env["TORCHFT_SNAPSHOT_DIR"] = str(self.snapshots)
+                env["TORCHFT_SNAPSHOT_EVERY"] = str(self.cfg.snapshot_every)
             cmd = [
                 sys.executable,
                 "-m",
@@ -542,6 +555,54 @@ class Chaos:
         self._kill(g)
         return [g]
 
+    def _fault_kill_all(self) -> list[str] | None:
+        """Every group SIGKILLed at once (a rack lost, the job preempted); sometimes the
+        lighthouse with them, and sometimes its state file deleted too. The groups restart
+        as usual and resume from the newest complete durable snapshot."""
+        # Groups still restarting from an earlier kill are dead already; the others die now.
+        groups = sorted(self.procs)
+        if not any(self._committed(g) for g in groups):
+            return None
+        if not list_snapshots(self.snapshots):
+            return None  # nothing to resume from yet: a regression to 0 is no finding
+        with_lighthouse = self.rng.random() < 0.4
+        wipe = with_lighthouse and self.rng.random() < 0.5
+        down = self.rng.uniform(0.2, 1.5)
+        t_kill = time.time()
+        for g in groups:
+            self._kill(g)
+            self.stopped.discard(g)  # a stopped group dies too (SIGKILL needs no SIGCONT)
+        for g in groups:
+            self.procs[g].proc.wait(timeout=30)
+        if with_lighthouse:
+            assert self.lighthouse is not None
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+            if wipe:
+                (self.dir / "lighthouse.state").unlink(missing_ok=True)
+        # The writers are dead: what is complete now is what the restarted groups can use.
+        snaps = list_snapshots(self.snapshots)
+        self._record(
+            self._faults,
+            {
+                "kind": "fault",
+                "fault": "kill_all",
+                "groups": groups,
+                "t": t_kill,
+                "best_step": max(self._steps()),
+                "snapshot_step": snaps[0].step if snaps else 0,
+                "snapshot_every": self.cfg.snapshot_every,
+                "lighthouse": with_lighthouse,
+                "state_file_deleted": wipe,
+            },
+        )
+        if with_lighthouse:
+            port = self.address.rsplit(":", 1)[1]
+            time.sleep(down)
+            self.address = ""
+            self._start_lighthouse(f"127.0.0.1:{port}")
+        return groups
+
     def _fault_kill_lighthouse(self) -> list[str] | None:
         assert self.lighthouse is not None
         if self.stopped and not self.cfg.restart_while_stopped:
@@ -611,7 +672,10 @@ class Chaos:
                 for timer in self._restarts:
                     timer.cancel()
                 for g in list(self.stopped):
-                    os.killpg(self.procs[g].proc.pid, signal.SIGCONT)
+                    try:
+                        os.killpg(self.procs[g].proc.pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass  # killed meanwhile: reaped and restarted below
                 self.stopped.clear()
                 for g in self.names:  # a flip not taken yet is not applied at all
                     (self.dir / f"{g}.bitflip").unlink(missing_ok=True)

@@ -122,6 +122,11 @@ class HistoryWriter:
             }
         )
 
+    def restore(self, step: int, state: str) -> None:
+        """Records that the process resumed from the durable snapshot of ``step`` (every group
+        had died), holding the state ``state`` before training on."""
+        self._write({"kind": "restore", "step": step, "state": state})
+
     def hang(self, seconds: float, step: int) -> None:
         """Records that the training loop blocks for ``seconds`` (an injected hang)."""
         self._write({"kind": "hang", "seconds": seconds, "step": step})
@@ -226,6 +231,9 @@ class Report:
     #: ``replica_diverged`` within a bit flip's detection window.
     hung_verdicts: int = 0
     diverged_verdicts: int = 0
+    #: Per ``kill_all``: the best step at the kill, the snapshot step resumed from, the steps
+    #: lost, and seconds from the kill to the first commit after it.
+    total_losses: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -273,6 +281,21 @@ class Report:
             f"divergence stops (exit {DIVERGED_EXIT} within a bit flip's window, restarted): "
             f"{self.divergence_stops}"
         )
+        if self.total_losses:
+            lost = [t["lost"] for t in self.total_losses]
+            resumed = sorted(t["resumed_s"] for t in self.total_losses if t["resumed_s"])
+            lines.append(
+                f"total losses (every group killed): {len(self.total_losses)}; resumed from "
+                f"the newest complete snapshot, steps lost max {max(lost)} (interval "
+                f"{self.total_losses[0]['every']}), kill -> first commit p50 "
+                + (f"{resumed[len(resumed) // 2]:.2f}s" if resumed else "-")
+            )
+            for t in self.total_losses:
+                lines.append(
+                    f"  best step {t['best']} -> snapshot {t['snapshot']}: {t['lost']} lost"
+                    + (" (with the lighthouse" if t["lighthouse"] else "")
+                    + (", state file deleted)" if t["wiped"] else ")" if t["lighthouse"] else "")
+                )
         lines.append(f"final: {self.final}")
         lines.append(f"violations: {len(self.violations)}")
         for v in self.violations[:50]:
@@ -418,6 +441,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     hung_pids: set[int] = set()
     hangs: list[dict[str, Any]] = []
     flips: list[_Flip] = []
+    restores: list[dict[str, Any]] = []
     for p in sorted(run_dir.glob("*.history.jsonl")):
         for rec in read_jsonl(p):
             if rec["kind"] == "commit":
@@ -429,6 +453,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             elif rec["kind"] == "hang":
                 hung_pids.add(rec["pid"])
                 hangs.append(rec)
+            elif rec["kind"] == "restore":
+                restores.append(rec)
             elif rec["kind"] == "bitflip":
                 end = rec["step"] + detection_window(rec["parity_every"])
                 flips.append(_Flip(rec["group"], rec["pid"], rec["step"], end, rec["t"]))
@@ -471,9 +497,10 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
 
     # Forks: a step committed with a second state. Allowed only if every process holding
     # the later state (one that had committed this step or a later one) was dead by then;
-    # a stopped process is not dead.
+    # a stopped process is not dead. After a fork the new state is the step's reference:
+    # the groups that go on from a regression commit it together.
     first_state: dict[int, str] = {}
-    first_q: dict[int, int] = {}  # step -> the quorum of its first commit
+    first_q: dict[int, int] = {}  # step -> the quorum of its reference commit
     last_step: dict[int, int] = {}  # pid -> its latest committed step so far
     covered: list[tuple[int, int]] = []  # step ranges of regressions already reported
     for c in commits:
@@ -496,6 +523,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             # above) is not a regression of progress.
             flipped = c["quorum_id"] == holder_q and carriers.excuse(by_q[(holder_q, step)], step)
             best = max(last_step.values(), default=step)
+            if not flipped:
+                first_state[step], first_q[step] = state, c["quorum_id"]
             if ahead and not flipped:
                 rep.violations.append(
                     f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
@@ -585,9 +614,78 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if r["kind"] == "start" and _alive(r["pid"]):
             rep.violations.append(f"process {r['pid']} ({r['group']}) is still running")
 
+    _judge_total_losses(rep, commits, restores, faults)
     _judge_verdicts(rep, run_dir, hangs, flips)
     _timings(rep, commits, procs, faults, ready)
     return rep
+
+
+def _judge_total_losses(
+    rep: Report,
+    commits: list[dict[str, Any]],
+    restores: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+) -> None:
+    """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
+    that was complete at the kill, holding exactly the state committed at that step, and
+    loses no more than the snapshot interval, plus one more interval when the newest
+    snapshot step's writer had not finished (a kill during or just before the write); a
+    snapshot is restored only after such a kill."""
+    kills = [f for f in faults if f["fault"] == "kill_all"]
+    for r in restores:
+        before = [f for f in kills if f["t"] < r["t"]]
+        if not before:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step {r['step']} "
+                "with no total loss before it: a live group's progress was bypassed"
+            )
+            continue
+        kill = before[-1]
+        if r["step"] != kill["snapshot_step"]:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, but the newest "
+                f"complete snapshot at the total loss was step {kill['snapshot_step']}"
+            )
+        held = {c["state"] for c in commits if c["step"] == r["step"] and c["t"] < kill["t"]}
+        if not held:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, which no group "
+                "had committed before the total loss"
+            )
+        elif r["state"] not in held:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step {r['step']} "
+                "with a state no group had committed at that step"
+            )
+    for i, kill in enumerate(kills):
+        t, every = kill["t"], kill["snapshot_every"]
+        snap, best = kill["snapshot_step"], kill["best_step"]
+        lost = best - snap
+        nxt = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
+        after = [c for c in commits if t < c["t"] < nxt]
+        first = min(after, key=lambda c: c["t"]) if after else None
+        rep.total_losses.append(
+            {
+                "best": best,
+                "snapshot": snap,
+                "lost": lost,
+                "every": every,
+                "resumed_s": first["t"] - t if first is not None else None,
+                "lighthouse": kill.get("lighthouse", False),
+                "wiped": kill.get("state_file_deleted", False),
+            }
+        )
+        if lost > 2 * every:
+            rep.violations.append(
+                f"total loss at best step {best} resumed from snapshot {snap}: {lost} steps "
+                f"lost, more than two snapshot intervals ({every})"
+            )
+        if first is not None and first["step"] != snap + 1:
+            rep.violations.append(
+                f"after the total loss at best step {best} (newest snapshot {snap}) the first "
+                f"commit was step {first['step']}, not {snap + 1}: the run did not resume "
+                "from the snapshot"
+            )
 
 
 #: Seconds after an injected hang ends within which a hung verdict on it may still be told
@@ -715,6 +813,9 @@ def _timings(
         elif f["fault"] == "slow":
             # Every group's steps wait for the slow one while it lasts.
             end = t + f.get("seconds", 0.0)
+        elif f["fault"] == "kill_all":
+            # Reported as total losses (kill -> first commit after it), not as recoveries.
+            end = first_after(all_commits, t) or t
         elif f["fault"].startswith("kill"):
             for g in f["groups"]:
                 # The group is back at the first commit of any later process of it (the

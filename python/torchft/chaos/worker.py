@@ -6,8 +6,10 @@ lighthouse and the group name come from the environment as under torchrun (``RAN
 
 The history (see :mod:`torchft.chaos.history`) gets one JSON line per committed step: step,
 quorum id, participants, a hash of the parameters and optimizer state, whether a heal came
-before it, and the wall time; a ``finish`` line at the target step (written to
-``--target-file`` by the harness). ``--phase`` is a one-byte file the worker overwrites with
+before it, and the wall time; a ``restore`` line when the Manager resumed from a durable
+snapshot (``TORCHFT_SNAPSHOT_DIR``, set by the harness) with the step and state hash it
+resumed from; a ``finish`` line at the target step (written to ``--target-file`` by the
+harness). ``--phase`` is a one-byte file the worker overwrites with
 its phase (``q`` quorum/compute, ``c`` commit vote) so faults can aim at a phase.
 
 Faults that act inside the process arrive as files the harness writes, looked at on the top
@@ -249,7 +251,13 @@ def main(argv: list[str] | None = None) -> int:
             before = manager.current_step()
             optim.step()
             healed = healed or bool(getattr(manager, "_healing", False))
-            if manager.current_step() == before + 1:
+            if manager.current_step() > before + 1:
+                # A durable snapshot was restored (every group had died): the state the
+                # group trains on from here, for the checker to compare with the history.
+                history.restore(
+                    manager.current_step(), state_hash(model.state_dict(), optim.state_dict())
+                )
+            elif manager.current_step() == before + 1:
                 history.commit(
                     step=before + 1,
                     quorum_id=manager._quorum_id,
