@@ -1,12 +1,17 @@
-"""The main job: replica groups training on CPU while one of them is killed and heals.
+"""The main job: replica groups training on CPU while one of them is killed and heals, then
+every group is killed at once and the job resumes from its durable snapshot.
 
 Starts ``torchft_lighthouse --min_replicas 2``, launches three replica groups of
 ``examples/train_ddp.py`` (via :mod:`torchft.launch`, which keeps one warm standby process:
 torch and torchft already imported), SIGKILLs one group's trainer mid-run, lets the launcher
-replace it with the standby so it heals from a live peer, and prints a summary: steps
-committed, failures injected, heal time, final loss and whether every group ended with
-bit-identical model and optimizer state. Exits non-zero if any of that did not happen.
-``--standby 0`` restarts the group cold under torchrun instead, for comparison.
+replace it with the standby so it heals from a live peer. Later it SIGKILLs every group at
+once (a total loss: nobody is left to heal from); the groups restart and resume from the
+newest complete durable snapshot (``TORCHFT_SNAPSHOT_DIR``, written by one group every
+``--snapshot-every`` steps). It prints a summary: steps committed, failures injected, heal
+time, the snapshot resumed from and the steps lost, final loss and whether every group ended
+with bit-identical model and optimizer state. Exits non-zero if any of that did not happen.
+``--standby 0`` restarts the groups cold under torchrun instead, for comparison;
+``--total-loss-at 0`` skips the total loss.
 
 With ``--secure`` (``make demo DEMO_SECURE=1``) the whole job runs with a shared-secret
 token and mutual TLS: the lighthouse, every manager server and every healing transfer
@@ -35,6 +40,7 @@ from pathlib import Path
 
 from torchft.eventlog import read_events, summarize
 from torchft.launch import Launcher, LighthouseProcess
+from torchft.snapshot import list_snapshots
 
 HERE = Path(__file__).resolve().parent
 STEP_RE = re.compile(r"step=(\d+) loss=([\d.naninf]+) participants=(\d+) committed=(True|False)")
@@ -52,14 +58,13 @@ class GroupView:
     first_commit_after_restart: float | None = None
 
 
-def _replica_health(
-    address: str, tls: ssl.SSLContext | None = None
-) -> list[dict[str, object]] | None:
-    """The lighthouse's per-replica view from /status (None if it did not answer)."""
+def _status(address: str, tls: ssl.SSLContext | None = None) -> dict[str, object] | None:
+    """The lighthouse's /status (None if it did not answer)."""
     try:
         with urllib.request.urlopen(address + "/status", timeout=0.5, context=tls) as r:
-            return list(json.loads(r.read())["replicas"])
-    except (OSError, ValueError, KeyError):
+            status = json.loads(r.read())
+            return status if isinstance(status, dict) else None
+    except (OSError, ValueError):
         return None
 
 
@@ -200,6 +205,18 @@ def main(argv: list[str] | None = None) -> int:
         "--kill-at", type=int, default=None, help="step at which to kill (default: steps/4)"
     )
     p.add_argument("--kill-group", type=int, default=1)
+    p.add_argument(
+        "--total-loss-at",
+        type=int,
+        default=None,
+        help="step at which every group is killed at once (default: 3*steps/5; 0: never)",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=25,
+        help="committed steps between durable snapshots (TORCHFT_SNAPSHOT_EVERY)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument(
         "--standby",
@@ -227,10 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.kill_group < args.replicas:
         p.error("--kill-group must name one of the replica groups")
     kill_at = args.kill_at if args.kill_at is not None else args.steps // 4
+    total_at = args.total_loss_at if args.total_loss_at is not None else 3 * args.steps // 5
+    if args.snapshot_every < 1:
+        p.error("--snapshot-every must be at least 1")
+    if total_at and not kill_at < total_at < args.steps:
+        p.error("--total-loss-at must come after --kill-at and before --steps (or be 0)")
 
     views = [GroupView() for _ in range(args.replicas)]
     lock = threading.Lock()
     restart_time: dict[int, float] = {}
+    # The total loss: when it happened, the newest complete snapshot then, the best step then,
+    # and the first committed step printed after it.
+    total: dict[str, float | int | None] = {"t": None, "snapshot": None, "best": None}
+    resumed: list[int] = []
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
         log_dir = args.log_dir
@@ -253,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             v.participants = int(m.group(3))
             if m.group(4) == "True":
                 v.commits += 1
+                if total["t"] is not None and not resumed:
+                    resumed.append(v.step)
+                    print(
+                        f"-> the job resumed: step {v.step} committed "
+                        f"{time.monotonic() - float(total['t']):.1f}s after the total loss "
+                        f"(from the snapshot of step {v.step - 1})"
+                    )
                 if group in restart_time and v.first_commit_after_restart is None:
                     v.first_commit_after_restart = time.monotonic() - restart_time[group]
                     print(
@@ -284,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(dashboard: {lighthouse.address}/ , JSON: /status, metrics: /metrics)"
     )
     health: list[dict[str, object]] = []
+    snapshot_seen: object = None
+    snap_dir = log_dir / "snapshots"
     result_file = str(log_dir / "result_{replica_group}_{rank}.json")
     launcher = Launcher(
         str(HERE / "train_ddp.py"),
@@ -298,10 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         ],
         replicas=args.replicas,
         nproc_per_node=1,
-        max_restarts=2,
+        max_restarts=3,
         lighthouse=lighthouse.address,
         on_line=on_line,
-        env={"TORCHFT_RESULT_FILE": result_file},
+        env={
+            "TORCHFT_RESULT_FILE": result_file,
+            "TORCHFT_SNAPSHOT_DIR": str(snap_dir),
+            "TORCHFT_SNAPSHOT_EVERY": str(args.snapshot_every),
+        },
         standby=args.standby,
     )
     killed: list[int] = []
@@ -325,9 +364,31 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"-> SIGKILL replica group {args.kill_group} (pid {pids}) at step {kill_step}"
                     )
+            healed_once = views[args.kill_group].first_commit_after_restart is not None
+            if total_at and healed_once and total["t"] is None and min(steps) >= total_at:
+                for i in range(args.replicas):
+                    launcher.kill_group(i, signal.SIGKILL)
+                # The writers died with the groups: what is complete now is what they use.
+                time.sleep(0.2)
+                snaps = list_snapshots(snap_dir)
+                total.update(
+                    t=time.monotonic(),
+                    snapshot=snaps[0].step if snaps else 0,
+                    best=max(steps),
+                )
+                print(
+                    f"-> SIGKILL every replica group at once at step {max(steps)} (a total "
+                    f"loss: nobody left to heal from); newest complete snapshot: step "
+                    f"{total['snapshot']}"
+                )
             if now - last_print >= 2.0 or done:
                 last_print = now
-                health = _replica_health(lighthouse.address, status_tls) or health
+                status = _status(lighthouse.address, status_tls)
+                if status is not None:
+                    replicas = status.get("replicas")
+                    if isinstance(replicas, list) and replicas:
+                        health = replicas
+                    snapshot_seen = status.get("snapshot") or snapshot_seen
                 state = "  ".join(f"g{i}:{s}" for i, s in enumerate(steps))
                 print(
                     f"[{now - t0:5.1f}s] steps {state}  restarts={launcher.groups[args.kill_group].restarts}"
@@ -377,6 +438,21 @@ def main(argv: list[str] | None = None) -> int:
         else "cold (torchrun)"
     )
     print(f"group restarts          : {restarts}, {how}")
+    lost = None
+    if total["t"] is not None:
+        resumed_from = resumed[0] - 1 if resumed else None
+        lost = int(total["best"] or 0) - int(total["snapshot"] or 0)
+        print(
+            f"total loss              : every group SIGKILLed at step {total['best']}; resumed "
+            f"from the snapshot of step {resumed_from} ({lost} steps lost, interval "
+            f"{args.snapshot_every})"
+        )
+    if isinstance(snapshot_seen, dict):
+        print(
+            f"lighthouse's snapshot   : step {snapshot_seen.get('step')} written by "
+            f"{snapshot_seen.get('replica_id')} ({snapshot_seen.get('bytes')} bytes, staged in "
+            f"{snapshot_seen.get('stage_s')}s, written in {snapshot_seen.get('write_s')}s)"
+        )
     print(
         "heal time               : "
         + (f"{healed:.1f}s from kill to first committed step" if healed else "not healed")
@@ -411,6 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         walk = " -> ".join(t["to"] for t in victim.get("transitions", []))
         print(f"event log               : {len(events)} events; group {args.kill_group}: {walk}")
     ok = bool(killed) and restarts >= 1 and healed is not None and identical
+    if total_at:
+        # The job resumed from the newest complete snapshot, losing at most the interval.
+        ok = (
+            ok
+            and bool(resumed)
+            and resumed[0] - 1 == total["snapshot"]
+            and lost is not None
+            and 0 <= lost <= args.snapshot_every
+        )
     if args.secure:
         secured = bool(refusals) and all(r.endswith("(refused)") for r in refusals)
         print(f"token + mutual TLS      : {'enforced' if secured else 'NOT ENFORCED'}")

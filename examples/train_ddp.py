@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             before = manager.current_step()
             optimizer.step()
-            committed = manager.current_step() > before
+            # Exactly one step further: a resume from a durable snapshot (every group had
+            # died) jumps further without committing this step.
+            committed = manager.current_step() == before + 1
             loss_value = loss.item()
             if committed and first_commit_s is None:
                 first_commit_s = time.monotonic() - started
