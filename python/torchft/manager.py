@@ -65,6 +65,7 @@ from torchft.hang import HangWatchdog
 from torchft.parity import StateParity
 from torchft.snapshot import (
     Snapshot,
+    SnapshotError,
     SnapshotResult,
     SnapshotWriter,
     choose_restore,
@@ -626,7 +627,6 @@ class Manager:
         self._snapshots: SnapshotWriter | None = None
         self._snapshot_due: tuple[int, int] | None = None
         self._pending_restore: tuple[Snapshot, dict[str, Any]] | None = None
-        self._restore_round = 0
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._manager: NativeManagerServer | None = None
@@ -1182,6 +1182,11 @@ class Manager:
         replica_world_size: int = quorum.replica_world_size
         max_step: int = quorum.max_step
         heal: bool = bool(quorum.heal) and allow_heal
+        restored: Snapshot | None = None
+        if self._snapshots is not None and self._startup_state and allow_heal:
+            # First, while nothing of this answer is acted on yet: every rank of the group
+            # reaches it, so the choice shared through the store is never waited for in vain.
+            restored = self._restore_snapshot(quorum_id, max_step)
         if self._state_torn and not heal:
             # A failed in-place heal left this group's tensors partly overwritten: going on
             # would train, and later serve, a state no step ever had.
@@ -1264,8 +1269,14 @@ class Manager:
             heal=heal,
         )
 
-        if self._snapshots is not None and self._startup_state and allow_heal:
-            self._maybe_restore(quorum_id, max_step)
+        if restored is not None:
+            # After configuring: the peers' rendezvous completes, and this group's skipped
+            # collectives fail their step at once instead of at their timeout.
+            raise RuntimeError(
+                f"restored the snapshot of step {restored.step} from {restored.path} under "
+                f"quorum {quorum_id}; this step's forward pass ran on the previous state, so "
+                "it does not commit"
+            )
 
         if allow_heal:
             dst_ranks = list(quorum.recover_dst_replica_ranks)
@@ -1709,47 +1720,61 @@ class Manager:
 
     # ------------------------------------------------------------------ durable snapshots
 
-    def _maybe_restore(self, quorum_id: int, max_step: int) -> None:
+    def _restore_snapshot(self, quorum_id: int, max_step: int) -> Snapshot | None:
         """Loads the newest usable snapshot newer than every live group's state, if any.
 
-        Called at each quorum answer while this process holds its start-up state. Group rank
-        0 chooses (and verifies) the snapshot and tells the other ranks through the group's
-        store, so every rank loads its part of the same one. When one is loaded the step
-        fails (its forward pass ran on the old state); the state applies after the vote.
+        Called at each quorum answer while this process holds its start-up state, before
+        anything of the answer is acted on. Group rank 0 chooses (and verifies) the snapshot
+        and publishes the choice in the group's store under the quorum's id, so every rank
+        of the group loads its part of the same one. The loaded state is applied after this
+        step's vote (its forward pass ran on the old state, so the step does not commit).
+
+        Returns:
+            The snapshot loaded, or None.
         """
         snaps = self._snapshots
         assert snaps is not None
-        self._restore_round += 1
-        key = f"torchft/snapshot/{self._replica_id}/{self._restore_round}"
-        if self._group_rank == 0:
-            chosen: Snapshot | None = None
-            floor = max(max_step, self._step)
-            newest = list_snapshots(snaps.directory)
-            if newest and newest[0].step > floor:
-                self._log_info(
-                    "no live replica group is past step %d; newest snapshot is step %d: "
-                    "checking it",
-                    floor,
-                    newest[0].step,
-                )
-                chosen = choose_restore(
-                    snaps.directory,
-                    floor,
-                    self._group_world_size,
-                    set(self._load_state_dict_fns),
-                )
-            if self._group_world_size > 1:
-                self._store.set(key, str(chosen.path) if chosen is not None else "")
-        else:
-            choice = self._store.get(key).decode()
-            matches = [s for s in list_snapshots(snaps.directory) if str(s.path) == choice]
-            if choice and not matches:
-                raise RuntimeError(f"snapshot {choice} chosen by group rank 0 is not readable")
-            chosen = matches[0] if choice else None
-        if chosen is None:
-            return
-        t0 = time.perf_counter()
-        state = load_rank(chosen, self._group_rank, template=self._manager_state_dict())
+        key = f"torchft/snapshot/{self._replica_id}/{quorum_id}"
+        shared = self._group_world_size > 1
+        chosen: Snapshot | None = None
+        try:
+            if self._group_rank == 0 and not (shared and self._store.check([key])):
+                floor = max(max_step, self._step)
+                newest = list_snapshots(snaps.directory)
+                if newest and newest[0].step > floor:
+                    self._log_info(
+                        "no live replica group is past step %d; newest snapshot is step %d: "
+                        "checking it",
+                        floor,
+                        newest[0].step,
+                    )
+                    chosen = choose_restore(
+                        snaps.directory,
+                        floor,
+                        self._group_world_size,
+                        set(self._load_state_dict_fns),
+                    )
+                if shared:
+                    self._store.set(key, str(chosen.path) if chosen is not None else "")
+            else:
+                choice = self._wait_for_choice(key)
+                if choice:
+                    matches = [s for s in list_snapshots(snaps.directory) if str(s.path) == choice]
+                    if not matches:
+                        raise SnapshotError(f"snapshot {choice} chosen by group rank 0 is gone")
+                    chosen = matches[0]
+            if chosen is None:
+                return None
+            t0 = time.perf_counter()
+            state = load_rank(chosen, self._group_rank, template=self._manager_state_dict())
+        except Exception as e:
+            # The group's ranks may now disagree on the state they train from: none of them
+            # goes on; a restart of the group chooses again (docs/snapshots.md).
+            self._torn_for_good = TornStateError(
+                f"restoring a durable snapshot failed on group rank {self._group_rank}: "
+                f"{type(e).__name__}: {e}; restart the group"
+            )
+            raise self._torn_for_good from e
         self._pending_restore = (chosen, state)
         self._log_info(
             "loaded snapshot of step %d from %s in %.3fs (live replica groups are at step "
@@ -1760,11 +1785,27 @@ class Manager:
             max_step,
             chosen.step,
         )
-        raise RuntimeError(
-            f"restored the snapshot of step {chosen.step} from {chosen.path} under quorum "
-            f"{quorum_id}; this step's forward pass ran on the previous state, so it does "
-            "not commit"
-        )
+        return chosen
+
+    def _wait_for_choice(self, key: str) -> str:
+        """Group rank 0's snapshot choice for this quorum (it may be verifying a large
+        snapshot: the wait is logged, and bounded by ``connect_timeout``)."""
+        deadline = time.monotonic() + self._connect_timeout.total_seconds()
+        told = time.monotonic() + 2.0
+        while not self._store.check([key]):
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"group rank 0 did not choose a snapshot within {self._connect_timeout}"
+                )
+            if now >= told:
+                self._log_info(
+                    "waiting for group rank 0 to choose a durable snapshot (gives up in %.0fs)",
+                    deadline - now,
+                )
+                told = now + 10.0
+            time.sleep(0.02)
+        return self._store.get(key).decode()
 
     def _apply_restore(self) -> None:
         """Applies a loaded snapshot (after the vote of the step that loaded it)."""

@@ -1,0 +1,293 @@
+"""torchft.snapshot on its own: writing, reading back, retention, the checks that skip bad
+snapshots, and the settings (the end-to-end runs with real groups are in test_snapshot.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ft_worker import hash_state
+from test_config import resolve
+
+from torchft.snapshot import (
+    CORRUPT,
+    MANIFEST,
+    SnapshotResult,
+    SnapshotWriter,
+    choose_restore,
+    list_snapshots,
+    load_rank,
+    snapshot_path,
+    unusable_reason,
+    verify,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def state(step: int, seed: int = 0) -> dict[str, Any]:
+    """A Manager-shaped state: a model, an optimizer (integer keys), a list, plain values."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    return {
+        "user": {
+            "model": model.state_dict(),
+            "optim": optim.state_dict(),
+            "data": {"position": step * 32, "history": [1.5, torch.arange(3)]},
+        },
+        "torchft": {"step": step, "batches_committed": 2 * step},
+    }
+
+
+def writer(
+    directory: Path, results: list[SnapshotResult], rank: int = 0, world: int = 1, **kw: Any
+) -> SnapshotWriter:
+    args: dict[str, Any] = {
+        "every": 5,
+        "keep": 2,
+        "replica_id": "g0",
+        "incarnation": "g0:abc",
+        "group_rank": rank,
+        "group_world_size": world,
+        "timeout": 10.0,
+        "on_done": results.append,
+    }
+    args.update(kw)
+    return SnapshotWriter(str(directory), **args)
+
+
+def test_a_snapshot_reads_back_bit_identical_with_integer_keys(tmp_path: Path) -> None:
+    """What is written is what loads: tensors, an optimizer's integer-keyed state, lists and
+    plain values; the manifest names the step, the group and every file's checksum."""
+    results: list[SnapshotResult] = []
+    w = writer(tmp_path, results)
+    original = state(5)
+    assert w.save(5, 42, original) is None
+    done = w.wait(30)
+    assert done is not None and done.complete and done.error is None, done
+    assert results == [done]
+    (snap,) = list_snapshots(tmp_path)
+    assert snap.step == 5 and snap.manifest["quorum_id"] == 42
+    assert snap.manifest["replica_id"] == "g0" and snap.manifest["user_keys"] == [
+        "data",
+        "model",
+        "optim",
+    ]
+    assert set(snap.manifest["ranks"]["0"]["files"]) >= {".metadata"}
+    assert verify(snap) is None
+    loaded = load_rank(snap, 0)
+    assert sorted(loaded["user"]["optim"]["state"]) == [0, 1]  # integers again
+    assert hash_state(loaded) == hash_state(original)
+    w.shutdown()
+
+
+def test_the_training_thread_keeps_mutating_after_staging(tmp_path: Path) -> None:
+    """Staging copies: changing the state right after save() returns does not change the
+    snapshot; the staging buffers are reused by the next snapshot."""
+    results: list[SnapshotResult] = []
+    w = writer(tmp_path, results, keep=5)
+    live = state(5)
+    expected = hash_state(live)
+    w.save(5, 1, live)
+    live["user"]["model"]["weight"].add_(1.0)
+    live["user"]["data"]["history"][0] = 99.0
+    w.wait(30)
+    assert hash_state(load_rank(list_snapshots(tmp_path)[0], 0)) == expected
+    buffers = dict(w._staging._buffers)
+    w.save(10, 2, live)
+    w.wait(30)
+    assert all(w._staging._buffers[k] is b for k, b in buffers.items())
+    assert hash_state(load_rank(list_snapshots(tmp_path)[0], 0)) == hash_state(live)
+    w.shutdown()
+
+
+def test_retention_keeps_the_newest_and_drops_old_incomplete_ones(tmp_path: Path) -> None:
+    """keep=2: after four snapshots only the newest two are left; an incomplete directory
+    older than the oldest kept is deleted, a newer one (maybe still being written) is not."""
+    results: list[SnapshotResult] = []
+    w = writer(tmp_path, results)
+    stale = snapshot_path(tmp_path, 7, "other:1")
+    fresh = snapshot_path(tmp_path, 100, "other:2")
+    for d in (stale, fresh):
+        (d / "rank_0").mkdir(parents=True)
+    for step in (5, 10, 15, 20):
+        w.save(step, step, state(step))
+        w.wait(30)
+    assert [s.step for s in list_snapshots(tmp_path)] == [20, 15]
+    assert not stale.exists() and fresh.exists()
+    w.shutdown()
+
+
+def test_a_snapshot_still_being_written_makes_the_next_one_skip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training thread never waits for a slow target: the next snapshot is skipped and
+    reported as failed, naming the one still in flight."""
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def slow_save(*a: Any, **kw: Any) -> Any:
+        time.sleep(1.0)
+        return real_save(*a, **kw)
+
+    monkeypatch.setattr(dcp, "save", slow_save)
+    results: list[SnapshotResult] = []
+    w = writer(tmp_path, results)
+    assert w.save(5, 1, state(5)) is None
+    t0 = time.perf_counter()
+    skipped = w.save(10, 2, state(10))
+    assert time.perf_counter() - t0 < 0.5
+    assert skipped is not None and skipped.error is not None
+    assert "snapshot of step 5 is still being written" in skipped.error
+    assert w.wait(30).complete  # type: ignore[union-attr]
+    assert [r.step for r in results] == [10, 5]
+    w.shutdown()
+
+
+def test_an_unwritable_directory_is_reported_not_raised(tmp_path: Path) -> None:
+    """A directory under a regular file: save() returns, the failure is reported with the
+    OS error, and no manifest exists."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    results: list[SnapshotResult] = []
+    w = writer(blocker / "snaps", results)
+    w.save(5, 1, state(5))
+    done = w.wait(30)
+    assert done is not None and not done.complete
+    assert done.error is not None and "Not a directory" in done.error
+    assert list_snapshots(blocker / "snaps") == []
+    w.shutdown()
+
+
+def test_group_rank_0_waits_for_every_rank_and_names_the_missing_or_failed(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 of a two-rank group writes the manifest only when rank 1's part is in: it
+    gives up naming rank 1 when the part never comes, and names a rank's own failure."""
+    results: list[SnapshotResult] = []
+    w0 = writer(tmp_path, results, world=2, timeout=0.5)
+    w0.save(5, 1, state(5))
+    done = w0.wait(30)
+    assert done is not None and not done.complete
+    assert done.error is not None and "ranks ['1'] did not write their parts" in done.error
+    # Both ranks: rank 1's part, then rank 0's; the manifest lists both.
+    w1 = writer(tmp_path, results, rank=1, world=2)
+    w0b = writer(tmp_path, results, world=2, incarnation="g0:abc")
+    w1.save(10, 2, state(10, seed=1))
+    w0b.save(10, 2, state(10))
+    assert w0b.wait(30).complete  # type: ignore[union-attr]
+    (snap,) = [s for s in list_snapshots(tmp_path) if s.step == 10]
+    assert sorted(snap.manifest["ranks"]) == ["0", "1"]
+    assert hash_state(load_rank(snap, 1)) == hash_state(state(10, seed=1))
+    # A rank that failed its part: rank 0 names it.
+    path = snapshot_path(tmp_path, 15, "g0:abc")
+    path.mkdir(parents=True)
+    (path / "rank_1.failed").write_text(json.dumps({"error": "disk full"}))
+    w0b.save(15, 3, state(15))
+    failed = w0b.wait(30)
+    assert failed is not None and failed.error is not None
+    assert "rank 1 failed its part" in failed.error and "disk full" in failed.error
+    for w in (w0, w1, w0b):
+        w.shutdown()
+
+
+def test_bad_snapshots_are_skipped_naming_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Newest first: one written by a group of another size, one lacking a registered key,
+    a truncated one and a corrupt one (marked, so it is never tried again) are skipped; the
+    oldest good one is chosen; nothing newer than the live step is ever chosen."""
+    results: list[SnapshotResult] = []
+    for step in (5, 10, 15, 20):
+        w = writer(tmp_path, results, keep=10)
+        w.save(step, step, state(step))
+        assert w.wait(30).complete  # type: ignore[union-attr]
+        w.shutdown()
+    w = writer(tmp_path, results, keep=10, world=1)
+    by_step = {s.step: s for s in list_snapshots(tmp_path)}
+    # 20: another group size (manifest edited, digest still consistent).
+    m = json.loads((by_step[20].path / MANIFEST).read_text())
+    m["group_world_size"] = 2
+    (by_step[20].path / MANIFEST).write_text(json.dumps(m))
+    # 15: a data file truncated.
+    data15 = next(p for p in by_step[15].rank_dir(0).iterdir() if p.suffix == ".distcp")
+    data15.write_bytes(data15.read_bytes()[:-10])
+    # 10: one flipped byte (same size).
+    data10 = next(p for p in by_step[10].rank_dir(0).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data10.read_bytes())
+    raw[len(raw) // 3] ^= 1
+    data10.write_bytes(bytes(raw))
+    fresh = list_snapshots(tmp_path)
+    assert "of 2 ranks" in (unusable_reason(fresh[0], 1, {"model"}) or "")
+    assert "holds no state for the registered keys ['ema']" in (
+        unusable_reason(fresh[-1], 1, {"model", "ema"}) or ""
+    )
+    with caplog.at_level("WARNING", logger="torchft.snapshot"):
+        chosen = choose_restore(tmp_path, 0, 1, {"model", "optim"})
+    assert chosen is not None and chosen.step == 5
+    text = caplog.text
+    assert str(by_step[20].path) in text and "of 2 ranks" in text
+    assert str(data15) in text and "bytes, the manifest says" in text
+    assert "fails its checksum" in text
+    assert (by_step[10].path / CORRUPT).exists() and not (by_step[10].path / MANIFEST).exists()
+    assert choose_restore(tmp_path, 5, 1, {"model"}) is None  # none newer than step 5 is usable
+    w.shutdown()
+
+
+def test_sharded_dtensor_state_is_saved_per_rank_and_restored_as_dtensors(tmp_path: Path) -> None:
+    """A DTensor's local shard is what a rank writes; restoring with the rank's current
+    state as template gives DTensors on the same mesh and placements back."""
+    script = f"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torchft.snapshot import SnapshotWriter, list_snapshots, load_rank
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+full = torch.arange(12.0).reshape(4, 3)
+d = distribute_tensor(full, mesh, [Shard(0)])
+w = SnapshotWriter({str(tmp_path)!r}, every=1, keep=1, replica_id="g", incarnation="g:1",
+                   group_rank=0, group_world_size=1, timeout=10.0)
+w.save(1, 1, {{"user": {{"model": {{"w": d}}}}, "torchft": {{"step": 1}}}})
+assert w.wait(30).complete
+template = {{"user": {{"model": {{"w": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])}}}},
+            "torchft": {{"step": 0}}}}
+out = load_rank(list_snapshots({str(tmp_path)!r})[0], 0, template=template)
+got = out["user"]["model"]["w"]
+assert isinstance(got, DTensor), type(got)
+assert got.placements == d.placements and torch.equal(got.full_tensor(), full)
+w.shutdown()
+dist.destroy_process_group()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_snapshot_settings_resolve_and_bad_ones_are_refused() -> None:
+    """The directory and interval come from the arguments or TORCHFT_SNAPSHOT_*; a URL, a
+    zero interval or keep, and interval variables without a directory are handled clearly."""
+    cfg = resolve({"TORCHFT_SNAPSHOT_DIR": "/data/snaps", "TORCHFT_SNAPSHOT_EVERY": "50"})
+    assert (cfg.snapshot_dir, cfg.snapshot_every, cfg.snapshot_keep) == ("/data/snaps", 50, 3)
+    assert resolve(snapshot_dir=Path("/x")).snapshot_dir == "/x"
+    off = resolve({"TORCHFT_SNAPSHOT_EVERY": "not read without a directory"})
+    assert off.snapshot_dir is None
+    with pytest.raises(ValueError, match="is a URL; only a directory path"):
+        resolve(snapshot_dir="s3://bucket/snaps")
+    with pytest.raises(ValueError, match="TORCHFT_SNAPSHOT_EVERY"):
+        resolve({"TORCHFT_SNAPSHOT_DIR": "/d", "TORCHFT_SNAPSHOT_EVERY": "0"})
+    with pytest.raises(ValueError, match="snapshot_keep"):
+        resolve(snapshot_dir="/d", snapshot_keep=0)
+    with pytest.raises(TypeError):
+        resolve(snapshot_dir=5)
