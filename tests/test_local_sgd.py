@@ -188,9 +188,12 @@ def test_buckets_respect_the_cap_and_cover_every_tensor() -> None:
 # ----------------------------------------------------------------------- numerics
 
 
-def _run_replicas(body: Callable[[Manager, int], Any], use_async_quorum: bool) -> list[Any]:
+def _run_replicas(
+    body: Callable[[Manager, int], Any], use_async_quorum: bool, **manager_kwargs: Any
+) -> list[Any]:
     """Runs ``body(manager, replica)`` for two replica groups, each in its own thread with
-    its own store, Gloo group and Manager on one in-process lighthouse."""
+    its own store, Gloo group and Manager (``manager_kwargs``: more of its arguments) on one
+    in-process lighthouse."""
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0", min_replicas=REPLICAS, join_timeout_ms=1000, quorum_tick_ms=10
     )
@@ -215,6 +218,7 @@ def _run_replicas(body: Callable[[Manager, int], Any], use_async_quorum: bool) -
             timeout=timedelta(seconds=20),
             quorum_timeout=timedelta(seconds=20),
             connect_timeout=timedelta(seconds=10),
+            **manager_kwargs,
         )
         try:
             return body(manager, replica)

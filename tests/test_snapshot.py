@@ -248,3 +248,50 @@ print(json.dumps(hash_state(m.state_dict())))
     sd = {"user": {"model": template.state_dict()}}
     dcp.load(sd, checkpoint_id=str(snap.rank_dir(0)), no_dist=True)
     assert hash_state(sd["user"]["model"]) == history[snap.step][0]
+
+
+@pytest.mark.timeout(180)
+def test_diloco_total_loss_resumes_the_outer_state(tmp_path: Path) -> None:
+    """Streaming DiLoCo (two fragments) writes the outer state it registers (global
+    parameters, outer optimizers) at outer snapshot steps; after a total loss, new groups
+    with other initial weights resume with exactly that outer state and train on together."""
+    from test_local_sgd import _batches, _inner_step, _model, _outer, _run_replicas
+
+    from torchft.local_sgd import DiLoCo
+
+    snap_dir = tmp_path / "snapshots"
+    settings = {"snapshot_dir": str(snap_dir), "snapshot_every": 2}
+
+    def body(manager: Any, replica: int, shift: float, until: int) -> Any:
+        model = _model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(shift)  # the groups after the loss start from other weights
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = [_outer(model[0].parameters()), _outer(model[2].parameters())]
+        diloco = DiLoCo(manager, [model[0], model[2]], inner, outer, sync_every=4)
+        resumed: Any = None
+        with diloco:
+            for batch in _batches(replica, 400):
+                _inner_step(model, inner, batch)
+                if resumed is None and manager.current_step() >= 2 and shift:
+                    # Right after the resume the global parameters are the snapshot's.
+                    resumed = (manager.current_step(), diloco_state(diloco))
+                if manager.current_step() >= until:
+                    break
+        return resumed, diloco_state(diloco), manager.current_step()
+
+    def diloco_state(diloco: Any) -> str:
+        return hash_state([f.state_dict() for f in diloco._fragments])
+
+    _run_replicas(lambda m, r: body(m, r, 0.0, 7), use_async_quorum=False, **settings)
+    newest = list_snapshots(snap_dir)[0]
+    assert newest.step == 6, [s.step for s in list_snapshots(snap_dir)]
+    saved = load_rank(newest, 0)["user"]
+    expected = hash_state([saved[k] for k in sorted(saved)])
+    after = _run_replicas(lambda m, r: body(m, r, 0.5 + r, 10), use_async_quorum=False, **settings)
+    for resumed, _, step in after:
+        assert resumed is not None and resumed[0] == 6, resumed
+        assert resumed[1] == expected, "the outer state resumed is not the snapshot's"
+        assert step == 10
+    assert after[0][1] == after[1][1], "groups differ after training on from the snapshot"
