@@ -90,23 +90,60 @@ def test_a_snapshot_reads_back_bit_identical_with_integer_keys(tmp_path: Path) -
     w.shutdown()
 
 
-def test_the_training_thread_keeps_mutating_after_staging(tmp_path: Path) -> None:
-    """Staging copies: changing the state right after save() returns does not change the
-    snapshot; the staging buffers are reused by the next snapshot."""
+def test_the_training_thread_keeps_training_after_settle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save() takes the non-tensor values at once and returns; the tensors are copied on
+    the writer thread, and settle() (the Manager calls it before the optimizer writes)
+    waits for that copy: writing the state after it does not change the snapshot. The wait
+    is reported as the training thread's blocked time; the buffers are reused next time."""
+    from torchft import snapshot as snapshot_module
+
+    real_fill = snapshot_module._Staging.fill
+
+    def slow_fill(self: Any) -> None:
+        time.sleep(0.3)
+        real_fill(self)
+
+    monkeypatch.setattr(snapshot_module._Staging, "fill", slow_fill)
     results: list[SnapshotResult] = []
     w = writer(tmp_path, results, keep=5)
     live = state(5)
     expected = hash_state(live)
+    t0 = time.perf_counter()
     w.save(5, 1, live)
-    live["user"]["model"]["weight"].add_(1.0)
-    live["user"]["data"]["history"][0] = 99.0
-    w.wait(30)
+    assert time.perf_counter() - t0 < 0.2, "save() waited for the copy"
+    live["user"]["data"]["history"][0] = 99.0  # a plain value: taken at save() already
+    waited = w.settle()
+    assert waited > 0.1
+    live["user"]["model"]["weight"].add_(1.0)  # the optimizer step, after the vote
+    done = w.wait(30)
+    assert done is not None and done.complete and done.stage_s >= waited > 0.1
+    assert done.copy_s >= 0.3
     assert hash_state(load_rank(list_snapshots(tmp_path)[0], 0)) == expected
+    assert w.settle() == 0.0  # nothing in flight: no wait
     buffers = dict(w._staging._buffers)
     w.save(10, 2, live)
+    w.settle()
     w.wait(30)
     assert all(w._staging._buffers[k] is b for k, b in buffers.items())
     assert hash_state(load_rank(list_snapshots(tmp_path)[0], 0)) == hash_state(live)
+    w.shutdown()
+
+
+def test_tied_tensors_are_copied_once(tmp_path: Path) -> None:
+    """One tensor under two keys (tied weights) takes one staging buffer and reads back
+    under both keys."""
+    results: list[SnapshotResult] = []
+    w = writer(tmp_path, results)
+    shared = torch.randn(64, 8)
+    w.save(5, 1, {"user": {"m": {"embed": shared, "head": shared}}, "torchft": {"step": 5}})
+    done = w.wait(30)
+    assert done is not None and done.complete
+    assert done.tensor_bytes == shared.numel() * 4
+    loaded = load_rank(list_snapshots(tmp_path)[0], 0)
+    assert torch.equal(loaded["user"]["m"]["embed"], shared)
+    assert torch.equal(loaded["user"]["m"]["head"], shared)
     w.shutdown()
 
 

@@ -1404,10 +1404,10 @@ class Manager:
         quorum) waits instead of racing it, and no reader serves the half-written state."""
         if not in_place or self._state_dict_lock.held_by_me():
             if in_place:
-                self._parity.settle()
+                self._settle_state_readers()
             yield
             return
-        self._parity.settle()
+        self._settle_state_readers()
         if not self._state_dict_lock.acquire_write(self._timeout.total_seconds()):
             raise TimeoutError(
                 f"the state stayed locked by a writer for {self._timeout}; cannot heal into it"
@@ -1443,7 +1443,7 @@ class Manager:
         pending = self._pending_state_dict
         if pending is None:
             return
-        self._parity.settle()
+        self._settle_state_readers()
         self._pending_state_dict = None
         try:
             missing = set(self._load_state_dict_fns) - set(pending)
@@ -1585,7 +1585,7 @@ class Manager:
         vote_timeout = timeout if timeout is not None else self._timeout
         # The optimizer writes the state once the vote is in: the parity hash of the state
         # must be done by then (it overlapped the step's compute).
-        self._parity.settle()
+        self._settle_state_readers()
         quorum_timed_out: TimeoutError | None = None
         try:
             self.wait_quorum()
@@ -1720,6 +1720,13 @@ class Manager:
 
     # ------------------------------------------------------------------ durable snapshots
 
+    def _settle_state_readers(self) -> None:
+        """Waits for the background readers of the committed state (the parity digest, a
+        snapshot's copy) before anything writes it: they overlap the step's compute."""
+        self._parity.settle()
+        if self._snapshots is not None:
+            self._snapshots.settle()
+
     def _restore_snapshot(self, quorum_id: int, max_step: int) -> Snapshot | None:
         """Loads the newest usable snapshot newer than every live group's state, if any.
 
@@ -1814,7 +1821,7 @@ class Manager:
         if pending is None:
             return
         snap, state = pending
-        self._parity.settle()
+        self._settle_state_readers()
         self.load_state_dict(state["torchft"])
         self._pending_state_dict = state["user"]
         self._apply_pending_state_dict()

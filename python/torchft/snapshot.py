@@ -9,9 +9,12 @@ participating replica group writes it, the one whose participating rank is
 ``(s // every) % participants`` (the same answer in every group, since they committed under
 the same quorum, and a different group at each snapshot step). At the top of its next step,
 when the optimizer has applied the commit and the state is exactly what a heal would send
-(the user state dicts and the Manager's counters), every rank of that group copies its state
-into host staging buffers (the only time the training thread waits), and a background thread
-writes the copy with :func:`torch.distributed.checkpoint.save` into
+(the user state dicts and the Manager's counters), every rank of that group takes the
+state's structure and non-tensor values, and a writer thread copies its tensors into host
+staging buffers while the step's forward and backward passes run (they read the state; the
+step protocol writes it only after the commit vote, where the Manager waits for the copy:
+the only time the training thread may wait). The writer thread then writes the copy with
+:func:`torch.distributed.checkpoint.save` into
 ``<dir>/step_<step>_<tag>/rank_<r>`` (a standard DCP checkpoint of that rank's state),
 checksums the files and writes ``rank_<r>.json``. Group rank 0 then waits for every rank's
 file and writes ``manifest.json`` last, atomically: a snapshot without a manifest is
@@ -41,6 +44,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -295,45 +299,63 @@ def load_rank(snap: Snapshot, rank: int, template: Any = None) -> dict[str, Any]
 
 class _Staging:
     """Host copies of one rank's state, reused from one snapshot to the next (a fresh
-    allocation per snapshot pays first-touch page faults on every byte)."""
+    allocation per snapshot pays first-touch page faults on every byte).
+
+    :meth:`prepare` runs on the training thread and is cheap: it walks the state, copies
+    the non-tensor values (the training thread may change them once it returns) and notes
+    the tensors. :meth:`fill` copies the tensors on the writer thread, overlapping the
+    step's forward and backward passes, which read the state but do not write it.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._jobs: list[tuple[Any, Any, torch.Tensor, str]] = []
         self.int_keys: list[dict[str, Any]] = []
         self.tensor_bytes = 0
 
-    def stage(self, state: Any) -> Any:
+    def prepare(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state's structure with its non-tensor values copied; tensors are filled in
+        by :meth:`fill`."""
         self.int_keys = []
+        self._jobs = []
+        out: dict[str, Any] = self._walk(state, [])
+        return out
+
+    def fill(self) -> None:
+        """Copies the noted tensors into the staging buffers (a tensor reachable under
+        several keys, such as tied weights, is copied once)."""
+        done: dict[int, torch.Tensor] = {}
+        keys: set[str] = set()
         self.tensor_bytes = 0
-        seen: set[str] = set()
-        copied = self._walk(state, [], seen)
-        pending_cuda = any(b.is_pinned() for k, b in self._buffers.items() if k in seen)
-        if pending_cuda and torch.cuda.is_available():
+        pinned = False
+        for parent, key, t, buf_key in self._jobs:
+            buf = done.get(id(t))
+            if buf is None:
+                buf = self._copy(t, buf_key)
+                done[id(t)] = buf
+                keys.add(buf_key)
+                self.tensor_bytes += buf.numel() * buf.element_size()
+                pinned = pinned or t.device.type == "cuda"
+            parent[key] = buf
+        self._jobs = []
+        if pinned:
             torch.cuda.synchronize()
-        for key in set(self._buffers) - seen:
+        for key in set(self._buffers) - keys:
             del self._buffers[key]
-        return copied
 
-    def _tensor(self, t: torch.Tensor, path: list[Any], seen: set[str]) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
+    def _copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and isinstance(t, dtensor.DTensor):
             t = t.to_local()
         t = t.detach()
-        key = "/".join(map(repr, path))
-        seen.add(key)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            pin = t.device.type == "cuda"
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
             self._buffers[key] = buf
         buf.copy_(t, non_blocking=t.device.type == "cuda")
-        self.tensor_bytes += buf.numel() * buf.element_size()
         return buf
 
-    def _walk(self, obj: Any, path: list[Any], seen: set[str]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self._tensor(obj, path, seen)
+    def _walk(self, obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, dict):
             ints = [k for k in obj if isinstance(k, int) and not isinstance(k, bool)]
             bad = [k for k in obj if not isinstance(k, str) and k not in ints]
@@ -343,12 +365,24 @@ class _Staging:
                 )
             if ints:
                 self.int_keys.append({"path": list(path), "keys": ints})
-            return {k: self._walk(v, [*path, k], seen) for k, v in obj.items()}
+            out: dict[Any, Any] = {}
+            for k, v in obj.items():
+                out[k] = self._leaf(out, k, v, [*path, k])
+            return out
         if isinstance(obj, list):
-            return [self._walk(v, [*path, i], seen) for i, v in enumerate(obj)]
+            items: list[Any] = [None] * len(obj)
+            for i, v in enumerate(obj):
+                items[i] = self._leaf(items, i, v, [*path, i])
+            return items
         # Anything else (numbers, strings, tuples of them, a sampler's state object) is
         # copied as it is now: the training thread changes it after this returns.
         return copy.deepcopy(obj)
+
+    def _leaf(self, parent: Any, key: Any, value: Any, path: list[Any]) -> Any:
+        if isinstance(value, torch.Tensor):
+            self._jobs.append((parent, key, value, "/".join(map(repr, path))))
+            return None
+        return self._walk(value, path)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -385,11 +419,14 @@ class SnapshotResult:
 
     step: int
     path: Path
+    #: Seconds the training thread waited for the copy (settle) by the time of the result.
     stage_s: float
     write_s: float
     tensor_bytes: int
     complete: bool
     error: str | None = None
+    #: Seconds the copy into the staging buffers took on the writer thread.
+    copy_s: float = 0.0
 
 
 class SnapshotWriter:
@@ -432,7 +469,11 @@ class SnapshotWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_snapshot")
         self._running: Future[SnapshotResult] | None = None
         self._running_step = -1
-        self._lock = threading.Lock()
+        # Set once the tensors of the snapshot in flight are copied (see settle).
+        self._staged = threading.Event()
+        self._staged.set()
+        # Seconds the training thread waited in settle() for the snapshot in flight.
+        self._blocked_s = 0.0
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -453,12 +494,15 @@ class SnapshotWriter:
         return running is not None and not running.done()
 
     def save(self, step: int, quorum_id: int, state: dict[str, Any]) -> SnapshotResult | None:
-        """Stages ``state`` (the committed state of ``step``) on the calling thread and
-        writes it in the background.
+        """Takes ``state`` (the committed state of ``step``) for a snapshot: its structure
+        and non-tensor values now, its tensors on the writer thread, which then writes it.
+
+        Call at the top of a step; call :meth:`settle` before anything writes the state
+        (the commit vote, after which the optimizer steps; a heal loading into it).
 
         Returns:
-            None when the write was queued; a failed result (already reported) when the
-            previous snapshot is still being written or staging failed.
+            None when the snapshot was taken; a failed result (already reported) when the
+            previous snapshot is still being written or the state cannot be snapshotted.
         """
         path = snapshot_path(self.directory, step, self._incarnation)
         if self.busy():
@@ -467,20 +511,58 @@ class SnapshotWriter:
                 "is still being written (raise the interval or speed up the target)"
             )
             return self._fail(step, path, 0.0, msg)
-        t0 = time.perf_counter()
         try:
-            staged = self._staging.stage(state)
+            skeleton = self._staging.prepare(state)
         except Exception as e:
-            return self._fail(step, path, time.perf_counter() - t0, f"staging failed: {e}")
-        stage_s = time.perf_counter() - t0
-        int_keys = list(self._staging.int_keys)
-        tensor_bytes = self._staging.tensor_bytes
+            return self._fail(step, path, 0.0, f"staging failed: {e}")
         user_keys = sorted(state.get("user", {}))
+        self._staged = threading.Event()
+        self._blocked_s = 0.0
         self._running_step = step
         self._running = self._pool.submit(
-            self._write, step, quorum_id, path, staged, int_keys, user_keys, tensor_bytes, stage_s
+            self._stage_and_write, step, quorum_id, path, skeleton, user_keys, self._staged
         )
         return None
+
+    def settle(self) -> float:
+        """Waits until the tensors of the snapshot in flight are copied (at once when they
+        are, or none is); returns the seconds waited."""
+        staged = self._staged
+        if staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        staged.wait()
+        waited = time.perf_counter() - t0
+        self._blocked_s += waited
+        return waited
+
+    def _stage_and_write(
+        self,
+        step: int,
+        quorum_id: int,
+        path: Path,
+        skeleton: dict[str, Any],
+        user_keys: list[str],
+        staged: threading.Event,
+    ) -> SnapshotResult:
+        t0 = time.perf_counter()
+        try:
+            self._staging.fill()
+        except Exception as e:
+            return self._fail(step, path, 0.0, f"staging failed: {e}")
+        finally:
+            staged.set()
+        copy_s = time.perf_counter() - t0
+        return self._write(
+            step,
+            quorum_id,
+            path,
+            skeleton,
+            list(self._staging.int_keys),
+            user_keys,
+            self._staging.tensor_bytes,
+            copy_s,
+        )
 
     def _fail(self, step: int, path: Path, stage_s: float, msg: str) -> SnapshotResult:
         logger.error("snapshot of step %d to %s failed: %s", step, path, msg)
@@ -501,7 +583,7 @@ class SnapshotWriter:
         int_keys: list[dict[str, Any]],
         user_keys: list[str],
         tensor_bytes: int,
-        stage_s: float,
+        copy_s: float,
     ) -> SnapshotResult:
         import torch.distributed.checkpoint as dcp
 
@@ -516,7 +598,7 @@ class SnapshotWriter:
                 "files": _files_of(rank_dir),
                 "int_keys": int_keys,
                 "tensor_bytes": tensor_bytes,
-                "stage_s": stage_s,
+                "copy_s": copy_s,
             }
             _atomic_json(rank_file, part)
             complete = False
@@ -547,18 +629,21 @@ class SnapshotWriter:
                 _atomic_json(path / f"rank_{self._rank}.failed", {"error": str(e)})
             except Exception:
                 pass
-            return self._fail(step, path, stage_s, f"{type(e).__name__}: {e}")
+            return self._fail(step, path, self._blocked_s, f"{type(e).__name__}: {e}")
         write_s = time.perf_counter() - t0
+        blocked = self._blocked_s
         if complete:
             logger.info(
-                "snapshot of step %d complete at %s: %d bytes, staged in %.3fs, written in %.3fs",
+                "snapshot of step %d complete at %s: %d bytes, copied in %.3fs (the training "
+                "thread waited %.3fs of it), written in %.3fs",
                 step,
                 path,
                 tensor_bytes,
-                stage_s,
+                copy_s,
+                blocked,
                 write_s,
             )
-        result = SnapshotResult(step, path, stage_s, write_s, tensor_bytes, complete)
+        result = SnapshotResult(step, path, blocked, write_s, tensor_bytes, complete, copy_s=copy_s)
         if self._on_done is not None:
             try:
                 self._on_done(result)
