@@ -1442,6 +1442,11 @@ def test_non_zero_rank_reads_published_address(
         ({"parity_every": -1}, ValueError, "parity_every"),
         ({"parity_every": 2.5}, TypeError, "parity_every"),
         ({"telemetry": "yes"}, TypeError, "telemetry"),
+        ({"snapshot_dir": "gs://bucket/snaps"}, ValueError, "is a URL"),
+        ({"snapshot_dir": ""}, ValueError, "snapshot_dir"),
+        ({"snapshot_dir": "/d", "snapshot_every": 0}, ValueError, "snapshot_every"),
+        ({"snapshot_dir": "/d", "snapshot_keep": 0}, ValueError, "snapshot_keep"),
+        ({"snapshot_dir": "/d", "snapshot_every": "5"}, TypeError, "snapshot_every"),
     ],
 )
 def test_bad_arguments(harness: Any, kwargs: dict[str, Any], exc: type, match: str) -> None:

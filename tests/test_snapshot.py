@@ -88,6 +88,8 @@ def run_total_loss(
     killed_at = max(s for g in groups for s in g.steps())
     before = list_snapshots(snap_dir)
     assert before, "no complete snapshot before the kill"
+    # One writer per snapshot step, rotating: consecutive snapshots come from both groups.
+    assert {s.manifest["replica_id"] for s in before} == {"rg0", "rg1"}, before
     if tamper is not None:
         tamper(before)
     reborn = [start(cluster, f"rg{i}", ranks, snap_dir, seed=10 + i) for i in range(2)]

@@ -1824,7 +1824,16 @@ class Manager:
         self._settle_state_readers()
         self.load_state_dict(state["torchft"])
         self._pending_state_dict = state["user"]
-        self._apply_pending_state_dict()
+        try:
+            self._apply_pending_state_dict()
+        except Exception as e:
+            # Part of the snapshot may be loaded, and no live group holds a state to heal
+            # from (that is why it was loaded): only a restart makes the state whole.
+            self._torn_for_good = TornStateError(
+                f"applying the snapshot of step {snap.step} from {snap.path} failed: "
+                f"{type(e).__name__}: {e}; restart the group"
+            )
+            raise self._torn_for_good from e
         # The failed step still counts in commit_failures: the next quorum gets a new id,
         # so the process group aborted after this step is rebuilt on a fresh store prefix.
         self._startup_state = False
