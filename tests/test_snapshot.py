@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,24 @@ def start(cluster: Cluster, name: str, ranks: int, snap_dir: Path, seed: int) ->
     return group
 
 
+def lighthouse_status(cluster: Cluster) -> dict[str, Any]:
+    with urllib.request.urlopen(cluster.lighthouse_addr + "/status", timeout=5) as r:
+        status: dict[str, Any] = json.loads(r.read())
+    return status
+
+
+def wait_status(cluster: Cluster, cond: Any, what: str, timeout: float = 20.0) -> dict[str, Any]:
+    """Polls the lighthouse's /status until ``cond(status)`` (telemetry arrives batched)."""
+    deadline = time.monotonic() + timeout
+    status = lighthouse_status(cluster)
+    while not cond(status):
+        if time.monotonic() > deadline:
+            pytest.fail(f"lighthouse /status never showed {what}: {status.get('snapshot')}")
+        time.sleep(0.1)
+        status = lighthouse_status(cluster)
+    return status
+
+
 def rank_logs(cluster: Cluster, name: str, incarnation: int, rank: int = 0) -> Path:
     return cluster.tmp / f"{name}_{incarnation}.r{rank}"
 
@@ -83,6 +103,14 @@ def run_total_loss(
         120,
         "three complete snapshots",
     )
+    # The lighthouse heard of them: its record is at least the newest on disk now.
+    newest = list_snapshots(snap_dir)[0].step
+    status = wait_status(
+        cluster,
+        lambda st: (st.get("snapshot") or {}).get("step", -1) >= newest,
+        f"the snapshot of step {newest}",
+    )
+    assert status["counters"]["snapshots"] >= 3
     for g in groups:
         cluster.kill(g)
     killed_at = max(s for g in groups for s in g.steps())
@@ -212,6 +240,11 @@ def test_unwritable_snapshot_directory_never_stops_training(
     logs = "".join(g.logs[0].read_text() for g in groups)
     assert "snapshot of step 5 to" in logs and "failed" in logs
     assert "Not a directory" in logs or "NotADirectoryError" in logs
+    # And in the event stream: the lighthouse counts the failures and records no snapshot.
+    status = wait_status(
+        cluster, lambda st: st["counters"]["snapshot_failures"] >= 1, "a snapshot failure"
+    )
+    assert status["snapshot"] is None
 
 
 @pytest.mark.timeout(240)

@@ -93,6 +93,10 @@ DEFAULT_STATE_DICT_KEY = "default"
 _SOURCE_POLL_S = 1.0
 
 
+#: How long the snapshot writer waits for the lighthouse to receive a snapshot's report.
+SNAPSHOT_FLUSH_S = 1.0
+
+
 class _ThisHost(str):
     """The default of ``Manager(hostname=)``: this machine's name, marked as not given, so
     the heal interface (``TORCHFT_HEAL_IFNAME``) wins over it while a given name wins over
@@ -1855,6 +1859,9 @@ class Manager:
                 tensor_bytes=result.tensor_bytes,
                 quorum_id=max(self._quorum_id, 0),
             )
+        # On the writer thread: the lighthouse learns of the snapshot now, not with the
+        # next batch (a total loss may come first).
+        tel.flush(SNAPSHOT_FLUSH_S)
 
     def _report_step(self, committed: bool, vote_s: float, error: str | None) -> None:
         """Queues this step's telemetry report (never raises, never waits)."""

@@ -299,6 +299,16 @@ class RankTelemetry:
             snapshot_bytes=max(0, tensor_bytes),
         )
 
+    def flush(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the queued reports to reach the lighthouse
+        (call off the training thread; never raises)."""
+        if not self.enabled:
+            return
+        try:
+            self._client._telemetry_flush(timeout=timedelta(seconds=timeout))
+        except Exception as e:
+            logger.debug("telemetry flush failed: %s", e)
+
     def snapshot_failed(self, step: int, path: str, error: str) -> None:
         """Reports a durable snapshot of step ``step`` that failed (``error`` says why)."""
         self._send(
