@@ -149,9 +149,41 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
             {"kind": "exit", "group": "b", "pid": 2, "rc": 0, "killed": False, "t": 4.0},
         ],
     )
+    # Nothing the run recorded explains why its only holder died: a violation.
+    rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
+    assert any("progress regressed with nothing to explain it" in v for v in rep.violations)
+    # A total loss between the holder's last commit and the re-commit explains it.
+    _write(
+        tmp_path / "faults.jsonl",
+        [
+            {
+                "kind": "fault",
+                "fault": "kill_all",
+                "groups": ["a", "b"],
+                "t": 2.4,
+                "best_step": 2,
+                "snapshot_step": 0,
+                "snapshot_every": 10,
+            }
+        ],
+    )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert not any("progress regressed" in v for v in rep.violations), rep.violations
-    assert len(rep.regressions) == 1
+    assert len(rep.regressions) == 1 and "a total loss (kill_all)" in rep.regressions[0]
+    # So does a holder that ended itself (here: held hung, exit 76) instead.
+    (tmp_path / "faults.jsonl").unlink()
+    _write(
+        tmp_path / "processes.jsonl",
+        [
+            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": 1, "rc": 76, "killed": False, "t": 2.5},
+            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
+            {"kind": "exit", "group": "b", "pid": 2, "rc": 0, "killed": False, "t": 4.0},
+        ],
+    )
+    rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
+    assert not any("progress regressed" in v for v in rep.violations), rep.violations
+    assert "ended itself: held hung" in rep.regressions[0]
 
 
 def test_checker_flags_a_process_whose_own_progress_goes_back(tmp_path: Path) -> None:
@@ -212,7 +244,8 @@ def test_checker_judges_a_fork_inside_a_reported_regression_on_its_own(tmp_path:
         tmp_path / "processes.jsonl",
         [
             {"kind": "start", "group": "a", "pid": p1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": p1, "rc": -9, "killed": True, "t": 3.5},
+            # It ended itself (asked for a restart): what explains that its steps died with it.
+            {"kind": "exit", "group": "a", "pid": p1, "rc": 75, "killed": False, "t": 3.5},
             {"kind": "start", "group": "b", "pid": p2, "t": 3.6},
             {"kind": "start", "group": "c", "pid": p3, "t": 3.6},
             {"kind": "exit", "group": "b", "pid": p2, "rc": 0, "killed": False, "t": 10.0},

@@ -422,7 +422,9 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
       * a step committed with two different states only if, when the second state was
         committed, every process that had committed the first one was already dead (an
         unavoidable regression, reported with the steps lost), or a bit flip's window
-        excuses it as above;
+        excuses it as above; and an unavoidable regression needs a recorded cause between
+        the last commit of the lost steps and their re-commit: a total loss (``kill_all``),
+        or a process ending itself (exit 75, 76 or 77); else it is a violation;
       * no commit with fewer than ``min_replicas`` participants;
       * quorum ids strictly increase over time, and per process never go back;
       * per process, committed steps strictly increase (a process never re-commits a step
@@ -503,7 +505,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     first_q: dict[int, int] = {}  # step -> the quorum of its reference commit
     last_step: dict[int, int] = {}  # pid -> its latest committed step so far
     covered: list[tuple[int, int]] = []  # step ranges of regressions already reported
-    for c in commits:
+    for i, c in enumerate(commits):
         step, state = c["step"], c["state"]
         first = first_state.setdefault(step, state)
         holder_q = first_q.setdefault(step, c["quorum_id"])
@@ -537,9 +539,20 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 covered.append((step, best))
                 lost = max(best - step + 1, 0)
                 rep.steps_lost += lost
+                # Every holder died; the injector never kills the last one but in a total
+                # loss, so something the run recorded must explain it.
+                held_until = max((x["t"] for x in commits[:i] if x["step"] >= step), default=0.0)
+                why = _regression_cause(held_until, c["t"], faults, procs)
+                if why is None:
+                    rep.violations.append(
+                        f"progress regressed with nothing to explain it: step {step} "
+                        f"re-committed by {c['group']} (pid {c['pid']}) after every holder of "
+                        f"it died (best step then {best}), with no total loss and no process "
+                        "ending itself in between"
+                    )
                 rep.regressions.append(
                     f"step {step} re-committed by {c['group']} after every holder of it "
-                    f"died (best step then {best}: {lost} steps lost)"
+                    f"died (best step then {best}: {lost} steps lost; {why or 'UNEXPLAINED'})"
                 )
         last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
 
@@ -618,6 +631,22 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     _judge_verdicts(rep, run_dir, hangs, flips)
     _timings(rep, commits, procs, faults, ready)
     return rep
+
+
+def _regression_cause(
+    lo: float, hi: float, faults: list[dict[str, Any]], procs: list[dict[str, Any]]
+) -> str | None:
+    """What, between the last commit of the lost steps (``lo``) and their re-commit (``hi``),
+    explains that every holder died: a total loss, or a process that ended itself (asked for
+    a restart, held hung, stopped as diverged). None when nothing does."""
+    for f in faults:
+        if f["fault"] == "kill_all" and lo <= f["t"] <= hi:
+            return "a total loss (kill_all)"
+    ended = {RESTART_EXIT: "asked for a restart", HUNG_EXIT: "held hung", DIVERGED_EXIT: "diverged"}
+    for r in procs:
+        if r["kind"] == "exit" and not r["killed"] and r["rc"] in ended and lo <= r["t"] <= hi:
+            return f"process {r['pid']} ({r['group']}) ended itself: {ended[r['rc']]}"
+    return None
 
 
 def _judge_total_losses(
