@@ -183,13 +183,29 @@ def _tensors(obj: Any) -> list[Any]:
 # ----------------------------------------------------------------------------- arms (part 1)
 
 
+def bench_writer(directory: str) -> Any:
+    """A one-rank group's snapshot writer into ``directory``, every step, keeping two."""
+    from torchft.snapshot import SnapshotWriter
+
+    return SnapshotWriter(
+        directory,
+        every=1,
+        keep=2,
+        replica_id="bench",
+        incarnation="bench",
+        group_rank=0,
+        group_world_size=1,
+        timeout=60.0,
+    )
+
+
 def arm_snapshot(args: argparse.Namespace) -> None:
     """Blocked time of ``SnapshotWriter.save`` and its background write; after each
     repetition, the reference copies of the same tensors (interleaved, so they share the
     machine's load of that moment)."""
     import torch
 
-    from torchft.snapshot import SnapshotWriter, list_snapshots, verify
+    from torchft.snapshot import list_snapshots, verify
 
     # Staging checks each tensor for a DTensor, importing torch.distributed.tensor on the
     # first call; a training process has it loaded by then (constructing any torch.optim
@@ -240,16 +256,7 @@ def arm_snapshot(args: argparse.Namespace) -> None:
     blocked_s, write_s = [], []
     directory = tempfile.mkdtemp(prefix="torchft_snapshot_bench_")
     try:
-        writer = SnapshotWriter(
-            directory,
-            every=1,
-            keep=2,
-            replica_id="bench",
-            incarnation="bench",
-            group_rank=0,
-            group_world_size=1,
-            timeout=60.0,
-        )
+        writer = bench_writer(directory)
         for rep in range(args.reps + 1):
             # Nothing to overlap the copy with: save(), then at once settle() (where the
             # Manager waits before the optimizer writes the state). The worst case.
@@ -305,8 +312,6 @@ def arm_train(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed.tensor  # noqa: F401  (loaded by torch.optim in a trainer)
 
-    from torchft.snapshot import SnapshotWriter
-
     model, optim = train_model(args.gb)
     d = model[0].in_features
     gen = torch.Generator().manual_seed(0)
@@ -338,16 +343,7 @@ def arm_train(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix="torchft_snapshot_bench_")
     with_s, without_s, blocked_s, fb_s = [], [], [], []
     try:
-        writer = SnapshotWriter(
-            directory,
-            every=1,
-            keep=2,
-            replica_id="bench",
-            incarnation="bench",
-            group_rank=0,
-            group_world_size=1,
-            timeout=60.0,
-        )
+        writer = bench_writer(directory)
         for rep in range(args.reps + 1):
             took, waited, fb = step(writer, rep + 1)
             result = writer.wait()

@@ -566,7 +566,10 @@ class SnapshotWriter:
 
     def _fail(self, step: int, path: Path, stage_s: float, msg: str) -> SnapshotResult:
         logger.error("snapshot of step %d to %s failed: %s", step, path, msg)
-        result = SnapshotResult(step, path, stage_s, 0.0, 0, False, msg)
+        return self._report(SnapshotResult(step, path, stage_s, 0.0, 0, False, msg))
+
+    def _report(self, result: SnapshotResult) -> SnapshotResult:
+        """Hands a result to ``on_done`` (which must not break the writer) and returns it."""
         if self._on_done is not None:
             try:
                 self._on_done(result)
@@ -643,13 +646,9 @@ class SnapshotWriter:
                 blocked,
                 write_s,
             )
-        result = SnapshotResult(step, path, blocked, write_s, tensor_bytes, complete, copy_s=copy_s)
-        if self._on_done is not None:
-            try:
-                self._on_done(result)
-            except Exception:
-                logger.exception("snapshot callback failed")
-        return result
+        return self._report(
+            SnapshotResult(step, path, blocked, write_s, tensor_bytes, complete, copy_s=copy_s)
+        )
 
     def _gather_parts(self, path: Path) -> dict[str, Any]:
         """Rank 0 waits for every rank's part of the snapshot (or a rank's failure)."""
