@@ -61,17 +61,10 @@ from torchft.coordination import (
     NativePendingQuorum,
     NativeQuorumResult,
 )
+from torchft.group_snapshots import GroupSnapshots
 from torchft.hang import HangWatchdog
 from torchft.parity import StateParity
-from torchft.snapshot import (
-    Snapshot,
-    SnapshotError,
-    SnapshotResult,
-    SnapshotWriter,
-    choose_restore,
-    list_snapshots,
-    load_rank,
-)
+from torchft.snapshot import Snapshot
 from torchft.telemetry import RankTelemetry
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
@@ -91,10 +84,6 @@ DEFAULT_STATE_DICT_KEY = "default"
 
 #: A call to a heal source is retried in slices this long, checking whether it was lost.
 _SOURCE_POLL_S = 1.0
-
-
-#: How long the snapshot writer waits for the lighthouse to receive a snapshot's report.
-SNAPSHOT_FLUSH_S = 1.0
 
 
 class _ThisHost(str):
@@ -625,11 +614,10 @@ class Manager:
         # when the lighthouse declares that group lost.
         self._heal_source: str | None = None
         self._heal_lost = threading.Event()
-        # Durable snapshots (torchft.snapshot): the writer once the group's id is known, the
-        # (step, quorum id) this group writes at the top of its next step, and a snapshot's
-        # state loaded while this process held its start-up state, applied after the vote.
-        self._snapshots: SnapshotWriter | None = None
-        self._snapshot_due: tuple[int, int] | None = None
+        # Durable snapshots (torchft.group_snapshots, once the group's id is known), and a
+        # snapshot's state loaded while this process held its start-up state, applied after
+        # the vote of the step that loaded it.
+        self._snapshots: GroupSnapshots | None = None
         self._pending_restore: tuple[Snapshot, dict[str, Any]] | None = None
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
@@ -711,16 +699,19 @@ class Manager:
             )
             self._watcher = _LostWatcher(self._client, self._on_lost)
             if cfg.snapshot_dir is not None:
-                self._snapshots = SnapshotWriter(
+                self._snapshots = GroupSnapshots(
                     cfg.snapshot_dir,
                     every=cfg.snapshot_every,
                     keep=cfg.snapshot_keep,
-                    replica_id=base_id or self._replica_id,
-                    incarnation=self._replica_id,
+                    name=base_id or self._replica_id,
+                    replica_id=self._replica_id,
                     group_rank=self._group_rank,
                     group_world_size=self._group_world_size,
-                    timeout=cfg.timeout.total_seconds(),
-                    on_done=self._snapshot_written,
+                    timeout=cfg.timeout,
+                    store=self._store,
+                    connect_timeout=cfg.connect_timeout,
+                    telemetry=self._telemetry,
+                    log_info=self._log_info,
                 )
             if self._manager is not None:
                 # The hosting rank acts on the lighthouse's hang verdict (torchft.hang).
@@ -964,16 +955,8 @@ class Manager:
                 self._apply_pending_state_dict()
             except Exception as e:
                 self.report_error(e)
-        due = self._snapshot_due
-        if due is not None and self._snapshots is not None:
-            self._snapshot_due = None
-            if due[0] == self._step and not self._state_torn:
-                # The optimizer has applied the commit: the state is the step's committed
-                # state, the one a heal would send. Only the copy runs on this thread.
-                try:
-                    self._snapshots.save(due[0], due[1], self._manager_state_dict())
-                except Exception:
-                    logger.exception("snapshot of step %d not taken", due[0])
+        if self._snapshots is not None and not self._state_torn:
+            self._snapshots.at_step_start(self._step, self._manager_state_dict)
         if not self._state_torn:
             try:
                 self._parity.at_step_start(self._step)
@@ -1698,17 +1681,13 @@ class Manager:
                 # Heartbeats carry it: the lighthouse knows this group's progress even while
                 # it is not asking for a quorum (no quorum may then regress past it).
                 self._manager.note_committed_step(self._step)
-            snaps = self._snapshots
-            if (
-                snaps is not None
-                and snaps.due(self._step)
-                and self._participating_replica_rank is not None
-                and self._participating_replica_rank
-                == snaps.writer_rank(self._step, self._participating_replica_world_size)
-            ):
-                # Every group committed this step under the same quorum: exactly one of
-                # them is chosen, a different one at each snapshot step.
-                self._snapshot_due = (self._step, self._quorum_id)
+            if self._snapshots is not None:
+                self._snapshots.committed(
+                    self._step,
+                    self._quorum_id,
+                    self._participating_replica_rank,
+                    self._participating_replica_world_size,
+                )
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:
@@ -1732,91 +1711,32 @@ class Manager:
             self._snapshots.settle()
 
     def _restore_snapshot(self, quorum_id: int, max_step: int) -> Snapshot | None:
-        """Loads the newest usable snapshot newer than every live group's state, if any.
+        """Loads the newest usable snapshot newer than every live group's state, if any
+        (see :meth:`GroupSnapshots.restore`); it applies after this step's vote.
 
-        Called at each quorum answer while this process holds its start-up state, before
-        anything of the answer is acted on. Group rank 0 chooses (and verifies) the snapshot
-        and publishes the choice in the group's store under the quorum's id, so every rank
-        of the group loads its part of the same one. The loaded state is applied after this
-        step's vote (its forward pass ran on the old state, so the step does not commit).
-
-        Returns:
-            The snapshot loaded, or None.
+        Raises:
+            TornStateError: the choice or the load failed on this rank: the group's ranks
+                may now disagree, so none goes on; a restart of the group chooses again.
         """
-        snaps = self._snapshots
-        assert snaps is not None
-        key = f"torchft/snapshot/{self._replica_id}/{quorum_id}"
-        shared = self._group_world_size > 1
-        chosen: Snapshot | None = None
+        assert self._snapshots is not None
         try:
-            if self._group_rank == 0 and not (shared and self._store.check([key])):
-                floor = max(max_step, self._step)
-                newest = list_snapshots(snaps.directory)
-                if newest and newest[0].step > floor:
-                    self._log_info(
-                        "no live replica group is past step %d; newest snapshot is step %d: "
-                        "checking it",
-                        floor,
-                        newest[0].step,
-                    )
-                    chosen = choose_restore(
-                        snaps.directory,
-                        floor,
-                        self._group_world_size,
-                        set(self._load_state_dict_fns),
-                    )
-                if shared:
-                    self._store.set(key, str(chosen.path) if chosen is not None else "")
-            else:
-                choice = self._wait_for_choice(key)
-                if choice:
-                    matches = [s for s in list_snapshots(snaps.directory) if str(s.path) == choice]
-                    if not matches:
-                        raise SnapshotError(f"snapshot {choice} chosen by group rank 0 is gone")
-                    chosen = matches[0]
-            if chosen is None:
-                return None
-            t0 = time.perf_counter()
-            state = load_rank(chosen, self._group_rank, template=self._manager_state_dict())
+            loaded = self._snapshots.restore(
+                quorum_id,
+                max_step,
+                self._step,
+                set(self._load_state_dict_fns),
+                self._manager_state_dict,
+            )
         except Exception as e:
-            # The group's ranks may now disagree on the state they train from: none of them
-            # goes on; a restart of the group chooses again (docs/snapshots.md).
             self._torn_for_good = TornStateError(
                 f"restoring a durable snapshot failed on group rank {self._group_rank}: "
                 f"{type(e).__name__}: {e}; restart the group"
             )
             raise self._torn_for_good from e
-        self._pending_restore = (chosen, state)
-        self._log_info(
-            "loaded snapshot of step %d from %s in %.3fs (live replica groups are at step "
-            "%d); this step does not commit, the next one trains from step %d",
-            chosen.step,
-            chosen.path,
-            time.perf_counter() - t0,
-            max_step,
-            chosen.step,
-        )
-        return chosen
-
-    def _wait_for_choice(self, key: str) -> str:
-        """Group rank 0's snapshot choice for this quorum (it may be verifying a large
-        snapshot: the wait is logged, and bounded by ``connect_timeout``)."""
-        deadline = time.monotonic() + self._connect_timeout.total_seconds()
-        told = time.monotonic() + 2.0
-        while not self._store.check([key]):
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(
-                    f"group rank 0 did not choose a snapshot within {self._connect_timeout}"
-                )
-            if now >= told:
-                self._log_info(
-                    "waiting for group rank 0 to choose a durable snapshot (gives up in %.0fs)",
-                    deadline - now,
-                )
-                told = now + 10.0
-            time.sleep(0.02)
-        return self._store.get(key).decode()
+        if loaded is None:
+            return None
+        self._pending_restore = loaded
+        return loaded[0]
 
     def _apply_restore(self) -> None:
         """Applies a loaded snapshot (after the vote of the step that loaded it)."""
@@ -1842,26 +1762,6 @@ class Manager:
         # so the process group aborted after this step is rebuilt on a fresh store prefix.
         self._startup_state = False
         self._log_info("resumed from the snapshot of step %d (%s)", snap.step, snap.path)
-
-    def _snapshot_written(self, result: SnapshotResult) -> None:
-        """Reports a snapshot write (on the writer thread; never raises)."""
-        tel = self._telemetry
-        if tel is None:
-            return
-        if result.error is not None:
-            tel.snapshot_failed(result.step, str(result.path), result.error)
-        elif result.complete:
-            tel.snapshot_done(
-                result.step,
-                str(result.path),
-                stage_s=result.stage_s,
-                write_s=result.write_s,
-                tensor_bytes=result.tensor_bytes,
-                quorum_id=max(self._quorum_id, 0),
-            )
-        # On the writer thread: the lighthouse learns of the snapshot now, not with the
-        # next batch (a total loss may come first).
-        tel.flush(SNAPSHOT_FLUSH_S)
 
     def _report_step(self, committed: bool, vote_s: float, error: str | None) -> None:
         """Queues this step's telemetry report (never raises, never waits)."""

@@ -1,0 +1,232 @@
+"""The Manager's side of durable snapshots (:mod:`torchft.snapshot`): which group writes
+which step, when it takes the state, and the choice of a snapshot to resume from that every
+rank of a group shares.
+
+The Manager drives it from its step protocol and keeps only what touches its own state:
+applying a loaded snapshot after the vote of the step that loaded it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from torchft.snapshot import (
+    Snapshot,
+    SnapshotError,
+    SnapshotResult,
+    SnapshotWriter,
+    choose_restore,
+    list_snapshots,
+    load_rank,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from torchft.telemetry import RankTelemetry
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: How long the snapshot writer waits for the lighthouse to receive a snapshot's report.
+SNAPSHOT_FLUSH_S = 1.0
+
+#: How often a rank waiting for group rank 0's choice says so.
+_WAIT_LOG_S = 10.0
+
+
+class GroupSnapshots:
+    """One rank's durable snapshots within its replica group.
+
+    Args:
+        directory: the snapshot directory (shared by every group of the job).
+        every: committed steps between snapshots.
+        keep: complete snapshots kept.
+        name: the group's stable name (recorded in manifests).
+        replica_id: the group's id for this start (the same on every rank of the group).
+        group_rank: this rank in the group.
+        group_world_size: ranks in the group.
+        timeout: how long group rank 0 waits for the other ranks' parts of a snapshot.
+        store: the group's store, through which group rank 0 shares its choice.
+        connect_timeout: bound on waiting for group rank 0's choice.
+        telemetry: reports complete and failed snapshots (None: not reported).
+        log_info: the Manager's log (its records carry the group and step).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        every: int,
+        keep: int,
+        name: str,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        timeout: timedelta,
+        store: TCPStore,
+        connect_timeout: timedelta,
+        telemetry: RankTelemetry | None,
+        log_info: Callable[..., None],
+    ) -> None:
+        self.writer = SnapshotWriter(
+            directory,
+            every=every,
+            keep=keep,
+            replica_id=name,
+            incarnation=replica_id,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            timeout=timeout.total_seconds(),
+            on_done=self._written,
+        )
+        self._store = store
+        self._replica_id = replica_id
+        self._rank = group_rank
+        self._world = group_world_size
+        self._connect_timeout = connect_timeout
+        self._telemetry = telemetry
+        self._log_info = log_info
+        # The (step, quorum id) this group writes at the top of its next step.
+        self._due: tuple[int, int] | None = None
+        self._quorum_id = 0
+
+    # ------------------------------------------------------------------ writing
+
+    def committed(
+        self, step: int, quorum_id: int, participating_rank: int | None, participants: int
+    ) -> None:
+        """After a commit of ``step``: this group writes it when it is a snapshot step and
+        this group's turn. Every group committed the step under the same quorum, so exactly
+        one of them is chosen, a different one at each snapshot step."""
+        w = self.writer
+        if (
+            w.due(step)
+            and participating_rank is not None
+            and participating_rank == w.writer_rank(step, participants)
+        ):
+            self._due = (step, quorum_id)
+
+    def at_step_start(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        """At the top of a step (the optimizer has applied the commit: the state is the
+        step's committed state, the one a heal would send): takes the snapshot this group
+        owes, if any. Only the state's structure is taken on this thread."""
+        due, self._due = self._due, None
+        if due is None or due[0] != step:
+            return
+        self._quorum_id = due[1]
+        try:
+            self.writer.save(due[0], due[1], state())
+        except Exception:
+            logger.exception("snapshot of step %d not taken", due[0])
+
+    def settle(self) -> None:
+        """Waits for the copy of the state in flight (before anything writes the state)."""
+        self.writer.settle()
+
+    def _written(self, result: SnapshotResult) -> None:
+        """Reports a snapshot write (on the writer thread; never raises)."""
+        tel = self._telemetry
+        if tel is None:
+            return
+        if result.error is not None:
+            tel.snapshot_failed(result.step, str(result.path), result.error)
+        elif result.complete:
+            tel.snapshot_done(
+                result.step,
+                str(result.path),
+                stage_s=result.stage_s,
+                write_s=result.write_s,
+                tensor_bytes=result.tensor_bytes,
+                quorum_id=self._quorum_id,
+            )
+        # On the writer thread: the lighthouse learns of the snapshot now, not with the
+        # next batch (a total loss may come first).
+        tel.flush(SNAPSHOT_FLUSH_S)
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self,
+        quorum_id: int,
+        max_step: int,
+        own_step: int,
+        user_keys: set[str],
+        template: Callable[[], dict[str, Any]],
+    ) -> tuple[Snapshot, dict[str, Any]] | None:
+        """The newest usable snapshot newer than every live group's state and this rank's
+        own, loaded (this rank's part), or None.
+
+        Call at each quorum answer while the process holds its start-up state, before
+        anything of the answer is acted on: every rank of the group reaches it. Group rank 0
+        chooses (and verifies) the snapshot and publishes the choice in the group's store
+        under the quorum's id, so every rank loads its part of the same one.
+
+        Raises:
+            Exception: the choice or the load failed; the group's ranks may now disagree.
+        """
+        directory = self.writer.directory
+        key = f"torchft/snapshot/{self._replica_id}/{quorum_id}"
+        shared = self._world > 1
+        chosen: Snapshot | None = None
+        if self._rank == 0 and not (shared and self._store.check([key])):
+            floor = max(max_step, own_step)
+            newest = list_snapshots(directory)
+            if newest and newest[0].step > floor:
+                self._log_info(
+                    "no live replica group is past step %d; newest snapshot is step %d: "
+                    "checking it",
+                    floor,
+                    newest[0].step,
+                )
+                chosen = choose_restore(directory, floor, self._world, user_keys)
+            if shared:
+                self._store.set(key, str(chosen.path) if chosen is not None else "")
+        else:
+            choice = self._wait_for_choice(key)
+            if choice:
+                matches = [s for s in list_snapshots(directory) if str(s.path) == choice]
+                if not matches:
+                    raise SnapshotError(f"snapshot {choice} chosen by group rank 0 is gone")
+                chosen = matches[0]
+        if chosen is None:
+            return None
+        t0 = time.perf_counter()
+        state = load_rank(chosen, self._rank, template=template())
+        self._log_info(
+            "loaded snapshot of step %d from %s in %.3fs (live replica groups are at step "
+            "%d); this step does not commit, the next one trains from step %d",
+            chosen.step,
+            chosen.path,
+            time.perf_counter() - t0,
+            max_step,
+            chosen.step,
+        )
+        return chosen, state
+
+    def _wait_for_choice(self, key: str) -> str:
+        """Group rank 0's snapshot choice for this quorum (it may be verifying a large
+        snapshot: the wait is logged, and bounded by ``connect_timeout``)."""
+        deadline = time.monotonic() + self._connect_timeout.total_seconds()
+        told = time.monotonic() + 2.0
+        while not self._store.check([key]):
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"group rank 0 did not choose a snapshot within {self._connect_timeout}"
+                )
+            if now >= told:
+                self._log_info(
+                    "waiting for group rank 0 to choose a durable snapshot (gives up in %.0fs)",
+                    deadline - now,
+                )
+                told = now + _WAIT_LOG_S
+            time.sleep(0.02)
+        choice: bytes = self._store.get(key)
+        return choice.decode()
+
+    def shutdown(self, wait: bool) -> None:
+        """Lets a write in flight finish (``wait``; a snapshot is worth the wait)."""
+        self.writer.shutdown(wait=wait)
