@@ -812,3 +812,16 @@ def test_after_a_total_loss_the_first_commit_must_follow_the_snapshot(tmp_path: 
     )
     violations = check(tmp_path, target=3, min_replicas=1, groups=["a"]).violations
     assert any("did not resume from the snapshot" in v for v in violations), violations
+
+
+def test_a_killed_process_s_last_commit_after_the_kill_record_is_not_the_resume(
+    tmp_path: Path,
+) -> None:
+    """A killed process may write a commit line in the instant between the kill's record
+    and its death: only processes started after the kill show where the run resumed, and
+    that trailing commit's death is explained by the total loss."""
+    _total_loss_run(tmp_path)
+    trailing = _commit("a", P1, 7, 10, "s7", 10.05)
+    with open(tmp_path / "a.0.history.jsonl", "a") as f:
+        f.write(json.dumps(trailing) + "\n")
+    assert check(tmp_path, target=6, min_replicas=1, groups=["a", "b"]).violations == []

@@ -375,6 +375,12 @@ class Chaos:
             return False
         return _COMMIT_RECORD in head
 
+    def _last_step(self, group: str) -> int:
+        """The last step the group's current process recorded as committed (0: none)."""
+        path = self.dir / f"{group}.{self._incarnation(group)}.history.jsonl"
+        steps = [r["step"] for r in read_jsonl(path) if r["kind"] == "commit"]
+        return max(steps, default=0)
+
     def _incarnation(self, group: str) -> int:
         return sum(1 for _ in self.dir.glob(f"{group}.*.history.jsonl")) - 1
 
@@ -568,12 +574,17 @@ class Chaos:
         with_lighthouse = self.rng.random() < 0.4
         wipe = with_lighthouse and self.rng.random() < 0.5
         down = self.rng.uniform(0.2, 1.5)
-        t_kill = time.time()
+        # The best step of the processes that die now (not of earlier lives: a total loss
+        # may follow another one).
+        best = max(self._last_step(g) for g in groups)
         for g in groups:
             self._kill(g)
             self.stopped.discard(g)  # a stopped group dies too (SIGKILL needs no SIGCONT)
         for g in groups:
             self.procs[g].proc.wait(timeout=30)
+        # Recorded once they are dead: every commit line after this is a new process's.
+        t_kill = time.time()
+        best = max([best] + [self._last_step(g) for g in groups])
         if with_lighthouse:
             assert self.lighthouse is not None
             self.lighthouse.kill()
@@ -589,7 +600,7 @@ class Chaos:
                 "fault": "kill_all",
                 "groups": groups,
                 "t": t_kill,
-                "best_step": max(self._steps()),
+                "best_step": best,
                 "snapshot_step": snaps[0].step if snaps else 0,
                 "snapshot_every": self.cfg.snapshot_every,
                 "lighthouse": with_lighthouse,

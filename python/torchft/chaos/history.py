@@ -627,10 +627,14 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if r["kind"] == "start" and _alive(r["pid"]):
             rep.violations.append(f"process {r['pid']} ({r['group']}) is still running")
 
-    _judge_total_losses(rep, commits, restores, faults)
+    _judge_total_losses(rep, commits, restores, faults, procs)
     _judge_verdicts(rep, run_dir, hangs, flips)
     _timings(rep, commits, procs, faults, ready)
     return rep
+
+
+#: How long after a kill's record a killed process's own last history lines may come.
+KILL_TRAIL_S = 1.0
 
 
 def _regression_cause(
@@ -640,7 +644,9 @@ def _regression_cause(
     explains that every holder died: a total loss, or a process that ended itself (asked for
     a restart, held hung, stopped as diverged). None when nothing does."""
     for f in faults:
-        if f["fault"] == "kill_all" and lo <= f["t"] <= hi:
+        # A killed process's last lines may trail the kill's record by the moment it takes
+        # to die (harnesses before the record moved after the deaths).
+        if f["fault"] == "kill_all" and lo - KILL_TRAIL_S <= f["t"] <= hi:
             return "a total loss (kill_all)"
     ended = {RESTART_EXIT: "asked for a restart", HUNG_EXIT: "held hung", DIVERGED_EXIT: "diverged"}
     for r in procs:
@@ -654,6 +660,7 @@ def _judge_total_losses(
     commits: list[dict[str, Any]],
     restores: list[dict[str, Any]],
     faults: list[dict[str, Any]],
+    procs: list[dict[str, Any]],
 ) -> None:
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
@@ -691,7 +698,10 @@ def _judge_total_losses(
         snap, best = kill["snapshot_step"], kill["best_step"]
         lost = best - snap
         nxt = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
-        after = [c for c in commits if t < c["t"] < nxt]
+        # Commits of processes started after the kill (a killed process may still write a
+        # commit line in the instant between the kill's record and its death).
+        born = {r["pid"] for r in procs if r["kind"] == "start" and t < r["t"] < nxt}
+        after = [c for c in commits if t < c["t"] < nxt and c["pid"] in born]
         first = min(after, key=lambda c: c["t"]) if after else None
         rep.total_losses.append(
             {
