@@ -183,9 +183,17 @@ async fn lighthouse_rpcs_need_the_token_and_refusals_change_nothing() {
 }
 
 async fn post_kill(base: &str, auth: Option<&str>) -> (u16, String) {
+    post_kill_from(base, auth, None).await
+}
+
+/// A kill as a browser sends it from a page of `origin` (`None`: not a browser).
+async fn post_kill_from(base: &str, auth: Option<&str>, origin: Option<&str>) -> (u16, String) {
     let mut req = reqwest::Client::new().post(format!("{base}/replicas/nobody/kill"));
     if let Some(a) = auth {
         req = req.header("authorization", a);
+    }
+    if let Some(o) = origin {
+        req = req.header("origin", o);
     }
     let resp = req.send().await.unwrap();
     let code = resp.status().as_u16();
@@ -218,9 +226,19 @@ async fn kill_route_needs_the_token_and_status_stays_open_unless_private() {
         // The right token passes the guard: the route itself answers (no such group).
         let (code, body) = post_kill(&base, Some("Bearer tok")).await;
         assert_eq!(code, 404, "{body}");
-        // A browser's Basic credentials (any user, the token as password) pass too.
-        let (code, _) = post_kill(&base, Some("Basic dXNlcjp0b2s=")).await;
-        assert_eq!(code, 404);
+        // A browser's cached Basic credentials (any user, the token as password) do not
+        // change anything: another site's page could make the browser resend them.
+        let (code, body) = post_kill(&base, Some("Basic dXNlcjp0b2s=")).await;
+        assert_eq!(code, 401, "{body}");
+        assert!(body.contains("reading only"), "{body}");
+        // The dashboard's own page (same origin) with the Bearer token passes; a page of
+        // another origin is refused even with it.
+        let (code, body) = post_kill_from(&base, Some("Bearer tok"), Some(&base)).await;
+        assert_eq!(code, 404, "{body}");
+        let (code, body) =
+            post_kill_from(&base, Some("Bearer tok"), Some("http://evil.example")).await;
+        assert_eq!(code, 403, "{body}");
+        assert!(body.contains("cross-origin request refused"), "{body}");
         for path in ["/", "/status", "/metrics", "/healthz", "/readyz"] {
             assert_eq!(get(&base, path, None).await, 200, "{path}");
         }
@@ -284,6 +302,26 @@ fn rank_request(step: i64) -> ManagerQuorumRequest {
         init_sync: true,
         commit_failures: 0,
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_lighthouse_refuses_kills_from_other_sites_pages() {
+    bounded(async {
+        // No token at all: the kill route is open to clients, but not to a page of another
+        // origin making the operator's browser send it (cross-site request forgery).
+        let server = lighthouse(AccessOptions::default()).await;
+        let base = server.address();
+        let (code, body) = post_kill_from(&base, None, Some("http://evil.example")).await;
+        assert_eq!(code, 403, "{body}");
+        assert!(body.contains("http://evil.example"), "{body}");
+        let (code, body) = post_kill_from(&base, None, Some("null")).await;
+        assert_eq!(code, 403, "{body}");
+        // Its own dashboard, and clients that are not browsers, reach the route.
+        assert_eq!(post_kill_from(&base, None, Some(&base)).await.0, 404);
+        assert_eq!(post_kill(&base, None).await.0, 404);
+        server.shutdown().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

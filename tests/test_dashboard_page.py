@@ -99,6 +99,10 @@ class MockLighthouse:
         self.status_events: list[dict] = []
         self.sse_events: list[dict] = []
         self.kill_posts: list[str] = []
+        # With a token, a kill without `Authorization: Bearer <token>` gets 401; every
+        # kill's Authorization header is recorded.
+        self.kill_token: str | None = None
+        self.kill_auth: list[str | None] = []
         self.requests: list[str] = []
         self.stopping = False
         self._seq = 0
@@ -237,9 +241,14 @@ class MockLighthouse:
                 if length:
                     self.rfile.read(length)
                 if self.path.startswith("/replicas/") and self.path.endswith("/kill"):
+                    auth = self.headers.get("Authorization")
                     with mock.cond:
                         mock.kill_posts.append(self.path)
+                        mock.kill_auth.append(auth)
                         code, ctype, body = mock.kill_reply
+                        token = mock.kill_token
+                    if token is not None and auth != f"Bearer {token}":
+                        code, ctype, body = 401, "text/plain", "missing token\n"
                     self._send(code, ctype, body)
                 else:
                     self._send(404, "text/plain", "not found\n")
@@ -679,6 +688,31 @@ def test_kill_button_posts(mock: MockLighthouse, driver: Any) -> None:
     )
     assert "group 1/b?" in text_of(driver, "action-status")
     assert_no_console_errors(driver)
+
+
+@pytest.mark.timeout(60)
+def test_kill_asks_for_the_token_and_sends_it_as_bearer(mock: MockLighthouse, driver: Any) -> None:
+    """A lighthouse with a token answers the kill with 401: the page asks for the token and
+    resends the kill with ``Authorization: Bearer`` (never Basic, which the server accepts
+    for reading only); the next kill reuses it without asking."""
+    mock.allow_kill = True
+    mock.kill_token = "s3cret"
+    mock.set_replicas(make_replica("a", step=1), make_replica("b", step=1))
+    open_page(driver, mock, rows_expected=2)
+    driver.execute_script(
+        "window.confirm = () => true; window.asked = 0;"
+        "window.prompt = () => { window.asked += 1; return 's3cret'; };"
+    )
+    driver.find_element("css selector", 'tr.replica[data-replica-id="a"] button.kill').click()
+    wait_until(lambda: "ok" in text_of(driver, "action-status"), what="the kill accepted")
+    assert mock.kill_auth == [None, "Bearer s3cret"]
+    driver.find_element("css selector", 'tr.replica[data-replica-id="b"] button.kill').click()
+    wait_until(lambda: len(mock.kill_auth) == 3, what="the second kill")
+    assert mock.kill_auth[2] == "Bearer s3cret"
+    assert driver.execute_script("return window.asked") == 1
+    # The browser logs the first answer (401) as a failed resource; nothing else.
+    errors = [e for e in console_errors(driver) if "status of 401" not in e["message"]]
+    assert errors == [], errors
 
 
 @pytest.mark.timeout(60)

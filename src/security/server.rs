@@ -84,6 +84,13 @@ impl Guard {
         if self.is_open(method, path) {
             return None;
         }
+        if changes_state(method) && !is_grpc(headers) && is_basic(headers) {
+            // A browser that logged in to a private dashboard resends Basic credentials by
+            // itself, also on a request another site's page makes it send.
+            return Some(
+                "HTTP Basic credentials are accepted for reading only (a browser resends them                  by itself): send the token as `Authorization: Bearer <token>`",
+            );
+        }
         match presented_token(headers) {
             None => Some(
                 "missing token: this server requires the shared secret; set TORCHFT_TOKEN_FILE \
@@ -109,6 +116,43 @@ fn presented_token(headers: &HeaderMap) -> Option<Vec<u8>> {
     let decoded = base64_decode(basic.trim_ascii())?;
     let colon = decoded.iter().position(|b| *b == b':')?;
     Some(decoded[colon + 1..].to_vec())
+}
+
+fn is_basic(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::AUTHORIZATION)
+        .is_some_and(|v| strip_prefix_ci(v.as_bytes(), b"basic ").is_some())
+}
+
+/// Methods that may change something (everything but reads).
+fn changes_state(method: &Method) -> bool {
+    !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+/// Why a state-changing browser request from another site's page is refused (`None`: it is
+/// not one). A browser names the page's origin in `Origin` on such requests; it must be this
+/// server (the `Host` it was sent to; `authority`: the request target's, which HTTP/2 sends
+/// instead of `Host`). Clients that are not browsers send no `Origin`.
+fn cross_origin(method: &Method, headers: &HeaderMap, authority: Option<&str>) -> Option<String> {
+    if !changes_state(method) || is_grpc(headers) {
+        return None;
+    }
+    let origin = headers.get(header::ORIGIN)?.to_str().unwrap_or("");
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or(authority)
+        .unwrap_or("");
+    let authority = origin
+        .split_once("://")
+        .map(|(_, rest)| rest.trim_end_matches('/'))
+        .unwrap_or("");
+    if !authority.is_empty() && authority.eq_ignore_ascii_case(host) {
+        return None;
+    }
+    Some(format!(
+        "cross-origin request refused: a page from {origin:?} may not change this server          ({host:?}); use the lighthouse's own dashboard, or a client that is not a browser"
+    ))
 }
 
 fn strip_prefix_ci<'a>(value: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> {
@@ -188,6 +232,11 @@ async fn check(
         } else {
             (StatusCode::BAD_REQUEST, format!("{msg}\n")).into_response()
         };
+    }
+    let authority = req.uri().authority().map(|a| a.as_str());
+    if let Some(why) = cross_origin(req.method(), req.headers(), authority) {
+        debug!(peer = %peer.addr, path = %req.uri().path(), "{why}");
+        return (StatusCode::FORBIDDEN, format!("{why}\n")).into_response();
     }
     if let Some(why) = guard.refuse(req.method(), req.uri().path(), req.headers()) {
         debug!(peer = %peer.addr, path = %req.uri().path(), "{why}");
@@ -523,15 +572,63 @@ mod tests {
         assert!(g
             .refuse(&Method::POST, "/x", &headers("bearer tok"))
             .is_none());
+        // Basic (what a browser caches and resends) opens reads only.
         assert!(g
             .refuse(&Method::POST, "/x", &headers("Basic dTp0b2s="))
-            .is_none());
+            .unwrap()
+            .contains("reading only"));
         assert!(g
             .refuse(&Method::POST, "/x", &headers("Basic dTpub3Q="))
+            .is_some());
+        let private_reads = Guard::new(&security, OpenRoutes::None);
+        assert!(private_reads
+            .refuse(&Method::GET, "/status", &headers("Basic dTp0b2s="))
+            .is_none());
+        assert!(private_reads
+            .refuse(&Method::GET, "/status", &headers("Basic dTpub3Q="))
             .is_some());
         let private = Guard::new(&security, OpenRoutes::None);
         assert!(private.refuse(&Method::GET, "/status", &none).is_some());
         let open = Guard::new(&Security::none(), OpenRoutes::None);
         assert!(open.refuse(&Method::POST, "/x", &none).is_none());
+    }
+
+    fn with(pairs: &[(header::HeaderName, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(k.clone(), HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn state_changing_browser_requests_must_come_from_this_server() {
+        let host = (header::HOST, "lh.example:29510");
+        // The dashboard's own page: same origin.
+        let same = with(&[host.clone(), (header::ORIGIN, "http://lh.example:29510")]);
+        assert!(cross_origin(&Method::POST, &same, None).is_none());
+        let tls = with(&[host.clone(), (header::ORIGIN, "https://LH.example:29510/")]);
+        assert!(cross_origin(&Method::POST, &tls, None).is_none());
+        // Another site's page, an opaque origin, another port: refused, naming the origin.
+        for origin in ["http://evil.example", "null", "http://lh.example:8080"] {
+            let h = with(&[host.clone(), (header::ORIGIN, origin)]);
+            let why = cross_origin(&Method::POST, &h, None).expect(origin);
+            assert!(why.contains("cross-origin request refused"), "{why}");
+            assert!(cross_origin(&Method::DELETE, &h, None).is_some());
+            // Reads and gRPC are not what a cross-site page can abuse.
+            assert!(cross_origin(&Method::GET, &h, None).is_none());
+            let mut grpc = h.clone();
+            grpc.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            );
+            assert!(cross_origin(&Method::POST, &grpc, None).is_none());
+        }
+        // Clients that are not browsers send no Origin.
+        assert!(cross_origin(&Method::POST, &with(std::slice::from_ref(&host)), None).is_none());
+        // HTTP/2: no Host header, the target's authority instead.
+        let h2 = with(&[(header::ORIGIN, "https://lh.example:29510")]);
+        assert!(cross_origin(&Method::POST, &h2, Some("lh.example:29510")).is_none());
+        assert!(cross_origin(&Method::POST, &h2, Some("other:1")).is_some());
     }
 }
