@@ -467,9 +467,9 @@ def test_a_state_changed_after_its_offer_fails_the_receive_instead_of_mixing(
     """A write between the offer and a stream (DiLoCo's inner steps while a delayed sync's
     offer lives), or a tensor moved under the offer, fails the receive with a clear error:
     ranges of two different states are never handed out as one."""
-    from torchft.manager import _ReadWriteLock
+    from torchft.state_lock import ReadWriteLock
 
-    lock = _ReadWriteLock()
+    lock = ReadWriteLock()
     state = {"a": torch.zeros(1 << 18), "b": torch.zeros(1 << 18), "c": torch.zeros(3)}
     sender_kw = {"state_dict_lock": lock.read, "state_version": lock.version, "native": native}
     with transports(sender_kw=sender_kw, receiver_kw={"num_chunks": 2}) as (s, r):

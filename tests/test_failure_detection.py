@@ -257,7 +257,7 @@ class _FakeWatchClient:
 def test_watcher_delivers_events_in_order_and_survives_errors() -> None:
     """The watcher passes every event on, resumes after the last seen sequence number, keeps
     going after a failed poll and a failing handler, and stops promptly."""
-    from torchft.manager import _LostWatcher
+    from torchft.loss_watch import LostWatcher
 
     client = _FakeWatchClient(
         [
@@ -273,7 +273,7 @@ def test_watcher_delivers_events_in_order_and_survives_errors() -> None:
         if replica_id == "c":
             raise ValueError("handler failure must not stop the watcher")
 
-    watcher = _LostWatcher(client, on_lost)
+    watcher = LostWatcher(client, on_lost)
     deadline = time.monotonic() + 10
     while len(seen) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -282,4 +282,4 @@ def test_watcher_delivers_events_in_order_and_survives_errors() -> None:
     assert client.calls[:3] == [0, 2, 2], "resumes after the last sequence number"
     assert client.calls[3] == 3
     assert not watcher._thread.is_alive()
-    assert watcher not in _LostWatcher._live
+    assert watcher not in LostWatcher._live

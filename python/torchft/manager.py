@@ -28,7 +28,6 @@ rank from reading the dead incarnation's address before rank 0 publishes the new
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -63,8 +62,10 @@ from torchft.coordination import (
 )
 from torchft.group_snapshots import GroupSnapshots
 from torchft.hang import HangWatchdog
+from torchft.loss_watch import LostWatcher
 from torchft.parity import StateParity
 from torchft.snapshot import Snapshot
+from torchft.state_lock import ReadWriteLock
 from torchft.telemetry import RankTelemetry
 from torchft.work import _DummyWork, _FutureWork, future_timeout
 
@@ -141,78 +142,6 @@ class ExceptionWithTraceback(Exception):
         return f"{type(self.original_exception).__name__}: {self.original_exception}"
 
 
-class _LostWatcher:
-    """A daemon thread long-polling the group's manager server for lost replica groups.
-
-    Every live watcher is stopped and joined at interpreter exit (before daemon threads are
-    torn down), so a poll in flight in native code never meets interpreter finalization.
-    """
-
-    POLL = timedelta(milliseconds=500)
-    _live: set[_LostWatcher] = set()
-    _live_lock = threading.Lock()
-
-    def __init__(self, client: NativeManagerClient, on_lost: Callable[[str, int], None]) -> None:
-        """Starts watching.
-
-        Args:
-            client: the rank's manager client (``_watch_events`` releases the GIL).
-            on_lost: called with ``(replica_id, quorum_id)`` for every lost-member event.
-        """
-        self._client = client
-        self._on_lost = on_lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="torchft_watch", daemon=True)
-        with _LostWatcher._live_lock:
-            _LostWatcher._live.add(self)
-        self._thread.start()
-
-    def _run(self) -> None:
-        after = 0
-        try:
-            while not self._stop.is_set():
-                try:
-                    after, events = self._client._watch_events(after, self.POLL)
-                except Exception as e:
-                    # The group's manager server is unreachable (e.g. shutting down): retry.
-                    logger.debug("watching for lost replica groups failed: %s", e)
-                    self._stop.wait(self.POLL.total_seconds())
-                    continue
-                for replica_id, quorum_id in events:
-                    if self._stop.is_set():
-                        break
-                    try:
-                        self._on_lost(replica_id, quorum_id)
-                    except Exception:
-                        logger.exception("handling the loss of %s failed", replica_id)
-        finally:
-            with _LostWatcher._live_lock:
-                _LostWatcher._live.discard(self)
-
-    def stop(self, wait: float = 0.0) -> None:
-        """Stops watching.
-
-        Args:
-            wait: seconds to wait for the thread to end (0: do not wait).
-        """
-        self._stop.set()
-        if wait > 0 and self._thread is not threading.current_thread():
-            self._thread.join(wait)
-
-    @staticmethod
-    def stop_all() -> None:
-        """Stops and joins every live watcher (registered with ``atexit``)."""
-        with _LostWatcher._live_lock:
-            live = list(_LostWatcher._live)
-        for w in live:
-            w.stop()
-        for w in live:
-            w.stop(wait=2 * w.POLL.total_seconds() + 1.0)
-
-
-atexit.register(_LostWatcher.stop_all)
-
-
 class TornStateError(RuntimeError):
     """A heal that wrote into this group's own tensors failed midway, and no up-to-date
     replica group is left to heal it again: the state is one no step ever had, and only a
@@ -234,79 +163,6 @@ class HungProcessError(RuntimeError):
 
 class _QuorumTimeoutError(TimeoutError):
     """The quorum request itself hit its deadline (raised to wait_quorum/should_commit)."""
-
-
-class _ReadWriteLock:
-    """A writer-preferring read/write lock.
-
-    Checkpoint transports take the read side while serialising the state dict; the optimizer
-    step takes the write side so a peer never reads half-updated parameters. Every write
-    bumps :meth:`version`, so a transport can tell that the state it offered changed since.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writer_thread: int | None = None
-        self._writers_waiting = 0
-        self._version = 0
-
-    def acquire_read(self) -> None:
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    def acquire_write(self, timeout: float | None = None) -> bool:
-        """Takes the write side (waiting at most ``timeout`` seconds); False if it could not."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                while self._writer or self._readers:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        self._cond.notify_all()  # readers held back by this waiting writer
-                        return False
-                    self._cond.wait(remaining)
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-            self._writer_thread = threading.get_ident()
-            self._version += 1
-            return True
-
-    def release_write(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._writer_thread = None
-            self._cond.notify_all()
-
-    def version(self) -> int:
-        """Number of writes begun so far."""
-        with self._cond:
-            return self._version
-
-    def held_by_me(self) -> bool:
-        """True when the calling thread holds the write side."""
-        with self._cond:
-            return self._writer and self._writer_thread == threading.get_ident()
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        """Context manager holding the read side."""
-        self.acquire_read()
-        try:
-            yield
-        finally:
-            self.release_read()
 
 
 class _PendingQuorumFuture:
@@ -560,7 +416,7 @@ class Manager:
         self._user_state_dicts: dict[str, Callable[[], Any]] = {}
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn(DEFAULT_STATE_DICT_KEY, load_state_dict, state_dict)
-        self._state_dict_lock = _ReadWriteLock()
+        self._state_dict_lock = ReadWriteLock()
         self._write_locked = False
         self._parity = StateParity(
             cfg.parity_every,
@@ -609,7 +465,7 @@ class Manager:
         # Members declared lost, per quorum id (a few recent quorums): a quorum answer that
         # arrives after its member's loss must not rendezvous with the dead member.
         self._lost_in: dict[int, set[str]] = {}
-        self._watcher: _LostWatcher | None = None
+        self._watcher: LostWatcher | None = None
         # The replica group this rank is healing from, and the flag that ends the heal
         # when the lighthouse declares that group lost.
         self._heal_source: str | None = None
@@ -697,7 +553,7 @@ class Manager:
                 hostname=cfg.hostname,
                 enabled=cfg.telemetry,
             )
-            self._watcher = _LostWatcher(self._client, self._on_lost)
+            self._watcher = LostWatcher(self._client, self._on_lost)
             if cfg.snapshot_dir is not None:
                 self._snapshots = GroupSnapshots(
                     cfg.snapshot_dir,
@@ -1839,7 +1695,7 @@ class Manager:
             tel.finish(sys.exc_info()[1], step=self._step)
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
-            watcher.stop(wait=2 * _LostWatcher.POLL.total_seconds() if wait else 0.0)
+            watcher.stop(wait=2 * LostWatcher.POLL.total_seconds() if wait else 0.0)
         hang_watchdog = getattr(self, "_hang_watchdog", None)
         if hang_watchdog is not None:
             hang_watchdog.stop()
