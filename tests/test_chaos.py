@@ -371,7 +371,7 @@ def test_kill_in_commit_is_recorded_only_when_the_commit_phase_was_seen(tmp_path
         for g in ("g0", "g1"):
             phase = tmp_path / f"{g}.phase"
             phase.write_bytes(b"f")  # in its forward pass, never reaching the vote
-            chaos.procs[g] = SimpleNamespace(phase=phase)  # type: ignore[assignment]
+            chaos.procs[g] = SimpleNamespace(phase=phase, killed=False)  # type: ignore[assignment]
         assert chaos._fault_kill_in_commit() is not None
         for g in ("g0", "g1"):
             (tmp_path / f"{g}.phase").write_bytes(b"c")
@@ -680,6 +680,7 @@ def _total_loss_run(
     kill_t: float = 10.0,
     snapshot_step: int = 4,
     best: int = 6,
+    holder_dies: float = 10.1,
 ) -> list[str]:
     """Two groups commit steps 1..6 (pids 1, 2), a kill_all at ``kill_t`` kills both, two
     new processes (3, 4) restore a snapshot and re-commit 5..6 with new states together.
@@ -718,7 +719,7 @@ def _total_loss_run(
             {"kind": "start", "group": "a", "pid": P1, "t": 0.0},
             {"kind": "start", "group": "b", "pid": P2, "t": 0.0},
             {"kind": "exit", "group": "a", "pid": P1, "rc": -9, "killed": True, "t": 10.1},
-            {"kind": "exit", "group": "b", "pid": P2, "rc": -9, "killed": True, "t": 10.1},
+            {"kind": "exit", "group": "b", "pid": P2, "rc": -9, "killed": True, "t": holder_dies},
             {"kind": "start", "group": "a", "pid": P3, "t": 11.0},
             {"kind": "start", "group": "b", "pid": P4, "t": 11.0},
             {"kind": "exit", "group": "a", "pid": P3, "rc": 0, "killed": False, "t": 31.0},
@@ -760,17 +761,17 @@ def test_a_total_loss_resumed_from_the_newest_snapshot_is_no_violation(tmp_path:
     [
         ({"snapshot_step": 2, "best": 6}, "newest complete snapshot at the total loss was step 2"),
         ({"restored_state": "zz"}, "with a state no group had committed at that step"),
-        ({"kill_t": 25.0}, "with no total loss before it"),
+        ({"holder_dies": 22.0}, "a live group's progress was bypassed"),
         ({"snapshot_step": 4, "best": 9}, "more than two snapshot intervals"),
     ],
-    ids=["older-snapshot", "other-state", "no-total-loss", "too-many-lost"],
+    ids=["older-snapshot", "other-state", "live-holder", "too-many-lost"],
 )
 def test_a_total_loss_check_can_fail(
     tmp_path: Path, kwargs: dict[str, object], expected: str
 ) -> None:
     """Resuming from a snapshot older than the newest complete one, holding a state never
-    committed, restoring while no total loss happened, or losing more than two intervals:
-    each is a violation that names what went wrong."""
+    committed, restoring while a holder of a later step still lives, or losing more than two
+    intervals: each is a violation that names what went wrong."""
     violations = _total_loss_run(tmp_path, **kwargs)  # type: ignore[arg-type]
     assert any(expected in v for v in violations), violations
 

@@ -378,6 +378,8 @@ class Chaos:
     def _last_step(self, group: str) -> int:
         """The last step the group's current process recorded as committed (0: none)."""
         path = self.dir / f"{group}.{self._incarnation(group)}.history.jsonl"
+        if not path.exists():
+            return 0
         steps = [r["step"] for r in read_jsonl(path) if r["kind"] == "commit"]
         return max(steps, default=0)
 
@@ -385,6 +387,13 @@ class Chaos:
         return sum(1 for _ in self.dir.glob(f"{group}.*.history.jsonl")) - 1
 
     def _fault(self, kind: str, groups: list[str], **detail: Any) -> None:
+        if kind.startswith("kill_") and kind not in ("kill_lighthouse", "kill_all"):
+            # Whether the kill takes the last live holders of the best step: the injector
+            # keeps a running group that has committed, not one at the best step, so such
+            # a kill makes a regression unavoidable (the checker asks for the reason).
+            steps = {g: self._last_step(g) for g in self.procs if not self.procs[g].killed}
+            detail["best"] = max(steps.values(), default=0)
+            detail["best_left"] = max((st for g, st in steps.items() if g not in groups), default=0)
         self._record(self._faults, {"kind": "fault", "fault": kind, "groups": groups, **detail})
 
     def _spares(self, victims: list[str]) -> bool:

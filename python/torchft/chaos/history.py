@@ -641,13 +641,22 @@ def _regression_cause(
     lo: float, hi: float, faults: list[dict[str, Any]], procs: list[dict[str, Any]]
 ) -> str | None:
     """What, between the last commit of the lost steps (``lo``) and their re-commit (``hi``),
-    explains that every holder died: a total loss, or a process that ended itself (asked for
-    a restart, held hung, stopped as diverged). None when nothing does."""
+    explains that every holder died: a total loss, a kill that took the last live holders of
+    the best step (the injector keeps a running group that has committed, not one at the
+    best step), or a process that ended itself (asked for a restart, held hung, stopped as
+    diverged). None when nothing does."""
     for f in faults:
         # A killed process's last lines may trail the kill's record by the moment it takes
         # to die (harnesses before the record moved after the deaths).
-        if f["fault"] == "kill_all" and lo - KILL_TRAIL_S <= f["t"] <= hi:
+        if not lo - KILL_TRAIL_S <= f["t"] <= hi:
+            continue
+        if f["fault"] == "kill_all":
             return "a total loss (kill_all)"
+        if f.get("best_left", f.get("best", 0)) < f.get("best", 0):
+            return (
+                f"{f['fault']} of {f['groups']} took the last live holders of step "
+                f"{f['best']} (the others were at {f['best_left']} at most)"
+            )
     ended = {RESTART_EXIT: "asked for a restart", HUNG_EXIT: "held hung", DIVERGED_EXIT: "diverged"}
     for r in procs:
         if r["kind"] == "exit" and not r["killed"] and r["rc"] in ended and lo <= r["t"] <= hi:
@@ -665,34 +674,61 @@ def _judge_total_losses(
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
     loses no more than the snapshot interval, plus one more interval when the newest
-    snapshot step's writer had not finished (a kill during or just before the write); a
-    snapshot is restored only after such a kill."""
+    snapshot step's writer had not finished (a kill during or just before the write). Any
+    restore, after a total loss or after the last holders of newer steps died otherwise,
+    holds a state committed at its step and never bypasses a live holder of that step or a
+    later one."""
     kills = [f for f in faults if f["fault"] == "kill_all"]
+    started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
+    died = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
     for r in restores:
-        before = [f for f in kills if f["t"] < r["t"]]
-        if not before:
+        # Never past a live holder: no process that had committed the step or a later one
+        # before the restoring process started lived on through its restore. (Groups that
+        # restored in the same round may commit before this one writes its line, which
+        # comes after the vote of the step that loaded the snapshot.)
+        born = started.get(r["pid"], r["t"])
+        holders = sorted(
+            {
+                c["pid"]
+                for c in commits
+                if c["t"] < born
+                and c["step"] >= r["step"]
+                and died.get(c["pid"], float("inf")) > r["t"]
+            }
+        )
+        if holders:
             rep.violations.append(
-                f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step {r['step']} "
-                "with no total loss before it: a live group's progress was bypassed"
+                f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step "
+                f"{r['step']} while pids {holders} holding that step or a later one were "
+                "alive: a live group's progress was bypassed"
             )
-            continue
-        kill = before[-1]
-        if r["step"] != kill["snapshot_step"]:
-            rep.violations.append(
-                f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, but the newest "
-                f"complete snapshot at the total loss was step {kill['snapshot_step']}"
-            )
-        held = {c["state"] for c in commits if c["step"] == r["step"] and c["t"] < kill["t"]}
+        held = {c["state"] for c in commits if c["step"] == r["step"] and c["t"] < r["t"]}
         if not held:
             rep.violations.append(
                 f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, which no group "
-                "had committed before the total loss"
+                "had committed before"
             )
         elif r["state"] not in held:
             rep.violations.append(
                 f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step {r['step']} "
                 "with a state no group had committed at that step"
             )
+        # After a total loss (nothing committed since the kill by the new processes), the
+        # snapshot is exactly the newest that was complete at the kill.
+        before = [f for f in kills if f["t"] < r["t"]]
+        if before:
+            kill = before[-1]
+            fresh = [
+                c
+                for c in commits
+                if kill["t"] < c["t"] < r["t"] and started.get(c["pid"], 0.0) > kill["t"]
+            ]
+            if not fresh and r["step"] != kill["snapshot_step"]:
+                rep.violations.append(
+                    f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, but the "
+                    f"newest complete snapshot at the total loss was step "
+                    f"{kill['snapshot_step']}"
+                )
     for i, kill in enumerate(kills):
         t, every = kill["t"], kill["snapshot_every"]
         snap, best = kill["snapshot_step"], kill["best_step"]
