@@ -426,8 +426,9 @@ def worker(args: argparse.Namespace) -> None:
         snapshot_dir=args.snapshot_dir,
         snapshot_every=args.every,
     )
-    snaps = manager._snapshots
-    assert snaps is not None, "snapshots are not enabled"
+    group = manager._snapshots
+    assert group is not None, "snapshots are not enabled"
+    snaps = group.writer
     staged: list[tuple[int, float, bool]] = []  # (step, seconds in save, queued)
     written: list[dict[str, Any]] = []
     save, on_done = snaps.save, snaps._on_done
