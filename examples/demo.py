@@ -432,8 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         f"failures injected       : {len(killed) and 1} SIGKILL of group {args.kill_group} at step {kill_step}"
     )
     victim_state = launcher.groups[args.kill_group]
+    # The launcher's one spare goes to whichever group dies first: after the total loss the
+    # killed group may have restarted cold while another took the spare.
     how = (
-        f"on a warm standby ({victim_state.warm} of 1 rank)"
+        f"the last one {'on a warm standby' if victim_state.warm else 'cold (the spare went to another group)'}"
         if args.standby and restarts
         else "cold (torchrun)"
     )
