@@ -270,14 +270,16 @@ def test_bad_snapshots_are_skipped_naming_why(
         unusable_reason(fresh[-1], 1, {"model", "ema"}) or ""
     )
     with caplog.at_level("WARNING", logger="torchft.snapshot"):
-        chosen = choose_restore(tmp_path, 0, 1, {"model", "optim"})
+        chosen = choose_restore(list_snapshots(tmp_path), 0, 1, {"model", "optim"})
     assert chosen is not None and chosen.step == 5
     text = caplog.text
     assert str(by_step[20].path) in text and "of 2 ranks" in text
     assert str(data15) in text and "bytes, the manifest says" in text
     assert "fails its checksum" in text
     assert (by_step[10].path / CORRUPT).exists() and not (by_step[10].path / MANIFEST).exists()
-    assert choose_restore(tmp_path, 5, 1, {"model"}) is None  # none newer than step 5 is usable
+    assert (
+        choose_restore(list_snapshots(tmp_path), 5, 1, {"model"}) is None
+    )  # none newer than step 5 is usable
     w.shutdown()
 
 

@@ -181,7 +181,7 @@ class GroupSnapshots:
                     floor,
                     newest[0].step,
                 )
-                chosen = choose_restore(directory, floor, self._world, user_keys)
+                chosen = choose_restore(newest, floor, self._world, user_keys)
             if shared:
                 self._store.set(key, str(chosen.path) if chosen is not None else "")
         else:

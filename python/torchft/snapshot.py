@@ -723,17 +723,18 @@ class SnapshotWriter:
 
 
 def choose_restore(
-    directory: str | os.PathLike[str],
+    snapshots: list[Snapshot],
     above_step: int,
     group_world_size: int,
     user_keys: set[str],
 ) -> Snapshot | None:
-    """The newest usable snapshot newer than ``above_step``, checksums verified.
+    """The newest usable snapshot newer than ``above_step`` among ``snapshots`` (as
+    :func:`list_snapshots` gives them, newest first), checksums verified.
 
     Snapshots that are incompatible, incomplete or corrupt are skipped with a warning naming
     them (a corrupt one is also marked, so no process tries it again).
     """
-    for snap in list_snapshots(directory):
+    for snap in snapshots:
         if snap.step <= above_step:
             return None
         reason = unusable_reason(snap, group_world_size, user_keys)
