@@ -541,8 +541,8 @@ def test_set_state_dict_fns_warns_and_still_works(lighthouse: Any) -> None:
         assert "register_state_dict_fn" in str(caught[0].message)
         state = manager._manager_state_dict()
         assert torch.equal(state["user"]["default"]["w"], torch.ones(2))
-        manager._pending_state_dict = {"default": {"w": torch.zeros(2)}}
-        manager._apply_pending_state_dict()
+        manager._healer._pending = {"default": {"w": torch.zeros(2)}}
+        manager._healer.apply_pending()
         assert len(loaded) == 1 and torch.equal(loaded[0]["w"], torch.zeros(2))
     finally:
         manager.shutdown(wait=False)

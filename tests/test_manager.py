@@ -397,11 +397,9 @@ def store(master_store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[T
 
 
 @pytest.fixture
-def native(monkeypatch: pytest.MonkeyPatch) -> FakeNative:
-    """Replaces the native bindings used by the manager module with FakeNative."""
-    fake = FakeNative()
-    monkeypatch.setattr(manager_mod, "_torchft", fake)
-    return fake
+def native() -> FakeNative:
+    """The native backend the managers under test join their groups through."""
+    return FakeNative()
 
 
 class Harness:
@@ -429,6 +427,7 @@ class Harness:
             load_state_dict=self._load,
             state_dict=lambda: {"w": self.user_state["w"].clone()},
             checkpoint_transport=self.transport,  # type: ignore[arg-type]
+            native_backend=native,  # type: ignore[arg-type]
             **args,
         )
 
@@ -1094,17 +1093,18 @@ def test_default_transport_heals_in_place_until_the_first_commit(
         store_port=store.port,
         lighthouse_addr="http://lighthouse:1",
         replica_id="rg0",
+        native_backend=native,  # type: ignore[arg-type]
     )
     try:
         transport = m._checkpoint_transport
         assert transport.receives_in_place  # type: ignore[attr-defined]
-        assert m._receives_in_place()
-        into = m._heal_into()
+        assert m._healer.receives_in_place()
+        into = m._healer.heal_into()
         assert into is not None and into["user"]["default"]["w"] is w
         m.start_quorum()
         assert m.should_commit()
-        assert not m._receives_in_place()
-        assert m._heal_into() is None
+        assert not m._healer.receives_in_place()
+        assert m._healer.heal_into() is None
     finally:
         m.shutdown(wait=False)
 
@@ -1114,14 +1114,15 @@ def test_default_in_place_rule_ends_with_the_first_applied_heal(harness: Any) ->
     then fails and the group heals again, that heal must not tear it."""
     h = harness(use_async_quorum=False)
     m = h.manager
-    m._own_transport = True  # the rule of the default transport, with the test's transport
-    assert m._receives_in_place()
+    # The rule of the default transport, with the test's transport.
+    m._healer.attach(m._checkpoint_transport, own=True)
+    assert m._healer.receives_in_place()
     _serve(h, 5, torch.full((3,), 2.0))
     h.native.quorums = [_heal_quorum(max_step=5)]
     m.start_quorum()
     assert m.errored() is None and m.current_step() == 5
-    assert not m._receives_in_place()
-    assert m._heal_into() is None
+    assert not m._healer.receives_in_place()
+    assert m._healer.heal_into() is None
 
 
 def test_in_place_heal_holds_the_state_write_lock(harness: Any) -> None:

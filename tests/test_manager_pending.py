@@ -31,8 +31,6 @@ from test_manager import (  # noqa: F401 - fixtures and tests collected again he
     test_sends_checkpoint_to_recovering_peers,
 )
 
-import torchft.manager as manager_mod
-
 
 class FakePending:
     """Stands in for the native PendingQuorum: the request is answered when waited for."""
@@ -52,7 +50,7 @@ class FakePending:
 
 
 @pytest.fixture
-def native(monkeypatch: pytest.MonkeyPatch) -> FakeNative:
+def native() -> FakeNative:
     """FakeNative whose client also has ``_quorum_start``."""
     fake = FakeNative()
     base = fake.ManagerClient
@@ -62,7 +60,6 @@ def native(monkeypatch: pytest.MonkeyPatch) -> FakeNative:
             return FakePending(lambda: self._quorum(**kwargs))
 
     fake.ManagerClient = StartingClient
-    monkeypatch.setattr(manager_mod, "_torchft", fake)
     return fake
 
 

@@ -211,6 +211,39 @@ class NativeManagerClient(Protocol):
         ...
 
 
+class NativeBackend(Protocol):
+    """What the Manager needs of the native module to join its replica group: the module
+    ``torchft._torchft`` itself, or a test double passed as ``Manager(native_backend=)``."""
+
+    def ManagerServer(  # noqa: N802 (the native class it constructs)
+        self,
+        *,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: timedelta,
+        connect_timeout: timedelta,
+        quorum_retries: int,
+        topology_file: str | None,
+        topology_group: int | None,
+    ) -> NativeManagerServer:
+        """Starts the replica group's manager server (on group rank 0)."""
+        ...
+
+    def ManagerClient(  # noqa: N802 (the native class it constructs)
+        self, addr: str, connect_timeout: timedelta
+    ) -> NativeManagerClient:
+        """Connects a client to a manager server."""
+        ...
+
+    def set_log_context(self, replica_id: str, group_rank: int) -> None:
+        """Names the replica group and rank in the native log lines."""
+        ...
+
+
 if TYPE_CHECKING:
     # Checked by mypy in `make lint`: the native classes satisfy the protocols.
     def _native_client(c: ManagerClient) -> NativeManagerClient:
@@ -224,3 +257,8 @@ if TYPE_CHECKING:
 
     def _native_result(r: QuorumResult) -> NativeQuorumResult:
         return r
+
+    def _native_backend() -> NativeBackend:
+        import torchft._torchft as module
+
+        return module

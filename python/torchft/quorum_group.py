@@ -1,0 +1,309 @@
+"""The cross-replica process group as the quorums drive it, and the answer of an async quorum.
+
+:class:`QuorumGroup` knows which quorum the group is configured for, whether it was aborted,
+which members were declared lost in recent quorums and how many of the step's collectives are
+in flight. It aborts the group when the lighthouse declares a member lost (failure detection,
+docs/process_groups.md) and rebuilds it for a new quorum. :class:`PendingQuorum` is the
+quorum of an async step whose request is in flight in the native client.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from torchft.errors import QuorumTimeoutError
+
+if TYPE_CHECKING:
+    from torchft.coordination import NativePendingQuorum, NativeQuorumResult
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: How many recent quorums' lost members are remembered.
+_LOST_QUORUMS_KEPT = 8
+
+
+class QuorumGroup:
+    """The cross-replica process group under the quorums (see module doc).
+
+    ``lock`` orders aborting the group for a lost member with switching to a new quorum and
+    with shutting down. The abort completes futures (and runs their callbacks) under it, so
+    the count of collectives in flight has a lock of its own.
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        report_error: Callable[[Exception], None],
+        on_source_lost: Callable[[str], None],
+        describe: Callable[[], str],
+    ) -> None:
+        """Wraps the group.
+
+        Args:
+            pg: the cross-replica process group (``configure``, ``abort``, ``errored``).
+            report_error: records an error of the current step.
+            on_source_lost: told of every lost member (a heal from it ends).
+            describe: ``replica_id/rank step N``, prefixed to log lines.
+        """
+        self.pg = pg
+        self._report_error = report_error
+        self._on_source_lost = on_source_lost
+        self._describe = describe
+        self.lock = threading.Lock()
+        #: The quorum the group is configured for (-1: none, or its configure failed).
+        self.quorum_id = -1
+        #: The group was aborted (a member lost, or this rank skipped a collective).
+        self.aborted = False
+        #: A quorum request is in flight: the step has not used the group yet.
+        self.quorum_in_progress = False
+        #: The error an abort for a loss recorded when the step's collectives had all
+        #: completed (that abort alone does not fail the step).
+        self.loss_abort_error: Exception | None = None
+        self.closed = False
+        self._lost_in: dict[int, set[str]] = {}
+        self._inflight_lock = threading.Lock()
+        self._in_flight = 0
+
+    def close(self) -> bool:
+        """Stops acting on losses; False when it was closed already."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            return True
+
+    def error(self) -> Exception | None:
+        """The error the group recorded since its configure, if any."""
+        pg_errored = getattr(self.pg, "errored", None)
+        return pg_errored() if pg_errored is not None else None
+
+    # ------------------------------------------------------------------ collectives
+
+    def collective_started(self) -> None:
+        """A collective of the step was issued."""
+        with self._inflight_lock:
+            self._in_flight += 1
+
+    def collective_finished(self) -> None:
+        """A collective of the step completed (or was never started)."""
+        with self._inflight_lock:
+            self._in_flight -= 1
+
+    # ------------------------------------------------------------------ losses
+
+    def was_lost(self, quorum_id: int, replica_id: str) -> bool:
+        """Whether ``replica_id`` was declared lost from quorum ``quorum_id``."""
+        with self.lock:
+            return replica_id in self._lost_in.get(quorum_id, set())
+
+    def on_lost(self, replica_id: str, quorum_id: int, own_id: str) -> None:
+        """Aborts the current quorum's process group when one of its members is lost.
+
+        The collectives in flight fail at once instead of at their timeout, and so does any
+        the step issues later: the step then does not commit, and the next quorum (without
+        the lost group) reconfigures the group. A step whose collectives had all completed
+        before the loss still commits: they hold every member's data, and the lost group may
+        itself have committed the step (it finished, or died after its vote), so abandoning
+        the step here would leave two states under one step number.
+
+        Args:
+            replica_id: the lost replica group.
+            quorum_id: the quorum it was lost from (events of older quorums are ignored).
+            own_id: this replica group (its own loss is not acted on).
+        """
+        with self.lock:
+            if self.closed or replica_id == own_id:
+                return
+            self._lost_in.setdefault(quorum_id, set()).add(replica_id)
+            while len(self._lost_in) > _LOST_QUORUMS_KEPT:
+                del self._lost_in[min(self._lost_in)]
+            if quorum_id != self.quorum_id:
+                return
+            self.aborted = True
+            logger.warning(
+                "[%s] replica group %s of quorum %d lost; aborting its collectives",
+                self._describe(),
+                replica_id,
+                quorum_id,
+            )
+            with self._inflight_lock:
+                idle = self._in_flight == 0
+            settled = not self.quorum_in_progress and idle
+            before = self.error()
+            if not self.quorum_in_progress and not settled:
+                # The step runs on this quorum with collectives in flight: it must not commit.
+                # (While a quorum request is in flight the step has not used the group yet;
+                # it is rebuilt instead.)
+                self._report_error(
+                    RuntimeError(f"replica group {replica_id} of quorum {quorum_id} was lost")
+                )
+            elif settled and before is not None:
+                self._report_error(before)  # the group had failed before the loss
+            # Ends a configure in progress too: its rendezvous waits for the lost member. A
+            # collective the step issues from now on fails at once (and the step with it).
+            self._abort()
+            if settled:
+                # The abort's own error is no reason to abandon a step whose collectives
+                # had all completed (see Manager.should_commit).
+                self.loss_abort_error = self.error()
+            self._on_source_lost(replica_id)
+
+    def _abort(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception:
+            logger.exception("aborting the process group failed")
+
+    def abort_after_skip(self) -> None:
+        """This rank skipped collectives of the step (no-ops once errored): peers still
+        waiting on them would wait until their timeout, which may outlast this group's next
+        quorum. Once its own collectives are done (so none a peer finishes with it is cut
+        short), aborting the quorum's group ends their wait now; the next quorum rebuilds it
+        (a commit failure changes the quorum id anyway). Socket backends (Gloo) fail the
+        peers' collectives at once; an NCCL peer still waits for its own timeout."""
+        with self.lock:
+            if self.quorum_id >= 0 and not self.aborted:
+                self.aborted = True
+                self._abort()
+
+    # ------------------------------------------------------------------ a new quorum
+
+    def needs_configure(self, quorum: NativeQuorumResult) -> bool:
+        """Adopts ``quorum``'s id; True when the group must be (re)configured for it.
+
+        Raises:
+            RuntimeError: a member of the quorum was lost before it was adopted.
+        """
+        quorum_id = quorum.quorum_id
+        with self.lock:
+            lost = self._lost_in.get(quorum_id, set()) & set(quorum.replica_ids)
+            if lost:
+                # The answer was issued before a member died: its group can never form (the
+                # rendezvous would wait for the dead member until the timeout). The step
+                # fails now; the next quorum, without that member, rebuilds the group.
+                self.aborted = True
+                raise RuntimeError(
+                    f"replica group(s) {sorted(lost)} of quorum {quorum_id} were lost "
+                    "before this rank adopted it"
+                )
+            # An aborted group (a member was lost) is rebuilt even if the id did not change.
+            if quorum_id == self.quorum_id and not self.aborted:
+                return False
+            # Mark the new id before configuring: if configure fails the step is errored,
+            # and the next quorum must not reuse a half-built group silently.
+            self.quorum_id = quorum_id
+            self.aborted = False
+            self.loss_abort_error = None
+            return True
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """Configures the group on a fresh store prefix (after :meth:`needs_configure`)."""
+        try:
+            self.pg.configure(store_addr, replica_id, rank, world_size)
+        except Exception:
+            self.quorum_id = -1
+            raise
+
+
+class PendingQuorum:
+    """The quorum of an async step whose request is in flight in the native client.
+
+    Quacks like the ``concurrent.futures.Future`` of the worker-thread path (``done``,
+    ``result``). The first ``result`` waits for the answer (the request carries the quorum
+    deadline) and adopts it: inline when only the step's roles change, on the worker thread
+    (bounded by ``result``'s timeout) when the process group must be rebuilt or live state
+    moves. Errors follow the synchronous path: the quorum deadline is recorded and raised,
+    anything else only recorded.
+    """
+
+    def __init__(
+        self,
+        pending: NativePendingQuorum,
+        group: QuorumGroup,
+        adopt: Callable[[NativeQuorumResult], None],
+        report_error: Callable[[Exception], None],
+        executor: ThreadPoolExecutor,
+        allow_heal: bool,
+        quorum_timeout: timedelta,
+    ) -> None:
+        """Wraps a request in flight.
+
+        Args:
+            pending: the native request.
+            group: the quorum group (its id and in-progress flag).
+            adopt: adopts the answer (errors recorded, not raised).
+            report_error: records an error of the step.
+            executor: the quorum worker thread.
+            allow_heal: whether the step may heal or serve.
+            quorum_timeout: the request's deadline (for the error message).
+        """
+        self._pending = pending
+        self._group = group
+        self._adopt_answer = adopt
+        self._report_error = report_error
+        self._executor = executor
+        self._allow_heal = allow_heal
+        self._quorum_timeout = quorum_timeout
+        self._lock = threading.Lock()
+        self._outcome: ConcurrentFuture[None] | None = None
+
+    def done(self) -> bool:
+        """Whether ``result`` would return without waiting for the network."""
+        outcome = self._outcome
+        if outcome is not None:
+            return outcome.done()
+        return self._pending.done()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Waits for the quorum to be adopted.
+
+        Args:
+            timeout: bound (seconds) on the wait for the worker thread, if one is used.
+
+        Raises:
+            TimeoutError: the quorum deadline passed.
+            concurrent.futures.TimeoutError: the worker thread did not finish in ``timeout``.
+        """
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._adopt()
+            outcome = self._outcome
+        outcome.result(timeout=timeout)
+
+    def _adopt(self) -> ConcurrentFuture[None]:
+        done: ConcurrentFuture[None] = ConcurrentFuture()
+        try:
+            quorum = self._pending.wait()
+        except TimeoutError as e:
+            self._group.quorum_in_progress = False
+            err = QuorumTimeoutError(f"quorum not reached within {self._quorum_timeout}: {e}")
+            err.__cause__ = e
+            self._report_error(err)
+            done.set_exception(err)
+            return done
+        except Exception as e:
+            self._group.quorum_in_progress = False
+            self._report_error(e)
+            done.set_result(None)
+            return done
+        heavy = quorum.quorum_id != self._group.quorum_id or (
+            self._allow_heal and (bool(quorum.heal) or bool(quorum.recover_dst_replica_ranks))
+        )
+        if heavy:
+            return self._executor.submit(self._adopt_and_settle, quorum)
+        self._adopt_and_settle(quorum)
+        done.set_result(None)
+        return done
+
+    def _adopt_and_settle(self, quorum: NativeQuorumResult) -> None:
+        """Adopts the answer; from then on the step runs on its quorum (see ``on_lost``)."""
+        try:
+            self._adopt_answer(quorum)
+        finally:
+            self._group.quorum_in_progress = False
