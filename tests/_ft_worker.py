@@ -179,6 +179,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--quorum-timeout", type=float, default=30.0)
     parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
     parser.add_argument("--kill-self-in-configure", default="")
     parser.add_argument("--stop-self-when-serving", default="")
     parser.add_argument("--data-groups", type=int, default=0)
@@ -208,6 +209,7 @@ def main() -> int:
         nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU()
     )
     model.append(nn.Linear(args.hidden, 4))
+    model.to(args.device)
 
     pg: Any
     if args.native_store:
@@ -285,6 +287,7 @@ def main() -> int:
             else:
                 x = torch.randn(32, 16, generator=data_gen)
                 y = torch.randint(0, 4, (32,), generator=data_gen)
+            x, y = x.to(args.device), y.to(args.device)
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             # The quorum finished inside backward (allreduce waits for it): healed counters

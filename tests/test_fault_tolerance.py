@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from _cluster import Cluster
 from torch.distributed import TCPStore
@@ -126,6 +127,16 @@ def test_two_groups_kill_and_heal_with_native_gloo_groups(cluster: Cluster) -> N
     for g in cluster.groups:
         for log in g.logs:
             assert "native" in log.read_text() and "reconfigured" in log.read_text(), log.name
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_groups_kill_and_heal_on_the_gpu(cluster: Cluster) -> None:
+    """The kill-and-heal run with the model on the GPU: the restarted group heals into its
+    own device tensors through pinned host staging, and both end bit-identical."""
+    run_kill_restart(
+        cluster, n_groups=2, ranks=1, sync=False, extra_for=lambda i: ["--device", "cuda"]
+    )
 
 
 @pytest.mark.timeout(150)

@@ -32,7 +32,7 @@ from torchft._torchft import LighthouseServer
 from torchft.checkpointing import HTTPTransport, _interface
 from torchft.checkpointing._security import endpoint
 from torchft.config import ENV_VARS, HealIfname, heal_ifname
-from torchft.manager import _heal_address
+from torchft.healing import heal_address as _heal_address
 
 TIMEOUT = timedelta(seconds=20)
 _VARS = ("TORCHFT_HEAL_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -680,6 +680,114 @@ def test_baby_nccl_allreduce(store: TCPStore) -> None:
         pg.shutdown()
 
 
+_one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@_one_gpu
+@pytest.mark.timeout(120)
+def test_nccl_one_rank_reduces_aborts_and_reconfigures(store: TCPStore) -> None:
+    """On one GPU: an NCCL group reduces in place, abort() drops it (errored() says so and a
+    collective is refused clearly, without hanging), and a configure on a fresh prefix makes
+    it work again."""
+    pg = ProcessGroupNCCL(timeout=timedelta(seconds=30))
+    pg.configure(_addr(store, "n1a"), "r", 0, 1)
+    t = torch.full((1 << 16,), 2.0, device="cuda")
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.full_like(t, 2.0))
+    pg.abort()
+    assert isinstance(pg.errored(), RuntimeError)
+    with pytest.raises(RuntimeError):
+        pg.allreduce([t], ReduceOp.SUM).wait()
+    pg.configure(_addr(store, "n1b"), "r", 0, 1)
+    assert pg.errored() is None
+    t.fill_(3.0)
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.full_like(t, 3.0))
+    pg.shutdown()
+
+
+@_one_gpu
+@pytest.mark.timeout(120)
+def test_nccl_abort_releases_a_collective_waiting_for_a_missing_peer(store: TCPStore) -> None:
+    """On one GPU: rank 0 of a world of two whose peer never comes issues a collective (it
+    waits in NCCL's setup or the collective); abort() ends that wait within seconds, long
+    before the timeout, and the group works again after a configure."""
+    pg = ProcessGroupNCCL(timeout=timedelta(seconds=60))
+    pg.configure(_addr(store, "nmiss"), "r", 0, 2)
+    t = torch.ones(8, device="cuda")
+    outcome: list[BaseException | None] = []
+
+    def issue() -> None:
+        try:
+            pg.allreduce([t], ReduceOp.SUM).wait()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(e)
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(issue)
+        time.sleep(2.0)
+        assert not outcome, "the collective finished without its peer"
+        start = time.monotonic()
+        pg.abort()
+        fut.result(timeout=30)
+    assert time.monotonic() - start < 15
+    assert outcome and isinstance(outcome[0], Exception), outcome
+    assert pg.errored() is not None
+    pg.configure(_addr(store, "nback"), "r", 0, 1)
+    t.fill_(5.0)
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.full_like(t, 5.0))
+    pg.shutdown()
+
+
+@_one_gpu
+@pytest.mark.timeout(180)
+def test_baby_nccl_killed_child_and_abort_surface_as_errors(store: TCPStore) -> None:
+    """On one GPU: a Baby NCCL group reduces a CUDA tensor through its child; a collective
+    waiting for a missing peer fails promptly when the child is SIGKILLed, abort() kills a
+    child and fails its pending work, and the group works again after a configure."""
+    pg = ProcessGroupBabyNCCL(timeout=timedelta(seconds=60))
+    pg.configure(_addr(store, "bn1"), "r", 0, 1)
+    t = torch.full((1024,), 4.0, device="cuda")
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.full_like(t, 4.0))
+
+    pg.configure(_addr(store, "bn2"), "r", 0, 2)  # the peer never comes
+    fut = pg.allreduce([torch.ones(4, device="cuda")], ReduceOp.SUM).get_future()
+    time.sleep(1.0)
+    assert not fut.done()
+    child = pg._child
+    assert child is not None
+    os.kill(child.process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        fut.wait()
+    assert time.monotonic() - start < 15
+    assert pg.errored() is not None
+
+    pg.configure(_addr(store, "bn3"), "r", 0, 2)
+    fut = pg.allreduce([torch.ones(4, device="cuda")], ReduceOp.SUM).get_future()
+    pid = pg._child.process.pid  # type: ignore[union-attr]
+    pg.abort()
+    with pytest.raises(RuntimeError):
+        fut.wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+    pg.configure(_addr(store, "bn4"), "r", 0, 1)
+    t.fill_(6.0)
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.full_like(t, 6.0))
+    pg.shutdown()
+    assert pg._child is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_nccl_without_cuda_fails_clearly(store: TCPStore) -> None:
     """Configuring NCCL on a machine without CUDA raises instead of hanging."""

@@ -131,6 +131,31 @@ def test_the_training_thread_keeps_training_after_settle(
     w.shutdown()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_state_is_staged_through_pinned_host_buffers(tmp_path: Path) -> None:
+    """GPU tensors are copied into pinned host buffers on the writer thread; once settle()
+    returned, the training thread may change them without changing the snapshot, which
+    loads back bit-identical (on the CPU)."""
+    results: list[SnapshotResult] = []
+    w = writer(tmp_path, results)
+    live = state(5)
+    live["user"]["model"] = {k: v.cuda() for k, v in live["user"]["model"].items()}
+    big = torch.randn(1 << 22, device="cuda")  # 16 MB: the copy is not instant
+    live["user"]["big"] = {"t": big}
+    expected = hash_state(live)
+    w.save(5, 1, live)
+    w.settle()
+    big.add_(1.0)  # the optimizer step, after the vote
+    live["user"]["model"]["weight"].mul_(2.0)
+    done = w.wait(60)
+    assert done is not None and done.complete and done.error is None, done
+    assert all(b.is_pinned() for b in w._staging._buffers.values() if b.numel() > 1000)
+    loaded = load_rank(list_snapshots(tmp_path)[0], 0)
+    assert loaded["user"]["big"]["t"].device.type == "cpu"
+    assert hash_state(loaded) == expected
+    w.shutdown()
+
+
 def test_tied_tensors_are_copied_once(tmp_path: Path) -> None:
     """One tensor under two keys (tied weights) takes one staging buffer and reads back
     under both keys."""

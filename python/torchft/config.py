@@ -697,3 +697,15 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class ThisHost(str):
+    """The default of ``Manager(hostname=)``: this machine's name, marked as not given, so
+    the heal interface (``TORCHFT_HEAL_IFNAME``) wins over it while a given name wins over
+    the interface."""
+
+    __slots__ = ()
+
+
+#: This machine's name, as the Manager's default ``hostname``.
+THIS_HOST = ThisHost(socket.gethostname())

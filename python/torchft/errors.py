@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+from torch.futures import Future
 
 from torchft import _torchft
+from torchft.work import future_timeout
+
+T = TypeVar("T")
 
 
 class ExceptionWithTraceback(Exception):
@@ -50,3 +59,51 @@ class HungProcessError(RuntimeError):
 
 class QuorumTimeoutError(TimeoutError):
     """The quorum request itself hit its deadline (raised to wait_quorum/should_commit)."""
+
+
+class StepErrors:
+    """The error of the current step (the first one reported wins: the step does not
+    commit), and the parity verdict that stopped the group for good, if any."""
+
+    def __init__(self, on_first: Callable[[ExceptionWithTraceback], None]) -> None:
+        """Args:
+        on_first: called with the step's first error (logging), outside the lock."""
+        self._on_first = on_first
+        self._lock = threading.Lock()
+        #: The step's first error.
+        self.error: ExceptionWithTraceback | None = None
+        #: Set once the parity check stopped this group (raised from should_commit).
+        self.diverged: Exception | None = None
+
+    def clear(self) -> None:
+        """A new step begins."""
+        with self._lock:
+            self.error = None
+
+    def report(self, e: Exception) -> None:
+        """Records ``e`` (kept with its traceback) unless the step already has an error."""
+        wrapped = e if isinstance(e, ExceptionWithTraceback) else ExceptionWithTraceback(e)
+        if isinstance(wrapped.original_exception, StateDivergedError):
+            # Not a step error: the parity check stopped this group for good.
+            self.diverged = wrapped.original_exception
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = wrapped
+        if first:
+            self._on_first(wrapped)
+
+    def wrap_future(self, fut: Future[T], default: T, timeout: timedelta | None) -> Future[T]:
+        """A future that never fails: errors and timeouts are reported and become
+        ``default``."""
+        source = future_timeout(fut, timeout) if timeout is not None else fut
+
+        def settle(f: Future[T]) -> T:
+            try:
+                value: T = f.value()
+            except Exception as e:
+                self.report(e)
+                return default
+            return value
+
+        return source.then(settle)

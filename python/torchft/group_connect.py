@@ -1,5 +1,6 @@
-"""Joining a replica group: the group's store, its manager server (started by group rank 0)
-and this rank's client of that server.
+"""Joining a replica group: the group's store, its manager server (started by group rank 0),
+this rank's client of that server, the services that watch the group (telemetry, lost
+members, durable snapshots, the hang verdict) and the group's commit vote.
 
 Group rank 0 publishes the manager server address in the replica group's store under
 ``torchft/manager/{replica_id}/{restart}/addr`` (``replica_id`` is the Manager's argument, so
@@ -13,10 +14,18 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torch.distributed import TCPStore
+
+from torchft.errors import HungProcessError
+from torchft.group_snapshots import GroupSnapshots
+from torchft.hang import HangWatchdog
+from torchft.loss_watch import LostWatcher
+from torchft.telemetry import RankTelemetry
 
 if TYPE_CHECKING:
     from torchft.config import ManagerConfig
@@ -83,3 +92,113 @@ def join_group(cfg: ManagerConfig, native: NativeBackend) -> GroupConnection:
             server.shutdown()
         raise
     return GroupConnection(store, server, client, replica_id, address)
+
+
+@dataclass
+class GroupServices:
+    """The services that watch a joined group from this rank."""
+
+    #: Per-step timings and health, to the lighthouse (fail-open).
+    telemetry: RankTelemetry
+    #: Hands every lost member of a quorum to the Manager.
+    watcher: LostWatcher
+    #: Durable snapshots, when a directory is configured.
+    snapshots: GroupSnapshots | None
+    #: Acts on the lighthouse's hang verdict (on the rank hosting the manager server).
+    hang_watchdog: HangWatchdog | None
+
+
+def start_services(
+    cfg: ManagerConfig,
+    conn: GroupConnection,
+    on_lost: Callable[[str, int], None],
+    step: Callable[[], int],
+    log_info: Callable[..., None],
+) -> GroupServices:
+    """Starts the services of a joined group; nothing is left running when it raises.
+
+    Args:
+        cfg: the Manager's settings.
+        conn: the joined group.
+        on_lost: called with ``(replica_id, quorum_id)`` for every lost member.
+        step: the current step.
+        log_info: the Manager's prefixed info logger (snapshot progress).
+    """
+    name = cfg.replica_id or conn.replica_id
+    telemetry = RankTelemetry(
+        conn.client,
+        replica_id=name,
+        incarnation=conn.replica_id,
+        group_rank=cfg.rank,
+        group_world_size=cfg.world_size,
+        hostname=cfg.hostname,
+        enabled=cfg.telemetry,
+    )
+    watcher = LostWatcher(conn.client, on_lost)
+    try:
+        snapshots = None
+        if cfg.snapshot_dir is not None:
+            snapshots = GroupSnapshots(
+                cfg.snapshot_dir,
+                every=cfg.snapshot_every,
+                keep=cfg.snapshot_keep,
+                name=name,
+                replica_id=conn.replica_id,
+                group_rank=cfg.rank,
+                group_world_size=cfg.world_size,
+                timeout=cfg.timeout,
+                store=conn.store,
+                connect_timeout=cfg.connect_timeout,
+                telemetry=telemetry,
+                log_info=log_info,
+            )
+        hang = None
+        if conn.server is not None:
+            server = conn.server
+
+            def last_words(report: str) -> None:
+                # Before a hung process ends itself: its report (verdict, native state,
+                # stacks) as this rank's last telemetry report, then the manager server
+                # closed, which delivers it and ends the group's session at once.
+                telemetry.finish(HungProcessError(report), step=step())
+                server.shutdown()
+
+            hang = HangWatchdog(
+                conn.server.hung,
+                cfg.hang_action,
+                conn.replica_id,
+                describe=conn.server.describe,
+                last_words=last_words,
+            ).start()
+    except BaseException:
+        watcher.stop(wait=0.0)
+        raise
+    return GroupServices(telemetry, watcher, snapshots, hang)
+
+
+def vote(
+    server: NativeManagerServer | None,
+    client: NativeManagerClient,
+    *,
+    group_rank: int,
+    world_size: int,
+    step: int,
+    local_vote: bool,
+    timeout: timedelta,
+    digest: tuple[int, bytes] | None,
+) -> bool:
+    """The group's commit vote on ``step``: every rank's ``local_vote`` ANDed by the manager
+    server (with the step's parity digest, if one was taken).
+
+    With a single rank the vote is the local one, so the round trip is skipped (the hot path
+    of plain DDP); the manager server still gates a yes: the group's lease must hold (a group
+    frozen past it may have been declared lost) and the lighthouse must accept the
+    write-ahead commit (refused when the others went on without this group).
+    """
+    if world_size == 1:
+        if server is not None and digest is not None:
+            server._offer_digest(group_rank, *digest)
+        return local_vote and (server is None or bool(server.may_commit(step, timeout)))
+    if digest is not None:
+        return bool(client._should_commit_digest(group_rank, step, local_vote, timeout, *digest))
+    return bool(client.should_commit(group_rank, step, local_vote, timeout=timeout))

@@ -28,6 +28,7 @@ from torchft.errors import TornStateError
 
 if TYPE_CHECKING:
     from torchft.checkpointing import CheckpointTransport
+    from torchft.config import ManagerConfig
     from torchft.coordination import NativeBackend, NativeQuorumResult
     from torchft.group_snapshots import GroupSnapshots
     from torchft.snapshot import Snapshot
@@ -202,6 +203,13 @@ class Healer:
     def _tear(self) -> None:
         with self._lock:
             self._state = self._state.tear()
+
+    def new_step(self) -> None:
+        """A step begins. A heal whose step did not commit (an error after it) left its user
+        state unloaded while the counters already name its step: it is loaded now, before
+        the step's forward pass, so the gradients this group contributes are taken on it."""
+        self.healed = False
+        self.apply_pending()
 
     def committed(self) -> None:
         """A step committed: the state is no longer the one start-up produced."""
@@ -484,3 +492,23 @@ class Healer:
         # so the process group aborted after this step is rebuilt on a fresh store prefix.
         self.committed()
         self._log_info("resumed from the snapshot of step %d (%s)", snap.step, snap.path)
+
+
+def default_transport(
+    cfg: ManagerConfig, healer: Healer, state_lock: ReadWriteLock, hostname_given: bool
+) -> CheckpointTransport[dict[str, Any]]:
+    """The Manager's default transport: ``HTTPTransport``, receiving a heal into this group's
+    own tensors while that loses nothing (see :meth:`Healer.heal_into`)."""
+    from torchft.checkpointing import HTTPTransport
+    from torchft.config import heal_ifname
+
+    return HTTPTransport(
+        timeout=cfg.timeout,
+        num_chunks=0,
+        state_dict=healer.heal_into,
+        state_dict_lock=state_lock.read,
+        state_version=state_lock.version,
+        # A given host name wins over the heal interface; without one, the transport serves
+        # on the interface's address (docs/healing.md).
+        hostname=cfg.hostname if hostname_given or heal_ifname() is None else None,
+    )

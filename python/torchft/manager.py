@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,32 +39,37 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.distributed import ReduceOp, Work
 from torch.futures import Future
 
 from torchft import _torchft
-from torchft.config import ManagerConfig, WorldSizeMode, heal_ifname
+from torchft.config import THIS_HOST, ManagerConfig, ThisHost, WorldSizeMode
 from torchft.errors import (
     ExceptionWithTraceback,
     HungProcessError,
-    QuorumTimeoutError,
     StateDivergedError,
+    StepErrors,
     TornStateError,
 )
-from torchft.group_connect import join_group
+from torchft.group_connect import join_group, start_services, vote
 from torchft.group_snapshots import GroupSnapshots
 from torchft.hang import HangWatchdog
-from torchft.healing import Healer
-from torchft.healing import heal_address as _heal_address
+from torchft.healing import Healer, default_transport
 from torchft.loss_watch import LostWatcher
 from torchft.parity import StateParity
-from torchft.quorum_group import PendingQuorum, QuorumGroup
-from torchft.state_lock import ReadWriteLock
+from torchft.quorum_group import (
+    PendingQuorum,
+    QuorumGroup,
+    participation,
+    run_quorum,
+    start_pending,
+)
 from torchft.telemetry import RankTelemetry
-from torchft.work import _DummyWork, _FutureWork, future_timeout
+from torchft.user_state import UserState
+from torchft.work import _DummyWork, _FutureWork
 
 if TYPE_CHECKING:
     from torchft.checkpointing import CheckpointTransport
@@ -78,16 +81,8 @@ if TYPE_CHECKING:
     )
     from torchft.process_group import ProcessGroup
 
-__all__ = [
-    "DEFAULT_STATE_DICT_KEY",
-    "ExceptionWithTraceback",
-    "HungProcessError",
-    "Manager",
-    "StateDivergedError",
-    "TornStateError",
-    "WorldSizeMode",
-    "_heal_address",
-]
+__all__ = ["DEFAULT_STATE_DICT_KEY", "ExceptionWithTraceback", "HungProcessError", "Manager"]
+__all__ += ["StateDivergedError", "TornStateError", "WorldSizeMode"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 _quorum_logger: logging.Logger = logging.getLogger("torchft_quorums")
@@ -104,17 +99,6 @@ _NOT_SETTINGS = frozenset(
     {"self", "pg", "load_state_dict", "state_dict", "hostname", "checkpoint_transport"}
     | {"native_backend"}
 )
-
-
-class _ThisHost(str):
-    """The default of ``Manager(hostname=)``: this machine's name, marked as not given, so
-    the heal interface (``TORCHFT_HEAL_IFNAME``) wins over it while a given name wins over
-    the interface."""
-
-    __slots__ = ()
-
-
-_THIS_HOST = _ThisHost(socket.gethostname())
 
 
 class Manager:
@@ -211,7 +195,7 @@ class Manager:
         lighthouse_addr: str | None = None,
         replica_id: str | None = None,
         port: int | None = None,
-        hostname: str = _THIS_HOST,
+        hostname: str = THIS_HOST,
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
         checkpoint_transport: CheckpointTransport[dict[str, Any]] | None = None,
         init_sync: bool = True,
@@ -236,7 +220,7 @@ class Manager:
         """
         given = dict(locals())  # the arguments: no other local exists yet
         settings = {k: v for k, v in given.items() if k not in _NOT_SETTINGS}
-        hostname_given = not isinstance(hostname, _ThisHost)
+        hostname_given = not isinstance(hostname, ThisHost)
         cfg = ManagerConfig.resolve(**settings, hostname=hostname if hostname_given else None)
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("load_state_dict and state_dict must be given together (or neither)")
@@ -251,7 +235,7 @@ class Manager:
         self._init_state()
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn(DEFAULT_STATE_DICT_KEY, load_state_dict, state_dict)
-        self._parity = StateParity(cfg.parity_every, self._user_state)
+        self._parity = StateParity(cfg.parity_every, self._user.current)
         self._group = QuorumGroup(
             manager_group(pg, cfg.timeout), self.report_error, self._source_lost, self._where
         )
@@ -261,7 +245,9 @@ class Manager:
             self._pg.set_timeout(cfg.timeout)
         self._own_transport = checkpoint_transport is None
         if checkpoint_transport is None:
-            checkpoint_transport = self._default_transport(cfg, hostname_given)
+            checkpoint_transport = default_transport(
+                cfg, self._healer, self._state_dict_lock, hostname_given
+            )
         self._checkpoint_transport = checkpoint_transport
         self._healer.attach(checkpoint_transport, self._own_transport)
         try:
@@ -278,17 +264,12 @@ class Manager:
         """The state of a fresh Manager, before it joined its group: the registered user
         state and its lock, the counters, the step's state, the services not started yet."""
         self._replica_id = "?"
-        self._load_state_dict_fns: dict[str, Callable[[Any], None]] = {}
-        self._user_state_dicts: dict[str, Callable[[], Any]] = {}
-        self._state_dict_lock = ReadWriteLock()
-        self._write_locked = False
+        self._user = UserState()
+        self._state_dict_lock = self._user.lock
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
-        self._errored: ExceptionWithTraceback | None = None
-        self._error_lock = threading.Lock()
-        # Set once the parity check stopped this group (raised from should_commit).
-        self._diverged: Exception | None = None
+        self._errors = StepErrors(self._first_error)
         self._pending_futures: list[Future[Any]] = []
         # This rank turned a collective of the step into a no-op (the step had errored): its
         # peers may be waiting on it, so the vote aborts the quorum's group (see should_commit).
@@ -312,7 +293,7 @@ class Manager:
             state_lock=self._state_dict_lock,
             served_state=self._manager_state_dict,
             load_counters=self.load_state_dict,
-            loaders=self._load_state_dict_fns,
+            loaders=self._user.loaders,
             settle_readers=self._settle_state_readers,
             in_torchft=self._in_torchft,
             telemetry=lambda: self._telemetry,
@@ -324,65 +305,14 @@ class Manager:
             apply_at_once=not cfg.use_async_quorum,
         )
 
-    def _default_transport(
-        self, cfg: ManagerConfig, hostname_given: bool
-    ) -> CheckpointTransport[dict[str, Any]]:
-        """``HTTPTransport``, receiving into this group's own tensors while that loses nothing
-        (see :meth:`Healer.heal_into`)."""
-        from torchft.checkpointing import HTTPTransport
-
-        return HTTPTransport(
-            timeout=cfg.timeout,
-            num_chunks=0,
-            state_dict=self._healer.heal_into,
-            state_dict_lock=self._state_dict_lock.read,
-            state_version=self._state_dict_lock.version,
-            # A given host name wins over the heal interface; without one, the transport
-            # serves on the interface's address (docs/healing.md).
-            hostname=cfg.hostname if hostname_given or heal_ifname() is None else None,
-        )
-
     def _join(self, cfg: ManagerConfig) -> None:
-        """Joins the replica group and starts what watches it (telemetry, lost members,
-        snapshots, the hang verdict)."""
+        """Joins the replica group and starts the services that watch it."""
         conn = join_group(cfg, self._native)
         self._store, self._manager, self._client = conn.store, conn.server, conn.client
         self._replica_id = conn.replica_id
-        name = cfg.replica_id or conn.replica_id
-        self._telemetry = RankTelemetry(
-            conn.client,
-            replica_id=name,
-            incarnation=conn.replica_id,
-            group_rank=cfg.rank,
-            group_world_size=cfg.world_size,
-            hostname=cfg.hostname,
-            enabled=cfg.telemetry,
-        )
-        self._watcher = LostWatcher(conn.client, self._on_lost)
-        if cfg.snapshot_dir is not None:
-            self._snapshots = GroupSnapshots(
-                cfg.snapshot_dir,
-                every=cfg.snapshot_every,
-                keep=cfg.snapshot_keep,
-                name=name,
-                replica_id=conn.replica_id,
-                group_rank=cfg.rank,
-                group_world_size=cfg.world_size,
-                timeout=cfg.timeout,
-                store=conn.store,
-                connect_timeout=cfg.connect_timeout,
-                telemetry=self._telemetry,
-                log_info=self._log_info,
-            )
-        if conn.server is not None:
-            # The hosting rank acts on the lighthouse's hang verdict (torchft.hang).
-            self._hang_watchdog = HangWatchdog(
-                conn.server.hung,
-                cfg.hang_action,
-                conn.replica_id,
-                describe=conn.server.describe,
-                last_words=self._hang_last_words,
-            ).start()
+        services = start_services(cfg, conn, self._on_lost, lambda: self._step, self._log_info)
+        self._telemetry, self._watcher = services.telemetry, services.watcher
+        self._snapshots, self._hang_watchdog = services.snapshots, services.hang_watchdog
         self._log_info(
             "manager ready: replica_id=%s group_rank=%d/%d manager=%s async_quorum=%s",
             conn.replica_id,
@@ -401,9 +331,6 @@ class Manager:
     def _pg(self) -> Any:
         """The cross-replica process group."""
         return self._group.pg
-
-    def _user_state(self) -> dict[str, Any]:
-        return {k: fn() for k, fn in self._user_state_dicts.items()}
 
     def _where(self) -> str:
         return f"{self._replica_id}/{self._group_rank} step {self._step}"
@@ -437,17 +364,6 @@ class Manager:
 
     # ------------------------------------------------------------------ state dicts
 
-    def _hang_last_words(self, report: str) -> None:
-        """Before a hung process ends itself: its report (verdict, native state, stacks) as
-        this rank's last telemetry report, then the manager server closed, which delivers
-        it and ends the group's session at once."""
-        tel = self._telemetry
-        if tel is not None:
-            tel.finish(HungProcessError(report), step=self._step)
-        server = self._manager
-        if server is not None:
-            server.shutdown()
-
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
     ) -> None:
@@ -462,10 +378,7 @@ class Manager:
         Raises:
             ValueError: if ``key`` is already registered.
         """
-        if key in self._load_state_dict_fns:
-            raise ValueError(f"state dict key {key!r} is already registered")
-        self._load_state_dict_fns[key] = cast(Callable[[Any], None], load_state_dict)
-        self._user_state_dicts[key] = state_dict
+        self._user.register(key, load_state_dict, state_dict)
 
     def set_state_dict_fns(
         self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
@@ -484,10 +397,7 @@ class Manager:
             DeprecationWarning,
             stacklevel=2,
         )
-        self._load_state_dict_fns[DEFAULT_STATE_DICT_KEY] = cast(
-            Callable[[Any], None], load_state_dict
-        )
-        self._user_state_dicts[DEFAULT_STATE_DICT_KEY] = state_dict
+        self._user.set(DEFAULT_STATE_DICT_KEY, load_state_dict, state_dict)
 
     def state_dict(self) -> dict[str, int]:
         """Returns the manager's own counters, to be saved with a regular checkpoint.
@@ -509,24 +419,20 @@ class Manager:
     def _manager_state_dict(self) -> dict[str, Any]:
         """The full state served to healing peers: user state plus the manager counters."""
         return {
-            "user": {key: fn() for key, fn in self._user_state_dicts.items()},
+            "user": self._user.current(),
             "torchft": self.state_dict(),
         }
 
     def allow_state_dict_read(self) -> None:
         """Allows checkpoint transports to read the state dict again (after optimizer step)."""
-        if self._write_locked:
-            self._write_locked = False
-            self._state_dict_lock.release_write()
+        self._user.allow_read()
 
     def disallow_state_dict_read(self) -> None:
         """Blocks checkpoint reads while parameters change (around the optimizer step).
 
         Waits for a serialisation in progress to finish first.
         """
-        if not self._write_locked:
-            self._state_dict_lock.acquire_write()
-            self._write_locked = True
+        self._user.disallow_read()
 
     # ------------------------------------------------------------------ errors
 
@@ -536,28 +442,19 @@ class Manager:
         Args:
             e: the error (kept with its traceback; the first error of a step wins).
         """
-        wrapped = e if isinstance(e, ExceptionWithTraceback) else ExceptionWithTraceback(e)
-        original = wrapped.original_exception if isinstance(e, ExceptionWithTraceback) else e
-        if isinstance(original, StateDivergedError):
-            # Not a step error: the parity check stopped this group for good.
-            self._diverged = original
-        with self._error_lock:
-            first = self._errored is None
-            if first:
-                self._errored = wrapped
-        if first:
-            logger.warning(
-                "[%s/%d step %d] error reported, step will not commit: %s",
-                getattr(self, "_replica_id", "?"),
-                self._group_rank,
-                self._step,
-                wrapped,
-            )
-            self._record(_error_logger, error=str(wrapped))
+        self._errors.report(e)
+
+    def _first_error(self, wrapped: ExceptionWithTraceback) -> None:
+        logger.warning("[%s] error reported, step will not commit: %s", self._where(), wrapped)
+        self._record(_error_logger, error=str(wrapped))
+
+    @property
+    def _errored(self) -> ExceptionWithTraceback | None:
+        return self._errors.error
 
     def errored(self) -> ExceptionWithTraceback | None:
         """Returns the error recorded for the current step, if any."""
-        return self._errored
+        return self._errors.error
 
     def wrap_future(
         self, fut: Future[T], default: T, timeout: timedelta | None = None
@@ -574,16 +471,7 @@ class Manager:
         Returns:
             A torch future resolving to ``fut``'s value or ``default``.
         """
-        source = future_timeout(fut, timeout) if timeout is not None else fut
-
-        def settle(f: Future[T]) -> T:
-            try:
-                return f.value()
-            except Exception as e:
-                self.report_error(e)
-                return default
-
-        return source.then(settle)
+        return self._errors.wrap_future(fut, default, timeout)
 
     # ------------------------------------------------------------------ quorum
 
@@ -618,20 +506,14 @@ class Manager:
                 self._quorum_future.result()
             except Exception:
                 pass
-        with self._error_lock:
-            self._errored = None
+        self._errors.clear()
         self._group.loss_abort_error = None
-        self._healer.healed = False
         self._pending_futures = []
         self._skipped_collective = False
-        if self._healer.has_pending:
-            # A heal whose step did not commit (an error after it) left its user state
-            # unloaded while the counters already name its step: load it before this step's
-            # forward pass, so the gradients this group contributes are taken on that state.
-            try:
-                self._healer.apply_pending()
-            except Exception as e:
-                self.report_error(e)
+        try:
+            self._healer.new_step()
+        except Exception as e:
+            self.report_error(e)
         if self._snapshots is not None and not self._healer.state.torn:
             self._snapshots.at_step_start(self._step, self._manager_state_dict)
         if not self._healer.state.torn:
@@ -642,13 +524,35 @@ class Manager:
                 logger.exception("state digest of step %d not taken", self._step)
         quorum_timeout = timeout if timeout is not None else self._config.quorum_timeout
         if self._config.use_async_quorum:
-            self._quorum_future = self._start_async_quorum(allow_heal, shrink_only, quorum_timeout)
+            # The request is sent by the native client without waiting, and the answer is
+            # handled by the first wait_quorum (usually from the first allreduce): a helper
+            # thread woken at every step would fight the training thread for the GIL during
+            # the forward pass.
+            self._quorum_future = start_pending(
+                self._group,
+                lambda: self._rpc()._quorum_start(
+                    **self._quorum_request(shrink_only, quorum_timeout)
+                ),
+                lambda quorum: self._adopt_quorum(quorum, allow_heal),
+                self.report_error,
+                self._executor,
+                allow_heal,
+                quorum_timeout,
+            )
         else:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
             self._quorum_future = fut
             try:
                 with self._timing_quorum(), self._in_torchft():
-                    self._run_quorum(allow_heal, shrink_only, quorum_timeout)
+                    run_quorum(
+                        self._group,
+                        lambda: self._rpc()._quorum(
+                            **self._quorum_request(shrink_only, quorum_timeout)
+                        ),
+                        lambda quorum: self._apply_quorum(quorum, allow_heal),
+                        self.report_error,
+                        quorum_timeout,
+                    )
                 fut.set_result(None)
             except BaseException as e:
                 # Raised here, as upstream's synchronous quorum does, and again from
@@ -699,19 +603,6 @@ class Manager:
         tel = self._telemetry
         return tel.quorum_wait() if tel is not None and tel.enabled else nullcontext()
 
-    def _run_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
-        """Runs one quorum; errors other than the quorum deadline are recorded, not raised."""
-        self._group.quorum_in_progress = True
-        try:
-            self._quorum_body(allow_heal, shrink_only, quorum_timeout)
-        except QuorumTimeoutError as e:
-            self.report_error(e)
-            raise
-        except Exception as e:
-            self.report_error(e)
-        finally:
-            self._group.quorum_in_progress = False
-
     # ------------------------------------------------------------------ failure detection
 
     def _on_lost(self, replica_id: str, quorum_id: int) -> None:
@@ -725,38 +616,6 @@ class Manager:
             self._apply_quorum(quorum, allow_heal)
         except Exception as e:
             self.report_error(e)
-
-    def _start_async_quorum(
-        self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta
-    ) -> ConcurrentFuture[None] | PendingQuorum:
-        """Starts the quorum of an async step.
-
-        The request is sent by the native client without waiting, and the answer is handled
-        by the first :meth:`wait_quorum` (usually from the first allreduce): a helper thread
-        woken at every step would fight the training thread for the GIL during the forward
-        pass.
-        """
-        # Until the answer is adopted the step has not used any process group: a loss
-        # reported meanwhile rebuilds the group instead of failing the step (`_on_lost`).
-        self._group.quorum_in_progress = True
-        try:
-            pending = self._rpc()._quorum_start(**self._quorum_request(shrink_only, quorum_timeout))
-        except Exception as e:
-            self._group.quorum_in_progress = False
-            # Same contract as _run_quorum: recorded, the step does not commit.
-            self.report_error(e)
-            done: ConcurrentFuture[None] = ConcurrentFuture()
-            done.set_result(None)
-            return done
-        return PendingQuorum(
-            pending,
-            self._group,
-            lambda quorum: self._adopt_quorum(quorum, allow_heal),
-            self.report_error,
-            self._executor,
-            allow_heal,
-            quorum_timeout,
-        )
 
     def _rpc(self) -> NativeManagerClient:
         """The manager client; raises once the Manager is shut down."""
@@ -776,15 +635,6 @@ class Manager:
             "commit_failures": self._commit_failures,
             "init_sync": self._config.init_sync,
         }
-
-    def _quorum_body(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
-        try:
-            quorum = self._rpc()._quorum(**self._quorum_request(shrink_only, quorum_timeout))
-        except TimeoutError as e:
-            # Only the quorum deadline itself surfaces to the caller; timeouts while
-            # reconfiguring or healing are ordinary step errors (recorded, retried).
-            raise QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
-        self._apply_quorum(quorum, allow_heal)
 
     def _apply_quorum(self, quorum: NativeQuorumResult, allow_heal: bool) -> None:
         """Adopts a quorum answer: roles, process group, serving and fetching live state."""
@@ -848,24 +698,11 @@ class Manager:
                 )
 
     def _take_roles(self, quorum: NativeQuorumResult, allow_heal: bool) -> None:
-        """Who contributes gradients this step. A rank that heals in the background (async
-        quorum), or that is behind and may not heal, has stale weights: it sits out and
-        sends zeros. In sync mode a healing rank is up to date before the forward pass."""
-        if self._config.use_async_quorum or not allow_heal:
-            participating_rank: int | None = quorum.max_replica_rank
-            participating_world: int = quorum.max_world_size
-        else:
-            participating_rank = quorum.replica_rank
-            participating_world = quorum.replica_world_size
-        if self._config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
-            spares_from = self._config.min_replica_size
-            participating_world = min(participating_world, spares_from)
-            if participating_rank is not None and participating_rank >= spares_from:
-                participating_rank = None
         self._replica_rank = quorum.replica_rank
         self._replica_world_size = quorum.replica_world_size
-        self._participating_replica_rank = participating_rank
-        self._participating_replica_world_size = participating_world
+        self._participating_replica_rank, self._participating_replica_world_size = participation(
+            quorum, self._config, allow_heal
+        )
 
     # ------------------------------------------------------------------ collectives
 
@@ -910,57 +747,16 @@ class Manager:
         if should_quantize:
             logger.debug("quantized allreduce not available; using full precision")
 
-        tel = self._telemetry
-        token = tel.collective_started() if tel is not None else None
-        self._group.collective_started()
-        # A collective in flight is the loop inside torchft (the reducer waits for it inside
-        # backward, outside any other torchft call): never "away" for the hang watch. The
-        # collective's own timeout (an error, or the group's abort) bounds it.
-        server = self._manager
-        if server is not None:
-            server.set_loop_busy(True)
         try:
-            avg = reduce_op == ReduceOp.AVG
-            op = ReduceOp.SUM if avg else reduce_op
-            work = self._pg.allreduce([tensor], op)
-            fut = work.get_future()
-
-            divisor = num_participants if avg and num_participants > 0 else 0
-            floating = tensor.is_floating_point() or tensor.is_complex()
-
-            # One callback does the averaging and the error swallowing (one GIL acquisition
-            # on the backend thread per bucket instead of two).
-            def finish(f: Future[Any]) -> torch.Tensor:
-                if tel is not None:
-                    tel.collective_finished(token)
-                if server is not None:
-                    server.set_loop_busy(False)
-                try:
-                    f.value()
-                except Exception as e:
-                    self.report_error(e)
-                    return tensor
-                finally:
-                    self._group.collective_finished()
-                if divisor:
-                    if floating:
-                        tensor.div_(divisor)
-                    else:
-                        tensor.floor_divide_(divisor)
-                return tensor
-
-            chained = fut.then(finish)
-            self._pending_futures.append(chained)
-            return _FutureWork(chained)
+            reduced = self._group.allreduce(
+                tensor, reduce_op, num_participants, self._telemetry, self._manager
+            )
         except Exception as e:
-            if tel is not None:
-                tel.collective_finished(token)  # never started: not in flight
-            self._group.collective_finished()
-            if server is not None:
-                server.set_loop_busy(False)
             self.report_error(e)
             self._skipped_collective = True
             return _DummyWork(tensor)
+        self._pending_futures.append(reduced)
+        return _FutureWork(reduced)
 
     # ------------------------------------------------------------------ commit
 
@@ -999,12 +795,10 @@ class Manager:
             quorum_timed_out = e
         except Exception as e:
             self.report_error(e)
-        if self._healer.fatal is not None:
-            self._record(_error_logger, error=str(self._healer.fatal))
-            raise self._healer.fatal
-        if self._diverged is not None:
-            self._record(_error_logger, error=str(self._diverged))
-            raise self._diverged
+        for stop in (self._healer.fatal, self._errors.diverged):
+            if stop is not None:  # the group cannot go on: a torn state, a parity verdict
+                self._record(_error_logger, error=str(stop))
+                raise stop
 
         for fut in self._pending_futures:
             fut.wait()  # wrapped futures never raise
@@ -1035,43 +829,27 @@ class Manager:
             raise quorum_timed_out
         vote_t0 = time.perf_counter()
 
-        digest = self._parity.take()
-        if self._group_world_size == 1:
-            # The server's vote is a barrier + AND over the group's ranks; with a single rank
-            # it is the local vote, so the round trip is skipped (hot path of plain DDP).
-            # The manager server still gates a yes: the group's lease must hold (a group frozen
-            # past it may have been declared lost) and the lighthouse must accept the
-            # write-ahead commit (refused when the others went on without this group).
-            server = self._manager
-            if server is not None and digest is not None:
-                server._offer_digest(self._group_rank, *digest)
-            should_commit = local_vote and (
-                server is None or bool(server.may_commit(self._step, vote_timeout))
-            )
-        elif digest is not None:
-            should_commit = bool(
-                self._rpc()._should_commit_digest(
-                    self._group_rank, self._step, local_vote, vote_timeout, *digest
-                )
-            )
-        else:
-            should_commit = bool(
-                self._rpc().should_commit(
-                    self._group_rank, self._step, local_vote, timeout=vote_timeout
-                )
-            )
+        should_commit = vote(
+            self._manager,
+            self._rpc(),
+            group_rank=self._group_rank,
+            world_size=self._group_world_size,
+            step=self._step,
+            local_vote=local_vote,
+            timeout=vote_timeout,
+            digest=self._parity.take(),
+        )
         vote_s = time.perf_counter() - vote_t0
         self._checkpoint_transport.disallow_checkpoint()
-        self._report_step(
-            should_commit, vote_s, str(self._errored) if self._errored is not None else None
-        )
+        errored = str(self._errored) if self._errored is not None else None
+        self._report_step(should_commit, vote_s, errored)
         self._record(
             _commit_logger,
             commit=should_commit,
             local_vote=local_vote,
             num_participants=self._participating_replica_world_size,
             enough_replicas=enough_replicas,
-            errored=str(self._errored) if self._errored is not None else None,
+            errored=errored,
         )
         if not enough_replicas:
             logger.debug(
@@ -1097,14 +875,9 @@ class Manager:
                 )
         else:
             self._commit_failures += 1
-            if (
-                self._config.max_retries is not None
-                and self._commit_failures > self._config.max_retries
-            ):
-                msg = (
-                    f"exceeded max_retries={self._config.max_retries}: "
-                    f"{self._commit_failures} consecutive failed commits"
-                )
+            limit = self._config.max_retries
+            if limit is not None and self._commit_failures > limit:
+                msg = f"exceeded max_retries={limit}: {self._commit_failures} consecutive failed commits"
                 self._record(_error_logger, error=msg)
                 raise RuntimeError(msg)
         self._healer.apply_restore()

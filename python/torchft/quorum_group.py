@@ -17,10 +17,21 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.distributed import ReduceOp
+from torch.futures import Future
+
+from torchft.config import WorldSizeMode
 from torchft.errors import QuorumTimeoutError
 
 if TYPE_CHECKING:
-    from torchft.coordination import NativePendingQuorum, NativeQuorumResult
+    from torchft.config import ManagerConfig
+    from torchft.coordination import (
+        NativeManagerServer,
+        NativePendingQuorum,
+        NativeQuorumResult,
+    )
+    from torchft.telemetry import RankTelemetry
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -85,15 +96,73 @@ class QuorumGroup:
 
     # ------------------------------------------------------------------ collectives
 
-    def collective_started(self) -> None:
-        """A collective of the step was issued."""
+    def _collective_started(self) -> None:
         with self._inflight_lock:
             self._in_flight += 1
 
-    def collective_finished(self) -> None:
-        """A collective of the step completed (or was never started)."""
+    def _collective_finished(self) -> None:
         with self._inflight_lock:
             self._in_flight -= 1
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        reduce_op: ReduceOp.RedOpType,
+        participants: int,
+        telemetry: RankTelemetry | None,
+        server: NativeManagerServer | None,
+    ) -> Future[torch.Tensor]:
+        """Allreduces ``tensor`` in place on the group; ``ReduceOp.AVG`` is a sum divided by
+        ``participants``.
+
+        The returned future never fails: an error of the collective is reported and the
+        future resolves to ``tensor`` as it is.
+
+        Raises:
+            Exception: the collective could not be issued (nothing is left in flight).
+        """
+        token = telemetry.collective_started() if telemetry is not None else None
+        self._collective_started()
+        # A collective in flight is the loop inside torchft (the reducer waits for it inside
+        # backward, outside any other torchft call): never "away" for the hang watch. The
+        # collective's own timeout (an error, or the group's abort) bounds it.
+        if server is not None:
+            server.set_loop_busy(True)
+        avg = reduce_op == ReduceOp.AVG
+        divisor = participants if avg and participants > 0 else 0
+        floating = tensor.is_floating_point() or tensor.is_complex()
+
+        # One callback does the averaging and the error swallowing (one GIL acquisition on
+        # the backend thread per bucket instead of two).
+        def finish(f: Future[Any]) -> torch.Tensor:
+            if telemetry is not None:
+                telemetry.collective_finished(token)
+            if server is not None:
+                server.set_loop_busy(False)
+            try:
+                f.value()
+            except Exception as e:
+                self._report_error(e)
+                return tensor
+            finally:
+                self._collective_finished()
+            if divisor:
+                if floating:
+                    tensor.div_(divisor)
+                else:
+                    tensor.floor_divide_(divisor)
+            return tensor
+
+        try:
+            work = self.pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
+            return work.get_future().then(finish)
+        except BaseException:
+            if telemetry is not None:
+                telemetry.collective_finished(token)  # never started: not in flight
+            self._collective_finished()
+            if server is not None:
+                server.set_loop_busy(False)
+            raise
 
     # ------------------------------------------------------------------ losses
 
@@ -258,7 +327,7 @@ class PendingQuorum:
         outcome = self._outcome
         if outcome is not None:
             return outcome.done()
-        return self._pending.done()
+        return bool(self._pending.done())
 
     def result(self, timeout: float | None = None) -> None:
         """Waits for the quorum to be adopted.
@@ -307,3 +376,84 @@ class PendingQuorum:
             self._adopt_answer(quorum)
         finally:
             self._group.quorum_in_progress = False
+
+
+def run_quorum(
+    group: QuorumGroup,
+    send: Callable[[], NativeQuorumResult],
+    adopt: Callable[[NativeQuorumResult], None],
+    report_error: Callable[[Exception], None],
+    quorum_timeout: timedelta,
+) -> None:
+    """Runs one quorum inline: sends the request, adopts the answer.
+
+    Errors are recorded (the step does not commit); only the quorum deadline itself is also
+    raised (timeouts while reconfiguring or healing are ordinary step errors, retried).
+
+    Raises:
+        QuorumTimeoutError: the quorum was not reached within ``quorum_timeout``.
+    """
+    group.quorum_in_progress = True
+    try:
+        try:
+            quorum = send()
+        except TimeoutError as e:
+            raise QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
+        adopt(quorum)
+    except QuorumTimeoutError as e:
+        report_error(e)
+        raise
+    except Exception as e:
+        report_error(e)
+    finally:
+        group.quorum_in_progress = False
+
+
+def start_pending(
+    group: QuorumGroup,
+    send: Callable[[], NativePendingQuorum],
+    adopt: Callable[[NativeQuorumResult], None],
+    report_error: Callable[[Exception], None],
+    executor: ThreadPoolExecutor,
+    allow_heal: bool,
+    quorum_timeout: timedelta,
+) -> ConcurrentFuture[None] | PendingQuorum:
+    """Sends the quorum request of an async step without waiting (see :class:`PendingQuorum`).
+
+    A request that cannot be sent is recorded like any quorum error: the returned future is
+    done, and the step does not commit.
+    """
+    # Until the answer is adopted the step has not used any process group: a loss reported
+    # meanwhile rebuilds the group instead of failing the step (QuorumGroup.on_lost).
+    group.quorum_in_progress = True
+    try:
+        pending = send()
+    except Exception as e:
+        group.quorum_in_progress = False
+        report_error(e)
+        done: ConcurrentFuture[None] = ConcurrentFuture()
+        done.set_result(None)
+        return done
+    return PendingQuorum(pending, group, adopt, report_error, executor, allow_heal, quorum_timeout)
+
+
+def participation(
+    quorum: NativeQuorumResult, cfg: ManagerConfig, allow_heal: bool
+) -> tuple[int | None, int]:
+    """Who contributes gradients this step: this group's rank among the participants (None:
+    it sits out and sends zeros) and their number.
+
+    A group that heals in the background (async quorum), or that is behind and may not heal,
+    has stale weights: it sits out. In sync mode a healing group is up to date before the
+    forward pass. With ``FIXED_WITH_SPARES`` only the first ``min_replica_size`` take part.
+    """
+    rank: int | None
+    if cfg.use_async_quorum or not allow_heal:
+        rank, world = quorum.max_replica_rank, quorum.max_world_size
+    else:
+        rank, world = quorum.replica_rank, quorum.replica_world_size
+    if cfg.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+        world = min(world, cfg.min_replica_size)
+        if rank is not None and rank >= cfg.min_replica_size:
+            rank = None
+    return rank, world

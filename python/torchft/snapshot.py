@@ -327,7 +327,7 @@ class _Staging:
         done: dict[int, torch.Tensor] = {}
         keys: set[str] = set()
         self.tensor_bytes = 0
-        pinned = False
+        devices: set[torch.device] = set()
         for parent, key, t, buf_key in self._jobs:
             buf = done.get(id(t))
             if buf is None:
@@ -335,11 +335,14 @@ class _Staging:
                 done[id(t)] = buf
                 keys.add(buf_key)
                 self.tensor_bytes += buf.numel() * buf.element_size()
-                pinned = pinned or t.device.type == "cuda"
+                if t.device.type == "cuda":
+                    devices.add(t.device)
             parent[key] = buf
         self._jobs = []
-        if pinned:
-            torch.cuda.synchronize()
+        # The copies out of device memory are asynchronous: wait for them on every device
+        # they came from (this thread's current device may be another one, or none).
+        for device in devices:
+            torch.cuda.synchronize(device)
         for key in set(self._buffers) - keys:
             del self._buffers[key]
 
