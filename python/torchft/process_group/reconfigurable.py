@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,6 @@ from torchft.process_group.base import (
     create_store_client,
 )
 from torchft.work import _FutureWork, _InFlight, _work_timeout, context_timeout
-
-if TYPE_CHECKING:
-    from torchft.process_group.baby import ProcessGroupBaby
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -390,7 +387,7 @@ def _release(box: list[BaseProcessGroup], graceful: bool) -> None:
     del pg
 
 
-def _recording(fut: Future[Any], owner: ProcessGroupWrapper | ProcessGroupBaby) -> Future[Any]:
+def _recording(fut: Future[Any], owner: ProcessGroupWrapper) -> Future[Any]:
     """Chains ``fut`` so a failure is recorded on ``owner`` before anyone sees it.
 
     The returned future completes only after the error is recorded, so ``errored()`` is
