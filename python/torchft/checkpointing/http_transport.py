@@ -40,7 +40,8 @@ from torchft.checkpointing.http import native as _native
 from torchft.checkpointing.http.fetch import Receiver
 from torchft.checkpointing.http.hosts import format_host, reachable_host
 from torchft.checkpointing.http.native import DEFAULT_STREAMS, MAX_STREAMS
-from torchft.checkpointing.http.serve import CheckpointServer, OfferRead, Served
+from torchft.checkpointing.http.offer import OfferRead, Served
+from torchft.checkpointing.http.serve import CheckpointServer
 from torchft.checkpointing.http.wire import BASE_PATH, logger
 from torchft.checkpointing.transport import CheckpointTransport, _timeout_from_env
 
