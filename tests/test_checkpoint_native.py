@@ -28,6 +28,7 @@ import torch
 from torchft.checkpointing import HTTPTransport
 from torchft.checkpointing import _serialization as ser
 from torchft.checkpointing._security import CheckpointAuthError, TransportSecurity
+from torchft.checkpointing.http import fetch
 
 TIMEOUT = timedelta(seconds=30)
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def no_http_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("tensor bytes were fetched over HTTP, not the native path")
 
-    monkeypatch.setattr(HTTPTransport, "_fetch_http_ranges", refuse)
+    monkeypatch.setattr(fetch.Receive, "http_ranges", refuse)
 
 
 def sample_state() -> dict[str, Any]:
@@ -411,7 +412,7 @@ def test_a_stalled_receiver_is_cut_at_the_senders_timeout() -> None:
         sender.send_checkpoint([1], 3, state, timedelta(seconds=1))
         assert sender._data is not None
         port = sender._data.port
-        gen = sender._served.gen  # type: ignore[union-attr]
+        gen = sender._server.served.gen  # type: ignore[union-attr]
         sock = socket.create_connection(("127.0.0.1", port))
         req = json.dumps({"token": None, "step": 3, "gen": gen, "start": 0, "end": 8}).encode()
         sock.sendall(b"TFTNDQ01" + len(req).to_bytes(4, "little") + req)
@@ -495,17 +496,17 @@ def test_a_large_non_contiguous_tensor_is_copied_once_not_once_per_piece(
 ) -> None:
     """A non-contiguous tensor is staged from one contiguous copy per stream, not a full
     copy for every 1 MiB piece (a 1 GiB tensor would otherwise cost ~1 TiB of memcpy)."""
-    from torchft.checkpointing import http_transport
+    from torchft.checkpointing.http import native
 
     no_http_bytes(monkeypatch)
     copies: list[int] = []
-    flat_bytes = http_transport._flat_bytes
+    flat_bytes = native.flat_bytes
 
     def counted(t: torch.Tensor) -> torch.Tensor:
         copies.append(t.numel())
         return flat_bytes(t)
 
-    monkeypatch.setattr(http_transport, "_flat_bytes", counted)
+    monkeypatch.setattr(native, "flat_bytes", counted)
     state = {"t": torch.randn(1024, 2048).t(), "u": torch.randn(64, 32).t(), "w": torch.ones(5)}
     assert state["t"].nbytes >= 8 * (1 << 20)  # several pieces
     with transports(receiver_kw={"num_chunks": 2}) as (s, r):

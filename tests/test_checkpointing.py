@@ -784,9 +784,9 @@ def test_http_server_deadline_bounds_a_slow_receiver() -> None:
         assert 0.5 < time.monotonic() - t0 < 3
         # The connection is dropped, not left streaming.
         deadline = time.monotonic() + 3
-        while sender._conns and time.monotonic() < deadline:
+        while sender._server.connections() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not sender._conns
+        assert not sender._server.connections()
     finally:
         reader.close()
         sender.shutdown()

@@ -245,7 +245,7 @@ def test_explicit_hostname_and_bind_precedence(monkeypatch: pytest.MonkeyPatch) 
         assert _host(t) == "localhost"
     with _transport(bind="::") as t:
         assert _host(t) == addr
-        assert t._server.server_address[0] == "::"
+        assert t._server.address == "::"
     with pytest.raises(ValueError, match=rf"TORCHFT_HEAL_IFNAME={name}.*127\.0\.0\.1.*disagree"):
         endpoint(None, "127.0.0.1")
     assert endpoint(None, addr).advertise == addr
@@ -265,7 +265,7 @@ def test_ipv6_address_when_the_interface_has_no_ipv4(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCHFT_HEAL_IFNAME", name)
     with _transport() as sender, _transport() as receiver:
         assert sender.metadata() == f"http://[{addr}]:{sender._port}/checkpoint"
-        assert sender._server.server_address[0] == addr
+        assert sender._server.address == addr
         assert _heal_address(sender.metadata()) == f"[{addr}]:{sender._port}"
         _heal(sender, receiver)
 

@@ -181,7 +181,7 @@ def test_checkpoint_server_binds_the_advertised_address(monkeypatch: pytest.Monk
     monkeypatch.delenv("TORCHFT_CHECKPOINT_BIND", raising=False)
     t: HTTPTransport[Any] = HTTPTransport(TIMEOUT, hostname="localhost")
     try:
-        bound = t._server.server_address[0]
+        bound = t._server.address
         assert bound in ("127.0.0.1", "::1"), bound
         assert t.metadata().startswith("http://localhost:")
         # Only the loopback address listens: not 0.0.0.0, not ::.
@@ -193,7 +193,7 @@ def test_checkpoint_server_binds_the_advertised_address(monkeypatch: pytest.Monk
         HTTPTransport(TIMEOUT, hostname="no-such-host.invalid")
     everywhere: HTTPTransport[Any] = HTTPTransport(TIMEOUT, bind="::")
     try:
-        assert everywhere._server.server_address[0] == "::"
+        assert everywhere._server.address == "::"
     finally:
         everywhere.shutdown()
     monkeypatch.setenv("TORCHFT_CHECKPOINT_BIND", "127.0.0.1")

@@ -1,5 +1,5 @@
 //! Python wrappers for the native checkpoint data path (`CheckpointDataServer`,
-//! `CheckpointFetch`), used by `torchft.checkpointing.http_transport`.
+//! `CheckpointFetch`), used by `torchft.checkpointing.http.native`.
 //!
 //! Tensors cross as `(address, length)` pairs: the Python side keeps them alive and unchanged
 //! for as long as the core may touch them (until `revoke` returned for an offer, until `run`

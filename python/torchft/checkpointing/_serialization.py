@@ -230,7 +230,7 @@ class _Encoder:
             idx = self._add_tensor(data, path)
             return {"$": "bytes" if tv is bytes else "bytearray", "t": idx}
         if tv is torch.dtype:
-            name = _DTYPE_TO_NAME.get(v)  # type: ignore[call-overload]
+            name = _DTYPE_TO_NAME.get(v)  # type: ignore[call-overload,unused-ignore]
             if name is None:
                 raise TypeError(f"{path}: dtype {v} is not supported")
             return {"$": "dtype", "v": name}

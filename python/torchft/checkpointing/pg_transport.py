@@ -14,7 +14,7 @@ import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,7 @@ class PGTransport(CheckpointTransport[T]):
             len(out),
             len(targets),
         )
-        return ser.build(header, out)
+        return cast(T, ser.build(header, out))
 
     def _inplace_targets(self, header: ser.Header) -> dict[int, torch.Tensor]:
         if self._state_dict is None:

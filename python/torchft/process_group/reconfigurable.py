@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,6 @@ from torchft.process_group.base import (
     create_store_client,
 )
 from torchft.work import _FutureWork, _InFlight, _work_timeout, context_timeout
-
-if TYPE_CHECKING:
-    from torchft.process_group.baby import ProcessGroupBaby
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -390,7 +387,7 @@ def _release(box: list[BaseProcessGroup], graceful: bool) -> None:
     del pg
 
 
-def _recording(fut: Future[Any], owner: ProcessGroupWrapper | ProcessGroupBaby) -> Future[Any]:
+def _recording(fut: Future[Any], owner: ProcessGroupWrapper) -> Future[Any]:
     """Chains ``fut`` so a failure is recorded on ``owner`` before anyone sees it.
 
     The returned future completes only after the error is recorded, so ``errored()`` is
@@ -442,11 +439,11 @@ def _build_nccl(store: Store, rank: int, world_size: int, timeout: timedelta) ->
     return pg
 
 
-class ProcessGroupGloo(ProcessGroupWrapper):
-    """Reconfigurable Gloo group: every ``configure`` builds a fresh Gloo group.
+class _OwnGroup(ProcessGroupWrapper):
+    """A wrapper that builds a torch group of its own backend on every ``configure``."""
 
-    ``ReduceOp.AVG`` (which Gloo lacks) is emulated as SUM followed by a division.
-    """
+    #: The name torch knows the backend by (``getBackendName``).
+    _backend_name = ""
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         """Creates an unconfigured group.
@@ -456,12 +453,21 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         """
         super().__init__(timeout=timeout)
 
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """``torchft-gloo`` or ``torchft-nccl``."""
+        return self._backend_name
+
+
+class ProcessGroupGloo(_OwnGroup):
+    """Reconfigurable Gloo group: every ``configure`` builds a fresh Gloo group.
+
+    ``ReduceOp.AVG`` (which Gloo lacks) is emulated as SUM followed by a division.
+    """
+
+    _backend_name = "torchft-gloo"
+
     def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
         return _build_gloo(store, rank, world_size, self._timeout)
-
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        """``torchft-gloo``."""
-        return "torchft-gloo"
 
     def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
         """Runs ``op``; an AVG allreduce is computed as SUM / world size."""
@@ -483,7 +489,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         return _FutureWork(work.get_future().then(divide))
 
 
-class ProcessGroupNCCL(ProcessGroupWrapper):
+class ProcessGroupNCCL(_OwnGroup):
     """Reconfigurable NCCL group that aborts the communicator when an operation times out.
 
     Works wait on the GPU stream as usual; ``wait()`` is guarded by the timeout, and when it
@@ -491,20 +497,10 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     the error is kept for ``errored()``.
     """
 
-    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
-        """Creates an unconfigured group.
-
-        Args:
-            timeout: store connection and collective timeout.
-        """
-        super().__init__(timeout=timeout)
+    _backend_name = "torchft-nccl"
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
         return _build_nccl(store, rank, world_size, self._timeout)
-
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        """``torchft-nccl``."""
-        return "torchft-nccl"
 
     def _timed_out(self) -> None:
         self._record_error(

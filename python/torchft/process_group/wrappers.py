@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp, Work
 from torch.futures import Future
 
 from torchft.process_group.base import (
@@ -26,8 +27,24 @@ from torchft.process_group.dummy import ProcessGroupDummy
 from torchft.process_group.reconfigurable import ProcessGroupWrapper
 from torchft.work import _DummyWork, _FutureWork, _work_timeout, future_on_error
 
-if TYPE_CHECKING:
-    from torchft.manager import Manager
+
+class AllreduceManager(Protocol):
+    """What :class:`ManagedProcessGroup` uses of a ``torchft.Manager``.
+
+    Spelled out here, below the Manager, so this module does not import the module that
+    imports it.
+    """
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = ...,
+        reduce_op: ReduceOp.RedOpType = ...,
+    ) -> Work: ...
+
+    def num_participants(self) -> int: ...
+
+    def participating_rank(self) -> int | None: ...
 
 
 class _ErrorSwallowingWork(dist._Work):
@@ -159,7 +176,7 @@ class ManagedProcessGroup(ProcessGroupWrapper):
     the number of participating replica groups.
     """
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: AllreduceManager) -> None:
         """Wraps ``manager``.
 
         Args:
