@@ -96,7 +96,7 @@ class StepErrors:
     def wrap_future(self, fut: Future[T], default: T, timeout: timedelta | None) -> Future[T]:
         """A future that never fails: errors and timeouts are reported and become
         ``default``."""
-        source = future_timeout(fut, timeout) if timeout is not None else fut
+        source = future_timeout(fut, timeout, like=default) if timeout is not None else fut
 
         def settle(f: Future[T]) -> T:
             try:

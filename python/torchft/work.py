@@ -60,6 +60,23 @@ def completed_future(value: T) -> Future[T]:
     return fut
 
 
+def device_future(like: object = None) -> Future[Any]:
+    """A new future for a result shaped like ``like``: CUDA-aware on the devices of its CUDA
+    tensors, if any.
+
+    A future mirroring a collective's future must be: completed from the collective's
+    callback (whose current streams wait for the collective's kernels), it records events on
+    those streams, and whoever waits on it or chains a callback to it waits for them. A plain
+    future would hand the tensors on while the backend's copies into them may still run
+    (Gloo copies a CUDA result back on a stream of its own), and work queued on the tensors
+    next, such as averaging the gradients, would race that copy.
+    """
+    devices = sorted({t.device for t in _tensors_of(like) if t.device.type == "cuda"}, key=str)
+    if devices:
+        return Future(devices=list(devices))
+    return Future()
+
+
 def _work_timeout(timeout: timedelta | None) -> timedelta | None:
     """torch passes a zero timeout to ``Work.wait`` to mean "no timeout"."""
     if timeout is None or timeout.total_seconds() <= 0:
@@ -225,8 +242,10 @@ def _mirror(
     fut: Future[T],
     timeout: timedelta | float | None,
     on_error: Callable[[Exception], None] | None = None,
+    like: object = None,
 ) -> tuple[Future[T], Callable[[BaseException], bool]]:
-    """A future mirroring ``fut`` that can also be failed early (deadline or ``fail``).
+    """A future mirroring ``fut`` that can also be failed early (deadline or ``fail``);
+    CUDA-aware when ``like`` (the expected result) holds CUDA tensors (see device_future).
 
     ``on_error`` (if given) sees the error before the returned future completes, so state
     it records is visible to anyone woken by the future.
@@ -236,7 +255,7 @@ def _mirror(
         complete, and returns whether it did.
     """
     seconds = _to_seconds(timeout)
-    out: Future[T] = Future()
+    out: Future[T] = device_future(like)
     lock = threading.Lock()
     state = {"done": False, "handle": None}
 
@@ -284,7 +303,7 @@ def _mirror(
     return out, fail
 
 
-def future_timeout(fut: Future[T], timeout: timedelta | float) -> Future[T]:
+def future_timeout(fut: Future[T], timeout: timedelta | float, like: object = None) -> Future[T]:
     """Returns a future that mirrors ``fut`` but fails with TimeoutError after ``timeout``.
 
     ``fut`` itself is not cancelled (torch futures cannot be); the returned future just
@@ -293,13 +312,14 @@ def future_timeout(fut: Future[T], timeout: timedelta | float) -> Future[T]:
     Args:
         fut: the future to watch.
         timeout: the deadline (timedelta or seconds).
+        like: the expected result (its CUDA tensors make the mirror CUDA-aware).
 
     Returns:
         A new future with ``fut``'s value, or a TimeoutError.
     """
     if fut.done():
         return fut
-    out, _ = _mirror(fut, timeout)
+    out, _ = _mirror(fut, timeout, like=like)
     return out
 
 
@@ -320,6 +340,7 @@ class _InFlight:
         fut: Future[T],
         timeout: timedelta | float | None,
         on_error: Callable[[Exception], None] | None = None,
+        like: object = None,
     ) -> Future[T]:
         """Returns a mirror of ``fut`` bounded by ``timeout`` and failed by ``fail_all``.
 
@@ -328,11 +349,12 @@ class _InFlight:
             timeout: its deadline (None: none besides ``fail_all``).
             on_error: called with the error (operation failure, timeout or abort) before
                 the returned future completes.
+            like: the expected result (its CUDA tensors make the mirror CUDA-aware).
 
         Returns:
             The future callers should wait on.
         """
-        out, fail = _mirror(fut, timeout, on_error)
+        out, fail = _mirror(fut, timeout, on_error, like)
         key = next(self._ids)
         with self._lock:
             self._fails[key] = fail
@@ -429,7 +451,7 @@ def context_timeout(callback: Callable[[], None], timeout: timedelta | float) ->
 
 
 def _tensors_of(value: object) -> list[torch.Tensor]:
-    """Flattens the tensors contained in a (nested) list, for logging and tests."""
+    """Flattens the tensors contained in a (nested) list or tuple."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):

@@ -39,6 +39,7 @@ from torch.distributed import ProcessGroup as BaseProcessGroup
 from torch.futures import Future
 
 from torchft.config import timeout_override
+from torchft.work import device_future
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -449,7 +450,7 @@ def _work_future(work: dist._Work, result: object) -> Future[Any]:
         return work.get_future()
     except RuntimeError:
         pass
-    fut: Future[Any] = Future()
+    fut: Future[Any] = device_future(result)
 
     def wait() -> None:
         try:

@@ -392,7 +392,10 @@ class ProcessGroupNative(ProcessGroupWrapper):
     def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
         """Bounds the work by the timeout and records its error (as torchft's groups do)."""
         fut = self._inflight.track(
-            _work_future(work, result), self._timeout, _weak_callback(self._record_error)
+            _work_future(work, result),
+            self._timeout,
+            _weak_callback(self._record_error),
+            like=result,
         )
         return _FutureWork(fut)
 

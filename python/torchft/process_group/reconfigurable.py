@@ -364,7 +364,10 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped:
             return work
         fut = self._inflight.track(
-            _work_future(work, result), self._timeout, _weak_callback(self._record_error)
+            _work_future(work, result),
+            self._timeout,
+            _weak_callback(self._record_error),
+            like=result,
         )
         return _FutureWork(fut)  # fut already carries the deadline
 
