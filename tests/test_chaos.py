@@ -375,6 +375,7 @@ def test_kill_in_commit_is_recorded_only_when_the_commit_phase_was_seen(tmp_path
         assert chaos._fault_kill_in_commit() is not None
         for g in ("g0", "g1"):
             (tmp_path / f"{g}.phase").write_bytes(b"c")
+        chaos._pause = lambda p: True  # type: ignore[method-assign]
         assert chaos._fault_kill_in_commit() is not None
     finally:
         chaos._records.close()
@@ -385,6 +386,70 @@ def test_kill_in_commit_is_recorded_only_when_the_commit_phase_was_seen(tmp_path
     ]
     assert faults == ["kill_one", "kill_in_commit"]
     assert len(killed) == 2
+
+
+def test_kill_in_commit_needs_the_worker_held_inside_its_vote(tmp_path: Path) -> None:
+    """A worker seen in its vote that has left it (``d``: the vote returned) by the time it
+    is held stopped is killed as a plain kill: a phase read a moment before the kill is no
+    evidence of where the kill landed; one still in the vote once stopped is a kill in
+    commit."""
+    from types import SimpleNamespace
+
+    chaos = Chaos(ChaosConfig(seed=1, faults=1, floor_runs=0), tmp_path / "run")
+    killed: list[str] = []
+    resumed: list[object] = []
+    try:
+        chaos._running = lambda: ["g0", "g1"]  # type: ignore[method-assign]
+        chaos._committed = lambda g: True  # type: ignore[method-assign]
+        chaos._kill = killed.append  # type: ignore[method-assign]
+        chaos._resume = resumed.append  # type: ignore[method-assign]
+        for g in ("g0", "g1"):
+            phase = tmp_path / f"{g}.phase"
+            phase.write_bytes(b"c")
+            chaos.procs[g] = SimpleNamespace(phase=phase, killed=False)  # type: ignore[assignment]
+
+        def moved_on(p: SimpleNamespace) -> bool:
+            p.phase.write_bytes(b"d")  # the vote returned before the stop landed
+            return True
+
+        chaos._pause = moved_on  # type: ignore[method-assign]
+        assert chaos._fault_kill_in_commit() is not None
+        assert resumed, "a worker held outside its vote is let go again"
+    finally:
+        chaos._records.close()
+        chaos._faults.close()
+    faults = [
+        json.loads(line)["fault"]
+        for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()
+    ]
+    assert faults == ["kill_one"]
+    assert len(killed) == 1
+
+
+def test_the_injector_holds_a_worker_stopped_before_reading_its_phase(tmp_path: Path) -> None:
+    """``_pause`` returns only once the process is really stopped (SIGSTOP is delivered
+    asynchronously), and ``_resume`` lets it run again."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        p = SimpleNamespace(proc=child)
+        assert Chaos._pause(p)  # type: ignore[arg-type]
+        stat = Path(f"/proc/{child.pid}/stat")
+        assert stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        Chaos._resume(p)  # type: ignore[arg-type]
+        end = time.monotonic() + 5
+        while stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+            assert time.monotonic() < end, "the worker was not resumed"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_an_asked_restart_is_counted_and_a_crash_is_a_violation(tmp_path: Path) -> None:
