@@ -167,6 +167,8 @@ class Chaos:
         self.lock = threading.RLock()
         self.closing = False
         self.target_file = self.dir / "target"
+        # For `--check RUN_DIR`: the participant bound the run's groups committed under.
+        (self.dir / "min_replicas").write_text(str(cfg.min_replicas))
         self.snapshots = self.dir / "snapshots"
         self._records: IO[str] = open(self.dir / "processes.jsonl", "a", buffering=1)  # noqa: SIM115
         self._faults: IO[str] = open(self.dir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
