@@ -127,22 +127,23 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     """Step 2 committed with another state while its first holder is alive is a violation;
     the same after the holder was killed is an unavoidable regression; quorum ids going back
     and an unfinished group are violations too."""
+    A, B = 10**6 + 601, 10**6 + 602  # pids surely not running here
     _write(
         tmp_path / "a.history.jsonl",
         [
-            _commit("a", 1, 1, 10, "s1", 1.0),
-            _commit("a", 1, 2, 10, "s2", 2.0),
-            {"kind": "finish", "group": "a", "pid": 1, "step": 2, "state": "s2", "t": 9.0},
+            _commit("a", A, 1, 10, "s1", 1.0),
+            _commit("a", A, 2, 10, "s2", 2.0),
+            {"kind": "finish", "group": "a", "pid": A, "step": 2, "state": "s2", "t": 9.0},
         ],
     )
-    _write(tmp_path / "b.history.jsonl", [_commit("b", 2, 2, 9, "x2", 3.0)])
+    _write(tmp_path / "b.history.jsonl", [_commit("b", B, 2, 9, "x2", 3.0)])
     _write(
         tmp_path / "processes.jsonl",
         [
-            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
-            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": 1, "rc": 0, "killed": False, "t": 10.0},
-            {"kind": "exit", "group": "b", "pid": 2, "rc": -9, "killed": True, "t": 4.0},
+            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
+            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": A, "rc": 0, "killed": False, "t": 10.0},
+            {"kind": "exit", "group": "b", "pid": B, "rc": -9, "killed": True, "t": 4.0},
         ],
     )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a", "b"])
@@ -150,14 +151,14 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     assert "progress regressed" in text and "committed step 2 with a new state" in text
     assert "quorum id 9 first used after 10" in text
     assert "group b did not finish" in text
-    # Now the holder of the first state (pid 1) died before b's commit: unavoidable.
+    # Now the holder of the first state (A) died before b's commit: unavoidable.
     _write(
         tmp_path / "processes.jsonl",
         [
-            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": 1, "rc": -9, "killed": True, "t": 2.5},
-            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": 2, "rc": 0, "killed": False, "t": 4.0},
+            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": A, "rc": -9, "killed": True, "t": 2.5},
+            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
+            {"kind": "exit", "group": "b", "pid": B, "rc": 0, "killed": False, "t": 4.0},
         ],
     )
     # Nothing the run recorded explains why its only holder died: a violation.
@@ -186,10 +187,10 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     _write(
         tmp_path / "processes.jsonl",
         [
-            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": 1, "rc": 76, "killed": False, "t": 2.5},
-            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": 2, "rc": 0, "killed": False, "t": 4.0},
+            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": A, "rc": 76, "killed": False, "t": 2.5},
+            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
+            {"kind": "exit", "group": "b", "pid": B, "rc": 0, "killed": False, "t": 4.0},
         ],
     )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
