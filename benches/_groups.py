@@ -53,11 +53,13 @@ def train_group(replica_id: str, hidden: int, **manager_kwargs: Any) -> tuple[An
     return manager, ddp, optim
 
 
-def run_two_groups(script: Path, worker_args: list[str], timeout_s: float) -> list[Any]:
+def run_two_groups(
+    script: Path, worker_args: list[str], timeout_s: float, extra_env: dict[str, str] | None = None
+) -> list[Any]:
     """Runs ``script worker --replica-id gI --result FILE *worker_args`` for two groups (one
-    process each, their own TCPStore, ``RANK_SEED`` = I) against an in-process lighthouse,
-    and returns what each wrote to its result file (JSON). Raises RuntimeError if a worker
-    failed; no process outlives the call."""
+    process each, their own TCPStore, ``RANK_SEED`` = I, ``extra_env`` added to this process's
+    environment) against an in-process lighthouse, and returns what each wrote to its result
+    file (JSON). Raises RuntimeError if a worker failed; no process outlives the call."""
     from torch.distributed import TCPStore
 
     from torchft._torchft import LighthouseServer
@@ -80,6 +82,7 @@ def run_two_groups(script: Path, worker_args: list[str], timeout_s: float) -> li
                         "TORCHFT_LIGHTHOUSE": lighthouse.address(),
                         "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
                         "OMP_NUM_THREADS": "1",
+                        **(extra_env or {}),
                     }
                 )
                 cmd = [sys.executable, str(script), "worker", "--replica-id", f"g{i}"]

@@ -12,11 +12,14 @@ Two processes train the same MLP (256 -> H -> H -> H -> 10, batch 32) on Gloo (C
   every ``--sync-every`` steps; streaming DiLoCo with 2 fragments syncs half of it twice as
   often (fragments of about equal size: the first two and the last two linear layers).
 
-It prints each side's communication time per sync and per inner step, and the ratio of
-DiLoCo's per-inner-step communication to DDP's. Exit status 1 if DiLoCo's per-inner-step
-communication is not below DDP's.
+The three jobs run ``--runs`` times (>= 5), in rounds of one each, so load drifts fall on
+all of them alike. It prints each side's communication time per sync (median over runs, with
+min and max) and per inner step, and the ratio of DiLoCo's per-inner-step communication to
+DDP's (of the medians). Exit status 1 if DiLoCo's per-inner-step communication is not below
+DDP's.
 
-Usage: ``python benches/diloco_comm.py [--hidden 1024] [--sync-every 8] [--syncs 10]``.
+Usage: ``python benches/diloco_comm.py [--hidden 1024] [--sync-every 8] [--syncs 10]
+[--runs 5]``.
 """
 
 from __future__ import annotations
@@ -238,10 +241,13 @@ def main() -> int:
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo inner steps per sync")
     parser.add_argument("--syncs", type=int, default=10, help="measured syncs per DiLoCo run")
     parser.add_argument("--steps", type=int, default=60, help="measured DDP steps of each kind")
+    parser.add_argument("--runs", type=int, default=5, help="rounds of the three jobs (>= 5)")
     args = parser.parse_args()
     if args.cmd == "worker":
         (worker_ddp if args.mode == "ddp" else worker_diloco)(args)
         return 0
+    if args.runs < 5:
+        parser.error("--runs must be >= 5 (a median and a spread)")
     if args.sync_every < 2 or args.sync_every % 2:
         parser.error("--sync-every must be an even number >= 2")
 
@@ -251,22 +257,35 @@ def main() -> int:
         f"diloco_comm: MLP 256->{h}->{h}->{h}->10 ({params / 1e6:.2f} M params, "
         f"{params * 4 / 2**20:.1f} MiB fp32), batch 32, 2 processes, Gloo"
     )
+    ddps: list[float] = []
+    plains: list[float] = []
+    streamings: list[float] = []
     with tempfile.TemporaryDirectory(prefix="diloco_comm") as d:
         tmp = Path(d)
-        ddp = run_ddp(tmp, args)
-        plain = run_diloco(tmp, args, fragments=1, sync_every=args.sync_every)
-        # Two fragments, each synced every 2 * sync_every steps: one sync every sync_every.
-        streaming = run_diloco(tmp, args, fragments=2, sync_every=2 * args.sync_every)
+        for _ in range(args.runs):
+            ddps.append(run_ddp(tmp, args))
+            plains.append(run_diloco(tmp, args, fragments=1, sync_every=args.sync_every))
+            # Two fragments, each synced every 2 * sync_every steps: one sync every sync_every.
+            streamings.append(run_diloco(tmp, args, fragments=2, sync_every=2 * args.sync_every))
+    med = statistics.median
+    ddp, plain = med(ddps), med(plains)
     n = args.sync_every
     rows = [
-        ("plain DDP allreduce", "whole model", ddp, 1),
-        ("DiLoCo sync", "whole model", plain, n),
-        ("streaming DiLoCo sync", "half (1 of 2 frags)", streaming, n),
+        ("plain DDP allreduce", "whole model", ddps, 1),
+        ("DiLoCo sync", "whole model", plains, n),
+        ("streaming DiLoCo sync", "half (1 of 2 frags)", streamings, n),
     ]
-    print(f"  {'':24s} {'payload':18s} {'per sync':>10s} {'every':>7s} {'per inner step':>15s}")
-    for name, payload, t, every in rows:
+    print(f"  {args.runs} runs each; per sync: median [min, max]")
+    print(
+        f"  {'':24s} {'payload':18s} {'per sync':>10s} {'[min, max] ms':>17s} {'every':>7s} "
+        f"{'per inner step':>15s}"
+    )
+    for name, payload, ts, every in rows:
+        t = med(ts)
+        spread = f"[{min(ts) * 1e3:.2f}, {max(ts) * 1e3:.2f}]"
         print(
-            f"  {name:24s} {payload:18s} {t * 1e3:8.2f}ms {every:5d} st {t / every * 1e3:12.3f}ms"
+            f"  {name:24s} {payload:18s} {t * 1e3:8.2f}ms {spread:>17s} {every:5d} st "
+            f"{t / every * 1e3:12.3f}ms"
         )
     ratio = (plain / n) / ddp if ddp > 0 else float("inf")
     ok = ratio < 1.0

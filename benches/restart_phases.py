@@ -17,7 +17,7 @@ Baselines, measured in the same run and the same way (spawn -> timestamp in the 
 - plain torch DDP: a process that imports torch, builds the same model with torch's own
   ``DistributedDataParallel`` on a one-rank Gloo group and AdamW, and completes one step.
 
-Prints medians and the overheads (target: process start -> first commit <= floor + 0.5 s;
+Prints medians with min and max over ``--runs`` and the overheads (target: process start -> first commit <= floor + 0.5 s;
 against the bare import floor the torch._dynamo import alone exceeds that, so the torch floor
 is the one the target can be met against).
 
@@ -243,8 +243,10 @@ def _spread(xs: list[float]) -> str:
 def main() -> int:
     """Runs the measurement and prints the table; exit 1 when the standby target is missed."""
     p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=5, help="restarts and rounds per arm (>= 5)")
     args = p.parse_args()
+    if args.runs < 5:
+        p.error("--runs must be >= 5 (a median and a spread)")
     from torch.distributed import TCPStore
 
     from torchft._torchft import LighthouseServer
@@ -267,29 +269,33 @@ def main() -> int:
         med = statistics.median
         floor, torch_floor, base = med(floors), med(torch_floors), med(plain)
         rows = {
-            "interpreter + imports": med(ph["imported"] - ph["exec"] for ph in phases),
-            "Manager": med(ph["manager"] - ph["imported"] for ph in phases),
-            "model + DDP + optimizer": med(ph["ddp"] - ph["manager"] for ph in phases),
-            "first quorum + heal": med(ph["quorum"] - ph["ddp"] for ph in phases),
-            "first commit": med(ph["commit"] - ph["quorum"] for ph in phases),
+            "interpreter + imports": [ph["imported"] - ph["exec"] for ph in phases],
+            "Manager": [ph["manager"] - ph["imported"] for ph in phases],
+            "model + DDP + optimizer": [ph["ddp"] - ph["manager"] for ph in phases],
+            "first quorum + heal": [ph["quorum"] - ph["ddp"] for ph in phases],
+            "first commit": [ph["commit"] - ph["quorum"] for ph in phases],
         }
-        total = med(ph["commit"] - ph["exec"] for ph in phases)
-        ours = med((ph["manager"] - ph["imported"]) + (ph["commit"] - ph["ddp"]) for ph in phases)
-        print(f"restart phases, median of {args.runs} restarts (load {os.getloadavg()[0]:.1f})")
-        print(f"  import floor (spawn -> import torch done): {floor:.3f}s")
+        totals = [ph["commit"] - ph["exec"] for ph in phases]
+        total = med(totals)
+        ours = [(ph["manager"] - ph["imported"]) + (ph["commit"] - ph["ddp"]) for ph in phases]
+        print(f"restart phases over {args.runs} restarts (load {os.getloadavg()[0]:.1f})")
+        print(f"  import floor (spawn -> import torch done): {_spread(floors)}")
         print(
-            f"  torch floor (+ import torch._dynamo, as torch.optim does): {torch_floor:.3f}s"
+            f"  torch floor (+ import torch._dynamo, as torch.optim does): {_spread(torch_floors)}"
             f" = floor + {torch_floor - floor:.3f}s"
         )
         print(
-            f"  plain torch DDP (spawn -> first step done): {base:.3f}s = floor + {base - floor:.3f}s"
+            f"  plain torch DDP (spawn -> first step done): {_spread(plain)}"
+            f" = floor + {base - floor:.3f}s"
         )
         for k, v in rows.items():
-            print(f"  {k:<24} {v:.3f}s")
-        print(f"  process start -> first commit: {total:.3f}s = floor + {total - floor:.3f}s")
+            print(f"  {k:<24} {_spread(v)}")
+        print(f"  process start -> first commit: {_spread(totals)} = floor + {total - floor:.3f}s")
         print(f"    = torch floor + {total - torch_floor:.3f}s")
         print(f"    = plain torch DDP + {total - base:.3f}s")
-        print(f"  torchft's own phases (Manager, first quorum + heal, first commit): {ours:.3f}s")
+        print(
+            f"  torchft's own phases (Manager, first quorum + heal, first commit): {_spread(ours)}"
+        )
         dynamo = sum(bool(ph.get("dynamo_imported")) for ph in phases)
         print(f"  restarts that imported torch._dynamo before their first commit: {dynamo}")
 
@@ -299,8 +305,8 @@ def main() -> int:
         print(f"kill -> first commit of the replacement ({args.runs} rounds per arm, alternating)")
         print(f"  cold restart:             {_spread(cold)}")
         print(f"  warm standby:             {_spread(warm)}")
-        print(f"  plain torch DDP restart:  median {base:.3f}s (spawn -> first step)")
-        print(f"  heal transfer:            median {heal:.3f}s over {len(heals)} heals")
+        print(f"  plain torch DDP restart:  {_spread(plain)} (spawn -> first step)")
+        print(f"  heal transfer:            {_spread(heals) if heals else 'none logged'}")
         ok = statistics.median(warm) <= target
         print(
             f"  target standby <= 1.0 s + heal = {target:.3f}s: "

@@ -94,8 +94,19 @@ def _write(path: Path, recs: list[dict[str, object]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
+def _read(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _commit(
-    group: str, pid: int, step: int, q: int, state: str, t: float, healed: bool = False
+    group: str,
+    pid: int,
+    step: int,
+    q: int,
+    state: str,
+    t: float,
+    healed: bool = False,
+    participants: int = 1,
 ) -> dict[str, object]:
     return {
         "kind": "commit",
@@ -103,7 +114,7 @@ def _commit(
         "pid": pid,
         "step": step,
         "quorum_id": q,
-        "participants": 1,
+        "participants": participants,
         "state": state,
         "healed": healed,
         "t": t,
@@ -116,22 +127,23 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     """Step 2 committed with another state while its first holder is alive is a violation;
     the same after the holder was killed is an unavoidable regression; quorum ids going back
     and an unfinished group are violations too."""
+    A, B = 10**6 + 601, 10**6 + 602  # pids surely not running here
     _write(
         tmp_path / "a.history.jsonl",
         [
-            _commit("a", 1, 1, 10, "s1", 1.0),
-            _commit("a", 1, 2, 10, "s2", 2.0),
-            {"kind": "finish", "group": "a", "pid": 1, "step": 2, "state": "s2", "t": 9.0},
+            _commit("a", A, 1, 10, "s1", 1.0),
+            _commit("a", A, 2, 10, "s2", 2.0),
+            {"kind": "finish", "group": "a", "pid": A, "step": 2, "state": "s2", "t": 9.0},
         ],
     )
-    _write(tmp_path / "b.history.jsonl", [_commit("b", 2, 2, 9, "x2", 3.0)])
+    _write(tmp_path / "b.history.jsonl", [_commit("b", B, 2, 9, "x2", 3.0)])
     _write(
         tmp_path / "processes.jsonl",
         [
-            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
-            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": 1, "rc": 0, "killed": False, "t": 10.0},
-            {"kind": "exit", "group": "b", "pid": 2, "rc": -9, "killed": True, "t": 4.0},
+            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
+            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": A, "rc": 0, "killed": False, "t": 10.0},
+            {"kind": "exit", "group": "b", "pid": B, "rc": -9, "killed": True, "t": 4.0},
         ],
     )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a", "b"])
@@ -139,14 +151,14 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     assert "progress regressed" in text and "committed step 2 with a new state" in text
     assert "quorum id 9 first used after 10" in text
     assert "group b did not finish" in text
-    # Now the holder of the first state (pid 1) died before b's commit: unavoidable.
+    # Now the holder of the first state (A) died before b's commit: unavoidable.
     _write(
         tmp_path / "processes.jsonl",
         [
-            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": 1, "rc": -9, "killed": True, "t": 2.5},
-            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": 2, "rc": 0, "killed": False, "t": 4.0},
+            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": A, "rc": -9, "killed": True, "t": 2.5},
+            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
+            {"kind": "exit", "group": "b", "pid": B, "rc": 0, "killed": False, "t": 4.0},
         ],
     )
     # Nothing the run recorded explains why its only holder died: a violation.
@@ -175,10 +187,10 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     _write(
         tmp_path / "processes.jsonl",
         [
-            {"kind": "start", "group": "a", "pid": 1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": 1, "rc": 76, "killed": False, "t": 2.5},
-            {"kind": "start", "group": "b", "pid": 2, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": 2, "rc": 0, "killed": False, "t": 4.0},
+            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
+            {"kind": "exit", "group": "a", "pid": A, "rc": 76, "killed": False, "t": 2.5},
+            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
+            {"kind": "exit", "group": "b", "pid": B, "rc": 0, "killed": False, "t": 4.0},
         ],
     )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
@@ -223,6 +235,7 @@ def test_checker_judges_a_fork_inside_a_reported_regression_on_its_own(tmp_path:
             _commit("a", p1, 1, 10, "s1", 1.0),
             _commit("a", p1, 2, 10, "s2", 2.0),
             _commit("a", p1, 3, 10, "s3", 3.0),
+            {"kind": "hang", "group": "a", "pid": p1, "seconds": 20.0, "step": 3, "t": 3.1},
         ],
     )
     _write(
@@ -244,8 +257,8 @@ def test_checker_judges_a_fork_inside_a_reported_regression_on_its_own(tmp_path:
         tmp_path / "processes.jsonl",
         [
             {"kind": "start", "group": "a", "pid": p1, "t": 0.0},
-            # It ended itself (asked for a restart): what explains that its steps died with it.
-            {"kind": "exit", "group": "a", "pid": p1, "rc": 75, "killed": False, "t": 3.5},
+            # It ended itself (held hung): what explains that its steps died with it.
+            {"kind": "exit", "group": "a", "pid": p1, "rc": 76, "killed": False, "t": 3.5},
             {"kind": "start", "group": "b", "pid": p2, "t": 3.6},
             {"kind": "start", "group": "c", "pid": p3, "t": 3.6},
             {"kind": "exit", "group": "b", "pid": p2, "rc": 0, "killed": False, "t": 10.0},
@@ -375,6 +388,7 @@ def test_kill_in_commit_is_recorded_only_when_the_commit_phase_was_seen(tmp_path
         assert chaos._fault_kill_in_commit() is not None
         for g in ("g0", "g1"):
             (tmp_path / f"{g}.phase").write_bytes(b"c")
+        chaos._pause = lambda p: True  # type: ignore[method-assign]
         assert chaos._fault_kill_in_commit() is not None
     finally:
         chaos._records.close()
@@ -385,6 +399,70 @@ def test_kill_in_commit_is_recorded_only_when_the_commit_phase_was_seen(tmp_path
     ]
     assert faults == ["kill_one", "kill_in_commit"]
     assert len(killed) == 2
+
+
+def test_kill_in_commit_needs_the_worker_held_inside_its_vote(tmp_path: Path) -> None:
+    """A worker seen in its vote that has left it (``d``: the vote returned) by the time it
+    is held stopped is killed as a plain kill: a phase read a moment before the kill is no
+    evidence of where the kill landed; one still in the vote once stopped is a kill in
+    commit."""
+    from types import SimpleNamespace
+
+    chaos = Chaos(ChaosConfig(seed=1, faults=1, floor_runs=0), tmp_path / "run")
+    killed: list[str] = []
+    resumed: list[object] = []
+    try:
+        chaos._running = lambda: ["g0", "g1"]  # type: ignore[method-assign]
+        chaos._committed = lambda g: True  # type: ignore[method-assign]
+        chaos._kill = killed.append  # type: ignore[method-assign]
+        chaos._resume = resumed.append  # type: ignore[method-assign]
+        for g in ("g0", "g1"):
+            phase = tmp_path / f"{g}.phase"
+            phase.write_bytes(b"c")
+            chaos.procs[g] = SimpleNamespace(phase=phase, killed=False)  # type: ignore[assignment]
+
+        def moved_on(p: SimpleNamespace) -> bool:
+            p.phase.write_bytes(b"d")  # the vote returned before the stop landed
+            return True
+
+        chaos._pause = moved_on  # type: ignore[method-assign]
+        assert chaos._fault_kill_in_commit() is not None
+        assert resumed, "a worker held outside its vote is let go again"
+    finally:
+        chaos._records.close()
+        chaos._faults.close()
+    faults = [
+        json.loads(line)["fault"]
+        for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()
+    ]
+    assert faults == ["kill_one"]
+    assert len(killed) == 1
+
+
+def test_the_injector_holds_a_worker_stopped_before_reading_its_phase(tmp_path: Path) -> None:
+    """``_pause`` returns only once the process is really stopped (SIGSTOP is delivered
+    asynchronously), and ``_resume`` lets it run again."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        p = SimpleNamespace(proc=child)
+        assert Chaos._pause(p)  # type: ignore[arg-type]
+        stat = Path(f"/proc/{child.pid}/stat")
+        assert stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        Chaos._resume(p)  # type: ignore[arg-type]
+        end = time.monotonic() + 5
+        while stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+            assert time.monotonic() < end, "the worker was not resumed"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_an_asked_restart_is_counted_and_a_crash_is_a_violation(tmp_path: Path) -> None:
@@ -481,7 +559,7 @@ def _flip_run(
             healed = g == "a" and bool(mine) and s == mine.stop
             # a commits first at even steps, last at odd ones (the fork rule's first holder).
             t = s + 1 + ({"a": 0.1, "b": 0.2, "c": 0.3}[g] if s % 2 else {"a": 0.3}.get(g, 0.1))
-            recs.append(_commit(g, pid, s, 7, state, t, healed=healed))
+            recs.append(_commit(g, pid, s, 7, state, t, healed=healed, participants=3))
         final = f"{g}{last}" if last in mine else f"s{last}"
         recs.append({"kind": "finish", "group": g, "pid": pid, "step": last, "state": final})
         recs[-1]["t"] = last + 2.0
@@ -686,9 +764,13 @@ def _total_loss_run(
     new processes (3, 4) restore a snapshot and re-commit 5..6 with new states together.
     Returns the checker's violations."""
     first = [
-        _commit(g, pid, s, 10, f"s{s}", float(s)) for s in range(1, 7) for g, pid in (("a", P1),)
+        _commit(g, pid, s, 10, f"s{s}", float(s), participants=2)
+        for s in range(1, 7)
+        for g, pid in (("a", P1),)
     ]
-    first_b = [_commit("b", P2, s, 10, f"s{s}", float(s) + 0.1) for s in range(1, 7)]
+    first_b = [
+        _commit("b", P2, s, 10, f"s{s}", float(s) + 0.1, participants=2) for s in range(1, 7)
+    ]
     finish = [
         {"kind": "finish", "group": g, "pid": pid, "step": 6, "state": "n6", "t": 30.0}
         for g, pid in (("a", P3), ("b", P4))
@@ -706,7 +788,7 @@ def _total_loss_run(
             }
         )
         again += [
-            _commit(g, pid, s, 20, f"n{s}", 21.0 + s + (pid - P3) * 0.1)
+            _commit(g, pid, s, 20, f"n{s}", 21.0 + s + (pid - P3) * 0.1, participants=2)
             for s in range(restored_step + 1, 7)
         ]
     _write(tmp_path / "a.0.history.jsonl", first)
@@ -826,3 +908,80 @@ def test_a_killed_process_s_last_commit_after_the_kill_record_is_not_the_resume(
     with open(tmp_path / "a.0.history.jsonl", "a") as f:
         f.write(json.dumps(trailing) + "\n")
     assert check(tmp_path, target=6, min_replicas=1, groups=["a", "b"]).violations == []
+
+
+def test_participant_counts_are_held_against_the_groups_that_committed(tmp_path: Path) -> None:
+    """At min_replicas 1 the participant bound alone cannot fail, so each (quorum, step) is
+    also held against its committers: three groups committing one step together without a
+    heal, each saying it had 1 participant, is a violation; so are members of one quorum
+    reporting different counts and more participants than the run has groups. A member that
+    healed into the step may sit it out (async quorum): 2 participants of 3 committers is
+    fine when the third healed."""
+    pids = {"a": 10**6 + 401, "b": 10**6 + 402, "c": 10**6 + 403}  # surely not running
+
+    def run(counts: dict[str, int], healed: str = "") -> list[str]:
+        for g, pid in pids.items():
+            _write(
+                tmp_path / f"{g}.history.jsonl",
+                [
+                    _commit(g, pid, 1, 5, "s1", 1.0, healed=g == healed, participants=counts[g]),
+                    {"kind": "finish", "group": g, "pid": pid, "step": 1, "state": "s1", "t": 2},
+                ],
+            )
+        procs: list[dict[str, object]] = []
+        for g, pid in pids.items():
+            procs.append({"kind": "start", "group": g, "pid": pid, "t": 0.0})
+            procs.append({"kind": "exit", "group": g, "pid": pid, "rc": 0, "killed": False})
+            procs[-1]["t"] = 3.0
+        _write(tmp_path / "processes.jsonl", procs)
+        return check(tmp_path, target=1, min_replicas=1, groups=sorted(pids)).violations
+
+    assert run({"a": 3, "b": 3, "c": 3}) == []
+    assert run({"a": 2, "b": 2, "c": 2}, healed="c") == []
+    low = run({"a": 1, "b": 1, "c": 1})
+    assert len(low) == 3 and all("but 3 groups at its max step" in v for v in low), low
+    mixed = run({"a": 3, "b": 3, "c": 2}, healed="c")
+    assert mixed == [
+        "quorum 5 step 1: its members reported [2, 3] participants (one quorum has one count)"
+    ]
+    high = run({"a": 4, "b": 4, "c": 4})
+    assert len(high) == 3 and all("more than the run's 3 groups" in v for v in high), high
+
+
+def test_a_restart_asked_for_after_a_commit_is_a_violation(tmp_path: Path) -> None:
+    """Exit 75 (TornStateError) is a restart the product asks for only when a heal or
+    snapshot restore into the process's own tensors was torn, which happens only before its
+    first commit: the same exit from a process that had committed is unexplained, and the
+    run's result fails on it."""
+    from torchft.chaos.history import RESTART_EXIT
+
+    big = 10**6 + 500  # pids that are surely not running here
+    _write(
+        tmp_path / "a.history.jsonl",
+        [
+            _commit("a", big, 1, 1, "s1", 0.4),
+            _commit("a", big + 1, 2, 2, "s2", 1.0),
+            {"kind": "finish", "group": "a", "pid": big + 1, "step": 2, "state": "s2", "t": 3.0},
+        ],
+    )
+    exits = [
+        {"kind": "start", "group": "a", "pid": big, "t": 0.0},
+        {"kind": "exit", "group": "a", "pid": big, "rc": RESTART_EXIT, "killed": False, "t": 0.5},
+        {"kind": "start", "group": "a", "pid": big + 1, "t": 0.6},
+        {"kind": "exit", "group": "a", "pid": big + 1, "rc": 0, "killed": False, "t": 4.0},
+    ]
+    _write(tmp_path / "processes.jsonl", exits)
+    rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
+    assert rep.restarts_asked == 0
+    assert rep.violations == [
+        f"process {big} (a) asked for a restart (exit {RESTART_EXIT}) after it had "
+        "committed: no torn heal explains it"
+    ]
+    # The run's result (as `python -m torchft.chaos --check` gives it) fails on it.
+    from torchft.chaos.__main__ import _recheck
+
+    (tmp_path / "target").write_text("2")
+    assert _recheck(tmp_path) == 1
+    # Before its first commit the same exit is a restart asked for, and the result is OK.
+    _write(tmp_path / "a.history.jsonl", _read(tmp_path / "a.history.jsonl")[1:])
+    assert _recheck(tmp_path) == 0

@@ -135,7 +135,9 @@ def _recheck(run: Path) -> int:
         print(f"{run} is not a chaos run directory (no processes.jsonl)", file=sys.stderr)
         return 2
     groups = sorted({r["group"] for r in read_jsonl(run / "processes.jsonl")})
-    report = check(run, int((run / "target").read_text()), 1, groups)
+    bound = run / "min_replicas"  # absent in runs of older harnesses, which ran with 1
+    min_replicas = int(bound.read_text()) if bound.exists() else 1
+    report = check(run, int((run / "target").read_text()), min_replicas, groups)
     print(report.text())
     print("RESULT: " + ("OK" if not report.violations else "VIOLATIONS"))
     return 0 if not report.violations else 1

@@ -167,6 +167,8 @@ class Chaos:
         self.lock = threading.RLock()
         self.closing = False
         self.target_file = self.dir / "target"
+        # For `--check RUN_DIR`: the participant bound the run's groups committed under.
+        (self.dir / "min_replicas").write_text(str(cfg.min_replicas))
         self.snapshots = self.dir / "snapshots"
         self._records: IO[str] = open(self.dir / "processes.jsonl", "a", buffering=1)  # noqa: SIM115
         self._faults: IO[str] = open(self.dir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
@@ -558,17 +560,55 @@ class Chaos:
         deadline = time.monotonic() + 1.0
         in_commit = False
         while time.monotonic() < deadline and not in_commit:
-            try:
-                in_commit = p.phase.read_bytes()[:1] == b"c"
-            except OSError:
-                pass
+            if self._phase(p) == b"c":
+                # Seen in the vote; whether it still is when the kill lands is known only
+                # with the process held still: stopped, its phase can no longer change.
+                in_commit = self._pause(p) and self._phase(p) == b"c"
+                if not in_commit:
+                    self._resume(p)
             if not in_commit:
                 time.sleep(0.001)
-        # Recorded as what it was: a kill in the commit phase only if the worker was seen in
-        # it (a slow or stopped worker may not reach it within the second), else a plain kill.
+        # Recorded as what it was: a kill in the commit phase only if the worker was held
+        # stopped inside it (a slow or stopped worker may not reach it within the second, and
+        # one seen there a moment ago may have left it), else a plain kill.
         self._fault("kill_in_commit" if in_commit else "kill_one", [g])
         self._kill(g)
         return [g]
+
+    @staticmethod
+    def _phase(p: _Proc) -> bytes:
+        """The worker's current phase byte (``q``, ``c`` or ``d``; empty if unreadable)."""
+        try:
+            return p.phase.read_bytes()[:1]
+        except OSError:
+            return b""
+
+    @staticmethod
+    def _pause(p: _Proc) -> bool:
+        """SIGSTOPs the worker and waits until its main thread is stopped (the signal is
+        delivered asynchronously); False if it could not be confirmed within 0.5 s."""
+        try:
+            os.killpg(p.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return False
+        stat = Path(f"/proc/{p.proc.pid}/stat")
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            try:
+                # The state field follows the parenthesised command name.
+                if stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return True
+            except (OSError, IndexError):
+                return False
+            time.sleep(0.0002)
+        return False
+
+    @staticmethod
+    def _resume(p: _Proc) -> None:
+        try:
+            os.killpg(p.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
     def _fault_kill_all(self) -> list[str] | None:
         """Every group SIGKILLed at once (a rack lost, the job preempted); sometimes the

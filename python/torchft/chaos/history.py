@@ -425,7 +425,10 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         excuses it as above; and an unavoidable regression needs a recorded cause between
         the last commit of the lost steps and their re-commit: a total loss (``kill_all``),
         or a process ending itself (exit 75, 76 or 77); else it is a violation;
-      * no commit with fewer than ``min_replicas`` participants;
+      * participants, per quorum and step: every member's commit reports the same count, at
+        least ``min_replicas`` and at least the groups that committed it without a heal
+        since their previous commit (those were at the quorum's max step: participants),
+        and at most the run's groups;
       * quorum ids strictly increase over time, and per process never go back;
       * per process, committed steps strictly increase (a process never re-commits a step
         it committed, nor one below it);
@@ -434,7 +437,9 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         holder of the newer state dead;
       * every group finishes at ``target`` with one state;
       * no process is left running, none exited on its own with an unexpected code: exit
-        76 only after an injected hang, exit 77 only within a bit flip's window.
+        75 only from a process that had committed nothing (a heal or restore into its own
+        tensors torn), exit 76 only after an injected hang, exit 77 only within a bit
+        flip's window.
     """
     rep = Report()
     commits: list[dict[str, Any]] = []
@@ -556,12 +561,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 )
         last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
 
-    for c in commits:
-        if c["participants"] < min_replicas:
-            rep.violations.append(
-                f"{c['group']} committed step {c['step']} with {c['participants']} < "
-                f"{min_replicas} participants"
-            )
+    _judge_participants(rep, by_q, min_replicas, groups)
 
     # Quorum ids: per process never back; globally, ids first seen later are larger.
     last_q: dict[int, int] = {}
@@ -594,9 +594,19 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     rep.final = {"groups": len(done), "states": len(states), "step": target}
 
     # No process left behind, none crashed on its own.
+    progressed = {c["pid"] for c in commits} | {r["pid"] for r in restores}
     for r in procs:
         if r["kind"] == "exit" and r["rc"] == RESTART_EXIT and not r["killed"]:
-            rep.restarts_asked += 1
+            if r["pid"] in progressed:
+                # Only a process that has committed nothing (its state the one a restart
+                # reproduces) heals or restores into its own tensors; after a commit a heal
+                # receives into new tensors and a failed one leaves the state whole.
+                rep.violations.append(
+                    f"process {r['pid']} ({r['group']}) asked for a restart (exit "
+                    f"{RESTART_EXIT}) after it had committed: no torn heal explains it"
+                )
+            else:
+                rep.restarts_asked += 1
         elif r["kind"] == "exit" and r["rc"] == HUNG_EXIT and not r["killed"]:
             if r["pid"] in hung_pids:
                 rep.hang_exits += 1
@@ -631,6 +641,47 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     _judge_verdicts(rep, run_dir, hangs, flips)
     _timings(rep, commits, procs, faults, ready)
     return rep
+
+
+def _judge_participants(
+    rep: Report,
+    by_q: dict[tuple[int, int], list[dict[str, Any]]],
+    min_replicas: int,
+    groups: list[str],
+) -> None:
+    """The participant count of each (quorum, step) against what the history shows of it.
+
+    At the default ``min_replicas`` of 1 the bound alone never fails, so the count is also
+    held against the groups seen committing that step in that quorum: one quorum gives its
+    members one count; a member that committed without a heal since its previous commit was
+    at the quorum's max step, so it is a participant (with the async quorum a healing member
+    sits the step out and only max-step members count); and no quorum has more participants
+    than the run has groups (each group runs one process at a time).
+    """
+    for (q, s), cs in sorted(by_q.items()):
+        counts = sorted({c["participants"] for c in cs})
+        if len(counts) > 1:
+            rep.violations.append(
+                f"quorum {q} step {s}: its members reported {counts} participants (one quorum "
+                "has one count)"
+            )
+        steady = sorted({c["group"] for c in cs if not c.get("healed", False)})
+        for c in cs:
+            n = c["participants"]
+            if n < min_replicas:
+                rep.violations.append(
+                    f"{c['group']} committed step {s} with {n} < {min_replicas} participants"
+                )
+            if n < len(steady):
+                rep.violations.append(
+                    f"{c['group']} committed step {s} in quorum {q} with {n} participants, "
+                    f"but {len(steady)} groups at its max step committed it there: {steady}"
+                )
+            if groups and n > len(groups):
+                rep.violations.append(
+                    f"{c['group']} committed step {s} in quorum {q} with {n} participants, "
+                    f"more than the run's {len(groups)} groups"
+                )
 
 
 #: How long after a kill's record a killed process's own last history lines may come.

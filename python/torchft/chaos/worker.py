@@ -10,7 +10,8 @@ before it, and the wall time; a ``restore`` line when the Manager resumed from a
 snapshot (``TORCHFT_SNAPSHOT_DIR``, set by the harness) with the step and state hash it
 resumed from; a ``finish`` line at the target step (written to ``--target-file`` by the
 harness). ``--phase`` is a one-byte file the worker overwrites with
-its phase (``q`` quorum/compute, ``c`` commit vote) so faults can aim at a phase.
+its phase (``q`` quorum/compute, ``c`` commit vote, ``d`` the vote returned: recording the
+step and the pause until the next one) so faults can aim at a phase.
 
 Faults that act inside the process arrive as files the harness writes, looked at on the top
 of every step and removed when taken: ``--hang-file`` (block the loop), ``--slow-file`` (run
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             os.pwrite(phase, b"c", 0)
             before = manager.current_step()
             optim.step()
+            # Out of the vote: a kill from here on is no kill in the commit phase.
+            os.pwrite(phase, b"d", 0)
             healed = healed or bool(getattr(manager, "_healing", False))
             if manager.current_step() > before + 1:
                 # A durable snapshot was restored (every group had died): the state the
