@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::{Request, Response, Status};
@@ -26,7 +26,7 @@ use tracing::{debug, error, info, warn};
 
 use super::commit::CommitBarrier;
 use super::compute::compute_quorum_results;
-use super::gather::{LeaveGuard, QuorumGather, ReadyRound};
+use super::gather::{self, QuorumGather, ReadyRound};
 use super::parity::DigestCollector;
 use super::reports::ReportQueue;
 use super::topology::{member_data, source_choice, SourceChoice};
@@ -967,20 +967,16 @@ impl Inner {
         }
     }
 
-    /// Waits for a rank's answer until `deadline`, or until shutdown.
-    async fn await_answer<T>(
+    /// Waits for a rank's quorum answer until `deadline`, or until shutdown.
+    async fn await_answer(
         &self,
-        rx: oneshot::Receiver<Result<T>>,
+        joined: gather::Joined<'_>,
         deadline: Instant,
         timeout: Duration,
         what: &str,
-    ) -> Result<T> {
+    ) -> Result<ManagerQuorumResponse> {
         tokio::select! {
-            r = tokio::time::timeout_at(deadline, rx) => match r {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(_)) => Err(Error::Shutdown),
-                Err(_) => Err(Error::timeout(what, timeout)),
-            },
+            r = joined.answer(deadline, timeout, what) => r,
             _ = shutting_down(self.shutdown.clone()) => Err(Error::Shutdown),
         }
     }
@@ -1004,20 +1000,15 @@ impl ManagerService for Service {
         let inner = &self.inner;
         inner.visit();
         inner.check_diverged()?;
-        let joined = inner.gather.join(&req, deadline)?;
-        let _guard = LeaveGuard {
-            gather: &inner.gather,
-            group_rank: req.group_rank,
-            ticket: joined.ticket,
-        };
-        if let Some(round) = joined.ready {
+        let (joined, ready) = inner.gather.join(&req, deadline)?;
+        let what = format!("quorum (group rank {}, step {})", req.group_rank, req.step);
+        if let Some(round) = ready {
             if round.replies.len() == 1 {
                 // Only this rank waits: answer inline (no extra task on the hot path). The
                 // deadline below still bounds it.
-                let what = format!("quorum (group rank {}, step {})", req.group_rank, req.step);
                 let fut = inner.clone().answer_round(round);
                 return tokio::select! {
-                    _ = fut => inner.await_answer(joined.rx, deadline, timeout, &what).await,
+                    _ = fut => inner.await_answer(joined, deadline, timeout, &what).await,
                     _ = tokio::time::sleep_until(deadline) => Err(Error::timeout(&what, timeout)),
                 }
                 .map(Response::new)
@@ -1026,9 +1017,8 @@ impl ManagerService for Service {
             // Several ranks wait on this round: it must outlive this request.
             tokio::spawn(inner.clone().answer_round(round));
         }
-        let what = format!("quorum (group rank {}, step {})", req.group_rank, req.step);
         inner
-            .await_answer(joined.rx, deadline, timeout, &what)
+            .await_answer(joined, deadline, timeout, &what)
             .await
             .map(Response::new)
             .map_err(Status::from)
