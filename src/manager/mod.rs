@@ -7,7 +7,7 @@
 //! - [`round`]: a round of the group's ranks (join, replace, leave, fail), under both barriers.
 //! - [`gather`]: bookkeeping of the quorum round in progress (who waits, step agreement).
 //! - [`commit`]: the `should_commit` barrier (AND over the group's ranks, keyed by step).
-//! - [`server`]: the gRPC service, the lighthouse calls and the heartbeat loop.
+//! - [`server`]: the server: its gRPC service, its lighthouse calls and its heartbeat loop.
 //! - [`client`]: the client every rank uses to talk to its group's manager server.
 //! - [`topology`]: the topology file and the choice of each healer's source by locality.
 
