@@ -422,7 +422,8 @@ class PendingQuorum:
 
 @final
 class QuorumResult:
-    """One rank's role in a quorum (constructible by hand for tests)."""
+    """One rank's role in a quorum (constructible by hand for tests: every field defaults to
+    zero, empty or None, except ``replica_world_size`` to 1)."""
 
     quorum_id: int
     replica_rank: int
@@ -440,17 +441,17 @@ class QuorumResult:
 
     def __new__(
         cls,
-        quorum_id: int = 0,
-        replica_rank: int = 0,
-        replica_world_size: int = 1,
+        quorum_id: int = ...,
+        replica_rank: int = ...,
+        replica_world_size: int = ...,
         recover_src_manager_address: str = ...,
-        recover_src_replica_rank: int | None = None,
+        recover_src_replica_rank: int | None = ...,
         recover_dst_replica_ranks: list[int] = ...,
         store_address: str = ...,
-        max_step: int = 0,
-        max_replica_rank: int | None = None,
-        max_world_size: int = 0,
-        heal: bool = False,
-        commit_failures: int = 0,
+        max_step: int = ...,
+        max_replica_rank: int | None = ...,
+        max_world_size: int = ...,
+        heal: bool = ...,
+        commit_failures: int = ...,
         replica_ids: list[str] = ...,
     ) -> QuorumResult: ...

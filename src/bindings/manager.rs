@@ -13,7 +13,7 @@ use pyo3::types::PyDict;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::records::{PyQuorumRequest, PyTelemetryReport};
+use super::records::{PyQuorumRequest, PyTelemetryReport, QuorumResult};
 use super::{block_on, check_duration, TorchFTError};
 use crate::manager::reports::ReportQueue;
 use crate::manager::topology::{Placement, Topology};
@@ -466,147 +466,9 @@ impl PendingQuorum {
     }
 }
 
-/// One rank's answer to a quorum request: its role in the step.
-///
-/// Constructible with keyword arguments (all default to empty/zero/None) and mutable, so tests
-/// of code built on top can fabricate answers.
-///
-/// Args:
-///     quorum_id: id of the quorum (changes when the process group must be rebuilt).
-///     replica_rank: this group's rank among all members of the quorum.
-///     replica_world_size: number of members of the quorum.
-///     recover_src_manager_address: manager address of the group to heal from ("" if none).
-///     recover_src_replica_rank: replica rank to heal from (None if not healing).
-///     recover_dst_replica_ranks: replica ranks that heal from this group.
-///     store_address: store to rendezvous on for the process group (`host:port`).
-///     max_step: the highest committed step in the quorum.
-///     max_replica_rank: this group's rank among the members at `max_step` (None if behind).
-///     max_world_size: number of members at `max_step`.
-///     heal: whether this rank must heal before the step.
-///     commit_failures: highest count of consecutive failed commits among the members.
-///     replica_ids: replica ids of the quorum, in replica-rank order.
-#[pyclass(module = "torchft._torchft", get_all, set_all)]
-pub struct QuorumResult {
-    quorum_id: i64,
-    replica_rank: i64,
-    replica_world_size: i64,
-    recover_src_manager_address: String,
-    recover_src_replica_rank: Option<i64>,
-    recover_dst_replica_ranks: Vec<i64>,
-    store_address: String,
-    max_step: i64,
-    max_replica_rank: Option<i64>,
-    max_world_size: i64,
-    heal: bool,
-    commit_failures: i64,
-    replica_ids: Vec<String>,
-}
-
-impl From<ManagerQuorumResponse> for QuorumResult {
-    fn from(r: ManagerQuorumResponse) -> Self {
-        Self {
-            quorum_id: r.quorum_id,
-            replica_rank: r.replica_rank,
-            replica_world_size: r.replica_world_size,
-            recover_src_manager_address: r.recover_src_manager_address,
-            recover_src_replica_rank: r.recover_src_replica_rank,
-            recover_dst_replica_ranks: r.recover_dst_replica_ranks,
-            store_address: r.store_address,
-            max_step: r.max_step,
-            max_replica_rank: r.max_replica_rank,
-            max_world_size: r.max_world_size,
-            heal: r.heal,
-            commit_failures: r.commit_failures,
-            replica_ids: r.replica_ids,
-        }
-    }
-}
-
-/// Python-style rendering of an optional integer.
-fn py_opt(v: Option<i64>) -> String {
-    v.map_or_else(|| "None".to_string(), |x| x.to_string())
-}
-
-#[pymethods]
-impl QuorumResult {
-    /// Builds a result by hand (the server builds the real ones).
-    #[new]
-    #[pyo3(signature = (
-        quorum_id = 0,
-        replica_rank = 0,
-        replica_world_size = 1,
-        recover_src_manager_address = String::new(),
-        recover_src_replica_rank = None,
-        recover_dst_replica_ranks = Vec::new(),
-        store_address = String::new(),
-        max_step = 0,
-        max_replica_rank = None,
-        max_world_size = 0,
-        heal = false,
-        commit_failures = 0,
-        replica_ids = Vec::new(),
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        quorum_id: i64,
-        replica_rank: i64,
-        replica_world_size: i64,
-        recover_src_manager_address: String,
-        recover_src_replica_rank: Option<i64>,
-        recover_dst_replica_ranks: Vec<i64>,
-        store_address: String,
-        max_step: i64,
-        max_replica_rank: Option<i64>,
-        max_world_size: i64,
-        heal: bool,
-        commit_failures: i64,
-        replica_ids: Vec<String>,
-    ) -> Self {
-        Self {
-            quorum_id,
-            replica_rank,
-            replica_world_size,
-            recover_src_manager_address,
-            recover_src_replica_rank,
-            recover_dst_replica_ranks,
-            store_address,
-            max_step,
-            max_replica_rank,
-            max_world_size,
-            heal,
-            commit_failures,
-            replica_ids,
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "QuorumResult(quorum_id={}, replica_rank={}, replica_world_size={}, \
-             recover_src_manager_address={:?}, recover_src_replica_rank={}, \
-             recover_dst_replica_ranks={:?}, store_address={:?}, max_step={}, \
-             max_replica_rank={}, max_world_size={}, heal={}, commit_failures={}, \
-             replica_ids={:?})",
-            self.quorum_id,
-            self.replica_rank,
-            self.replica_world_size,
-            self.recover_src_manager_address,
-            py_opt(self.recover_src_replica_rank),
-            self.recover_dst_replica_ranks,
-            self.store_address,
-            self.max_step,
-            py_opt(self.max_replica_rank),
-            self.max_world_size,
-            if self.heal { "True" } else { "False" },
-            self.commit_failures,
-            self.replica_ids,
-        )
-    }
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyManagerServer>()?;
     m.add_class::<PyManagerClient>()?;
-    m.add_class::<QuorumResult>()?;
     m.add_class::<PendingQuorum>()?;
     super::records::register(m)
 }

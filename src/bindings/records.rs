@@ -1,13 +1,14 @@
-//! Typed records for the manager client's calls (`TelemetryReport`, `QuorumRequest`): each
-//! field is declared once, here, with its default; the client methods take the record, or its
-//! fields as keywords (built through the same constructor).
+//! Typed records for the manager client's calls (`TelemetryReport`, `QuorumRequest`) and its
+//! quorum answer (`QuorumResult`): each field is declared once, here, with its default; the
+//! client methods take the record, or its fields as keywords (built through the same
+//! constructor).
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::proto::telemetry_report::Phase;
-use crate::proto::{ManagerQuorumRequest, TelemetryReport};
+use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
 
 /// Telemetry phases by their Python name.
 const PHASES: [(&str, Phase); 6] = [
@@ -173,7 +174,121 @@ record! {
     }
 }
 
+/// How a field of a mutable record is shown in its Python `repr`.
+trait PyRepr {
+    fn py_repr(&self) -> String;
+}
+
+impl PyRepr for i64 {
+    fn py_repr(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyRepr for bool {
+    fn py_repr(&self) -> String {
+        if *self { "True" } else { "False" }.to_string()
+    }
+}
+
+impl PyRepr for String {
+    fn py_repr(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+impl PyRepr for Option<i64> {
+    fn py_repr(&self) -> String {
+        self.map_or_else(|| "None".to_string(), |x| x.to_string())
+    }
+}
+
+impl<T: std::fmt::Debug> PyRepr for Vec<T> {
+    fn py_repr(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// Declares a mutable record class filled from a wire message: every field is readable and
+/// writable, and its constructor takes each field (positionally or by keyword) with a
+/// default, so code built on top can fabricate one in its tests.
+macro_rules! answer_record {
+    (
+        $(#[$doc:meta])*
+        $name:ident($py_name:literal) from $msg:ident {
+            $($field:ident: $ty:ty = $default:expr),* $(,)?
+        }
+    ) => {
+        $(#[$doc])*
+        #[pyclass(module = "torchft._torchft", name = $py_name, get_all, set_all)]
+        pub struct $name {
+            $($field: $ty,)*
+        }
+
+        impl From<$msg> for $name {
+            fn from(m: $msg) -> Self {
+                Self { $($field: m.$field,)* }
+            }
+        }
+
+        #[pymethods]
+        impl $name {
+            /// Builds one by hand (the server builds the real ones).
+            #[new]
+            #[pyo3(signature = ($($field = $default,)*))]
+            #[allow(clippy::too_many_arguments)]
+            fn new($($field: $ty,)*) -> Self {
+                Self { $($field,)* }
+            }
+
+            fn __repr__(&self) -> String {
+                let fields = [$(format!("{}={}", stringify!($field), self.$field.py_repr()),)*];
+                format!("{}({})", $py_name, fields.join(", "))
+            }
+        }
+    };
+}
+
+answer_record! {
+    /// One rank's answer to a quorum request: its role in the step.
+    ///
+    /// Constructible with keyword arguments (all default to empty/zero/None, except
+    /// `replica_world_size` to 1) and mutable, so tests of code built on top can fabricate
+    /// answers.
+    ///
+    /// Args:
+    ///     quorum_id: id of the quorum (changes when the process group must be rebuilt).
+    ///     replica_rank: this group's rank among all members of the quorum.
+    ///     replica_world_size: number of members of the quorum.
+    ///     recover_src_manager_address: manager address of the group to heal from ("" if none).
+    ///     recover_src_replica_rank: replica rank to heal from (None if not healing).
+    ///     recover_dst_replica_ranks: replica ranks that heal from this group.
+    ///     store_address: store to rendezvous on for the process group (`host:port`).
+    ///     max_step: the highest committed step in the quorum.
+    ///     max_replica_rank: this group's rank among the members at `max_step` (None if behind).
+    ///     max_world_size: number of members at `max_step`.
+    ///     heal: whether this rank must heal before the step.
+    ///     commit_failures: highest count of consecutive failed commits among the members.
+    ///     replica_ids: replica ids of the quorum, in replica-rank order.
+    QuorumResult("QuorumResult") from ManagerQuorumResponse {
+        quorum_id: i64 = 0,
+        replica_rank: i64 = 0,
+        replica_world_size: i64 = 1,
+        recover_src_manager_address: String = String::new(),
+        recover_src_replica_rank: Option<i64> = None,
+        recover_dst_replica_ranks: Vec<i64> = Vec::new(),
+        store_address: String = String::new(),
+        max_step: i64 = 0,
+        max_replica_rank: Option<i64> = None,
+        max_world_size: i64 = 0,
+        heal: bool = false,
+        commit_failures: i64 = 0,
+        replica_ids: Vec<String> = Vec::new(),
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<QuorumResult>()?;
     m.add_class::<PyTelemetryReport>()?;
     m.add_class::<PyQuorumRequest>()?;
     Ok(())
