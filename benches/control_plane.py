@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
+from torchft._torchft import QuorumRequest
 from torchft.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ def _manager_setup() -> tuple[Callable[[int], None], Callable[[], None]]:
     client = ManagerClient(server.address(), timedelta(seconds=10))
 
     def step(i: int) -> None:
-        result = client._quorum(0, i, "", False, TIMEOUT, 0)
+        result = client._quorum(
+            QuorumRequest(group_rank=0, step=i, checkpoint_metadata="", shrink_only=False), TIMEOUT
+        )
         if result.heal or result.max_step != i:
             raise RuntimeError(f"unexpected quorum result at step {i}: {result}")
         if not client.should_commit(0, i, True, TIMEOUT):

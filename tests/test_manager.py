@@ -139,26 +139,9 @@ class FakeNative:
                 self.reports: list[dict[str, Any]] = []
 
             def _quorum(
-                self,
-                group_rank: int,
-                step: int,
-                checkpoint_metadata: str,
-                shrink_only: bool,
-                timeout: timedelta,
-                commit_failures: int = 0,
-                init_sync: bool = True,
+                self, request: Any = None, timeout: timedelta | None = None, **fields: Any
             ) -> Any:
-                native.quorum_calls.append(
-                    {
-                        "group_rank": group_rank,
-                        "step": step,
-                        "checkpoint_metadata": checkpoint_metadata,
-                        "shrink_only": shrink_only,
-                        "timeout": timeout,
-                        "commit_failures": commit_failures,
-                        "init_sync": init_sync,
-                    }
-                )
+                native.quorum_calls.append({**fields, "timeout": timeout})
                 if native.quorum_delay:
                     time.sleep(native.quorum_delay)
                 q = native.quorums.pop(0) if native.quorums else make_quorum()
@@ -167,17 +150,9 @@ class FakeNative:
                 return q
 
             def _quorum_start(
-                self,
-                group_rank: int,
-                step: int,
-                checkpoint_metadata: str,
-                shrink_only: bool,
-                timeout: timedelta,
-                commit_failures: int = 0,
-                init_sync: bool = True,
+                self, request: Any = None, timeout: timedelta | None = None, **fields: Any
             ) -> FakePending:
-                args = (group_rank, step, checkpoint_metadata, shrink_only, timeout)
-                return FakePending(lambda: self._quorum(*args, commit_failures, init_sync))
+                return FakePending(lambda: self._quorum(request, timeout, **fields))
 
             def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
                 return native.metadata_by_addr[self.addr]
@@ -208,39 +183,11 @@ class FakeNative:
                 time.sleep(min(timeout.total_seconds(), 0.05))
                 return after_seq, []
 
-            def report(
-                self,
-                *,
-                replica_id: str,
-                group_rank: int,
-                group_world_size: int,
-                step: int,
-                phase: str = "step",
-                incarnation: str = "",
-                rank: int = -1,
-                hostname: str = "",
-                pid: int = 0,
-                quorum_id: int = 0,
-                participants: int = 0,
-                committed: bool = False,
-                healed: bool = False,
-                step_s: float = 0.0,
-                quorum_wait_s: float = 0.0,
-                collective_s: float = 0.0,
-                should_commit_s: float = 0.0,
-                busy_s: float = 0.0,
-                heal_s: float = 0.0,
-                heal_bytes: int = 0,
-                heal_source: str = "",
-                heal_addr: str = "",
-                error: str = "",
-                unix_s: float = 0.0,
-                snapshot_path: str = "",
-                snapshot_stage_s: float = 0.0,
-                snapshot_write_s: float = 0.0,
-                snapshot_bytes: int = 0,
-            ) -> bool:
-                self.reports.append({"step": step, "phase": phase, "committed": committed})
+            def report(self, report: Any = None, /, **fields: Any) -> bool:
+                phase, committed = fields.get("phase", "step"), fields.get("committed", False)
+                self.reports.append(
+                    {"step": fields["step"], "phase": phase, "committed": committed}
+                )
                 return True
 
             def _telemetry_flush(self, timeout: timedelta = timedelta(seconds=1)) -> None:

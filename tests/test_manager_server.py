@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import pytest
 
-from torchft._torchft import TorchFTError
+from torchft._torchft import QuorumRequest, TorchFTError
 from torchft.coordination import (
     LighthouseServer,
     ManagerClient,
@@ -120,10 +120,14 @@ def _parallel(*calls: Callable[[], T]) -> list[T | BaseException]:
         return list(pool.map(wrap, calls))
 
 
+def _req(rank: int, step: int, meta: str) -> QuorumRequest:
+    return QuorumRequest(group_rank=rank, step=step, checkpoint_metadata=meta, shrink_only=False)
+
+
 def _quorum(
     c: ManagerClient, rank: int, step: int, timeout: timedelta = LONG
 ) -> Callable[[], QuorumResult]:
-    return lambda: c._quorum(rank, step, f"meta-{rank}", False, timeout, 0)
+    return lambda: c._quorum(_req(rank, step, f"meta-{rank}"), timeout)
 
 
 def test_full_round_two_groups_two_ranks(
@@ -194,7 +198,7 @@ def test_quorum_timeout_when_a_rank_never_arrives(
     g = groups("a", lighthouse.address(), 2)
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        g.clients[0]._quorum(0, 0, "m", False, timedelta(milliseconds=500), 0)
+        g.clients[0]._quorum(_req(0, 0, "m"), timedelta(milliseconds=500))
     elapsed = time.monotonic() - start
     assert 0.4 <= elapsed < 1.0, elapsed
     # The timed-out rank left: a full round still works afterwards.
@@ -208,11 +212,11 @@ def test_quorum_start_answers_like_quorum(
     """A started request is answered once, with the same result and errors as ``_quorum``."""
     g = groups("a", lighthouse.address(), 2)
     c0, c1 = g.clients
-    pending = c0._quorum_start(0, 0, "meta-0", False, LONG, 0)
+    pending = c0._quorum_start(_req(0, 0, "meta-0"), LONG)
     # Rank 1 has not asked yet, so the group's round cannot be answered.
     time.sleep(0.1)
     assert not pending.done()
-    blocking = c1._quorum(1, 0, "meta-1", False, LONG, 0)
+    blocking = c1._quorum(_req(1, 0, "meta-1"), LONG)
     started = pending.wait()
     assert isinstance(started, QuorumResult)
     assert pending.done()
@@ -224,12 +228,12 @@ def test_quorum_start_answers_like_quorum(
         pending.wait()
     # The deadline is carried by the request: a lone rank gets TimeoutError from wait().
     start = time.monotonic()
-    lone = c0._quorum_start(0, 1, "meta-0", False, timedelta(milliseconds=300), 0)
+    lone = c0._quorum_start(_req(0, 1, "meta-0"), timedelta(milliseconds=300))
     with pytest.raises(TimeoutError):
         lone.wait()
     assert time.monotonic() - start < 1.5
     with pytest.raises(ValueError):
-        c0._quorum_start(0, 0, "m", False, timedelta(0), 0)
+        c0._quorum_start(_req(0, 0, "m"), timedelta(0))
 
 
 def test_lighthouse_down_fails_promptly(groups: Callable[[str, str, int], Group]) -> None:
@@ -251,7 +255,7 @@ def test_step_mismatch_is_an_error(
 
     def late() -> QuorumResult:
         time.sleep(0.05)
-        return g.clients[1]._quorum(1, 5, "m", False, LONG, 0)
+        return g.clients[1]._quorum(_req(1, 5, "m"), LONG)
 
     results = _parallel(_quorum(g.clients[0], 0, 4), late)
     for r in results:
@@ -265,11 +269,11 @@ def test_bad_arguments_raise_value_error(
     g = groups("a", lighthouse.address(), 2)
     c = g.clients[0]
     with pytest.raises(ValueError):
-        c._quorum(2, 0, "m", False, LONG, 0)
+        c._quorum(_req(2, 0, "m"), LONG)
     with pytest.raises(ValueError):
-        c._quorum(0, -1, "m", False, LONG, 0)
+        c._quorum(_req(0, -1, "m"), LONG)
     with pytest.raises(ValueError):
-        c._quorum(0, 0, "m", False, timedelta(0), 0)
+        c._quorum(_req(0, 0, "m"), timedelta(0))
     with pytest.raises(ValueError):
         c.should_commit(5, 0, True, LONG)
     with pytest.raises(ValueError, match="group rank 1"):
@@ -341,13 +345,13 @@ def test_lighthouse_restart_on_same_port(groups: Callable[[str, str, int], Group
     g = groups("a", f"http://127.0.0.1:{port}", 1)
     c = g.clients[0]
     try:
-        first = c._quorum(0, 0, "m", False, LONG, 0)
+        first = c._quorum(_req(0, 0, "m"), LONG)
         lh.shutdown()
         with pytest.raises(TorchFTError):
-            c._quorum(0, 1, "m", False, LONG, 0)
+            c._quorum(_req(0, 1, "m"), LONG)
         lh = LighthouseServer(f"127.0.0.1:{port}", min_replicas=1, quorum_tick_ms=10)
         time.sleep(0.3)  # a few heartbeat periods: the manager reconnects by itself
-        second = c._quorum(0, 1, "m", False, LONG, 0)
+        second = c._quorum(_req(0, 1, "m"), LONG)
         assert second.quorum_id > first.quorum_id
         assert second.max_step == 1
     finally:
@@ -363,7 +367,7 @@ def test_a_long_quorum_request_logs_why_the_lighthouse_waits() -> None:
         """
         import threading, time
         from datetime import timedelta
-        from torchft._torchft import LighthouseClient, TorchFTError
+        from torchft._torchft import LighthouseClient, QuorumRequest, TorchFTError
         from torchft.coordination import LighthouseServer, ManagerClient, ManagerServer
         lh = LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout_ms=30000,
                               quorum_tick_ms=10, progress_wait_ms=0)
@@ -379,7 +383,8 @@ def test_a_long_quorum_request_logs_why_the_lighthouse_waits() -> None:
                           timedelta(milliseconds=50), timedelta(seconds=5), 0)
         c = ManagerClient(s.address(), timedelta(seconds=5))
         try:
-            c._quorum(0, 0, "meta", False, timedelta(seconds=4), 0)
+            req = QuorumRequest(group_rank=0, step=0, checkpoint_metadata="meta", shrink_only=False)
+            c._quorum(req, timedelta(seconds=4))
             print("quorum answered", flush=True)
         except (TimeoutError, TorchFTError) as e:
             print("quorum timed out", flush=True)

@@ -17,7 +17,9 @@ __all__ = [
     "PendingQuorum",
     "Quorum",
     "QuorumMember",
+    "QuorumRequest",
     "QuorumResult",
+    "TelemetryReport",
     "EVENT_KINDS",
     "TorchFTError",
     "StateDivergedError",
@@ -240,76 +242,29 @@ class ManagerClient:
     """A client of one manager server (one channel, shared by all calls)."""
 
     def __new__(cls, addr: str, connect_timeout: timedelta = ...) -> ManagerClient: ...
-    def report(
-        self,
-        *,
-        replica_id: str,
-        group_rank: int,
-        group_world_size: int,
-        step: int,
-        phase: str = "step",
-        incarnation: str = ...,
-        rank: int = ...,
-        hostname: str = ...,
-        pid: int = 0,
-        quorum_id: int = 0,
-        participants: int = 0,
-        committed: bool = False,
-        healed: bool = False,
-        step_s: float = 0.0,
-        quorum_wait_s: float = 0.0,
-        collective_s: float = 0.0,
-        should_commit_s: float = 0.0,
-        busy_s: float = 0.0,
-        heal_s: float = 0.0,
-        heal_bytes: int = 0,
-        heal_source: str = ...,
-        heal_addr: str = ...,
-        error: str = ...,
-        unix_s: float = 0.0,
-        snapshot_path: str = ...,
-        snapshot_stage_s: float = 0.0,
-        snapshot_write_s: float = 0.0,
-        snapshot_bytes: int = 0,
-    ) -> bool:
+    def report(self, report: TelemetryReport | None = None, /, **fields: Any) -> bool:
         """Queues a telemetry report (never waits); False if the queue was full.
 
-        ``phase`` is one of step, heal_started, finished, failed, snapshot (a durable
-        snapshot of committed step ``step`` completed: ``snapshot_path``, ``snapshot_stage_s``,
-        ``snapshot_write_s``, the group's ``snapshot_bytes``; sent once per snapshot) and
-        snapshot_failed (``error`` says why); neither snapshot phase is a step. Raises
-        ValueError on a malformed report (unknown phase, negative or non-finite seconds, a
-        path over 4096 bytes, ...).
+        Takes a :class:`TelemetryReport`, or its fields as keywords. Raises ValueError on a
+        malformed report (unknown phase, negative or non-finite seconds, a path over 4096
+        bytes, ...).
         """
     def _telemetry_flush(self, timeout: timedelta = ...) -> None:
         """Sends the queued telemetry reports now, waiting at most ``timeout``."""
     def _telemetry_dropped(self) -> int:
         """Telemetry reports dropped so far."""
     def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: timedelta,
-        commit_failures: int = 0,
-        init_sync: bool = True,
+        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
     ) -> QuorumResult:
-        """This rank's part of the next quorum (waits for every rank of the group).
+        """This rank's part of the next quorum (waits for every rank of the group); takes a
+        :class:`QuorumRequest`, or its fields as keywords, and ``timeout``.
 
         Raises TimeoutError at the deadline (the rank then leaves the round), ValueError for a
         rank outside the group or a negative step, and TorchFTError when the lighthouse cannot be
         reached or the group's ranks disagree on the step (every waiting rank gets it at once).
         """
     def _quorum_start(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: timedelta,
-        commit_failures: int = 0,
-        init_sync: bool = True,
+        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
     ) -> PendingQuorum:
         """Sends the ``_quorum`` request without waiting; collect it with ``PendingQuorum.wait``."""
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
@@ -342,6 +297,67 @@ class ManagerClient:
         quorum_id)])``, empty when none arrived within ``timeout``."""
     def kill(self, msg: str, timeout: timedelta = ...) -> None:
         """Ends the process hosting the manager server (logged with ``msg``)."""
+
+@final
+class TelemetryReport:
+    """One telemetry report of a rank (frozen): identity, step, timings, commit result, errors.
+
+    ``phase`` is one of step, heal_started, finished, failed, snapshot (a durable snapshot of
+    committed step ``step`` completed: ``snapshot_path``, ``snapshot_stage_s``,
+    ``snapshot_write_s``, the group's ``snapshot_bytes``; sent once per snapshot) and
+    snapshot_failed (``error`` says why); neither snapshot phase is a step. Raises ValueError
+    for an unknown phase; ``ManagerClient.report`` checks the rest. Fields left out are zero
+    or empty, except ``phase`` ("step") and ``rank`` (-1: not known).
+    """
+
+    def __new__(
+        cls,
+        *,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        step: int,
+        phase: str = ...,
+        incarnation: str = ...,
+        rank: int = ...,
+        hostname: str = ...,
+        pid: int = ...,
+        quorum_id: int = ...,
+        participants: int = ...,
+        committed: bool = ...,
+        healed: bool = ...,
+        step_s: float = ...,
+        quorum_wait_s: float = ...,
+        collective_s: float = ...,
+        should_commit_s: float = ...,
+        busy_s: float = ...,
+        heal_s: float = ...,
+        heal_bytes: int = ...,
+        heal_source: str = ...,
+        heal_addr: str = ...,
+        error: str = ...,
+        unix_s: float = ...,
+        snapshot_path: str = ...,
+        snapshot_stage_s: float = ...,
+        snapshot_write_s: float = ...,
+        snapshot_bytes: int = ...,
+    ) -> TelemetryReport: ...
+
+@final
+class QuorumRequest:
+    """One rank's request for its part of the next quorum (frozen); ``commit_failures``
+    defaults to 0, ``init_sync`` to True."""
+
+    def __new__(
+        cls,
+        *,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        commit_failures: int = ...,
+        init_sync: bool = ...,
+    ) -> QuorumRequest: ...
 
 @final
 class CheckpointDataServer:
@@ -406,7 +422,8 @@ class PendingQuorum:
 
 @final
 class QuorumResult:
-    """One rank's role in a quorum (constructible by hand for tests)."""
+    """One rank's role in a quorum (constructible by hand for tests: every field defaults to
+    zero, empty or None, except ``replica_world_size`` to 1)."""
 
     quorum_id: int
     replica_rank: int
@@ -424,17 +441,17 @@ class QuorumResult:
 
     def __new__(
         cls,
-        quorum_id: int = 0,
-        replica_rank: int = 0,
-        replica_world_size: int = 1,
+        quorum_id: int = ...,
+        replica_rank: int = ...,
+        replica_world_size: int = ...,
         recover_src_manager_address: str = ...,
-        recover_src_replica_rank: int | None = None,
+        recover_src_replica_rank: int | None = ...,
         recover_dst_replica_ranks: list[int] = ...,
         store_address: str = ...,
-        max_step: int = 0,
-        max_replica_rank: int | None = None,
-        max_world_size: int = 0,
-        heal: bool = False,
-        commit_failures: int = 0,
+        max_step: int = ...,
+        max_replica_rank: int | None = ...,
+        max_world_size: int = ...,
+        heal: bool = ...,
+        commit_failures: int = ...,
         replica_ids: list[str] = ...,
     ) -> QuorumResult: ...

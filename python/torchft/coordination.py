@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchft._torchft import (
     LighthouseClient,
@@ -23,7 +23,9 @@ from torchft._torchft import (
     PendingQuorum,
     Quorum,
     QuorumMember,
+    QuorumRequest,
     QuorumResult,
+    TelemetryReport,
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -43,22 +45,10 @@ __all__ = [
 ]
 
 
-class NativeQuorumResult(Protocol):
-    """One rank's role in a quorum (what :class:`QuorumResult` carries)."""
-
-    quorum_id: int
-    replica_rank: int
-    replica_world_size: int
-    recover_src_manager_address: str
-    recover_src_replica_rank: int | None
-    recover_dst_replica_ranks: list[int]
-    store_address: str
-    max_step: int
-    max_replica_rank: int | None
-    max_world_size: int
-    heal: bool
-    commit_failures: int
-    replica_ids: list[str]
+#: One rank's role in a quorum. The native :class:`QuorumResult` is itself constructible by
+#: hand and mutable, so test doubles build real ones (or stand-ins typed ``Any``): it needs no
+#: protocol restating its fields.
+NativeQuorumResult = QuorumResult
 
 
 class NativePendingQuorum(Protocol):
@@ -118,27 +108,14 @@ class NativeManagerClient(Protocol):
     """A rank's client of its replica group's manager server (:class:`ManagerClient`)."""
 
     def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: timedelta,
-        commit_failures: int = 0,
-        init_sync: bool = True,
+        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
     ) -> NativeQuorumResult:
-        """This rank's part of the next quorum; TimeoutError at the deadline."""
+        """This rank's part of the next quorum (the request, or its fields as keywords);
+        TimeoutError at the deadline."""
         ...
 
     def _quorum_start(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: timedelta,
-        commit_failures: int = 0,
-        init_sync: bool = True,
+        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
     ) -> NativePendingQuorum:
         """Sends the ``_quorum`` request without waiting for the answer."""
         ...
@@ -171,39 +148,9 @@ class NativeManagerClient(Protocol):
         """Lost-member events after ``after_seq``: ``(last_seq, [(replica_id, quorum_id)])``."""
         ...
 
-    def report(
-        self,
-        *,
-        replica_id: str,
-        group_rank: int,
-        group_world_size: int,
-        step: int,
-        phase: str = "step",
-        incarnation: str = "",
-        rank: int = -1,
-        hostname: str = "",
-        pid: int = 0,
-        quorum_id: int = 0,
-        participants: int = 0,
-        committed: bool = False,
-        healed: bool = False,
-        step_s: float = 0.0,
-        quorum_wait_s: float = 0.0,
-        collective_s: float = 0.0,
-        should_commit_s: float = 0.0,
-        busy_s: float = 0.0,
-        heal_s: float = 0.0,
-        heal_bytes: int = 0,
-        heal_source: str = "",
-        heal_addr: str = "",
-        error: str = "",
-        unix_s: float = 0.0,
-        snapshot_path: str = "",
-        snapshot_stage_s: float = 0.0,
-        snapshot_write_s: float = 0.0,
-        snapshot_bytes: int = 0,
-    ) -> bool:
-        """Queues a telemetry report without waiting; False if it was dropped."""
+    def report(self, report: TelemetryReport | None = None, /, **fields: Any) -> bool:
+        """Queues a telemetry report (the record, or its fields as keywords) without waiting;
+        False if it was dropped."""
         ...
 
     def _telemetry_flush(self, timeout: timedelta = ...) -> None:
@@ -254,9 +201,6 @@ if TYPE_CHECKING:
 
     def _native_pending(p: PendingQuorum) -> NativePendingQuorum:
         return p
-
-    def _native_result(r: QuorumResult) -> NativeQuorumResult:
-        return r
 
     def _native_backend() -> NativeBackend:
         import torchft._torchft as module

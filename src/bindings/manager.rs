@@ -7,11 +7,13 @@
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::records::{PyQuorumRequest, PyTelemetryReport, QuorumResult};
 use super::{block_on, check_duration, TorchFTError};
 use crate::manager::reports::ReportQueue;
 use crate::manager::topology::{Placement, Topology};
@@ -19,8 +21,7 @@ use crate::manager::{
     ManagerClient as CoreClient, ManagerOptions, ManagerServer as CoreServer,
     DEFAULT_MAX_REQUEST_BYTES,
 };
-use crate::proto::telemetry_report::Phase;
-use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse, TelemetryReport};
+use crate::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
 use crate::security::Security;
 use crate::telemetry::validate_report;
 
@@ -247,23 +248,6 @@ impl PyManagerClient {
     }
 }
 
-fn parse_phase(phase: &str) -> PyResult<Phase> {
-    Ok(match phase {
-        "step" => Phase::Step,
-        "heal_started" => Phase::HealStarted,
-        "finished" => Phase::Finished,
-        "failed" => Phase::Failed,
-        "snapshot" => Phase::Snapshot,
-        "snapshot_failed" => Phase::SnapshotFailed,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "phase must be one of step, heal_started, finished, failed, snapshot, \
-                 snapshot_failed; got {other:?}"
-            )))
-        }
-    })
-}
-
 #[pymethods]
 impl PyManagerClient {
     /// Connects to the manager server at `addr`, retrying until `connect_timeout`.
@@ -281,108 +265,19 @@ impl PyManagerClient {
 
     /// Queues one telemetry report for the manager server; never waits for the network.
     ///
-    /// `phase="snapshot"` says a durable snapshot of committed step `step` completed (sent
-    /// once per snapshot, by the rank that wrote its manifest, with `snapshot_path`,
-    /// `snapshot_stage_s`, `snapshot_write_s` and the group's `snapshot_bytes`);
-    /// `phase="snapshot_failed"` that an attempt failed (`error` says why). Neither is a
-    /// step.
+    /// Takes a `TelemetryReport`, or its fields as keywords (see `TelemetryReport`).
     ///
     /// Returns False if the queue was full (the report is dropped and counted). Raises
     /// ValueError on a malformed report (an unknown phase, negative or non-finite seconds, a
     /// field over its length limit, ...).
-    #[pyo3(signature = (
-        *,
-        replica_id,
-        group_rank,
-        group_world_size,
-        step,
-        phase = "step",
-        incarnation = String::new(),
-        rank = -1,
-        hostname = String::new(),
-        pid = 0,
-        quorum_id = 0,
-        participants = 0,
-        committed = false,
-        healed = false,
-        step_s = 0.0,
-        quorum_wait_s = 0.0,
-        collective_s = 0.0,
-        should_commit_s = 0.0,
-        busy_s = 0.0,
-        heal_s = 0.0,
-        heal_bytes = 0,
-        heal_source = String::new(),
-        heal_addr = String::new(),
-        error = String::new(),
-        unix_s = 0.0,
-        snapshot_path = String::new(),
-        snapshot_stage_s = 0.0,
-        snapshot_write_s = 0.0,
-        snapshot_bytes = 0,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (report = None, /, **fields))]
     fn report(
         &self,
-        replica_id: String,
-        group_rank: i64,
-        group_world_size: i64,
-        step: i64,
-        phase: &str,
-        incarnation: String,
-        rank: i64,
-        hostname: String,
-        pid: u32,
-        quorum_id: i64,
-        participants: i64,
-        committed: bool,
-        healed: bool,
-        step_s: f64,
-        quorum_wait_s: f64,
-        collective_s: f64,
-        should_commit_s: f64,
-        busy_s: f64,
-        heal_s: f64,
-        heal_bytes: u64,
-        heal_source: String,
-        heal_addr: String,
-        error: String,
-        unix_s: f64,
-        snapshot_path: String,
-        snapshot_stage_s: f64,
-        snapshot_write_s: f64,
-        snapshot_bytes: u64,
+        py: Python<'_>,
+        report: Option<PyRef<'_, PyTelemetryReport>>,
+        fields: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<bool> {
-        let report = TelemetryReport {
-            replica_id,
-            incarnation,
-            group_rank,
-            group_world_size,
-            rank,
-            hostname,
-            pid,
-            step,
-            quorum_id,
-            participants,
-            committed,
-            healed,
-            step_s,
-            quorum_wait_s,
-            collective_s,
-            should_commit_s,
-            busy_s,
-            heal_s,
-            heal_bytes,
-            heal_source,
-            heal_addr,
-            error,
-            phase: parse_phase(phase)? as i32,
-            unix_s,
-            snapshot_path,
-            snapshot_stage_s,
-            snapshot_write_s,
-            snapshot_bytes,
-        };
+        let report = PyTelemetryReport::from_call(py, report, fields)?;
         validate_report(&report)?;
         Ok(self.reporter().queue.push(report))
     }
@@ -401,37 +296,17 @@ impl PyManagerClient {
         self.reporter.get().map_or(0, |r| r.queue.dropped_total())
     }
 
-    /// Asks for this rank's part of the next quorum (waits for the whole group).
-    #[pyo3(signature = (
-        group_rank,
-        step,
-        checkpoint_metadata,
-        shrink_only,
-        timeout,
-        commit_failures = 0,
-        init_sync = true,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    /// Asks for this rank's part of the next quorum (waits for the whole group, at most
+    /// `timeout`). Takes a `QuorumRequest`, or its fields as keywords.
+    #[pyo3(signature = (request = None, timeout = None, **fields))]
     fn _quorum(
         &self,
         py: Python<'_>,
-        group_rank: i64,
-        step: i64,
-        checkpoint_metadata: String,
-        shrink_only: bool,
-        timeout: Duration,
-        commit_failures: i64,
-        init_sync: bool,
+        request: Option<PyRef<'_, PyQuorumRequest>>,
+        timeout: Option<Duration>,
+        fields: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<QuorumResult> {
-        let timeout = check_duration("timeout", timeout)?;
-        let req = quorum_request(
-            group_rank,
-            step,
-            checkpoint_metadata,
-            shrink_only,
-            commit_failures,
-            init_sync,
-        );
+        let (req, timeout) = quorum_call(py, request, timeout, fields)?;
         let resp = block_on(py, self.client.quorum(req, timeout))?;
         Ok(QuorumResult::from(resp))
     }
@@ -441,35 +316,15 @@ impl PyManagerClient {
     /// The request runs on the shared runtime, so the training thread can overlap it with the
     /// forward pass without a Python helper thread (which would contend for the GIL); the
     /// answer is collected with `PendingQuorum.wait`.
-    #[pyo3(signature = (
-        group_rank,
-        step,
-        checkpoint_metadata,
-        shrink_only,
-        timeout,
-        commit_failures = 0,
-        init_sync = true,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request = None, timeout = None, **fields))]
     fn _quorum_start(
         &self,
-        group_rank: i64,
-        step: i64,
-        checkpoint_metadata: String,
-        shrink_only: bool,
-        timeout: Duration,
-        commit_failures: i64,
-        init_sync: bool,
+        py: Python<'_>,
+        request: Option<PyRef<'_, PyQuorumRequest>>,
+        timeout: Option<Duration>,
+        fields: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PendingQuorum> {
-        let timeout = check_duration("timeout", timeout)?;
-        let req = quorum_request(
-            group_rank,
-            step,
-            checkpoint_metadata,
-            shrink_only,
-            commit_failures,
-            init_sync,
-        );
+        let (req, timeout) = quorum_call(py, request, timeout, fields)?;
         let client = self.client.clone();
         let handle = crate::runtime::get().spawn(async move { client.quorum(req, timeout).await });
         Ok(PendingQuorum {
@@ -611,166 +466,21 @@ impl PendingQuorum {
     }
 }
 
-/// One rank's answer to a quorum request: its role in the step.
-///
-/// Constructible with keyword arguments (all default to empty/zero/None) and mutable, so tests
-/// of code built on top can fabricate answers.
-///
-/// Args:
-///     quorum_id: id of the quorum (changes when the process group must be rebuilt).
-///     replica_rank: this group's rank among all members of the quorum.
-///     replica_world_size: number of members of the quorum.
-///     recover_src_manager_address: manager address of the group to heal from ("" if none).
-///     recover_src_replica_rank: replica rank to heal from (None if not healing).
-///     recover_dst_replica_ranks: replica ranks that heal from this group.
-///     store_address: store to rendezvous on for the process group (`host:port`).
-///     max_step: the highest committed step in the quorum.
-///     max_replica_rank: this group's rank among the members at `max_step` (None if behind).
-///     max_world_size: number of members at `max_step`.
-///     heal: whether this rank must heal before the step.
-///     commit_failures: highest count of consecutive failed commits among the members.
-///     replica_ids: replica ids of the quorum, in replica-rank order.
-#[pyclass(module = "torchft._torchft", get_all, set_all)]
-pub struct QuorumResult {
-    quorum_id: i64,
-    replica_rank: i64,
-    replica_world_size: i64,
-    recover_src_manager_address: String,
-    recover_src_replica_rank: Option<i64>,
-    recover_dst_replica_ranks: Vec<i64>,
-    store_address: String,
-    max_step: i64,
-    max_replica_rank: Option<i64>,
-    max_world_size: i64,
-    heal: bool,
-    commit_failures: i64,
-    replica_ids: Vec<String>,
-}
-
-impl From<ManagerQuorumResponse> for QuorumResult {
-    fn from(r: ManagerQuorumResponse) -> Self {
-        Self {
-            quorum_id: r.quorum_id,
-            replica_rank: r.replica_rank,
-            replica_world_size: r.replica_world_size,
-            recover_src_manager_address: r.recover_src_manager_address,
-            recover_src_replica_rank: r.recover_src_replica_rank,
-            recover_dst_replica_ranks: r.recover_dst_replica_ranks,
-            store_address: r.store_address,
-            max_step: r.max_step,
-            max_replica_rank: r.max_replica_rank,
-            max_world_size: r.max_world_size,
-            heal: r.heal,
-            commit_failures: r.commit_failures,
-            replica_ids: r.replica_ids,
-        }
-    }
-}
-
-/// Python-style rendering of an optional integer.
-fn py_opt(v: Option<i64>) -> String {
-    v.map_or_else(|| "None".to_string(), |x| x.to_string())
-}
-
-#[pymethods]
-impl QuorumResult {
-    /// Builds a result by hand (the server builds the real ones).
-    #[new]
-    #[pyo3(signature = (
-        quorum_id = 0,
-        replica_rank = 0,
-        replica_world_size = 1,
-        recover_src_manager_address = String::new(),
-        recover_src_replica_rank = None,
-        recover_dst_replica_ranks = Vec::new(),
-        store_address = String::new(),
-        max_step = 0,
-        max_replica_rank = None,
-        max_world_size = 0,
-        heal = false,
-        commit_failures = 0,
-        replica_ids = Vec::new(),
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        quorum_id: i64,
-        replica_rank: i64,
-        replica_world_size: i64,
-        recover_src_manager_address: String,
-        recover_src_replica_rank: Option<i64>,
-        recover_dst_replica_ranks: Vec<i64>,
-        store_address: String,
-        max_step: i64,
-        max_replica_rank: Option<i64>,
-        max_world_size: i64,
-        heal: bool,
-        commit_failures: i64,
-        replica_ids: Vec<String>,
-    ) -> Self {
-        Self {
-            quorum_id,
-            replica_rank,
-            replica_world_size,
-            recover_src_manager_address,
-            recover_src_replica_rank,
-            recover_dst_replica_ranks,
-            store_address,
-            max_step,
-            max_replica_rank,
-            max_world_size,
-            heal,
-            commit_failures,
-            replica_ids,
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "QuorumResult(quorum_id={}, replica_rank={}, replica_world_size={}, \
-             recover_src_manager_address={:?}, recover_src_replica_rank={}, \
-             recover_dst_replica_ranks={:?}, store_address={:?}, max_step={}, \
-             max_replica_rank={}, max_world_size={}, heal={}, commit_failures={}, \
-             replica_ids={:?})",
-            self.quorum_id,
-            self.replica_rank,
-            self.replica_world_size,
-            self.recover_src_manager_address,
-            py_opt(self.recover_src_replica_rank),
-            self.recover_dst_replica_ranks,
-            self.store_address,
-            self.max_step,
-            py_opt(self.max_replica_rank),
-            self.max_world_size,
-            if self.heal { "True" } else { "False" },
-            self.commit_failures,
-            self.replica_ids,
-        )
-    }
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyManagerServer>()?;
     m.add_class::<PyManagerClient>()?;
-    m.add_class::<QuorumResult>()?;
     m.add_class::<PendingQuorum>()?;
-    Ok(())
+    super::records::register(m)
 }
 
-/// The request one rank sends for a quorum (shared by `_quorum` and `_quorum_start`).
-fn quorum_request(
-    group_rank: i64,
-    step: i64,
-    checkpoint_metadata: String,
-    shrink_only: bool,
-    commit_failures: i64,
-    init_sync: bool,
-) -> ManagerQuorumRequest {
-    ManagerQuorumRequest {
-        group_rank,
-        step,
-        checkpoint_metadata,
-        shrink_only,
-        init_sync,
-        commit_failures,
-    }
+/// The request and timeout of a `_quorum` or `_quorum_start` call.
+fn quorum_call(
+    py: Python<'_>,
+    request: Option<PyRef<'_, PyQuorumRequest>>,
+    timeout: Option<Duration>,
+    fields: Option<&Bound<'_, PyDict>>,
+) -> PyResult<(ManagerQuorumRequest, Duration)> {
+    let timeout = timeout.ok_or_else(|| PyTypeError::new_err("missing argument: timeout"))?;
+    let timeout = check_duration("timeout", timeout)?;
+    Ok((PyQuorumRequest::from_call(py, request, fields)?, timeout))
 }

@@ -14,6 +14,7 @@ use crate::error::Error;
 mod checkpoint;
 mod lighthouse;
 mod manager;
+mod records;
 
 pyo3::create_exception!(
     _torchft,

@@ -1,6 +1,6 @@
 //! The per-step commit vote of one replica group: a barrier plus an AND over its ranks.
 //!
-//! Rules:
+//! Rules (the round mechanics, written once for both barriers, are [`super::round`]'s):
 //! - A round is keyed by its step. It completes when all `world_size` group ranks have voted;
 //!   everyone then gets the same decision: true only if every rank voted true.
 //! - A vote for another step than the round in progress means the group's ranks disagree on
@@ -22,90 +22,43 @@
 //!   earliest deadline among the round's voters (less a tenth, for the answer to travel),
 //!   so a rank that voted long before the last one is still answered in time.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Mutex;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::round::{Reply, Round, Wording};
 use crate::error::{Error, Result};
+
+/// A rank's vote in a commit round.
+#[derive(Debug, Clone, Copy)]
+struct Vote(bool);
+
+impl Wording for Vote {
+    fn step_mismatch(rank: i64, step: i64, _other_rank: i64, other_step: i64) -> String {
+        format!(
+            "should_commit step mismatch: group rank {rank} voted for step {step} while step \
+             {other_step} is being voted on"
+        )
+    }
+
+    fn replaced(rank: i64, step: i64) -> String {
+        format!("group rank {rank} voted again for step {step}; this earlier vote was replaced")
+    }
+}
 
 /// Barrier + AND over a replica group's ranks, one round per step.
 #[derive(Debug)]
 pub struct CommitBarrier {
-    world_size: u64,
-    state: Mutex<State>,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    round: Option<Round>,
-    next_ticket: u64,
-    /// A step decided "no" by `abort_round`: its remaining votes get false at once, until
-    /// the group has a new quorum (`new_quorum`), in which the step is retried.
-    aborted_step: Option<i64>,
-}
-
-#[derive(Debug)]
-struct Round {
-    step: i64,
-    voters: HashMap<i64, Voter>,
-}
-
-#[derive(Debug)]
-struct Voter {
-    vote: bool,
-    ticket: u64,
-    /// When this voter stops waiting.
-    deadline: Instant,
-    tx: oneshot::Sender<Result<bool>>,
-}
-
-/// Removes a voter from its round when its wait ends without a decision (timeout, cancel).
-struct LeaveGuard<'a> {
-    barrier: &'a CommitBarrier,
-    group_rank: i64,
-    ticket: u64,
-}
-
-impl Drop for LeaveGuard<'_> {
-    fn drop(&mut self) {
-        let mut state = self.barrier.lock();
-        if let Some(round) = state.round.as_mut() {
-            if round
-                .voters
-                .get(&self.group_rank)
-                .is_some_and(|v| v.ticket == self.ticket)
-            {
-                round.voters.remove(&self.group_rank);
-                if round.voters.is_empty() {
-                    state.round = None;
-                }
-            }
-        }
-    }
+    round: Round<Vote, bool>,
 }
 
 impl CommitBarrier {
     /// A barrier for a group of `world_size` ranks (at least 1).
     pub fn new(world_size: u64) -> Result<Self> {
-        if world_size == 0 {
-            return Err(Error::InvalidArgument(
-                "world_size must be at least 1".into(),
-            ));
-        }
         Ok(Self {
-            world_size,
-            state: Mutex::new(State::default()),
+            round: Round::new(world_size)?,
         })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the state half-updated in a way that
-        // matters more than losing the round, so recover the guard instead of propagating.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Casts `group_rank`'s vote for `step` and waits (up to `timeout`) for the group's decision.
@@ -158,130 +111,46 @@ impl CommitBarrier {
         G: FnOnce(i64, Duration) -> F,
         F: Future<Output = bool> + Send + 'static,
     {
-        if group_rank < 0 || group_rank as u64 >= self.world_size {
-            return Err(Error::InvalidArgument(format!(
-                "group_rank {group_rank} is outside [0, {})",
-                self.world_size
-            )));
-        }
-        if step < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "step must not be negative, got {step}"
-            )));
-        }
-        // Ok: this rank waits for the round; Err: it completed the round (decision, the
-        // other voters to answer).
-        #[allow(clippy::type_complexity)]
-        let waiting: std::result::Result<
-            (u64, oneshot::Receiver<Result<bool>>),
-            (bool, Instant, Vec<oneshot::Sender<Result<bool>>>),
-        > = {
-            let deadline = Instant::now() + timeout;
-            let mut state = self.lock();
-            match state.aborted_step {
-                Some(aborted) if aborted == step => return Ok(false),
-                Some(_) => state.aborted_step = None,
-                None => {}
-            }
-            if let Some(round) = state.round.as_ref() {
-                if round.step != step {
-                    let msg = format!(
-                        "should_commit step mismatch: group rank {group_rank} voted for step \
-                         {step} while step {} is being voted on",
-                        round.step
-                    );
-                    if let Some(round) = state.round.take() {
-                        for (_, v) in round.voters {
-                            let _ = v.tx.send(Err(Error::FailedPrecondition(msg.clone())));
-                        }
-                    }
-                    return Err(Error::FailedPrecondition(msg));
-                }
-            }
-            state.next_ticket += 1;
-            let ticket = state.next_ticket;
-            let world_size = self.world_size;
-            let round = state.round.get_or_insert_with(|| Round {
-                step,
-                voters: HashMap::new(),
-            });
-            let (tx, rx) = oneshot::channel();
-            if let Some(old) = round.voters.insert(
-                group_rank,
-                Voter {
-                    vote,
-                    ticket,
-                    deadline,
-                    tx,
-                },
-            ) {
-                let _ = old.tx.send(Err(Error::FailedPrecondition(format!(
-                    "group rank {group_rank} voted again for step {step}; this earlier vote \
-                     was replaced"
-                ))));
-            }
-            if round.voters.len() as u64 == world_size {
-                let decision = round.voters.values().all(|v| v.vote);
-                let earliest = round
-                    .voters
-                    .values()
-                    .map(|v| v.deadline)
-                    .min()
-                    .unwrap_or(deadline);
-                let others: Vec<oneshot::Sender<Result<bool>>> = state
-                    .round
-                    .take()
-                    .map(|round| {
-                        round
-                            .voters
-                            .into_iter()
-                            .filter(|(rank, _)| *rank != group_rank)
-                            .map(|(_, v)| v.tx)
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                Err((decision, earliest, others))
-            } else {
-                Ok((ticket, rx))
-            }
+        let deadline = Instant::now() + timeout;
+        let mut joined = self
+            .round
+            .join::<Vote>(group_rank, step, deadline, Vote(vote))?;
+        let Some(round) = joined.complete.take() else {
+            let what = format!("should_commit for step {step} (group rank {group_rank})");
+            return joined.answer(deadline, timeout, &what).await;
         };
-        let (ticket, rx) = match (waiting, gate) {
-            (Ok(waiting), _) => waiting,
-            (Err((true, earliest, others)), Some(gate)) => {
+        // This rank completed the round: it decides, and answers every voter (itself too).
+        let decision = round.members.iter().all(|m| m.value.0);
+        let earliest = round
+            .members
+            .iter()
+            .map(|m| m.deadline)
+            .min()
+            .unwrap_or(deadline);
+        let replies: Vec<Reply<bool>> = round.members.into_iter().map(|m| m.reply).collect();
+        match (decision, gate) {
+            (true, Some(gate)) => {
                 let left = earliest.saturating_duration_since(Instant::now());
-                return Self::run_gate(gate(step, left.mul_f64(0.9)), others).await;
+                Self::run_gate(gate(step, left.mul_f64(0.9)), replies).await
             }
-            (Err((decision, _, others)), _) => {
-                for tx in others {
+            (decision, _) => {
+                for tx in replies {
                     let _ = tx.send(Ok(decision));
                 }
-                return Ok(decision);
+                Ok(decision)
             }
-        };
-        let _guard = LeaveGuard {
-            barrier: self,
-            group_rank,
-            ticket,
-        };
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(Error::Shutdown),
-            Err(_) => Err(Error::timeout(
-                &format!("should_commit for step {step} (group rank {group_rank})"),
-                timeout,
-            )),
         }
     }
 
-    /// Runs a round's gate in its own task and hands its decision to the round's other
-    /// voters. The gate bounds itself (it is given the round's budget).
-    async fn run_gate<F>(gate: F, others: Vec<oneshot::Sender<Result<bool>>>) -> Result<bool>
+    /// Runs a round's gate in its own task and hands its decision to the round's voters.
+    /// The gate bounds itself (it is given the round's budget).
+    async fn run_gate<F>(gate: F, replies: Vec<Reply<bool>>) -> Result<bool>
     where
         F: Future<Output = bool> + Send + 'static,
     {
         let task = tokio::spawn(async move {
             let decision = gate.await;
-            for tx in others {
+            for tx in replies {
                 let _ = tx.send(Ok(decision));
             }
             decision
@@ -291,42 +160,34 @@ impl CommitBarrier {
 
     /// Number of votes in the round in progress (for tests and status).
     pub fn pending_votes(&self) -> usize {
-        self.lock().round.as_ref().map_or(0, |r| r.voters.len())
+        self.round.waiting()
     }
 
     /// Decides the round in progress "no" (a member of the quorum was lost): its waiting
     /// voters get false now, and later votes for the same step get false at once. Returns
     /// the step decided, if a round was in progress.
     pub fn abort_round(&self) -> Option<i64> {
-        let mut state = self.lock();
-        let round = state.round.take()?;
-        state.aborted_step = Some(round.step);
-        for (_, v) in round.voters {
-            let _ = v.tx.send(Ok(false));
-        }
-        Some(round.step)
+        self.round.close(false)
     }
 
     /// The group received a new quorum: a step decided "no" by [`CommitBarrier::abort_round`]
     /// in the previous one can be voted on again. Every rank of the group asked for the new
     /// quorum, so each has cast (or given up) its vote of the aborted round by now.
     pub fn new_quorum(&self) {
-        self.lock().aborted_step = None;
+        self.round.reopen();
     }
 
     /// Fails every waiting voter with `Shutdown` (the server is going away).
     pub fn fail_all(&self) {
-        if let Some(round) = self.lock().round.take() {
-            for (_, v) in round.voters {
-                let _ = v.tx.send(Err(Error::Shutdown));
-            }
-        }
+        self.round.fail_all();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+
+    use tokio::sync::oneshot;
 
     use super::*;
 
@@ -437,43 +298,6 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn cancelled_voter_leaves_the_round() {
-        let b = Arc::new(CommitBarrier::new(2).unwrap());
-        let r0 = spawn_vote(&b, 0, 3, false, LONG);
-        settle().await;
-        assert_eq!(b.pending_votes(), 1);
-        r0.abort();
-        let _ = r0.await;
-        assert_eq!(b.pending_votes(), 0);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn revote_replaces_the_earlier_vote() {
-        let b = Arc::new(CommitBarrier::new(2).unwrap());
-        let first = spawn_vote(&b, 0, 3, false, LONG);
-        settle().await;
-        let second = spawn_vote(&b, 0, 3, true, LONG);
-        settle().await;
-        assert!(first.await.unwrap().is_err());
-        assert_eq!(b.pending_votes(), 1);
-        assert!(b.vote(1, 3, true, LONG).await.unwrap());
-        assert!(second.await.unwrap().unwrap());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn bad_input_is_refused_and_changes_nothing() {
-        let b = CommitBarrier::new(2).unwrap();
-        for (rank, step) in [(-1, 0), (2, 0), (0, -1)] {
-            assert!(matches!(
-                b.vote(rank, step, true, LONG).await,
-                Err(Error::InvalidArgument(_))
-            ));
-        }
-        assert_eq!(b.pending_votes(), 0);
-        assert!(CommitBarrier::new(0).is_err());
-    }
-
-    #[tokio::test(start_paused = true)]
     async fn abort_round_decides_no_for_waiting_and_late_voters_of_that_step_only() {
         let b = Arc::new(CommitBarrier::new(3).unwrap());
         assert_eq!(b.abort_round(), None, "nothing to abort");
@@ -514,15 +338,6 @@ mod tests {
         settle().await;
         assert!(b.vote(1, 25, true, LONG).await.unwrap());
         assert!(r0.await.unwrap().unwrap());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn fail_all_answers_waiters() {
-        let b = Arc::new(CommitBarrier::new(2).unwrap());
-        let r0 = spawn_vote(&b, 0, 3, true, LONG);
-        settle().await;
-        b.fail_all();
-        assert!(matches!(r0.await.unwrap(), Err(Error::Shutdown)));
     }
 
     #[tokio::test(start_paused = true)]

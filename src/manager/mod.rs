@@ -4,9 +4,10 @@
 //! rank its role for the step; it also runs the per-step commit vote.
 //!
 //! - [`compute`]: the pure function turning a lighthouse quorum into one rank's answer.
+//! - [`round`]: a round of the group's ranks (join, replace, leave, fail), under both barriers.
 //! - [`gather`]: bookkeeping of the quorum round in progress (who waits, step agreement).
 //! - [`commit`]: the `should_commit` barrier (AND over the group's ranks, keyed by step).
-//! - [`server`]: the gRPC service, the lighthouse calls and the heartbeat loop.
+//! - [`server`]: the server: its gRPC service, its lighthouse calls and its heartbeat loop.
 //! - [`client`]: the client every rank uses to talk to its group's manager server.
 //! - [`topology`]: the topology file and the choice of each healer's source by locality.
 
@@ -18,6 +19,7 @@ pub mod compute;
 pub mod gather;
 pub mod parity;
 pub mod reports;
+pub mod round;
 pub mod server;
 pub mod topology;
 

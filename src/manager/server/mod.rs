@@ -1,0 +1,550 @@
+//! The manager server of one replica group: its lifecycle and the state its parts share.
+//!
+//! One quorum round: every group rank calls `Quorum`; the rank that completes the round
+//! triggers ONE lighthouse request (retried `quorum_retries` times with backoff, bounded by the
+//! longest deadline of the waiting ranks); each rank then gets its own answer from
+//! [`super::compute_quorum_results`]. If the lighthouse call fails, every waiting rank gets the
+//! error at once. Every rank's request honours its own deadline and leaves the round when it
+//! expires.
+//!
+//! The lighthouse channel is lazy and reconnects by itself, so the server starts while the
+//! lighthouse is down and recovers when it comes back on the same address.
+//!
+//! The server also holds a session with the lighthouse for its life (reopened with backoff
+//! when the lighthouse restarts): its end tells the lighthouse this group died, and it brings
+//! the lighthouse's lost-member events, which ranks collect with the `WatchEvents` long-poll.
+//!
+//! - this module: the server's lifecycle and shared state;
+//! - `service`: the gRPC service;
+//! - `lighthouse`: the quorum request and the commit announcement to the lighthouse;
+//! - `heartbeat`: the heartbeat loop, the commit lease and the lighthouse session;
+//! - `events`: the lost-member events kept for the ranks' long-polls.
+
+mod events;
+mod heartbeat;
+mod lighthouse;
+mod service;
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, error, info, warn};
+
+use self::events::EventLog;
+use self::heartbeat::{heartbeat_loop, session_loop, Lease};
+use self::service::Service;
+use super::commit::CommitBarrier;
+use super::gather::QuorumGather;
+use super::parity::DigestCollector;
+use super::reports::ReportQueue;
+use super::ManagerOptions;
+use crate::error::{Error, Result};
+use crate::lighthouse::LighthouseClient;
+use crate::proto::manager_service_server::ManagerServiceServer;
+use crate::proto::{LostEvent, TelemetryReport};
+use crate::security::server::{Guard, OpenRoutes};
+use crate::telemetry::base_id;
+
+/// How often the ranks' telemetry reports are forwarded to the lighthouse.
+const REPORT_INTERVAL: Duration = Duration::from_millis(250);
+/// Bound on one telemetry send to the lighthouse.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bound on the last telemetry flush at shutdown or kill.
+const REPORT_FLUSH: Duration = Duration::from_secs(1);
+
+/// How long a graceful shutdown waits for open connections before closing them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// A running manager server (spawned on the current tokio runtime).
+///
+/// Dropping it signals shutdown; [`ManagerServer::shutdown`] also waits for it to finish.
+#[derive(Debug)]
+pub struct ManagerServer {
+    address: String,
+    inner: Arc<Inner>,
+    shutdown_tx: watch::Sender<bool>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    opts: ManagerOptions,
+    address: String,
+    lighthouse_addr: String,
+    /// Keeps the last quorum received, so the lighthouse can answer in compact form.
+    lighthouse: LighthouseClient,
+    gather: QuorumGather,
+    barrier: CommitBarrier,
+    events: EventLog,
+    lease: Mutex<Lease>,
+    shutdown: watch::Receiver<bool>,
+    /// The ranks' telemetry reports, waiting to be forwarded to the lighthouse.
+    reports: ReportQueue,
+    /// The group's committed step as last seen (a quorum round, or a commit noted by the
+    /// hosting rank); -1 before either. Heartbeats carry it to the lighthouse, which then
+    /// knows this group's progress while it is not asking for a quorum.
+    committed_step: AtomicI64,
+    /// Id of the last quorum received (-1 before any): a loss reported for it ends the commit
+    /// vote in progress, and commits are announced under it.
+    quorum_id: AtomicI64,
+    /// The lighthouse answered a commit announcement UNIMPLEMENTED (an upstream lighthouse):
+    /// commits go ahead without one (warned once).
+    commit_unsupported: AtomicBool,
+    /// A quorum did not use this group's topology file (its members announced different
+    /// files, or none): warned once.
+    topology_unused: AtomicBool,
+    /// Why the lighthouse's round this group asks in waits, as its last heartbeat reply
+    /// said (None when it did not say): the quorum request's long waits log it.
+    lighthouse_waiting: Mutex<Option<String>>,
+    /// When the group's training loop last reached this server (a rank's quorum request or
+    /// commit vote); None before the first visit. Heartbeats report its age (hang watch).
+    loop_visit: Mutex<Option<Instant>>,
+    /// Heals in progress in the hosting rank: the loop is inside torchft, not away.
+    loop_busy: AtomicUsize,
+    /// Why the lighthouse holds this group hung, as its last heartbeat reply said.
+    hung: Mutex<Option<String>>,
+    /// The ranks' state digests (runtime state parity), sent with the heartbeats.
+    digests: Mutex<DigestCollector>,
+    /// Why the parity check stopped this group (its state differs from the others' with no
+    /// majority): set once, for the life of the server; quorums and commits are refused.
+    diverged: Mutex<Option<String>>,
+}
+
+/// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
+fn http_address(hostname: &str, port: u16, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    if hostname.contains(':') && !hostname.starts_with('[') {
+        format!("{scheme}://[{hostname}]:{port}")
+    } else {
+        format!("{scheme}://{hostname}:{port}")
+    }
+}
+
+/// Smallest accepted `max_request_bytes` (below it ordinary requests would fail).
+const MIN_REQUEST_LIMIT: usize = 4096;
+
+/// Resolves once `rx` says the server is shutting down (or its sender is gone).
+async fn shutting_down(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|down| *down).await;
+}
+
+impl ManagerServer {
+    /// Validates `opts`, binds `opts.bind` and starts serving and heartbeating.
+    ///
+    /// The lighthouse is dialled lazily: a lighthouse that is down only fails quorum requests
+    /// (promptly), it does not prevent the server from starting.
+    pub async fn start(opts: ManagerOptions) -> Result<Self> {
+        if opts.world_size == 0 {
+            return Err(Error::InvalidArgument(
+                "world_size must be at least 1".into(),
+            ));
+        }
+        if opts.replica_id.is_empty() {
+            return Err(Error::InvalidArgument(
+                "replica_id must not be empty".into(),
+            ));
+        }
+        if opts.hostname.is_empty() {
+            return Err(Error::InvalidArgument("hostname must not be empty".into()));
+        }
+        if opts.heartbeat_interval.is_zero() {
+            return Err(Error::InvalidArgument(
+                "heartbeat_interval must be positive".into(),
+            ));
+        }
+        if opts.connect_timeout.is_zero() {
+            return Err(Error::InvalidArgument(
+                "connect_timeout must be positive".into(),
+            ));
+        }
+        if opts.max_request_bytes < MIN_REQUEST_LIMIT {
+            return Err(Error::InvalidArgument(format!(
+                "max_request_bytes must be at least {MIN_REQUEST_LIMIT}"
+            )));
+        }
+        if let Some(p) = &opts.placement {
+            p.topology.check_group(p.group, opts.world_size)?;
+        }
+        let tls = crate::security::server::acceptor(&opts.security)?;
+        let endpoint = crate::security::client::endpoint(
+            &opts.lighthouse_addr,
+            opts.connect_timeout,
+            &opts.security,
+        )
+        .map_err(|e| Error::InvalidArgument(format!("lighthouse address: {}", e.message())))?;
+        let lighthouse_addr = endpoint.uri().to_string();
+        let lighthouse =
+            LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref());
+
+        let listener = tokio::net::TcpListener::bind(&opts.bind)
+            .await
+            .map_err(|e| Error::Unavailable(format!("cannot listen on {}: {e}", opts.bind)))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::Unavailable(format!("cannot read the bound address: {e}")))?
+            .port();
+        let address = http_address(&opts.hostname, port, tls.is_some());
+
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            gather: QuorumGather::new(opts.world_size)?,
+            barrier: CommitBarrier::new(opts.world_size)?,
+            events: EventLog::new(),
+            lease: Mutex::new(Lease::default()),
+            address: address.clone(),
+            lighthouse_addr,
+            lighthouse,
+            shutdown: shutdown_rx.clone(),
+            reports: ReportQueue::default(),
+            committed_step: AtomicI64::new(-1),
+            quorum_id: AtomicI64::new(-1),
+            commit_unsupported: AtomicBool::new(false),
+            topology_unused: AtomicBool::new(false),
+            lighthouse_waiting: Mutex::new(None),
+            loop_visit: Mutex::new(None),
+            loop_busy: AtomicUsize::new(0),
+            hung: Mutex::new(None),
+            digests: Mutex::new(DigestCollector::new(opts.world_size)),
+            diverged: Mutex::new(None),
+            opts,
+        });
+
+        let service = ManagerServiceServer::new(Service {
+            inner: inner.clone(),
+        })
+        .max_decoding_message_size(inner.opts.max_request_bytes);
+        let app = tonic::service::Routes::new(service).into_axum_router();
+        let guard = Guard::new(&inner.opts.security, OpenRoutes::None);
+        let signal = shutting_down(shutdown_rx.clone());
+        let serve = tokio::spawn(async move {
+            if let Err(e) = crate::security::server::serve(listener, tls, guard, app, signal).await
+            {
+                warn!(error = %e, "manager server stopped with an error");
+            }
+        });
+        let heartbeat = tokio::spawn(heartbeat_loop(inner.clone()));
+        let session = tokio::spawn(session_loop(inner.clone()));
+        let forwarder = inner.reports.spawn_forwarder(
+            REPORT_INTERVAL,
+            shutdown_rx.clone(),
+            inner.lighthouse.clone(),
+            REPORT_TIMEOUT,
+        );
+        info!(
+            replica_id = %inner.opts.replica_id,
+            address = %address,
+            lighthouse = %inner.lighthouse_addr,
+            world_size = inner.opts.world_size,
+            "manager server listening"
+        );
+        Ok(Self {
+            address,
+            inner,
+            shutdown_tx,
+            tasks: Mutex::new(vec![serve, heartbeat, session, forwarder]),
+        })
+    }
+
+    /// False if this group may have been declared lost during the current step (its
+    /// heartbeats lapsed for half the lighthouse's heartbeat timeout since the last quorum):
+    /// the step must then not commit. Single-rank groups that vote locally ask this.
+    pub fn lease_held(&self) -> bool {
+        self.inner.lease_held()
+    }
+
+    /// Why the lighthouse holds this group hung (its training loop stayed away from this
+    /// server past the hang timeout while a round waited on it), or None.
+    pub fn hung(&self) -> Option<String> {
+        self.inner
+            .hung
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The server's view of the group now, in one line, for a hang report: its committed
+    /// step and quorum, how long ago its training loop last reached the server, the ranks
+    /// waiting in a quorum request or the commit vote, its lease, and what the lighthouse
+    /// last said about it.
+    pub fn describe(&self) -> String {
+        let inner = &self.inner;
+        let now = Instant::now();
+        let idle = match inner.loop_idle(now) {
+            Some(d) if d.is_zero() && inner.loop_busy.load(Ordering::Relaxed) > 0 => {
+                "inside torchft (a heal in progress)".to_string()
+            }
+            Some(d) => format!("last reached this server {:.1}s ago", d.as_secs_f64()),
+            None => "never reached this server".to_string(),
+        };
+        let said = |slot: &Mutex<Option<String>>| {
+            slot.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_else(|| "nothing".into())
+        };
+        format!(
+            "manager server of {}: committed step {}, quorum {}; training loop {idle}; ranks \
+             waiting in a quorum request: {}, in the commit vote: {}; lease {}; lighthouse \
+             says: waiting: {}; hung: {}",
+            inner.opts.replica_id,
+            inner.committed_step.load(Ordering::Relaxed),
+            inner.quorum_id.load(Ordering::Relaxed),
+            inner.gather.waiting(),
+            inner.barrier.pending_votes(),
+            if inner
+                .lease
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .held(now)
+            {
+                "held"
+            } else {
+                "lapsed"
+            },
+            said(&inner.lighthouse_waiting),
+            said(&inner.hung),
+        )
+    }
+
+    /// Marks the hosting rank's training loop as inside torchft (`busy`: a heal, which may
+    /// take long) or back out of it; while busy the loop is never reported away.
+    pub fn set_loop_busy(&self, busy: bool) {
+        if busy {
+            self.inner.loop_busy.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .inner
+                .loop_busy
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+            self.inner.visit();
+        }
+    }
+
+    /// Whether this group may commit the step `step` (its committed step count before the
+    /// commit): its lease held, and the lighthouse accepted the write-ahead announcement of
+    /// `step + 1` under the group's quorum (retried until `timeout` while the lighthouse is
+    /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
+    /// groups get the same gate through `ShouldCommit`.
+    pub async fn may_commit(&self, step: i64, timeout: Duration) -> Result<bool> {
+        self.inner.visit();
+        self.inner.check_diverged()?;
+        if !self.inner.lease_held() {
+            return Ok(false);
+        }
+        Ok(tokio::select! {
+            ok = self.inner.announce_commit(step, timeout) => ok,
+            _ = shutting_down(self.inner.shutdown.clone()) => false,
+        })
+    }
+
+    /// Takes the hosting rank's digest of its committed state after `step` (runtime state
+    /// parity; other ranks hand theirs over with their commit votes).
+    pub fn offer_digest(&self, group_rank: i64, step: i64, digest: Vec<u8>) -> Result<()> {
+        self.inner
+            .digests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .offer(group_rank, step, digest)
+    }
+
+    /// Notes that the group has committed `step` (called by the hosting rank after each
+    /// commit): heartbeats report it, so the lighthouse knows this group's progress between
+    /// quorum requests. Negative values are ignored.
+    pub fn note_committed_step(&self, step: i64) {
+        if step >= 0 {
+            self.inner.committed_step.store(step, Ordering::Relaxed);
+        }
+    }
+
+    /// The address other groups and this group's ranks dial: `http://{hostname}:{port}`.
+    pub fn address(&self) -> String {
+        self.address.clone()
+    }
+
+    /// Stops serving: pending quorum and commit waits end with `Shutdown`, the heartbeat loop
+    /// stops, open connections get a bounded grace period. Idempotent.
+    pub async fn shutdown(&self) {
+        if !*self.shutdown_tx.borrow() {
+            // The ranks' last words (e.g. "finished") reach the lighthouse before the session
+            // ends.
+            self.inner.flush_reports().await;
+        }
+        let _ = self.shutdown_tx.send(true);
+        self.inner.gather.fail_all();
+        self.inner.barrier.fail_all();
+        let tasks: Vec<JoinHandle<()>> = {
+            let mut guard = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+            guard.drain(..).collect()
+        };
+        for mut task in tasks {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+                .await
+                .is_err()
+            {
+                warn!("manager server task did not stop in time; aborting it");
+                task.abort();
+            }
+        }
+        debug!(address = %self.address, "manager server stopped");
+    }
+}
+
+impl Drop for ManagerServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown_tx.send(true);
+    }
+}
+
+impl Inner {
+    /// The group's training loop reached this server now.
+    fn visit(&self) {
+        *self.loop_visit.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    /// How long ago (as of `now`) the loop last reached this server: zero while a heal is in
+    /// progress, None before its first visit.
+    fn loop_idle(&self, now: Instant) -> Option<Duration> {
+        if self.loop_busy.load(Ordering::Relaxed) > 0 {
+            return Some(Duration::ZERO);
+        }
+        self.loop_visit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|at| now.saturating_duration_since(at))
+    }
+
+    /// Records the lighthouse's hang verdict for this group, logging its changes.
+    fn set_hung(&self, hung: Option<String>) {
+        let mut slot = self.hung.lock().unwrap_or_else(|p| p.into_inner());
+        match (&*slot, &hung) {
+            (None, Some(why)) => {
+                warn!(replica_id = %self.opts.replica_id, "the lighthouse holds this group hung: {why}")
+            }
+            (Some(_), None) => {
+                info!(replica_id = %self.opts.replica_id, "the lighthouse no longer holds this group hung")
+            }
+            _ => {}
+        }
+        *slot = hung;
+    }
+
+    /// Records that the parity check stopped this group (once; it is never lifted).
+    fn set_diverged(&self, why: String) {
+        let mut slot = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            error!(replica_id = %self.opts.replica_id,
+                "the lighthouse stopped this group: {why}");
+            *slot = Some(why);
+            // Ranks already waiting in the commit vote get "no" now; their next call raises.
+            self.barrier.abort_round();
+        }
+    }
+
+    /// Fails with the parity stop, if this group was stopped.
+    fn check_diverged(&self) -> Result<()> {
+        match &*self.diverged.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::Diverged(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// A member of a quorum was declared lost: ranks learn it through `WatchEvents`, and a
+    /// commit vote of the current quorum in progress is decided "no" at once (a rank of this
+    /// group may be held up by the lost peer; the step cannot commit anyway).
+    fn on_lost(&self, lost: LostEvent) {
+        if lost.quorum_id == self.quorum_id.load(Ordering::Relaxed) {
+            if let Some(step) = self.barrier.abort_round() {
+                info!(step, lost = %lost.replica_id, "commit vote ended: a quorum member was lost");
+            }
+        }
+        self.events.push(lost);
+    }
+
+    /// Sends the queued telemetry reports now (bounded by [`REPORT_FLUSH`]).
+    async fn flush_reports(&self) {
+        self.reports.flush(&self.lighthouse, REPORT_FLUSH).await;
+    }
+
+    /// A report about the whole group from the server itself (e.g. it is being killed).
+    fn group_report(&self, phase: crate::proto::telemetry_report::Phase, error: String) {
+        let id = &self.opts.replica_id;
+        self.reports.push(TelemetryReport {
+            replica_id: base_id(id).to_string(),
+            incarnation: id.clone(),
+            group_rank: 0,
+            group_world_size: i64::try_from(self.opts.world_size).unwrap_or(i64::MAX),
+            rank: -1,
+            hostname: self.opts.hostname.clone(),
+            pid: std::process::id(),
+            phase: phase as i32,
+            error,
+            unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            ..Default::default()
+        });
+    }
+
+    fn lease_held(&self) -> bool {
+        let held = self
+            .lease
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .held(Instant::now());
+        if !held {
+            warn!(replica_id = %self.opts.replica_id,
+                "heartbeats lapsed during this step (the group may have been declared lost); \
+                 voting not to commit");
+        }
+        held
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_brackets_ipv6() {
+        assert_eq!(http_address("host", 5, false), "http://host:5");
+        assert_eq!(http_address("::1", 5, false), "http://[::1]:5");
+        assert_eq!(http_address("[::1]", 5, false), "http://[::1]:5");
+        assert_eq!(http_address("host", 5, true), "https://host:5");
+    }
+
+    #[tokio::test]
+    async fn start_refuses_bad_options() {
+        let ok = ManagerOptions {
+            replica_id: "a".into(),
+            lighthouse_addr: "127.0.0.1:1".into(),
+            bind: "127.0.0.1:0".into(),
+            ..ManagerOptions::default()
+        };
+        for bad in [
+            ManagerOptions {
+                world_size: 0,
+                ..ok.clone()
+            },
+            ManagerOptions {
+                replica_id: String::new(),
+                ..ok.clone()
+            },
+            ManagerOptions {
+                lighthouse_addr: String::new(),
+                ..ok.clone()
+            },
+            ManagerOptions {
+                heartbeat_interval: Duration::ZERO,
+                ..ok.clone()
+            },
+        ] {
+            assert!(matches!(
+                ManagerServer::start(bad).await,
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+}
