@@ -25,7 +25,7 @@ use super::metrics::JobMetrics;
 use super::quorum::Snapshot;
 use super::state::Shared;
 use super::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
-use crate::manager::ManagerClient;
+use crate::client::ManagerClient;
 use crate::telemetry::EventKind;
 
 /// One member of the current quorum, as shown on the status page.

@@ -3,14 +3,13 @@
 //! `quorum` is the pure engine (state, now, options → decision); `state` the live state around
 //! it (waiting requests, sessions, the last issued quorum) and `reply` the forms in which an
 //! issued quorum reaches its members; `grpc` the gRPC methods and `http` the status pages,
-//! both served on one port by the [`LighthouseServer`] in `server`; `client` the
-//! [`LighthouseClient`]; `daemon` the command-line entry point shared by the
-//! `torchft_lighthouse` binary and the Python console script.
+//! both served on one port by the [`LighthouseServer`] in `server`; `daemon` the command-line
+//! entry point shared by the `torchft_lighthouse` binary and the Python console script. The
+//! clients of the lighthouse (and of the manager servers its kill action calls) live in
+//! [`crate::client`].
 
 use std::time::Duration;
 
-pub mod client;
-pub mod compact;
 pub mod daemon;
 mod grpc;
 pub mod hang;
@@ -24,7 +23,7 @@ pub mod server;
 mod state;
 pub mod telemetry;
 
-pub use client::LighthouseClient;
+pub use crate::client::LighthouseClient;
 pub use hub::ObservabilityOptions;
 pub use server::LighthouseServer;
 

@@ -44,7 +44,8 @@ use std::time::{Duration, Instant};
 
 use super::hang::{HangWatch, Hung};
 use super::parity::{Diverged, Parity};
-use super::{compact, LighthouseOptions};
+use super::LighthouseOptions;
+use crate::client::compact;
 use crate::error::{Error, Result};
 use crate::proto::{Quorum, QuorumMember};
 

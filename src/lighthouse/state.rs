@@ -1066,7 +1066,7 @@ mod tests {
     use axum::body::Bytes;
     use prost::Message;
 
-    use crate::lighthouse::compact;
+    use crate::client::compact;
     use crate::proto::LighthouseQuorumResponse;
 
     fn opts() -> LighthouseOptions {

@@ -31,8 +31,8 @@ use super::parity::DigestCollector;
 use super::reports::ReportQueue;
 use super::topology::{member_data, source_choice, SourceChoice};
 use super::{rpc_error, server_budget, ManagerOptions, DEFAULT_REQUEST_TIMEOUT};
+use crate::client::LighthouseClient;
 use crate::error::{Error, Result};
-use crate::lighthouse::LighthouseClient;
 use crate::net::{request_timeout, Backoff};
 use crate::proto::manager_service_server::{ManagerService, ManagerServiceServer};
 use crate::proto::{
