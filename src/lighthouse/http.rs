@@ -21,10 +21,10 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
-use super::metrics::JobMetrics;
+use super::health::metrics::JobMetrics;
+use super::health::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
 use super::quorum::Snapshot;
 use super::state::Shared;
-use super::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
 use crate::client::ManagerClient;
 use crate::telemetry::EventKind;
 
@@ -373,7 +373,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        super::metrics::render(&job, &replicas),
+        super::health::metrics::render(&job, &replicas),
     )
         .into_response()
 }

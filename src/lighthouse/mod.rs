@@ -12,19 +12,15 @@ use std::time::Duration;
 
 pub mod daemon;
 mod grpc;
-pub mod hang;
+pub mod health;
 pub mod http;
-pub mod hub;
-pub mod metrics;
-pub mod parity;
 pub mod quorum;
 mod reply;
 pub mod server;
 mod state;
-pub mod telemetry;
 
 pub use crate::client::LighthouseClient;
-pub use hub::ObservabilityOptions;
+pub use health::hub::ObservabilityOptions;
 pub use server::LighthouseServer;
 
 /// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.
@@ -57,7 +53,7 @@ pub struct LighthouseOptions {
     pub state_file: Option<std::path::PathBuf>,
     /// A replica group whose training loop has not reached its manager for this long, while
     /// a round waits on it, is hung: the quorum rules stop counting it as healthy and the
-    /// others go on without it (see [`hang`]). None: adaptive, ten times the job's recent
+    /// others go on without it (see [`health::hang`]). None: adaptive, ten times the job's recent
     /// round interval, within 10 s and one hour.
     pub hang_timeout: Option<Duration>,
 }

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use super::hub::{Hub, ObservabilityOptions};
+use super::health::hub::{Hub, ObservabilityOptions};
 use super::state::{initial_quorum_id, Shared};
 use super::{AccessOptions, LighthouseOptions};
 use crate::error::{Error, Result};

@@ -23,10 +23,10 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 use tracing::{debug, error, info, warn};
 
-use super::hub::Hub;
+use super::health::hub::Hub;
+use super::health::telemetry::SnapshotRecord;
 use super::quorum::{CommitVerdict, Durable, EarlierLife, LostMember, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
-use super::telemetry::SnapshotRecord;
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::proto::{LostEvent, Quorum, QuorumMember, SessionEvent, TelemetryBatch};
@@ -230,7 +230,7 @@ impl Shared {
     #[cfg(test)]
     pub(crate) fn new(opts: LighthouseOptions, initial_id: i64) -> Self {
         let hub = Hub::new(
-            super::hub::ObservabilityOptions::default(),
+            super::health::hub::ObservabilityOptions::default(),
             opts.heartbeat_timeout,
             opts.min_replicas,
         )
@@ -536,7 +536,7 @@ impl Shared {
     fn announce_diverged(&self, state: &mut State, now: std::time::Instant) {
         for d in state.engine.take_diverged() {
             match d.action {
-                super::parity::Action::Heal => warn!(
+                super::health::parity::Action::Heal => warn!(
                     replica_id = %d.replica_id,
                     step = d.step,
                     ranks = ?d.ranks,
@@ -548,7 +548,7 @@ impl Shared {
                     d.majority.len(),
                     d.compared
                 ),
-                super::parity::Action::Stop => error!(
+                super::health::parity::Action::Stop => error!(
                     replica_id = %d.replica_id,
                     step = d.step,
                     "replica group {}'s committed state at step {} differs from the others' \
@@ -559,7 +559,7 @@ impl Shared {
                     d.compared
                 ),
             }
-            if d.action == super::parity::Action::Stop {
+            if d.action == super::health::parity::Action::Stop {
                 // A request it has in the round must not make it a member of a quorum.
                 if let Some(w) = state.waiters.remove(&d.replica_id) {
                     state.engine.leave(&d.replica_id, w.generation);

@@ -566,7 +566,7 @@ impl Telemetry {
 
     /// A quorum continued from an older step than the best known: counted, and announced as
     /// a `progress_regressed` event.
-    pub fn on_progress_regressed(&mut self, r: &super::quorum::Regression, now: Instant) {
+    pub fn on_progress_regressed(&mut self, r: &super::Regression, now: Instant) {
         self.counters.progress_regressions += 1;
         self.emit(
             now,
@@ -1662,7 +1662,7 @@ mod tests {
         j.t.on_report(&snapshot(&old, 30), j.now);
         assert_eq!(j.t.snapshot().map(|s| s.step), Some(30));
         j.kinds();
-        let r = super::super::quorum::Regression {
+        let r = super::super::Regression {
             from_step: 40,
             to_step: 30,
             quorum_id: 9,

@@ -42,8 +42,9 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use super::hang::{HangWatch, Hung};
-use super::parity::{Diverged, Parity};
+use super::health::hang::{HangWatch, Hung};
+use super::health::parity::{Diverged, Parity};
+pub use super::health::Regression;
 use super::LighthouseOptions;
 use crate::client::compact;
 use crate::error::{Error, Result};
@@ -119,22 +120,6 @@ pub struct LostMember {
     pub replica_id: String,
     /// The quorum it was a member of (the last issued one when it was declared lost).
     pub quorum_id: i64,
-}
-
-/// A quorum was issued behind the best committed step the engine knew of.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Regression {
-    /// The best committed step known before the quorum.
-    pub from_step: i64,
-    /// The highest step among the quorum's members (the job continues from here).
-    pub to_step: i64,
-    /// The quorum that regressed.
-    pub quorum_id: i64,
-    /// Replicas still alive (or remembered from before a lighthouse restart and not heard
-    /// from since) that hold a step above `to_step`, given up on after `progress_wait`
-    /// (sorted). Empty when the regression was unavoidable: every holder of
-    /// the newer state is gone.
-    pub alive_holders: Vec<String>,
 }
 
 /// The lighthouse's answer to a write-ahead commit announcement (see
@@ -355,11 +340,11 @@ pub struct Snapshot {
     pub healthy_not_asking: Vec<String>,
     /// How long the current round has been open (None while nobody asks).
     pub round_age: Option<Duration>,
-    /// Replica groups hung now (see [`super::hang`]), by id.
+    /// Replica groups hung now (see [`super::health::hang`]), by id.
     pub hung: Vec<Hung>,
     /// The hang timeout now, and how it was chosen.
     pub hang_timeout: (Duration, String),
-    /// The runtime state parity check (see [`super::parity`]).
+    /// The runtime state parity check (see [`super::health::parity`]).
     pub parity: ParitySnapshot,
     /// Groups dropped from the quorum as lasting stragglers: id, why, time left (sorted).
     pub dropped: Vec<(String, String, Duration)>,
@@ -426,9 +411,9 @@ pub struct QuorumEngine {
     restored_quorum: Option<(i64, HashSet<String>)>,
     /// Bumped whenever [`QuorumEngine::durable`] may have changed.
     durable_revision: u64,
-    /// The training loops' visits and the groups found hung (see [`super::hang`]).
+    /// The training loops' visits and the groups found hung (see [`super::health::hang`]).
     hang: HangWatch,
-    /// The groups' state digests, compared step by step (see [`super::parity`]).
+    /// The groups' state digests, compared step by step (see [`super::health::parity`]).
     parity: Parity,
     /// Groups dropped from the quorum as lasting stragglers, until when, and why: not
     /// counted as healthy, and their requests wait in `parked` until then.
@@ -824,7 +809,7 @@ impl QuorumEngine {
     }
 
     /// [`QuorumEngine::heartbeat_with_step`], plus how long ago the group's training loop
-    /// last reached its manager (`loop_idle`, from managers that say; see [`super::hang`]).
+    /// last reached its manager (`loop_idle`, from managers that say; see [`super::health::hang`]).
     pub fn heartbeat_full(
         &mut self,
         replica_id: &str,
@@ -845,7 +830,7 @@ impl QuorumEngine {
         Ok(())
     }
 
-    /// Whether `replica_id` is hung now (see [`super::hang`]).
+    /// Whether `replica_id` is hung now (see [`super::health::hang`]).
     pub fn is_hung(&self, replica_id: &str) -> Option<&Hung> {
         self.hang.get(replica_id)
     }
@@ -1104,7 +1089,7 @@ impl QuorumEngine {
         } else {
             asking
         };
-        // Hung groups (alive, training loop away; see `super::hang`) and groups dropped as
+        // Hung groups (alive, training loop away; see `super::health::hang`) and groups dropped as
         // lasting stragglers are not waited for.
         let dropped = self
             .dropped
@@ -1503,7 +1488,7 @@ impl QuorumEngine {
     }
 
     /// Takes group `replica_id`'s digests of its committed state after `step` (see
-    /// [`super::parity`]) and decides the steps that are ready; returns the step to
+    /// [`super::health::parity`]) and decides the steps that are ready; returns the step to
     /// acknowledge.
     pub fn offer_digest(
         &mut self,
@@ -1634,7 +1619,7 @@ impl QuorumEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lighthouse::hang;
+    use crate::lighthouse::health::hang;
 
     fn opts(min_replicas: u64) -> LighthouseOptions {
         LighthouseOptions {
@@ -2088,7 +2073,7 @@ mod tests {
         assert_eq!(v.len(), 2);
         assert!(v
             .iter()
-            .all(|d| d.action == super::super::parity::Action::Stop));
+            .all(|d| d.action == super::super::health::parity::Action::Stop));
         assert!(e.parity_stopped("a").unwrap().contains("no majority"));
         assert!(matches!(e.join(member("a"), t), Err(Error::Diverged(_))));
         assert!(matches!(
