@@ -3,14 +3,16 @@
 //! Shared by the binary and the Python console script (`lighthouse_main`), so both accept the
 //! same flags and behave the same.
 
-use std::time::Duration;
-
 use clap::Parser;
 use tracing::info;
 
-use super::{AccessOptions, LighthouseOptions, LighthouseServer, ObservabilityOptions};
+use super::config::{
+    LighthouseConfig, DEFAULT_BIND, DEFAULT_HEARTBEAT_TIMEOUT_MS, DEFAULT_JOIN_TIMEOUT_MS,
+    DEFAULT_PROGRESS_WAIT_MS, DEFAULT_QUORUM_TICK_MS,
+};
+use super::health::telemetry::{DEFAULT_STRAGGLER_MIN_MS, DEFAULT_STRAGGLER_SKEW_PCT};
 use crate::error::{Error, Result};
-use crate::security::{Security, TlsFiles};
+use crate::security::TlsFiles;
 
 /// torchft lighthouse: decides, per step, which replica groups take part in training.
 ///
@@ -29,7 +31,7 @@ pub struct Args {
     pub min_replicas: u64,
 
     /// Address to listen on (host:port); port 0 picks a free port.
-    #[arg(long = "bind", env = "TORCHFT_BIND", default_value = "[::]:29510")]
+    #[arg(long = "bind", env = "TORCHFT_BIND", default_value = DEFAULT_BIND)]
     pub bind: String,
 
     /// How long a round waits, from its first joiner, for healthy stragglers (ms).
@@ -37,7 +39,7 @@ pub struct Args {
         long = "join_timeout_ms",
         alias = "join-timeout-ms",
         env = "TORCHFT_JOIN_TIMEOUT_MS",
-        default_value_t = 60_000
+        default_value_t = DEFAULT_JOIN_TIMEOUT_MS
     )]
     pub join_timeout_ms: u64,
 
@@ -46,7 +48,7 @@ pub struct Args {
         long = "quorum_tick_ms",
         alias = "quorum-tick-ms",
         env = "TORCHFT_QUORUM_TICK_MS",
-        default_value_t = 100,
+        default_value_t = DEFAULT_QUORUM_TICK_MS,
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub quorum_tick_ms: u64,
@@ -56,7 +58,7 @@ pub struct Args {
         long = "heartbeat_timeout_ms",
         alias = "heartbeat-timeout-ms",
         env = "TORCHFT_HEARTBEAT_TIMEOUT_MS",
-        default_value_t = 5_000,
+        default_value_t = DEFAULT_HEARTBEAT_TIMEOUT_MS,
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub heartbeat_timeout_ms: u64,
@@ -72,7 +74,7 @@ pub struct Args {
         long = "progress_wait_ms",
         alias = "progress-wait-ms",
         env = "TORCHFT_PROGRESS_WAIT_MS",
-        default_value_t = super::DEFAULT_PROGRESS_WAIT.as_millis() as u64
+        default_value_t = DEFAULT_PROGRESS_WAIT_MS
     )]
     pub progress_wait_ms: u64,
 
@@ -116,7 +118,7 @@ pub struct Args {
         long = "straggler_skew_pct",
         alias = "straggler-skew-pct",
         env = "TORCHFT_STRAGGLER_SKEW_PCT",
-        default_value_t = 50,
+        default_value_t = DEFAULT_STRAGGLER_SKEW_PCT,
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub straggler_skew_pct: u64,
@@ -126,7 +128,7 @@ pub struct Args {
         long = "straggler_min_ms",
         alias = "straggler-min-ms",
         env = "TORCHFT_STRAGGLER_MIN_MS",
-        default_value_t = 50
+        default_value_t = DEFAULT_STRAGGLER_MIN_MS
     )]
     pub straggler_min_ms: u64,
 
@@ -186,50 +188,31 @@ pub struct Args {
 }
 
 impl Args {
-    /// The lighthouse options these flags describe.
-    pub fn options(&self) -> LighthouseOptions {
-        LighthouseOptions {
+    /// The configuration these flags describe.
+    pub fn config(&self) -> LighthouseConfig {
+        LighthouseConfig {
+            bind: self.bind.clone(),
             min_replicas: self.min_replicas,
-            join_timeout: Duration::from_millis(self.join_timeout_ms),
-            quorum_tick: Duration::from_millis(self.quorum_tick_ms),
-            heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
-            progress_wait: Duration::from_millis(self.progress_wait_ms),
+            join_timeout_ms: self.join_timeout_ms,
+            quorum_tick_ms: self.quorum_tick_ms,
+            heartbeat_timeout_ms: self.heartbeat_timeout_ms,
+            progress_wait_ms: self.progress_wait_ms,
             state_file: self.state_file.clone(),
-            hang_timeout: (self.hang_timeout_ms > 0)
-                .then(|| Duration::from_millis(self.hang_timeout_ms)),
-        }
-    }
-
-    /// The access settings these flags describe, on top of the environment's
-    /// ([`Security::from_env`]): a flag wins over its variable.
-    pub fn access(&self) -> Result<AccessOptions> {
-        let security = Security::from_env_and(
-            self.token_file.as_deref(),
-            &TlsFiles {
+            hang_timeout_ms: self.hang_timeout_ms,
+            event_log: self.event_log.clone(),
+            allow_kill: self.allow_kill,
+            straggler_skew_pct: self.straggler_skew_pct as f64,
+            straggler_min_ms: self.straggler_min_ms,
+            straggler_drop_after_ms: self.straggler_drop_after_ms,
+            token_file: self.token_file.clone(),
+            tls: TlsFiles {
                 cert: self.tls_cert.clone(),
                 key: self.tls_key.clone(),
                 ca: self.tls_ca.clone(),
                 client_ca: self.tls_client_ca.clone(),
             },
-        )?;
-        let access = AccessOptions {
-            security,
             private_status: self.private_status,
             max_request_bytes: usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX),
-        };
-        access.validate()?;
-        Ok(access)
-    }
-
-    /// The observability settings these flags describe.
-    pub fn observability(&self) -> ObservabilityOptions {
-        ObservabilityOptions {
-            event_log: self.event_log.clone(),
-            allow_kill: self.allow_kill,
-            straggler_skew_pct: self.straggler_skew_pct as f64,
-            straggler_min: Duration::from_millis(self.straggler_min_ms),
-            straggler_drop_after: (self.straggler_drop_after_ms > 0)
-                .then(|| Duration::from_millis(self.straggler_drop_after_ms)),
         }
     }
 }
@@ -270,27 +253,25 @@ pub fn run(args: Args) -> Result<()> {
     crate::logging::set_default_level("info")?;
     crate::runtime::threads_from_env()?;
     crate::runtime::get().block_on(async move {
-        let opts = args.options();
+        let config = args.config();
         let signal = shutdown_signal()?;
-        let access = args.access()?;
+        let access = config.access()?;
         let (authenticated, tls) = (access.security.token.is_some(), access.security.tls.clone());
-        let server =
-            LighthouseServer::bind_secured(&args.bind, opts.clone(), args.observability(), access)
-                .await?;
+        let server = config.bind(access).await?;
         info!(
-            min_replicas = opts.min_replicas,
-            join_timeout_ms = args.join_timeout_ms,
-            quorum_tick_ms = args.quorum_tick_ms,
-            heartbeat_timeout_ms = args.heartbeat_timeout_ms,
-            progress_wait_ms = args.progress_wait_ms,
-            hang_timeout_ms = args.hang_timeout_ms,
-            state_file = ?args.state_file,
-            event_log = ?args.event_log,
-            allow_kill = args.allow_kill,
+            min_replicas = config.min_replicas,
+            join_timeout_ms = config.join_timeout_ms,
+            quorum_tick_ms = config.quorum_tick_ms,
+            heartbeat_timeout_ms = config.heartbeat_timeout_ms,
+            progress_wait_ms = config.progress_wait_ms,
+            hang_timeout_ms = config.hang_timeout_ms,
+            state_file = ?config.state_file,
+            event_log = ?config.event_log,
+            allow_kill = config.allow_kill,
             authenticated,
             tls = tls.serves_tls(),
             mutual_tls = tls.client_ca.is_some(),
-            private_status = args.private_status,
+            private_status = config.private_status,
             "lighthouse listening on {} (dashboard at /, metrics at /metrics)",
             server.address()
         );
@@ -304,7 +285,10 @@ pub fn run(args: Args) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::lighthouse::LighthouseOptions;
 
     #[test]
     fn flags_parse_with_both_spellings() {
@@ -323,7 +307,7 @@ mod tests {
         assert_eq!(a.heartbeat_timeout_ms, 5_000);
         assert_eq!(a.progress_wait_ms, 60_000);
         assert_eq!(
-            a.options(),
+            a.config().options(),
             LighthouseOptions {
                 min_replicas: 2,
                 join_timeout: Duration::from_millis(10),
@@ -333,9 +317,9 @@ mod tests {
         );
         let b =
             Args::try_parse_from(["x", "--min_replicas", "1", "--progress-wait-ms", "0"]).unwrap();
-        assert_eq!(b.options().progress_wait, Duration::ZERO);
+        assert_eq!(b.config().options().progress_wait, Duration::ZERO);
         assert_eq!(a.bind, "[::]:29510");
-        let o = a.options();
+        let o = a.config().options();
         assert_eq!(o.join_timeout, Duration::from_millis(10));
     }
 
@@ -355,7 +339,7 @@ mod tests {
         let access = |flags: &[&str]| {
             let mut argv = vec!["x", "--min_replicas", "1"];
             argv.extend_from_slice(flags);
-            Args::try_parse_from(&argv).unwrap().access()
+            Args::try_parse_from(&argv).unwrap().config().access()
         };
         for (flags, message) in [
             (vec!["--tls_cert", cert.as_str()], "private key"),

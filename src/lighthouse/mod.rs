@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+pub mod config;
 pub mod daemon;
 mod grpc;
 pub mod health;
@@ -20,6 +21,7 @@ pub mod server;
 mod state;
 
 pub use crate::client::LighthouseClient;
+pub use config::LighthouseConfig;
 pub use health::hub::ObservabilityOptions;
 pub use server::LighthouseServer;
 
@@ -62,9 +64,9 @@ impl Default for LighthouseOptions {
     fn default() -> Self {
         Self {
             min_replicas: 1,
-            join_timeout: Duration::from_secs(60),
-            quorum_tick: Duration::from_millis(100),
-            heartbeat_timeout: Duration::from_secs(5),
+            join_timeout: Duration::from_millis(config::DEFAULT_JOIN_TIMEOUT_MS),
+            quorum_tick: Duration::from_millis(config::DEFAULT_QUORUM_TICK_MS),
+            heartbeat_timeout: Duration::from_millis(config::DEFAULT_HEARTBEAT_TIMEOUT_MS),
             progress_wait: DEFAULT_PROGRESS_WAIT,
             state_file: None,
             hang_timeout: None,
@@ -72,10 +74,8 @@ impl Default for LighthouseOptions {
     }
 }
 
-/// Default of [`LighthouseOptions::progress_wait`]: as long as the Manager's default
-/// timeouts, so a group ahead of the others that is inside a blocking phase of its step
-/// (store connect, heal, a collective) finishes it and rejoins before the job gives up on it.
-pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_secs(60);
+/// Default of [`LighthouseOptions::progress_wait`] (see [`config::DEFAULT_PROGRESS_WAIT_MS`]).
+pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_millis(config::DEFAULT_PROGRESS_WAIT_MS);
 
 /// Who may use a lighthouse and how much they may send; the defaults are an open,
 /// plain-TCP lighthouse (as upstream's).
@@ -107,13 +107,19 @@ impl Default for AccessOptions {
 }
 
 impl AccessOptions {
-    /// Checks the options are usable (a workable request limit, complete TLS files).
-    pub fn validate(&self) -> crate::error::Result<()> {
-        if self.max_request_bytes < MIN_REQUEST_BYTES {
+    /// Checks a request limit is workable (at least [`MIN_REQUEST_BYTES`]).
+    pub fn check_max_request_bytes(max_request_bytes: usize) -> crate::error::Result<()> {
+        if max_request_bytes < MIN_REQUEST_BYTES {
             return Err(crate::error::Error::InvalidArgument(format!(
                 "max_request_bytes must be at least {MIN_REQUEST_BYTES}"
             )));
         }
+        Ok(())
+    }
+
+    /// Checks the options are usable (a workable request limit, complete TLS files).
+    pub fn validate(&self) -> crate::error::Result<()> {
+        Self::check_max_request_bytes(self.max_request_bytes)?;
         if self.private_status && self.security.token.is_none() {
             return Err(crate::error::Error::InvalidArgument(
                 "private_status needs a token (TORCHFT_TOKEN_FILE / --token_file)".into(),

@@ -30,6 +30,10 @@ pub use snapshots::SnapshotRecord;
 use group::{median, Counters, Group, Lifecycle, RankInfo, Sample};
 use records::{round3, round6};
 
+/// Default straggler threshold: percent above the median busy time.
+pub const DEFAULT_STRAGGLER_SKEW_PCT: u64 = 50;
+/// Default straggler threshold: milliseconds above the median busy time.
+pub const DEFAULT_STRAGGLER_MIN_MS: u64 = 50;
 /// Samples per group the timings and the straggler verdict are taken over.
 pub const WINDOW: usize = 8;
 /// Events kept for `/status` and for SSE clients that reconnect.
@@ -58,8 +62,8 @@ impl Default for TelemetryOptions {
     fn default() -> Self {
         Self {
             heartbeat_timeout: Duration::from_secs(5),
-            straggler_skew_pct: 50.0,
-            straggler_min: Duration::from_millis(50),
+            straggler_skew_pct: DEFAULT_STRAGGLER_SKEW_PCT as f64,
+            straggler_min: Duration::from_millis(DEFAULT_STRAGGLER_MIN_MS),
         }
     }
 }
