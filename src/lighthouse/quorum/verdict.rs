@@ -154,16 +154,17 @@ pub struct Snapshot {
     pub dropped: Vec<(String, String, Duration)>,
 }
 
-/// The parity check's state, as shown on the status pages.
-#[derive(Debug, Clone, Default)]
+/// The runtime state parity check's state, as the status pages show it (`/status` serves
+/// it as is; see docs/telemetry.md).
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct ParitySnapshot {
-    /// Steps compared across at least two groups.
+    /// Steps whose state digests were compared across at least two groups.
     pub checks: u64,
-    /// Groups found diverged (each group at each step once).
+    /// Groups found diverged (`replica_diverged` events; each group at each step once).
     pub diverged_total: u64,
-    /// The last step compared.
+    /// The last step compared (null before the first comparison).
     pub last_checked_step: Option<i64>,
-    /// Groups marked to heal from the agreeing majority (sorted).
+    /// Groups whose state differed from the agreeing majority's, healing from it (sorted).
     pub healing: Vec<String>,
     /// Groups stopped: their state differs with no majority (sorted).
     pub stopped: Vec<String>,

@@ -147,17 +147,21 @@ fn telemetry_members(quorum: &Quorum) -> Vec<(String, i64, String)> {
         .collect()
 }
 
-/// Removes a waiting request from the round when its handler future ends for any reason
-/// (answered, deadline, client cancel). A no-op once the request was answered or replaced.
-struct LeaveGuard {
-    shared: Arc<Shared>,
-    replica_id: String,
-    generation: u64,
+/// Runs its action once, when dropped: what a handler future or a response stream stood
+/// for ends with it, whatever ends it (an answer, a deadline, a client that went away).
+struct OnDrop(Option<Box<dyn FnOnce() + Send>>);
+
+impl OnDrop {
+    fn new(action: impl FnOnce() + Send + 'static) -> Self {
+        Self(Some(Box::new(action)))
+    }
 }
 
-impl Drop for LeaveGuard {
+impl Drop for OnDrop {
     fn drop(&mut self) {
-        self.shared.leave(&self.replica_id, self.generation);
+        if let Some(action) = self.0.take() {
+            action();
+        }
     }
 }
 
@@ -173,10 +177,11 @@ pub(crate) async fn wait_for_quorum(
         requester.ok_or_else(|| Error::InvalidArgument("requester is missing".into()))?;
     let replica_id = requester.replica_id.clone();
     let (generation, rx) = shared.join(requester, known_quorum_id)?;
-    let _guard = LeaveGuard {
-        shared: shared.clone(),
-        replica_id,
-        generation,
+    // Leaves the round when this future ends unanswered (a no-op once the request was
+    // answered or replaced).
+    let _leave = {
+        let shared = shared.clone();
+        OnDrop::new(move || shared.leave(&replica_id, generation))
     };
     let delivered = match timeout {
         Some(t) => match tokio::time::timeout(t, rx).await {

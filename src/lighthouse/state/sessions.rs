@@ -30,25 +30,13 @@ pub(super) struct Session {
     tx: mpsc::Sender<std::result::Result<SessionEvent, Status>>,
 }
 
-/// Declares the session's replica group lost when the stream is dropped (the client went
-/// away), unless the session was replaced or the lighthouse is shutting down.
-pub(super) struct SessionGuard {
-    shared: Arc<Shared>,
-    replica_id: String,
-    id: u64,
-}
-
-impl Drop for SessionGuard {
-    fn drop(&mut self) {
-        self.shared.session_ended(&self.replica_id, self.id);
-    }
-}
-
 /// The response stream of a session: the events queued for it, and the guard that notices
 /// its end.
 pub(crate) struct SessionStream {
     rx: mpsc::Receiver<std::result::Result<SessionEvent, Status>>,
-    _guard: SessionGuard,
+    /// Declares the session's replica group lost when the stream is dropped (the client
+    /// went away), unless the session was replaced or the lighthouse is shutting down.
+    _ended: OnDrop,
 }
 
 impl futures::Stream for SessionStream {
@@ -136,10 +124,10 @@ impl Shared {
         self.hub.with(|t| t.on_session(replica_id, true, now));
         Ok(SessionStream {
             rx,
-            _guard: SessionGuard {
-                shared: self.clone(),
-                replica_id: replica_id.to_string(),
-                id,
+            _ended: {
+                let shared = self.clone();
+                let replica_id = replica_id.to_string();
+                OnDrop::new(move || shared.session_ended(&replica_id, id))
             },
         })
     }
