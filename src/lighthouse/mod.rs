@@ -1,12 +1,19 @@
 //! The lighthouse: decides, per step, which replica groups take part (the quorum).
 //!
-//! `quorum` is the pure engine (state, now, options → decision); `state` the live state around
-//! it (waiting requests, sessions, the last issued quorum) and `reply` the forms in which an
-//! issued quorum reaches its members; `grpc` the gRPC methods and `http` the status pages,
-//! both served on one port by the [`LighthouseServer`] in `server`; `daemon` the command-line
-//! entry point shared by the `torchft_lighthouse` binary and the Python console script. The
-//! clients of the lighthouse (and of the manager servers its kill action calls) live in
-//! [`crate::client`].
+//! Two rooms and the service around them; dependencies point down this list:
+//!
+//! - [`server`], `grpc`, [`http`], `reply`, `state`: the service. The [`LighthouseServer`]
+//!   serves the gRPC methods and the status pages on one port; `state` is the live state
+//!   around the engine (waiting requests, sessions, the state file and its writer) and
+//!   `reply` the forms in which an issued quorum reaches its members.
+//! - [`daemon`] and [`config`]: the `torchft_lighthouse` flags and the one
+//!   [`LighthouseConfig`] they share with the Python constructor.
+//! - [`quorum`]: the pure quorum engine (state, now, options → decision).
+//! - [`health`]: the health model, its hub and metrics, the hang and parity verdicts (the
+//!   engine consults the verdicts; health depends on nothing above it).
+//!
+//! The clients of the lighthouse (and of the manager servers its kill action calls) live in
+//! [`crate::client`], below all of these.
 
 use std::time::Duration;
 

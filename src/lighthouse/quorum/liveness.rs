@@ -191,7 +191,7 @@ impl QuorumEngine {
     }
 
     /// [`QuorumEngine::heartbeat_with_step`], plus how long ago the group's training loop
-    /// last reached its manager (`loop_idle`, from managers that say; see [`super::health::hang`]).
+    /// last reached its manager (`loop_idle`, from managers that say; see [`crate::lighthouse::health::hang`]).
     pub fn heartbeat_full(
         &mut self,
         replica_id: &str,
@@ -212,7 +212,7 @@ impl QuorumEngine {
         Ok(())
     }
 
-    /// Whether `replica_id` is hung now (see [`super::health::hang`]).
+    /// Whether `replica_id` is hung now (see [`crate::lighthouse::health::hang`]).
     pub fn is_hung(&self, replica_id: &str) -> Option<&Hung> {
         self.hang.get(replica_id)
     }

@@ -39,9 +39,9 @@
 //! again at that step.
 //!
 //! The engine's pieces, each with its own tests: this module holds the round itself (joins,
-//! leaves, the quorum issued); [`liveness`] who is alive (heartbeats, sessions, losses,
-//! hangs, drops); [`progress`] the no-regression rules and the startup hold; [`commit`]
-//! write-ahead commits and the durable state; [`verdict`] why a round is ready or not, and
+//! leaves, the quorum issued); `liveness` who is alive (heartbeats, sessions, losses,
+//! hangs, drops); `progress` the no-regression rules and the startup hold; `commit`
+//! write-ahead commits and the durable state; `verdict` why a round is ready or not, and
 //! the read-only view for the status pages.
 
 use std::collections::{HashMap, HashSet};
@@ -131,9 +131,9 @@ pub struct QuorumEngine {
     restored_quorum: Option<(i64, HashSet<String>)>,
     /// Bumped whenever [`QuorumEngine::durable`] may have changed.
     durable_revision: u64,
-    /// The training loops' visits and the groups found hung (see [`super::health::hang`]).
+    /// The training loops' visits and the groups found hung (see [`crate::lighthouse::health::hang`]).
     hang: HangWatch,
-    /// The groups' state digests, compared step by step (see [`super::health::parity`]).
+    /// The groups' state digests, compared step by step (see [`crate::lighthouse::health::parity`]).
     parity: Parity,
     /// Groups dropped from the quorum as lasting stragglers, until when, and why: not
     /// counted as healthy, and their requests wait in `parked` until then.
@@ -511,7 +511,7 @@ impl QuorumEngine {
     }
 
     /// Takes group `replica_id`'s digests of its committed state after `step` (see
-    /// [`super::health::parity`]) and decides the steps that are ready; returns the step to
+    /// [`crate::lighthouse::health::parity`]) and decides the steps that are ready; returns the step to
     /// acknowledge.
     pub fn offer_digest(
         &mut self,

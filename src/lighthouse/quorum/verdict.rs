@@ -144,11 +144,11 @@ pub struct Snapshot {
     pub healthy_not_asking: Vec<String>,
     /// How long the current round has been open (None while nobody asks).
     pub round_age: Option<Duration>,
-    /// Replica groups hung now (see [`super::health::hang`]), by id.
+    /// Replica groups hung now (see [`crate::lighthouse::health::hang`]), by id.
     pub hung: Vec<Hung>,
     /// The hang timeout now, and how it was chosen.
     pub hang_timeout: (Duration, String),
-    /// The runtime state parity check (see [`super::health::parity`]).
+    /// The runtime state parity check (see [`crate::lighthouse::health::parity`]).
     pub parity: ParitySnapshot,
     /// Groups dropped from the quorum as lasting stragglers: id, why, time left (sorted).
     pub dropped: Vec<(String, String, Duration)>,

@@ -6,8 +6,8 @@
 //! number of groups (the oldest inactive ones are forgotten first), a ring of recent events.
 //! The service drains [`Telemetry::take_events`] after each call and publishes them.
 //!
-//! Its pieces: [`group`] one group's samples and lifecycle; [`records`] what the status
-//! pages and `/metrics` show; [`snapshots`] the latest durable snapshot; [`stragglers`]
+//! Its pieces: `group` one group's samples and lifecycle; `records` what the status
+//! pages and `/metrics` show; `snapshots` the latest durable snapshot; `stragglers`
 //! the straggler verdicts. This module holds the model itself and the events it emits.
 
 use std::collections::{HashMap, HashSet, VecDeque};
