@@ -7,8 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use tracing::{error, info, warn};
 
-use super::*;
+use super::{unix_seconds, Shared, State};
 use crate::error::Error;
+use crate::lighthouse::quorum::EarlierLife;
 
 /// A round waiting longer than this says why in the log.
 pub(super) const EXPLAIN_WAIT_AFTER: Duration = Duration::from_secs(2);

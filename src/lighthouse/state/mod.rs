@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::health::hub::Hub;
-use super::quorum::{CommitVerdict, EarlierLife, QuorumEngine, Snapshot};
+use super::quorum::{CommitVerdict, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};

@@ -13,10 +13,11 @@ use tokio::sync::mpsc;
 use tonic::Status;
 use tracing::{debug, info, warn};
 
-use super::*;
+use super::{now_instant, LostRecord, OnDrop, Shared, State, LOST_HISTORY};
 use crate::error::{Error, Result};
 use crate::lighthouse::health::hub::Hub;
 use crate::lighthouse::quorum::LostMember;
+use crate::lighthouse::reply::Issued;
 use crate::proto::{LostEvent, SessionEvent};
 
 /// Events buffered per session before the lighthouse drops them (a session that does not

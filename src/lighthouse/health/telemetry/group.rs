@@ -4,9 +4,8 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::{GroupState, HealRecord, MIN_SAMPLES};
 use serde::Serialize;
-
-use super::*;
 
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Sample {

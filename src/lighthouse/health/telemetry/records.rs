@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::*;
+use super::{Counters, SnapshotRecord};
 use crate::proto::TelemetryReport;
 
 /// Lifecycle state of a replica group.

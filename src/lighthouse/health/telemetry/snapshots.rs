@@ -6,7 +6,7 @@ use std::time::Instant;
 use serde::Serialize;
 use serde_json::json;
 
-use super::*;
+use super::{round3, round6, SnapshotStatus, Telemetry};
 use crate::proto::telemetry_report::Phase;
 use crate::proto::TelemetryReport;
 use crate::telemetry::{base_id, EventKind, MAX_ID_BYTES, MAX_PATH_BYTES};
@@ -151,6 +151,7 @@ impl Telemetry {
 #[cfg(test)]
 mod tests {
     use super::super::testkit::*;
+    use super::super::*;
     use super::*;
 
     #[test]

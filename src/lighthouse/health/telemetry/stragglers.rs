@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::*;
+use super::{median, round3, round6, GroupState, Telemetry};
 use crate::telemetry::EventKind;
 
 impl Telemetry {
@@ -112,7 +112,7 @@ impl Telemetry {
 #[cfg(test)]
 mod tests {
     use super::super::testkit::*;
-    use super::*;
+    use super::super::*;
 
     #[test]
     fn a_steady_slow_group_is_flagged_and_cleared_but_one_slow_step_is_not() {
