@@ -14,7 +14,6 @@ use pyo3::types::{PyDict, PyList};
 use super::{block_on, check_duration};
 use crate::lighthouse::{self as core, daemon, LighthouseConfig};
 use crate::proto;
-use crate::security::TlsFiles;
 
 fn dict_to_json(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
     match data {
@@ -354,12 +353,10 @@ impl LighthouseServer {
             config.straggler_skew_pct = pct;
         }
         config.token_file = token_file;
-        config.tls = TlsFiles {
-            cert: tls_cert,
-            key: tls_key,
-            ca: tls_ca,
-            client_ca: tls_client_ca,
-        };
+        config.tls_cert = tls_cert;
+        config.tls_key = tls_key;
+        config.tls_ca = tls_ca;
+        config.tls_client_ca = tls_client_ca;
         config.private_status = private_status;
         if let Some(bytes) = max_request_bytes {
             config.max_request_bytes = bytes;

@@ -2,17 +2,20 @@
 //! flags ([`super::daemon::Args`]) and the Python constructor
 //! `torchft._torchft.LighthouseServer(...)`.
 //!
-//! Both fill a [`LighthouseConfig`] in the units their users write (milliseconds, counts),
-//! starting from the same defaults ([`LighthouseConfig::new`]); it is checked once
+//! The flags are parsed straight into a [`LighthouseConfig`] (it derives them); the Python
+//! constructor fills one from its arguments, starting from [`LighthouseConfig::new`], whose
+//! defaults are the flags' defaults. Either way it is checked once
 //! ([`LighthouseConfig::validate`]) and turned into the core's options.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::TypedValueParser as _;
+
 use super::health::telemetry::{DEFAULT_STRAGGLER_MIN_MS, DEFAULT_STRAGGLER_SKEW_PCT};
 use super::{
     AccessOptions, LighthouseOptions, LighthouseServer, ObservabilityOptions,
-    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES, MIN_REQUEST_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::security::{Security, TlsFiles};
@@ -30,43 +33,175 @@ pub const DEFAULT_HEARTBEAT_TIMEOUT_MS: u64 = 5_000;
 /// (store connect, heal, a collective) finishes it and rejoins before the job gives up on it.
 pub const DEFAULT_PROGRESS_WAIT_MS: u64 = 60_000;
 
-/// Everything a lighthouse is started with, as its entry points spell it. See the
-/// `torchft_lighthouse` flags of the same names for what each one does.
-#[derive(Debug, Clone, PartialEq)]
+/// Everything a lighthouse is started with, as its entry points spell it: the field docs are
+/// the `torchft_lighthouse` flags' help.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct LighthouseConfig {
-    /// Address to listen on (host:port); port 0 picks a free port.
-    pub bind: String,
     /// Fewest replica groups a quorum may have (at least 1).
+    #[arg(
+        long = "min_replicas",
+        alias = "min-replicas",
+        env = "TORCHFT_MIN_REPLICAS",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     pub min_replicas: u64,
-    /// How long a round waits, from its first joiner, for healthy stragglers.
+
+    /// Address to listen on (host:port); port 0 picks a free port.
+    #[arg(long = "bind", env = "TORCHFT_BIND", default_value = DEFAULT_BIND)]
+    pub bind: String,
+
+    /// How long a round waits, from its first joiner, for healthy stragglers (ms).
+    #[arg(
+        long = "join_timeout_ms",
+        alias = "join-timeout-ms",
+        env = "TORCHFT_JOIN_TIMEOUT_MS",
+        default_value_t = DEFAULT_JOIN_TIMEOUT_MS
+    )]
     pub join_timeout_ms: u64,
-    /// How often the lighthouse re-evaluates a round (at least 1).
+
+    /// How often the lighthouse re-evaluates a round (ms, at least 1).
+    #[arg(
+        long = "quorum_tick_ms",
+        alias = "quorum-tick-ms",
+        env = "TORCHFT_QUORUM_TICK_MS",
+        default_value_t = DEFAULT_QUORUM_TICK_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     pub quorum_tick_ms: u64,
-    /// A replica group silent for this long is no longer healthy (at least 1).
+
+    /// A replica group silent for this long is no longer healthy (ms, at least 1).
+    #[arg(
+        long = "heartbeat_timeout_ms",
+        alias = "heartbeat-timeout-ms",
+        env = "TORCHFT_HEARTBEAT_TIMEOUT_MS",
+        default_value_t = DEFAULT_HEARTBEAT_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     pub heartbeat_timeout_ms: u64,
-    /// How long a round behind a group that may still come back waits for it (0: never).
+
+    /// How long a round whose replica groups are all behind a group that may still come back
+    /// (heartbeating, or silent with its session open) waits for it before training goes on
+    /// from the older state, announced as `progress_regressed` (ms). A restarted lighthouse
+    /// (its state file remembers the job, or a manager holds a quorum of an earlier life)
+    /// also holds its first quorum for min(heartbeat timeout, this), or until every member
+    /// of the quorum its state file remembers asks at the remembered best step; a fresh
+    /// job's first quorum is never held. 0: never wait.
+    #[arg(
+        long = "progress_wait_ms",
+        alias = "progress-wait-ms",
+        env = "TORCHFT_PROGRESS_WAIT_MS",
+        default_value_t = DEFAULT_PROGRESS_WAIT_MS
+    )]
     pub progress_wait_ms: u64,
-    /// Where the lighthouse keeps what it must not forget across its own restarts.
+
+    /// Keep what the lighthouse must not forget across its own restarts (the last quorum, the
+    /// best committed step and its holders) in this file, rewritten atomically (write, then
+    /// rename) before a commit is acknowledged or a changed quorum is issued. A restarted
+    /// lighthouse continues from it: it refuses commits under quorums it had replaced and
+    /// waits (up to the progress wait) for the holders of the best step. Put it where a
+    /// restarted container finds it again (an emptyDir volume survives container restarts).
+    #[arg(
+        long = "state_file",
+        alias = "state-file",
+        env = "TORCHFT_LIGHTHOUSE_STATE_FILE"
+    )]
     pub state_file: Option<PathBuf>,
-    /// Hang timeout of a group's training loop (0: adaptive).
+
+    /// A replica group whose training loop has not reached its manager for this long (ms),
+    /// while a quorum round waits on it and its process still heartbeats, is hung: the
+    /// others go on without it and its manager is told (by default its process dumps its
+    /// stacks and exits so its supervisor restarts it). 0: adaptive, ten times the job's
+    /// recent round interval, at least 10 s and at most one hour.
+    #[arg(
+        long = "hang_timeout_ms",
+        alias = "hang-timeout-ms",
+        env = "TORCHFT_HANG_TIMEOUT_MS",
+        default_value_t = 0
+    )]
     pub hang_timeout_ms: u64,
-    /// Where to append replica health events (JSON lines).
+
+    /// Append replica health events (JSON lines) to this file, for post-mortems
+    /// (`python -m torchft.eventlog PATH` summarises one).
+    #[arg(long = "event_log", alias = "event-log", env = "TORCHFT_EVENT_LOG")]
     pub event_log: Option<PathBuf>,
-    /// Serve the dashboard's kill action.
+
+    /// Enable the dashboard's kill action (POST /replicas/{id}/kill ends a group's manager).
+    #[arg(long = "allow_kill", alias = "allow-kill", env = "TORCHFT_ALLOW_KILL")]
     pub allow_kill: bool,
-    /// Percent above the median busy time that makes a straggler (positive).
+
+    /// A group whose median busy time is this many percent above the median is a straggler.
+    #[arg(
+        long = "straggler_skew_pct",
+        alias = "straggler-skew-pct",
+        env = "TORCHFT_STRAGGLER_SKEW_PCT",
+        default_value_t = DEFAULT_STRAGGLER_SKEW_PCT as f64,
+        value_parser = clap::value_parser!(u64).range(1..).map(|pct| pct as f64)
+    )]
     pub straggler_skew_pct: f64,
+
     /// ... and at least this many milliseconds above it.
+    #[arg(
+        long = "straggler_min_ms",
+        alias = "straggler-min-ms",
+        env = "TORCHFT_STRAGGLER_MIN_MS",
+        default_value_t = DEFAULT_STRAGGLER_MIN_MS
+    )]
     pub straggler_min_ms: u64,
-    /// A lasting straggler is dropped from the quorum after this long (0: only flagged).
+
+    /// A replica group that stays a straggler this long (ms) is dropped from the quorum for
+    /// as long again and told why (its quorum request waits, then it rejoins and heals), so
+    /// one slow machine does not set the pace of all. 0: stragglers are only flagged.
+    #[arg(
+        long = "straggler_drop_after_ms",
+        alias = "straggler-drop-after-ms",
+        env = "TORCHFT_STRAGGLER_DROP_AFTER_MS",
+        default_value_t = 0
+    )]
     pub straggler_drop_after_ms: u64,
-    /// File holding the shared secret (default from the environment).
+
+    /// Require this shared secret (read from the file) on every RPC and on the kill action
+    /// (default: env TORCHFT_TOKEN_FILE, else TORCHFT_TOKEN; never pass the secret itself on
+    /// a command line).
+    #[arg(long = "token_file", alias = "token-file")]
     pub token_file: Option<PathBuf>,
-    /// TLS files (each defaults to its environment variable).
-    pub tls: TlsFiles,
-    /// Require the token on the read-only pages too.
+
+    /// Serve TLS with this PEM certificate chain (default: env TORCHFT_TLS_CERT).
+    #[arg(long = "tls_cert", alias = "tls-cert")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls_cert (default: env TORCHFT_TLS_KEY).
+    #[arg(long = "tls_key", alias = "tls-key")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA bundle to verify manager servers with when dialing them (the kill action);
+    /// default: env TORCHFT_TLS_CA.
+    #[arg(long = "tls_ca", alias = "tls-ca")]
+    pub tls_ca: Option<PathBuf>,
+
+    /// Require client certificates signed by this PEM CA bundle (mutual TLS); default: env
+    /// TORCHFT_TLS_CLIENT_CA.
+    #[arg(long = "tls_client_ca", alias = "tls-client-ca")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Require the token on the read-only pages too (/, /status, /metrics, /events,
+    /// /healthz, /readyz).
+    #[arg(
+        long = "private_status",
+        alias = "private-status",
+        env = "TORCHFT_PRIVATE_STATUS"
+    )]
     pub private_status: bool,
-    /// Largest request message or HTTP body accepted, in bytes.
+
+    /// Largest request message or HTTP body accepted, in bytes (at least 4096).
+    #[arg(
+        long = "max_request_bytes",
+        alias = "max-request-bytes",
+        env = "TORCHFT_MAX_REQUEST_BYTES",
+        default_value_t = DEFAULT_MAX_REQUEST_BYTES,
+        value_parser = clap::value_parser!(u64)
+            .range(MIN_REQUEST_BYTES as u64..)
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+    )]
     pub max_request_bytes: usize,
 }
 
@@ -93,7 +228,10 @@ impl LighthouseConfig {
             straggler_min_ms: DEFAULT_STRAGGLER_MIN_MS,
             straggler_drop_after_ms: 0,
             token_file: None,
-            tls: TlsFiles::default(),
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
+            tls_client_ca: None,
             private_status: false,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         }
@@ -151,12 +289,22 @@ impl LighthouseConfig {
     pub fn access(&self) -> Result<AccessOptions> {
         self.validate()?;
         let access = AccessOptions {
-            security: Security::from_env_and(self.token_file.as_deref(), &self.tls)?,
+            security: Security::from_env_and(self.token_file.as_deref(), &self.tls_files())?,
             private_status: self.private_status,
             max_request_bytes: self.max_request_bytes,
         };
         access.validate()?;
         Ok(access)
+    }
+
+    /// The TLS files named here (each unset one comes from its environment variable).
+    pub fn tls_files(&self) -> TlsFiles {
+        TlsFiles {
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+            ca: self.tls_ca.clone(),
+            client_ca: self.tls_client_ca.clone(),
+        }
     }
 
     /// Binds and starts serving with `access` (from [`LighthouseConfig::access`]).
