@@ -317,7 +317,7 @@ async fn measure(args: &Args, n: usize, mode: Mode) -> anyhow::Result<()> {
                 .connect()
                 .await?
         } else {
-            torchft::net::connect(
+            torchft::client::connect(
                 &addr,
                 Duration::from_secs(10),
                 &torchft::security::Security::none(),

@@ -5,6 +5,7 @@
 //! `torchft._torchft` lives in [`bindings`] behind the `python` feature.
 
 pub mod checkpoint;
+pub mod client;
 pub mod error;
 pub mod lighthouse;
 pub mod logging;

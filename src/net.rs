@@ -1,12 +1,9 @@
-//! Connection, deadline and backoff helpers shared by every client and server.
+//! Address, deadline and backoff helpers shared by every client and server (no dialing here:
+//! that is [`crate::client::connect`], above the security layer).
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-use tonic::transport::Channel;
-
 use crate::error::{Error, Result};
-use crate::security::Security;
 
 /// Normalises a user-supplied address to a URI tonic can dial (`host:port` → `http://host:port`).
 pub fn normalize_addr(addr: &str) -> Result<String> {
@@ -22,65 +19,6 @@ pub fn normalize_addr(addr: &str) -> Result<String> {
     uri.parse::<tonic::codegen::http::Uri>()
         .map_err(|e| Error::InvalidArgument(format!("invalid address {addr:?}: {e}")))?;
     Ok(uri)
-}
-
-/// Dials `addr` with `security`'s TLS settings, retrying with exponential backoff until
-/// `connect_timeout` has passed.
-///
-/// Retrying matters at start-up, when the peer (a lighthouse or a group's manager server) may
-/// come up a moment after us. A TLS handshake that fails says so, with the likely cause.
-pub async fn connect(
-    addr: &str,
-    connect_timeout: Duration,
-    security: &Security,
-) -> Result<Channel> {
-    let endpoint = crate::security::client::endpoint(addr, connect_timeout, security)?;
-    let uri = endpoint.uri().to_string();
-    let deadline = Instant::now() + connect_timeout;
-    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
-    loop {
-        match endpoint.connect().await {
-            Ok(channel) => return Ok(channel),
-            Err(e) => {
-                let now = Instant::now();
-                let reason = error_chain(&e);
-                if security.tls.dials_tls() && is_tls_failure(&reason) {
-                    // A handshake that fails will not succeed by retrying: say so at once.
-                    return Err(Error::Connect {
-                        addr: uri,
-                        reason: format!(
-                            "TLS handshake failed: {reason} (is the server running without \
-                             TLS, or with a certificate not signed by TORCHFT_TLS_CA?)"
-                        ),
-                    });
-                }
-                if now >= deadline {
-                    return Err(Error::Connect {
-                        addr: uri,
-                        reason: format!("{reason} (gave up after {connect_timeout:?})"),
-                    });
-                }
-                tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
-            }
-        }
-    }
-}
-
-/// True if a connection error text says the TLS layer failed (rather than TCP).
-fn is_tls_failure(reason: &str) -> bool {
-    [
-        "corrupt message",
-        "InvalidContentType",
-        "invalid peer certificate",
-        "HandshakeFailure",
-        "peer is incompatible",
-        "alert",
-        "tls handshake eof",
-        "UnknownIssuer",
-        "NotValidForName",
-    ]
-    .iter()
-    .any(|needle| reason.contains(needle))
 }
 
 /// An error with its chain of causes, `: `-separated (tonic's transport errors say only

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
-use torchft::lighthouse::compact::compact_form;
+use torchft::client::compact::compact_form;
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
 use torchft::proto::lighthouse_service_client::LighthouseServiceClient;
 use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
@@ -49,7 +49,7 @@ async fn start(min_replicas: u64) -> LighthouseServer {
 }
 
 async fn raw_client(addr: &str) -> LighthouseServiceClient<tonic::transport::Channel> {
-    let channel = torchft::net::connect(
+    let channel = torchft::client::connect(
         addr,
         Duration::from_secs(5),
         &torchft::security::Security::none(),
@@ -172,8 +172,7 @@ async fn clients_get_compact_replies_over_many_rounds_and_see_full_quorums() {
                 }
                 compact_seen += 1;
             }
-            let expanded =
-                torchft::lighthouse::compact::expand(raw_known.as_ref(), raw_reply).unwrap();
+            let expanded = torchft::client::compact::expand(raw_known.as_ref(), raw_reply).unwrap();
             assert_eq!(expanded, full[0], "round {round}: raw expansion");
             raw_known = Some(expanded);
         }
@@ -417,7 +416,7 @@ async fn a_group_leaving_is_sent_as_a_delta() {
         assert_eq!(delta.removed, vec!["c".to_string()]);
         assert!(delta.upserts.is_empty());
         assert_eq!(
-            torchft::lighthouse::compact::expand(Some(&qb), qb2).unwrap(),
+            torchft::client::compact::expand(Some(&qb), qb2).unwrap(),
             qa2
         );
         // First round: 3 full replies; second: a and b get deltas.

@@ -259,7 +259,7 @@ async fn invalid_input_refused_state_unchanged() {
             Error::InvalidArgument(_)
         ));
         // Missing requester, sent with the raw stub.
-        let channel = torchft::net::connect(
+        let channel = torchft::client::connect(
             &server.address(),
             Duration::from_secs(5),
             &torchft::security::Security::none(),

@@ -417,7 +417,7 @@ struct UpstreamClient {
 impl UpstreamClient {
     async fn connect(addr: &str) -> Self {
         // Upstream has no token or TLS: a plain channel, as an upstream manager dials.
-        let channel = torchft::net::connect(
+        let channel = torchft::client::connect(
             addr,
             Duration::from_secs(5),
             &torchft::security::Security::none(),

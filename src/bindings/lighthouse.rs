@@ -12,12 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::{block_on, check_duration};
-use crate::lighthouse::{
-    self as core, daemon, AccessOptions, LighthouseOptions, ObservabilityOptions,
-    DEFAULT_MAX_REQUEST_BYTES,
-};
+use crate::lighthouse::{self as core, daemon, LighthouseConfig};
 use crate::proto;
-use crate::security::{Security, TlsFiles};
 
 fn dict_to_json(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
     match data {
@@ -236,20 +232,14 @@ impl Quorum {
     }
 }
 
-fn ms_arg(
-    name: &str,
-    value: Option<i64>,
-    default: Duration,
-    allow_zero: bool,
-) -> PyResult<Duration> {
-    match value {
-        None => Ok(default),
-        Some(v) if v < 0 => Err(PyValueError::new_err(format!(
-            "{name} must not be negative, got {v}"
-        ))),
-        Some(0) if !allow_zero => Err(PyValueError::new_err(format!("{name} must be positive"))),
-        Some(v) => Ok(Duration::from_millis(v.unsigned_abs())),
-    }
+/// A non-negative integer argument (`None`: not given).
+fn non_negative(name: &str, value: Option<i64>) -> PyResult<Option<u64>> {
+    value
+        .map(|v| {
+            u64::try_from(v)
+                .map_err(|_| PyValueError::new_err(format!("{name} must not be negative, got {v}")))
+        })
+        .transpose()
 }
 
 /// A lighthouse running inside this process (tests, single-machine jobs, Ray Train).
@@ -323,52 +313,56 @@ impl LighthouseServer {
         private_status: bool,
         max_request_bytes: Option<usize>,
     ) -> PyResult<Self> {
-        if min_replicas < 1 {
-            return Err(PyValueError::new_err(format!(
+        let min_replicas = u64::try_from(min_replicas).map_err(|_| {
+            PyValueError::new_err(format!(
                 "min_replicas must be at least 1, got {min_replicas}"
-            )));
-        }
-        let d = LighthouseOptions::default();
-        let opts = LighthouseOptions {
-            min_replicas: min_replicas.unsigned_abs(),
-            join_timeout: ms_arg("join_timeout_ms", join_timeout_ms, d.join_timeout, true)?,
-            quorum_tick: ms_arg("quorum_tick_ms", quorum_tick_ms, d.quorum_tick, false)?,
-            heartbeat_timeout: ms_arg(
+            ))
+        })?;
+        let mut config = LighthouseConfig::new(bind, min_replicas);
+        for (name, value, setting) in [
+            (
+                "join_timeout_ms",
+                join_timeout_ms,
+                &mut config.join_timeout_ms,
+            ),
+            ("quorum_tick_ms", quorum_tick_ms, &mut config.quorum_tick_ms),
+            (
                 "heartbeat_timeout_ms",
                 heartbeat_timeout_ms,
-                d.heartbeat_timeout,
-                false,
-            )?,
-            progress_wait: ms_arg("progress_wait_ms", progress_wait_ms, d.progress_wait, true)?,
-            state_file,
-            hang_timeout: None,
-        };
-        let od = ObservabilityOptions::default();
-        let obs = ObservabilityOptions {
-            event_log,
-            allow_kill,
-            straggler_skew_pct: straggler_skew_pct.unwrap_or(od.straggler_skew_pct),
-            straggler_min: ms_arg("straggler_min_ms", straggler_min_ms, od.straggler_min, true)?,
-            straggler_drop_after: None,
-        };
-        let security = Security::from_env_and(
-            token_file.as_deref(),
-            &TlsFiles {
-                cert: tls_cert,
-                key: tls_key,
-                ca: tls_ca,
-                client_ca: tls_client_ca,
-            },
-        )?;
-        let access = AccessOptions {
-            security,
-            private_status,
-            max_request_bytes: max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
-        };
-        let inner = block_on(
-            py,
-            core::LighthouseServer::bind_secured(&bind, opts, obs, access),
-        )?;
+                &mut config.heartbeat_timeout_ms,
+            ),
+            (
+                "progress_wait_ms",
+                progress_wait_ms,
+                &mut config.progress_wait_ms,
+            ),
+            (
+                "straggler_min_ms",
+                straggler_min_ms,
+                &mut config.straggler_min_ms,
+            ),
+        ] {
+            if let Some(ms) = non_negative(name, value)? {
+                *setting = ms;
+            }
+        }
+        config.state_file = state_file;
+        config.event_log = event_log;
+        config.allow_kill = allow_kill;
+        if let Some(pct) = straggler_skew_pct {
+            config.straggler_skew_pct = pct;
+        }
+        config.token_file = token_file;
+        config.tls_cert = tls_cert;
+        config.tls_key = tls_key;
+        config.tls_ca = tls_ca;
+        config.tls_client_ca = tls_client_ca;
+        config.private_status = private_status;
+        if let Some(bytes) = max_request_bytes {
+            config.max_request_bytes = bytes;
+        }
+        let access = config.access()?;
+        let inner = block_on(py, config.bind(access))?;
         Ok(Self { inner })
     }
 

@@ -360,7 +360,7 @@ impl PyManagerClient {
         digest: Vec<u8>,
     ) -> PyResult<bool> {
         let timeout = check_duration("timeout", timeout)?;
-        let max = crate::lighthouse::parity::MAX_DIGEST_BYTES;
+        let max = crate::client::MAX_DIGEST_BYTES;
         if digest_step < 1 || digest.is_empty() || digest.len() > max {
             return Err(PyValueError::new_err(format!(
                 "a state digest needs a positive step and 1 to {max} bytes (got step \

@@ -72,7 +72,8 @@ impl LighthouseService for Grpc {
         let req = request.into_inner();
         let refused = self
             .shared
-            .commit(&req.replica_id, req.quorum_id, req.step)?;
+            .commit(&req.replica_id, req.quorum_id, req.step)
+            .await?;
         Ok(Response::new(LighthouseCommitResponse {
             accepted: refused.is_none(),
             reason: refused.unwrap_or_default(),

@@ -21,11 +21,11 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
-use super::metrics::JobMetrics;
-use super::quorum::Snapshot;
+use super::health::metrics::JobMetrics;
+use super::health::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
+use super::quorum::{ParitySnapshot, Snapshot};
 use super::state::Shared;
-use super::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
-use crate::manager::ManagerClient;
+use crate::client::ManagerClient;
 use crate::telemetry::EventKind;
 
 /// One member of the current quorum, as shown on the status page.
@@ -88,21 +88,6 @@ pub struct DroppedStatus {
     pub remaining_s: f64,
 }
 
-/// The runtime state parity check (see docs/telemetry.md).
-#[derive(Debug, Serialize)]
-pub struct ParityStatus {
-    /// Steps whose state digests were compared across at least two groups.
-    pub checks: u64,
-    /// Groups found diverged (`replica_diverged` events).
-    pub diverged_total: u64,
-    /// The last step compared (null before the first comparison).
-    pub last_checked_step: Option<i64>,
-    /// Groups whose state differed from the majority's, healing from it now.
-    pub healing: Vec<String>,
-    /// Groups stopped because their states differ with no majority.
-    pub stopped: Vec<String>,
-}
-
 /// A replica group held hung (see `--hang_timeout_ms` in the README).
 #[derive(Debug, Serialize)]
 pub struct HungStatus {
@@ -145,7 +130,7 @@ pub struct StatusBody {
     pub hang_timeout_rule: String,
     /// Runtime state parity: steps compared, groups found diverged, and the groups healing
     /// from the majority or stopped (no majority) now.
-    pub parity: ParityStatus,
+    pub parity: ParitySnapshot,
     /// Groups dropped from the quorum now as lasting stragglers (`--straggler_drop_after_ms`):
     /// their requests wait until the drop ends, then they rejoin.
     pub dropped: Vec<DroppedStatus>,
@@ -217,13 +202,7 @@ impl StatusBody {
                 .collect(),
             hang_timeout_s: s.hang_timeout.0.as_secs_f64(),
             hang_timeout_rule: s.hang_timeout.1.clone(),
-            parity: ParityStatus {
-                checks: s.parity.checks,
-                diverged_total: s.parity.diverged_total,
-                last_checked_step: s.parity.last_checked_step,
-                healing: s.parity.healing.clone(),
-                stopped: s.parity.stopped.clone(),
-            },
+            parity: s.parity.clone(),
             dropped: s
                 .dropped
                 .iter()
@@ -373,7 +352,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        super::metrics::render(&job, &replicas),
+        super::health::metrics::render(&job, &replicas),
     )
         .into_response()
 }

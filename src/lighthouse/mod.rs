@@ -1,31 +1,35 @@
 //! The lighthouse: decides, per step, which replica groups take part (the quorum).
 //!
-//! `quorum` is the pure engine (state, now, options → decision); `state` the live state around
-//! it (waiting requests, sessions, the last issued quorum) and `reply` the forms in which an
-//! issued quorum reaches its members; `grpc` the gRPC methods and `http` the status pages,
-//! both served on one port by the [`LighthouseServer`] in `server`; `client` the
-//! [`LighthouseClient`]; `daemon` the command-line entry point shared by the
-//! `torchft_lighthouse` binary and the Python console script.
+//! Two rooms and the service around them; dependencies point down this list:
+//!
+//! - [`server`], `grpc`, [`http`], `reply`, `state`: the service. The [`LighthouseServer`]
+//!   serves the gRPC methods and the status pages on one port; `state` is the live state
+//!   around the engine (waiting requests, sessions, the state file and its writer) and
+//!   `reply` the forms in which an issued quorum reaches its members.
+//! - [`daemon`] and [`config`]: the `torchft_lighthouse` flags and the one
+//!   [`LighthouseConfig`] they share with the Python constructor.
+//! - [`quorum`]: the pure quorum engine (state, now, options → decision).
+//! - [`health`]: the health model, its hub and metrics, the hang and parity verdicts (the
+//!   engine consults the verdicts; health depends on nothing above it).
+//!
+//! The clients of the lighthouse (and of the manager servers its kill action calls) live in
+//! [`crate::client`], below all of these.
 
 use std::time::Duration;
 
-pub mod client;
-pub mod compact;
+pub mod config;
 pub mod daemon;
 mod grpc;
-pub mod hang;
+pub mod health;
 pub mod http;
-pub mod hub;
-pub mod metrics;
-pub mod parity;
 pub mod quorum;
 mod reply;
 pub mod server;
 mod state;
-pub mod telemetry;
 
-pub use client::LighthouseClient;
-pub use hub::ObservabilityOptions;
+pub use crate::client::LighthouseClient;
+pub use config::LighthouseConfig;
+pub use health::hub::ObservabilityOptions;
 pub use server::LighthouseServer;
 
 /// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.
@@ -58,7 +62,7 @@ pub struct LighthouseOptions {
     pub state_file: Option<std::path::PathBuf>,
     /// A replica group whose training loop has not reached its manager for this long, while
     /// a round waits on it, is hung: the quorum rules stop counting it as healthy and the
-    /// others go on without it (see [`hang`]). None: adaptive, ten times the job's recent
+    /// others go on without it (see [`health::hang`]). None: adaptive, ten times the job's recent
     /// round interval, within 10 s and one hour.
     pub hang_timeout: Option<Duration>,
 }
@@ -67,9 +71,9 @@ impl Default for LighthouseOptions {
     fn default() -> Self {
         Self {
             min_replicas: 1,
-            join_timeout: Duration::from_secs(60),
-            quorum_tick: Duration::from_millis(100),
-            heartbeat_timeout: Duration::from_secs(5),
+            join_timeout: Duration::from_millis(config::DEFAULT_JOIN_TIMEOUT_MS),
+            quorum_tick: Duration::from_millis(config::DEFAULT_QUORUM_TICK_MS),
+            heartbeat_timeout: Duration::from_millis(config::DEFAULT_HEARTBEAT_TIMEOUT_MS),
             progress_wait: DEFAULT_PROGRESS_WAIT,
             state_file: None,
             hang_timeout: None,
@@ -77,10 +81,8 @@ impl Default for LighthouseOptions {
     }
 }
 
-/// Default of [`LighthouseOptions::progress_wait`]: as long as the Manager's default
-/// timeouts, so a group ahead of the others that is inside a blocking phase of its step
-/// (store connect, heal, a collective) finishes it and rejoins before the job gives up on it.
-pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_secs(60);
+/// Default of [`LighthouseOptions::progress_wait`] (see [`config::DEFAULT_PROGRESS_WAIT_MS`]).
+pub const DEFAULT_PROGRESS_WAIT: Duration = Duration::from_millis(config::DEFAULT_PROGRESS_WAIT_MS);
 
 /// Who may use a lighthouse and how much they may send; the defaults are an open,
 /// plain-TCP lighthouse (as upstream's).
@@ -112,13 +114,19 @@ impl Default for AccessOptions {
 }
 
 impl AccessOptions {
-    /// Checks the options are usable (a workable request limit, complete TLS files).
-    pub fn validate(&self) -> crate::error::Result<()> {
-        if self.max_request_bytes < MIN_REQUEST_BYTES {
+    /// Checks a request limit is workable (at least [`MIN_REQUEST_BYTES`]).
+    pub fn check_max_request_bytes(max_request_bytes: usize) -> crate::error::Result<()> {
+        if max_request_bytes < MIN_REQUEST_BYTES {
             return Err(crate::error::Error::InvalidArgument(format!(
                 "max_request_bytes must be at least {MIN_REQUEST_BYTES}"
             )));
         }
+        Ok(())
+    }
+
+    /// Checks the options are usable (a workable request limit, complete TLS files).
+    pub fn validate(&self) -> crate::error::Result<()> {
+        Self::check_max_request_bytes(self.max_request_bytes)?;
         if self.private_status && self.security.token.is_none() {
             return Err(crate::error::Error::InvalidArgument(
                 "private_status needs a token (TORCHFT_TOKEN_FILE / --token_file)".into(),

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use axum::body::Bytes;
 
-use super::compact;
+use crate::client::compact;
 use crate::proto::Quorum;
 
 /// A quorum as handed to its members: the full message, and its two gRPC responses (full

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use super::hub::{Hub, ObservabilityOptions};
+use super::health::hub::{Hub, ObservabilityOptions};
 use super::state::{initial_quorum_id, Shared};
 use super::{AccessOptions, LighthouseOptions};
 use crate::error::{Error, Result};
@@ -200,7 +200,8 @@ impl LighthouseServer {
     }
 
     /// Graceful stop: pending long-polls end with UNAVAILABLE, then the listener and the tick
-    /// task are joined (connections still open after a grace period are cut).
+    /// task are joined (connections still open after a grace period are cut), and the last
+    /// state handed to the state file's writer is written.
     pub async fn shutdown(&self) {
         self.shared.begin_shutdown();
         let _ = self.stop.send(true);
@@ -211,6 +212,16 @@ impl LighthouseServer {
                 t.abort();
             }
         }
+        if let Err(e) = self.shared.close_state().await {
+            warn!(error = %e, "the lighthouse state file may miss the last state");
+        }
+    }
+
+    /// Waits until the state file holds everything the lighthouse has handed to its writer
+    /// (at once without a state file). Answers already wait for what they depend on (a
+    /// commit, a changed quorum); this is for readers of the file (tools and tests).
+    pub async fn flush_state(&self) -> Result<()> {
+        self.shared.flush_state().await
     }
 }
 

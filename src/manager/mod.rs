@@ -8,12 +8,11 @@
 //! - [`gather`]: bookkeeping of the quorum round in progress (who waits, step agreement).
 //! - [`commit`]: the `should_commit` barrier (AND over the group's ranks, keyed by step).
 //! - [`server`]: the server: its gRPC service, its lighthouse calls and its heartbeat loop.
-//! - [`client`]: the client every rank uses to talk to its group's manager server.
+//! - [`crate::client::ManagerClient`]: the client every rank uses (in the client folder).
 //! - [`topology`]: the topology file and the choice of each healer's source by locality.
 
 use std::time::Duration;
 
-pub mod client;
 pub mod commit;
 pub mod compute;
 pub mod gather;
@@ -23,7 +22,8 @@ pub mod round;
 pub mod server;
 pub mod topology;
 
-pub use client::ManagerClient;
+pub(crate) use crate::client::rpc_error;
+pub use crate::client::ManagerClient;
 pub use compute::compute_quorum_results;
 pub use server::ManagerServer;
 
@@ -39,25 +39,6 @@ const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
 /// completed by a rank arriving in that instant, and its answer would be lost.
 pub(crate) fn server_budget(timeout: Duration) -> Duration {
     timeout.saturating_sub((timeout / 20).min(DEADLINE_MARGIN))
-}
-
-/// Converts a failed RPC's status to an error, given when the call started and its timeout.
-///
-/// A `CANCELLED` status before the deadline is not a timeout: the transport dropped the call
-/// (typically the peer's connection closed under it), so it is reported as `Unavailable` and
-/// Python sees a torchft error rather than a misleading `TimeoutError`.
-pub(crate) fn rpc_error(
-    status: tonic::Status,
-    started: tokio::time::Instant,
-    timeout: Duration,
-) -> crate::error::Error {
-    if status.code() == tonic::Code::Cancelled && started.elapsed() < timeout {
-        return crate::error::Error::Unavailable(format!(
-            "the connection dropped the call: {}",
-            status.message()
-        ));
-    }
-    crate::error::Error::from(status)
 }
 
 /// How a manager server presents itself and reaches the lighthouse.
@@ -128,25 +109,5 @@ mod tests {
             Duration::from_millis(95)
         );
         assert_eq!(server_budget(Duration::ZERO), Duration::ZERO);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn cancelled_before_the_deadline_is_unavailable_not_timeout() {
-        use crate::error::Error;
-        let started = tokio::time::Instant::now();
-        let t = Duration::from_secs(1);
-        let e = rpc_error(
-            tonic::Status::cancelled("operation was canceled"),
-            started,
-            t,
-        );
-        assert!(matches!(e, Error::Unavailable(_)), "{e}");
-        let e = rpc_error(tonic::Status::deadline_exceeded("late"), started, t);
-        assert!(e.is_timeout());
-        tokio::time::advance(t).await;
-        let e = rpc_error(tonic::Status::cancelled("Timeout expired"), started, t);
-        assert!(e.is_timeout());
-        let e = rpc_error(tonic::Status::invalid_argument("bad"), started, t);
-        assert!(matches!(e, Error::InvalidArgument(_)));
     }
 }

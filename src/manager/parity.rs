@@ -1,12 +1,12 @@
 //! The group's side of runtime state parity: every group rank digests its own committed state
 //! every `parity_every` steps and hands the digest over with a commit vote; this collects one
 //! digest per group rank and, once a step has all of them, gives the group's digest to the
-//! heartbeats until the lighthouse acknowledges it (see `crate::lighthouse::parity`).
+//! heartbeats until the lighthouse acknowledges it (see `crate::lighthouse::health::parity`).
 
 use std::collections::BTreeMap;
 
+use crate::client::MAX_DIGEST_BYTES;
 use crate::error::{Error, Result};
-use crate::lighthouse::parity::MAX_DIGEST_BYTES;
 use crate::proto::StateDigest;
 
 /// Steps kept waiting for the rest of their ranks' digests (the oldest go first).

@@ -29,13 +29,13 @@ pub trait ReportSink: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<()>> + Send;
 }
 
-impl ReportSink for crate::manager::ManagerClient {
+impl ReportSink for crate::client::ManagerClient {
     async fn send(&self, batch: TelemetryBatch, timeout: Duration) -> Result<()> {
         self.report(batch, timeout).await.map(|_| ())
     }
 }
 
-impl ReportSink for crate::lighthouse::LighthouseClient {
+impl ReportSink for crate::client::LighthouseClient {
     async fn send(&self, batch: TelemetryBatch, timeout: Duration) -> Result<()> {
         self.report(batch, timeout).await.map(|_| ())
     }

@@ -1041,7 +1041,7 @@ mod tests {
                 step: a.step + 1,
                 ..member("a", "h", data())
             };
-            assert!(crate::lighthouse::compact::same_except_step(&a, &b));
+            assert!(crate::client::compact::same_except_step(&a, &b));
         }
     }
 

@@ -152,7 +152,7 @@ pub fn compact_form(full: &Quorum) -> Quorum {
 ///
 /// `stable_since` is the revision since which every issued quorum had `issued`'s id and the
 /// same member fields except steps (see
-/// [`QuorumEngine::stable_since`](super::quorum::QuorumEngine::stable_since)). A requester
+/// [`QuorumEngine::stable_since`](crate::lighthouse::quorum::QuorumEngine::stable_since)). A requester
 /// that knows nothing (`known_revision == 0`), a different id, an older revision or a
 /// revision this lighthouse never issued gets the full form.
 pub fn compact_applies(

@@ -17,9 +17,9 @@ use tonic::transport::Channel;
 use tonic::Status;
 use tracing::warn;
 
-use super::compact;
+use super::{compact, dial};
 use crate::error::{Error, Result};
-use crate::net::{connect, with_timeout};
+use crate::net::with_timeout;
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
 use crate::proto::{
     LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember, SessionEvent,
@@ -111,15 +111,21 @@ impl LighthouseClient {
         connect_timeout: Duration,
         security: &Security,
     ) -> Result<Self> {
-        let channel = connect(addr, connect_timeout, security).await?;
-        Ok(Self::from_channel(channel, security.token.as_ref()))
+        Ok(Self::from_auth(
+            dial(addr, connect_timeout, security).await?,
+        ))
     }
 
     /// Wraps an existing channel (e.g. one shared by many clients, or a lazy one); every call
     /// carries `token` when given.
     pub fn from_channel(channel: Channel, token: Option<&Token>) -> Self {
+        Self::from_auth(authenticated(channel, token))
+    }
+
+    /// Wraps a channel that already carries the token.
+    fn from_auth(channel: AuthChannel) -> Self {
         Self {
-            client: LighthouseServiceClient::new(authenticated(channel, token))
+            client: LighthouseServiceClient::new(channel)
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(usize::MAX),
             known: Arc::new(Mutex::new(None)),

@@ -25,8 +25,7 @@ use crate::error::{Error, Result};
 /// A step whose digests have not all arrived is decided this long after its first one.
 pub const DECIDE_AFTER: Duration = Duration::from_secs(30);
 
-/// Longest digest of one rank, in bytes.
-pub const MAX_DIGEST_BYTES: usize = 64;
+use crate::client::MAX_DIGEST_BYTES;
 
 /// Most group ranks one group digest may have.
 pub const MAX_RANKS: usize = 1 << 16;

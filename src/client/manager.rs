@@ -7,15 +7,15 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::rpc_error;
+use super::{dial, rpc_error};
 use crate::error::{Error, Result};
-use crate::net::{connect, with_timeout};
+use crate::net::with_timeout;
 use crate::proto::manager_service_client::ManagerServiceClient;
 use crate::proto::{
     CheckpointMetadataRequest, KillRequest, LostEvent, ManagerQuorumRequest, ManagerQuorumResponse,
     ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
 };
-use crate::security::client::{authenticated, AuthChannel};
+use crate::security::client::AuthChannel;
 use crate::security::Security;
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
@@ -52,9 +52,8 @@ impl ManagerClient {
         connect_timeout: Duration,
         security: &Security,
     ) -> Result<Self> {
-        let channel = connect(addr, connect_timeout, security).await?;
         Ok(Self {
-            client: ManagerServiceClient::new(authenticated(channel, security.token.as_ref())),
+            client: ManagerServiceClient::new(dial(addr, connect_timeout, security).await?),
         })
     }
 

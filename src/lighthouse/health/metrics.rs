@@ -429,7 +429,7 @@ mod tests {
         job.counters.snapshots = 3;
         job.counters.snapshot_failures = 1;
         job.snapshot = Some(SnapshotStatus {
-            record: crate::lighthouse::telemetry::SnapshotRecord {
+            record: crate::lighthouse::health::telemetry::SnapshotRecord {
                 step: 120,
                 replica_id: "a".into(),
                 incarnation: String::new(),
