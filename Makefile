@@ -108,7 +108,7 @@ lint: develop
 	ruff check python tests benches examples
 	ruff format --check python tests benches examples
 	$(PY) -m mypy.stubtest torchft._torchft
-	$(PY) -m mypy --follow-imports=skip --strict python/torchft/_torchft.pyi python/torchft/coordination.py python/torchft/config.py python/torchft/standby.py python/torchft/launch.py python/torchft/snapshot.py python/torchft/group_snapshots.py python/torchft/loss_watch.py python/torchft/state_lock.py python/torchft/checkpointing/*.py python/torchft/checkpointing/http/*.py
+	$(PY) -m mypy --follow-imports=skip --strict python/torchft/_torchft.pyi python/torchft/coordination.py python/torchft/config.py python/torchft/standby.py python/torchft/launch.py python/torchft/snapshot.py python/torchft/group_snapshots.py python/torchft/loss_watch.py python/torchft/state_lock.py python/torchft/healing.py python/torchft/quorum_group.py python/torchft/group_connect.py python/torchft/errors.py python/torchft/user_state.py python/torchft/checkpointing/*.py python/torchft/checkpointing/http/*.py
 
 fmt: venv
 	cargo fmt

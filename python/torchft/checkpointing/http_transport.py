@@ -93,7 +93,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self,
         timeout: timedelta,
         num_chunks: int = 0,
-        state_dict: Callable[[], T] | None = None,
+        state_dict: Callable[[], T | None] | None = None,
         state_dict_lock: Callable[[], AbstractContextManager[object]] | None = None,
         *,
         state_version: Callable[[], int] | None = None,
