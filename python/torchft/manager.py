@@ -323,6 +323,11 @@ class Manager:
         )
 
     @property
+    def _use_async_quorum(self) -> bool:
+        """Whether the quorum runs in the background (DiLoCo refuses it)."""
+        return self._config.use_async_quorum
+
+    @property
     def _quorum_id(self) -> int:
         """The quorum the cross-replica group is configured for (-1: none yet)."""
         return self._group.quorum_id

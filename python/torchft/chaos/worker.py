@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             optim.step()
             # Out of the vote: a kill from here on is no kill in the commit phase.
             os.pwrite(phase, b"d", 0)
-            healed = healed or bool(getattr(manager, "_healing", False))
+            healed = healed or manager._healer.healed
             if manager.current_step() > before + 1:
                 # A durable snapshot was restored (every group had died): the state the
                 # group trains on from here, for the checker to compare with the history.
