@@ -284,10 +284,17 @@ impl Parity {
     }
 
     /// `replica_id` (one process of a group: ids name incarnations) was declared lost: its
-    /// marks go (a new process heals anyway, and is not stopped).
+    /// marks go (a new process heals anyway, and is not stopped), and so do the digests it
+    /// sent for steps not decided yet. After every group died, the job resumes from a durable
+    /// snapshot and commits those step numbers again with a new state: a dead incarnation's
+    /// digest of the old state would call the new one diverged.
     pub fn lost(&mut self, replica_id: &str) {
         self.heal.remove(replica_id);
         self.stopped.remove(replica_id);
+        for p in self.pending.values_mut() {
+            p.groups.remove(replica_id);
+        }
+        self.pending.retain(|_, p| !p.groups.is_empty());
     }
 }
 
@@ -362,6 +369,22 @@ mod tests {
         assert!(p.healing().is_empty());
         p.lost("a");
         assert_eq!(p.stopped_ids(), vec!["b"]);
+    }
+
+    #[test]
+    fn a_lost_incarnations_undecided_digests_are_not_compared() {
+        // Every group died after "old" sent step 10; the job resumed from a snapshot and
+        // the new incarnations commit step 10 again with another state.
+        let t = Instant::now();
+        let mut p = Parity::default();
+        p.offer("old", 10, d(9, 1), t).unwrap();
+        p.lost("old");
+        for id in ["a", "b"] {
+            p.offer(id, 10, d(1, 1), t).unwrap();
+        }
+        p.evaluate(2, t);
+        assert!(p.take_verdicts().is_empty());
+        assert_eq!((p.checks, p.last_checked), (1, Some(10)));
     }
 
     #[test]
