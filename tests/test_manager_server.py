@@ -206,6 +206,26 @@ def test_quorum_timeout_when_a_rank_never_arrives(
     assert all(isinstance(r, QuorumResult) for r in results), results
 
 
+def test_quorum_takes_the_record_keywords_or_upstreams_positional_form(
+    lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
+) -> None:
+    """The three call forms of ``_quorum`` ask the same thing; bad mixes fail clearly."""
+    g = groups("a", lighthouse.address(), 1)
+    (c,) = g.clients
+    by_record = c._quorum(_req(0, 0, "m"), LONG)
+    by_keywords = c._quorum(
+        group_rank=0, step=0, checkpoint_metadata="m", shrink_only=False, timeout=LONG
+    )
+    positional = c._quorum(0, 0, "m", False, LONG, 0, True)
+    assert by_record.quorum_id == by_keywords.quorum_id == positional.quorum_id
+    with pytest.raises(TypeError, match='multiple values for argument "step"'):
+        c._quorum(0, 0, "m", False, LONG, step=1)
+    with pytest.raises(TypeError, match="at most 7 positional"):
+        c._quorum(0, 0, "m", False, LONG, 0, True, "extra")
+    with pytest.raises(TypeError, match="missing argument: timeout"):
+        c._quorum(_req(0, 0, "m"))
+
+
 def test_quorum_start_answers_like_quorum(
     lighthouse: LighthouseServer, groups: Callable[[str, str, int], Group]
 ) -> None:

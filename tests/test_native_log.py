@@ -46,7 +46,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 _LINE = re.compile(
-    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING torchft\.manager\.server: "
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING torchft\.manager\.server(\.\w+)?: "
     r"\[rg_log:[0-9a-f-]{36}/0\] lighthouse (session ended|heartbeat)",
     re.MULTILINE,
 )

@@ -253,19 +253,17 @@ class ManagerClient:
         """Sends the queued telemetry reports now, waiting at most ``timeout``."""
     def _telemetry_dropped(self) -> int:
         """Telemetry reports dropped so far."""
-    def _quorum(
-        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
-    ) -> QuorumResult:
+    def _quorum(self, *args: Any, **fields: Any) -> QuorumResult:
         """This rank's part of the next quorum (waits for every rank of the group); takes a
-        :class:`QuorumRequest`, or its fields as keywords, and ``timeout``.
+        :class:`QuorumRequest` and ``timeout``, its fields and ``timeout`` as keywords, or
+        upstream's positional form ``(group_rank, step, checkpoint_metadata, shrink_only,
+        timeout, commit_failures, init_sync)``.
 
         Raises TimeoutError at the deadline (the rank then leaves the round), ValueError for a
         rank outside the group or a negative step, and TorchFTError when the lighthouse cannot be
         reached or the group's ranks disagree on the step (every waiting rank gets it at once).
         """
-    def _quorum_start(
-        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
-    ) -> PendingQuorum:
+    def _quorum_start(self, *args: Any, **fields: Any) -> PendingQuorum:
         """Sends the ``_quorum`` request without waiting; collect it with ``PendingQuorum.wait``."""
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its latest quorum request."""

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -297,16 +297,17 @@ impl PyManagerClient {
     }
 
     /// Asks for this rank's part of the next quorum (waits for the whole group, at most
-    /// `timeout`). Takes a `QuorumRequest`, or its fields as keywords.
-    #[pyo3(signature = (request = None, timeout = None, **fields))]
+    /// `timeout`). Takes a `QuorumRequest` and `timeout`, the request's fields as keywords,
+    /// or upstream's positional form `(group_rank, step, checkpoint_metadata, shrink_only,
+    /// timeout, commit_failures, init_sync)`.
+    #[pyo3(signature = (*args, **fields))]
     fn _quorum(
         &self,
         py: Python<'_>,
-        request: Option<PyRef<'_, PyQuorumRequest>>,
-        timeout: Option<Duration>,
+        args: &Bound<'_, PyTuple>,
         fields: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<QuorumResult> {
-        let (req, timeout) = quorum_call(py, request, timeout, fields)?;
+        let (req, timeout) = quorum_call(py, args, fields)?;
         let resp = block_on(py, self.client.quorum(req, timeout))?;
         Ok(QuorumResult::from(resp))
     }
@@ -316,15 +317,14 @@ impl PyManagerClient {
     /// The request runs on the shared runtime, so the training thread can overlap it with the
     /// forward pass without a Python helper thread (which would contend for the GIL); the
     /// answer is collected with `PendingQuorum.wait`.
-    #[pyo3(signature = (request = None, timeout = None, **fields))]
+    #[pyo3(signature = (*args, **fields))]
     fn _quorum_start(
         &self,
         py: Python<'_>,
-        request: Option<PyRef<'_, PyQuorumRequest>>,
-        timeout: Option<Duration>,
+        args: &Bound<'_, PyTuple>,
         fields: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PendingQuorum> {
-        let (req, timeout) = quorum_call(py, request, timeout, fields)?;
+        let (req, timeout) = quorum_call(py, args, fields)?;
         let client = self.client.clone();
         let handle = crate::runtime::get().spawn(async move { client.quorum(req, timeout).await });
         Ok(PendingQuorum {
@@ -474,13 +474,73 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// The request and timeout of a `_quorum` or `_quorum_start` call.
+/// The positional parameters of upstream's `_quorum` / `_quorum_start`, in order.
+const QUORUM_POSITIONAL: [&str; 7] = [
+    "group_rank",
+    "step",
+    "checkpoint_metadata",
+    "shrink_only",
+    "timeout",
+    "commit_failures",
+    "init_sync",
+];
+
+/// Parses the three call forms of `_quorum`: `(QuorumRequest, timeout)`, keywords, or
+/// upstream's positional arguments (see [`QUORUM_POSITIONAL`]); `timeout` may be a keyword
+/// in every form.
 fn quorum_call(
     py: Python<'_>,
-    request: Option<PyRef<'_, PyQuorumRequest>>,
-    timeout: Option<Duration>,
+    args: &Bound<'_, PyTuple>,
     fields: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<(ManagerQuorumRequest, Duration)> {
-    let timeout = timeout.ok_or_else(|| PyTypeError::new_err("missing argument: timeout"))?;
+    let all = PyDict::new(py);
+    if let Some(f) = fields {
+        all.update(f.as_mapping())?;
+    }
+    let mut request: Option<PyRef<'_, PyQuorumRequest>> = None;
+    let first_is_record = args.len() > 0 && args.get_item(0)?.is_instance_of::<PyQuorumRequest>();
+    let names: &[&str] = if first_is_record {
+        request = Some(args.get_item(0)?.extract()?);
+        &["request", "timeout"]
+    } else {
+        &QUORUM_POSITIONAL
+    };
+    if args.len() > names.len() {
+        return Err(PyTypeError::new_err(format!(
+            "_quorum takes at most {} positional arguments ({} given)",
+            names.len(),
+            args.len()
+        )));
+    }
+    for (i, name) in names.iter().enumerate().take(args.len()) {
+        if *name == "request" {
+            continue;
+        }
+        if all.contains(*name)? {
+            return Err(PyTypeError::new_err(format!(
+                "_quorum got multiple values for argument {name:?}"
+            )));
+        }
+        all.set_item(*name, args.get_item(i)?)?;
+    }
+    if request.is_none() {
+        if let Some(r) = all.get_item("request")? {
+            all.del_item("request")?;
+            if !r.is_none() {
+                request = Some(r.extract()?);
+            }
+        }
+    }
+    let timeout = match all.get_item("timeout")? {
+        Some(t) => {
+            all.del_item("timeout")?;
+            t.extract::<Duration>()?
+        }
+        None => return Err(PyTypeError::new_err("missing argument: timeout")),
+    };
     let timeout = check_duration("timeout", timeout)?;
-    Ok((PyQuorumRequest::from_call(py, request, fields)?, timeout))
+    Ok((
+        PyQuorumRequest::from_call(py, request, Some(&all))?,
+        timeout,
+    ))
 }
