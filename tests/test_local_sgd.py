@@ -517,22 +517,28 @@ def test_streaming_diloco_commit_failure(n_fragments: int, delay: int, alpha: fl
     _assert_one_global_state(results)
 
 
-def test_diloco_refuses_a_real_managers_async_quorum(lighthouse: Any) -> None:
-    """The refusal reads the real Manager's setting, not only a test double's."""
+def _solo_manager(lighthouse: Any, replica_id: str, **kw: Any) -> tuple[Manager, TCPStore]:
+    """A real one-rank Manager on its own store (keep the store referenced while it runs)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
         load_state_dict=None,
         state_dict=None,
         min_replica_size=1,
-        use_async_quorum=True,
         rank=0,
         world_size=1,
         store_addr="127.0.0.1",
         store_port=store.port,
         lighthouse_addr=lighthouse.address(),
-        replica_id="async",
+        replica_id=replica_id,
+        **kw,
     )
+    return manager, store
+
+
+def test_diloco_refuses_a_real_managers_async_quorum(lighthouse: Any) -> None:
+    """The refusal reads the real Manager's setting, not only a test double's."""
+    manager, _store = _solo_manager(lighthouse, "async", use_async_quorum=True)
     try:
         with pytest.raises(ValueError, match="use_async_quorum=False"):
             _diloco(manager)
@@ -542,19 +548,7 @@ def test_diloco_refuses_a_real_managers_async_quorum(lighthouse: Any) -> None:
 
 def test_set_state_dict_fns_warns_and_still_works(lighthouse: Any) -> None:
     """The legacy Manager.set_state_dict_fns registers the default state and warns."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse.address(),
-        replica_id="legacy",
-    )
+    manager, _store = _solo_manager(lighthouse, "legacy")
     try:
         loaded: list[Any] = []
         with warnings.catch_warnings(record=True) as caught:
