@@ -3,8 +3,8 @@
 The native ``ManagerClient`` has ``_quorum_start``: the Manager then sends the quorum request
 at ``start_quorum`` and adopts the answer at the first ``wait_quorum`` instead of running the
 quorum on its worker thread. The fake client here adds that method to the fakes of
-``test_manager`` and the quorum-related tests of that module run again against it (in their
-own module, so they get their own store).
+``_manager_kit`` and the quorum-related Manager tests run again against it (in their own
+module, so they get their own store).
 """
 
 from __future__ import annotations
@@ -12,23 +12,31 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_manager import (  # noqa: F401 - fixtures and tests collected again here
+from _manager_kit import (  # noqa: F401 - fixtures, found by pytest by name
     FakeNative,
-    harness,
+    harness_fixture,
     make_quorum,
-    master_store,
-    store,
+    master_store_fixture,
+    store_fixture,
+)
+from test_manager_allreduce import (  # noqa: F401 - collected again here
     test_allreduce_avg_divides_by_participants,
-    test_async_quorum_overlaps_caller,
-    test_configure_only_on_new_quorum_id,
-    test_happy_path_commits_and_advances,
+    test_non_participant_sends_zeros_async,
+)
+from test_manager_healing import (  # noqa: F401 - collected again here
     test_heal_async_applies_in_should_commit,
     test_heal_failure_blocks_commit,
     test_heal_timeout_is_recorded_not_raised,
-    test_non_participant_sends_zeros_async,
+    test_sends_checkpoint_to_recovering_peers,
+)
+from test_manager_step import (  # noqa: F401 - collected again here
+    test_configure_only_on_new_quorum_id,
+    test_happy_path_commits_and_advances,
+)
+from test_manager_timeouts import (  # noqa: F401 - collected again here
+    test_async_quorum_overlaps_caller,
     test_quorum_other_error_is_recorded,
     test_quorum_timeout_surfaces_as_timeout_error,
-    test_sends_checkpoint_to_recovering_peers,
 )
 
 
@@ -63,7 +71,7 @@ def native() -> FakeNative:
     return fake
 
 
-def test_pending_path_is_used(harness: Any) -> None:  # noqa: F811 - the imported fixture
+def test_pending_path_is_used(harness: Any) -> None:
     """With ``_quorum_start`` the request is sent at start_quorum, answered at wait_quorum."""
     h = harness()
     m = h.manager
@@ -75,7 +83,7 @@ def test_pending_path_is_used(harness: Any) -> None:  # noqa: F811 - the importe
     assert m.current_step() == 1
 
 
-def test_loss_while_the_request_is_in_flight_does_not_fail_the_step(harness: Any) -> None:  # noqa: F811
+def test_loss_while_the_request_is_in_flight_does_not_fail_the_step(harness: Any) -> None:
     """A member of the previous quorum lost while the next request is in flight: the answer
     (a new quorum without it) is used and the step commits; failing it would make this rank
     skip collectives its new peers are already waiting in."""

@@ -1,0 +1,175 @@
+"""Manager.allreduce with fakes: averaging over the participants, errors recorded instead
+of raised, and who participates in each world size mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _manager_kit import (  # noqa: F401 - fixtures, found by pytest by name
+    harness_fixture,
+    make_quorum,
+    master_store_fixture,
+    native_fixture,
+    store_fixture,
+)
+from torch.distributed import ReduceOp
+
+from torchft.manager import ExceptionWithTraceback, WorldSizeMode
+
+
+def test_allreduce_avg_divides_by_participants(harness: Any) -> None:
+    """AVG = SUM over the PG then divide by the number of participants."""
+    h = harness()
+    h.native.quorums = [make_quorum(replica_world_size=4, max_world_size=4)]
+    h.pg.sum_factor = 4.0  # four identical contributions
+    m = h.manager
+    m.start_quorum()
+    t = torch.tensor([1.0, 2.0, 3.0])
+    work = m.allreduce(t)
+    out = work.get_future().wait()
+    assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0]))
+    assert out is t
+    assert h.pg.allreduces == [ReduceOp.SUM]
+    assert m.should_commit()
+
+
+def test_allreduce_sum_passes_through(harness: Any) -> None:
+    """A SUM allreduce is not divided."""
+    h = harness()
+    h.native.quorums = [make_quorum(replica_world_size=2, max_world_size=2)]
+    h.pg.sum_factor = 2.0
+    m = h.manager
+    m.start_quorum()
+    t = torch.ones(2)
+    m.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+    assert torch.equal(t, torch.full((2,), 2.0))
+
+
+def test_allreduce_quantize_falls_back(harness: Any) -> None:
+    """should_quantize=True still returns a correctly averaged tensor."""
+    h = harness()
+    h.native.quorums = [make_quorum(replica_world_size=2, max_world_size=2)]
+    h.pg.sum_factor = 2.0
+    m = h.manager
+    m.start_quorum()
+    t = torch.full((4,), 3.0)
+    assert torch.equal(m.allreduce(t, should_quantize=True).get_future().wait(), t)
+    assert torch.equal(t, torch.full((4,), 3.0))
+
+
+def test_allreduce_error_is_swallowed_and_later_collectives_noop(harness: Any) -> None:
+    """A raising allreduce is recorded; the work resolves to the tensor; later ones are no-ops."""
+    h = harness()
+    m = h.manager
+    m.start_quorum()
+    h.pg.raise_on_allreduce = RuntimeError("peer died")
+    t = torch.ones(2)
+    assert m.allreduce(t).get_future().wait() is t
+    err = m.errored()
+    assert isinstance(err, ExceptionWithTraceback)
+    assert "peer died" in str(err.original_exception)
+    assert "peer died" in err.stack_trace
+    h.pg.raise_on_allreduce = None
+    t2 = torch.ones(2)
+    assert m.allreduce(t2).get_future().wait() is t2
+    assert len(h.pg.allreduces) == 1  # the second call never reached the PG
+    assert not m.should_commit()
+    assert h.native.commit_calls == [(0, 0, False)]
+    # the next step starts clean
+    m.start_quorum()
+    assert m.errored() is None
+    assert m.should_commit()
+
+
+def test_allreduce_future_error_is_recorded(harness: Any) -> None:
+    """An error delivered through the collective's future is recorded, not raised."""
+    h = harness()
+    m = h.manager
+    m.start_quorum()
+    h.pg.future_error = RuntimeError("connection reset")
+    t = torch.ones(2)
+    fut = m.allreduce(t).get_future()
+    assert fut.wait() is t
+    assert m.errored() is not None
+    assert not m.should_commit()
+
+
+def test_pg_errored_blocks_commit(harness: Any) -> None:
+    """An error reported by the process group itself makes the vote no."""
+    h = harness()
+    m = h.manager
+    m.start_quorum()
+    h.pg.pg_error = RuntimeError("aborted")
+    assert not m.should_commit()
+
+
+def test_non_participant_sends_zeros_async(harness: Any) -> None:
+    """With async quorum a healing (behind) replica group sits out and contributes zeros."""
+    h = harness()
+    h.native.metadata_by_addr["http://src:1"] = "src"
+    h.transport.shared["src"] = (5, {"user": {"default": {"w": torch.ones(3)}}, "torchft": {}})
+    h.transport.shared["src"][1]["torchft"] = {"step": 5, "batches_committed": 9}
+    h.native.quorums = [
+        make_quorum(
+            replica_rank=1,
+            replica_world_size=2,
+            max_step=5,
+            max_replica_rank=None,
+            max_world_size=1,
+            heal=True,
+            recover_src_manager_address="http://src:1",
+            recover_src_replica_rank=0,
+        )
+    ]
+    m = h.manager
+    m.start_quorum()
+    assert not m.is_participating()
+    assert m.num_participants() == 1
+    t = torch.full((3,), 7.0)
+    m.allreduce(t).wait()
+    assert torch.equal(t, torch.zeros(3))
+
+
+def test_fixed_with_spares_caps_participants(harness: Any) -> None:
+    """FIXED_WITH_SPARES: ranks >= min_replica_size are spares sending zeros."""
+    h = harness(min_replica_size=2, world_size_mode=WorldSizeMode.FIXED_WITH_SPARES)
+    h.native.quorums = [
+        make_quorum(replica_rank=2, replica_world_size=3, max_replica_rank=2, max_world_size=3)
+    ]
+    m = h.manager
+    m.start_quorum()
+    assert m.num_participants() == 2
+    assert not m.is_participating()
+    t = torch.ones(2)
+    m.allreduce(t).wait()
+    assert torch.equal(t, torch.zeros(2))
+    assert m.should_commit()
+    assert m.batches_committed() == 2
+
+
+def test_fixed_with_spares_member_participates(harness: Any) -> None:
+    """FIXED_WITH_SPARES: a rank below min_replica_size contributes normally."""
+    h = harness(min_replica_size=2, world_size_mode=WorldSizeMode.FIXED_WITH_SPARES)
+    h.native.quorums = [
+        make_quorum(replica_rank=1, replica_world_size=3, max_replica_rank=1, max_world_size=3)
+    ]
+    h.pg.sum_factor = 2.0
+    m = h.manager
+    m.start_quorum()
+    assert m.participating_rank() == 1
+    t = torch.ones(2)
+    m.allreduce(t).wait()
+    assert torch.equal(t, torch.ones(2))
+
+
+def test_dynamic_mode_uses_all_at_max_step(harness: Any) -> None:
+    """DYNAMIC: every replica group at the max step participates."""
+    h = harness(min_replica_size=2)
+    h.native.quorums = [
+        make_quorum(replica_rank=2, replica_world_size=3, max_replica_rank=2, max_world_size=3)
+    ]
+    m = h.manager
+    m.start_quorum()
+    assert m.num_participants() == 3
+    assert m.participating_rank() == 2
