@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from _checkpoint_kit import assert_identical
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_checkpointing import assert_identical
 
 from torchft.checkpointing import _serialization as ser
 from torchft.checkpointing._serialization import CheckpointFormatError
