@@ -98,6 +98,25 @@ def _read(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _run(
+    path: Path,
+    histories: dict[str, list[dict[str, object]]],
+    processes: list[dict[str, object]],
+    faults: list[dict[str, object]] | None = None,
+) -> None:
+    """Writes a synthetic run for the offline checker into ``path``: the history file of
+    each name in ``histories`` (``a`` → ``a.history.jsonl``), the supervisor's process
+    records and, if given, the fault injector's records."""
+    for name, recs in histories.items():
+        _write(path / f"{name}.history.jsonl", recs)
+    _write(path / "processes.jsonl", processes)
+    if faults is not None:
+        _write(path / "faults.jsonl", faults)
+
+
+# Records of a synthetic run, as the worker, the supervisor and the fault injector write them.
+
+
 def _commit(
     group: str,
     pid: int,
@@ -121,6 +140,38 @@ def _commit(
     }
 
 
+def _finish(group: str, pid: int, step: int, state: str, t: float) -> dict[str, object]:
+    return {"kind": "finish", "group": group, "pid": pid, "step": step, "state": state, "t": t}
+
+
+def _hang(group: str, pid: int, step: int, t: float) -> dict[str, object]:
+    """A hang injected into ``pid`` (20 s) after it committed ``step``."""
+    return {"kind": "hang", "group": group, "pid": pid, "seconds": 20.0, "step": step, "t": t}
+
+
+def _start(group: str, pid: int, t: float) -> dict[str, object]:
+    return {"kind": "start", "group": group, "pid": pid, "t": t}
+
+
+def _exit(group: str, pid: int, t: float, rc: int = 0) -> dict[str, object]:
+    """An exit nobody caused (the process ended on its own with ``rc``)."""
+    return {"kind": "exit", "group": group, "pid": pid, "rc": rc, "killed": False, "t": t}
+
+
+def _killed(group: str, pid: int, t: float) -> dict[str, object]:
+    """The exit of a process the fault injector SIGKILLed."""
+    return {"kind": "exit", "group": group, "pid": pid, "rc": -9, "killed": True, "t": t}
+
+
+def _life(group: str, pid: int, start: float, end: float, rc: int = 0) -> list[dict[str, object]]:
+    """A process started at ``start`` that ended on its own with ``rc`` at ``end``."""
+    return [_start(group, pid, start), _exit(group, pid, end, rc)]
+
+
+def _fault(fault: str, groups: list[str], t: float, **more: object) -> dict[str, object]:
+    return {"kind": "fault", "fault": fault, "groups": groups, "t": t, **more}
+
+
 def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_died(
     tmp_path: Path,
 ) -> None:
@@ -128,23 +179,17 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     the same after the holder was killed is an unavoidable regression; quorum ids going back
     and an unfinished group are violations too."""
     A, B = 10**6 + 601, 10**6 + 602  # pids surely not running here
-    _write(
-        tmp_path / "a.history.jsonl",
-        [
-            _commit("a", A, 1, 10, "s1", 1.0),
-            _commit("a", A, 2, 10, "s2", 2.0),
-            {"kind": "finish", "group": "a", "pid": A, "step": 2, "state": "s2", "t": 9.0},
-        ],
-    )
-    _write(tmp_path / "b.history.jsonl", [_commit("b", B, 2, 9, "x2", 3.0)])
-    _write(
-        tmp_path / "processes.jsonl",
-        [
-            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
-            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": A, "rc": 0, "killed": False, "t": 10.0},
-            {"kind": "exit", "group": "b", "pid": B, "rc": -9, "killed": True, "t": 4.0},
-        ],
+    _run(
+        tmp_path,
+        {
+            "a": [
+                _commit("a", A, 1, 10, "s1", 1.0),
+                _commit("a", A, 2, 10, "s2", 2.0),
+                _finish("a", A, 2, "s2", 9.0),
+            ],
+            "b": [_commit("b", B, 2, 9, "x2", 3.0)],
+        },
+        [_start("a", A, 0.0), _start("b", B, 0.0), _exit("a", A, 10.0), _killed("b", B, 4.0)],
     )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a", "b"])
     text = "\n".join(rep.violations)
@@ -152,47 +197,20 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     assert "quorum id 9 first used after 10" in text
     assert "group b did not finish" in text
     # Now the holder of the first state (A) died before b's commit: unavoidable.
-    _write(
-        tmp_path / "processes.jsonl",
-        [
-            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": A, "rc": -9, "killed": True, "t": 2.5},
-            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": B, "rc": 0, "killed": False, "t": 4.0},
-        ],
-    )
+    b_life = _life("b", B, 0.0, 4.0)
+    _write(tmp_path / "processes.jsonl", [_start("a", A, 0.0), _killed("a", A, 2.5), *b_life])
     # Nothing the run recorded explains why its only holder died: a violation.
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert any("progress regressed with nothing to explain it" in v for v in rep.violations)
     # A total loss between the holder's last commit and the re-commit explains it.
-    _write(
-        tmp_path / "faults.jsonl",
-        [
-            {
-                "kind": "fault",
-                "fault": "kill_all",
-                "groups": ["a", "b"],
-                "t": 2.4,
-                "best_step": 2,
-                "snapshot_step": 0,
-                "snapshot_every": 10,
-            }
-        ],
-    )
+    kill_all = _fault("kill_all", ["a", "b"], 2.4, best_step=2, snapshot_step=0, snapshot_every=10)
+    _write(tmp_path / "faults.jsonl", [kill_all])
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert not any("progress regressed" in v for v in rep.violations), rep.violations
     assert len(rep.regressions) == 1 and "a total loss (kill_all)" in rep.regressions[0]
     # So does a holder that ended itself (here: held hung, exit 76) instead.
     (tmp_path / "faults.jsonl").unlink()
-    _write(
-        tmp_path / "processes.jsonl",
-        [
-            {"kind": "start", "group": "a", "pid": A, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": A, "rc": 76, "killed": False, "t": 2.5},
-            {"kind": "start", "group": "b", "pid": B, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": B, "rc": 0, "killed": False, "t": 4.0},
-        ],
-    )
+    _write(tmp_path / "processes.jsonl", [*_life("a", A, 0.0, 2.5, rc=76), *b_life])
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert not any("progress regressed" in v for v in rep.violations), rep.violations
     assert "ended itself: held hung" in rep.regressions[0]
@@ -202,21 +220,17 @@ def test_checker_flags_a_process_whose_own_progress_goes_back(tmp_path: Path) ->
     """A process that commits a step it already committed (same state, so no fork) is a
     violation: its progress went back, though nobody else holds another state."""
     p1 = 10**6 + 300  # a pid that is surely not running here
-    _write(
-        tmp_path / "a.history.jsonl",
-        [
-            _commit("a", p1, 1, 10, "s1", 1.0),
-            _commit("a", p1, 2, 10, "s2", 2.0),
-            _commit("a", p1, 2, 11, "s2", 3.0),
-            {"kind": "finish", "group": "a", "pid": p1, "step": 2, "state": "s2", "t": 9.0},
-        ],
-    )
-    _write(
-        tmp_path / "processes.jsonl",
-        [
-            {"kind": "start", "group": "a", "pid": p1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": p1, "rc": 0, "killed": False, "t": 10.0},
-        ],
+    _run(
+        tmp_path,
+        {
+            "a": [
+                _commit("a", p1, 1, 10, "s1", 1.0),
+                _commit("a", p1, 2, 10, "s2", 2.0),
+                _commit("a", p1, 2, 11, "s2", 3.0),
+                _finish("a", p1, 2, "s2", 9.0),
+            ]
+        },
+        _life("a", p1, 0.0, 10.0),
     )
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert rep.violations == [
@@ -229,40 +243,30 @@ def test_checker_judges_a_fork_inside_a_reported_regression_on_its_own(tmp_path:
     """After an unavoidable regression over steps 2..3 (their holder died), a third state of
     step 3 committed while the holder of the second one lives is still a violation."""
     p1, p2, p3 = 10**6 + 310, 10**6 + 311, 10**6 + 312  # pids surely not running here
-    _write(
-        tmp_path / "a.history.jsonl",
+    _run(
+        tmp_path,
+        {
+            "a": [
+                _commit("a", p1, 1, 10, "s1", 1.0),
+                _commit("a", p1, 2, 10, "s2", 2.0),
+                _commit("a", p1, 3, 10, "s3", 3.0),
+                _hang("a", p1, 3, 3.1),
+            ],
+            "b": [
+                _commit("b", p2, 2, 11, "x2", 4.0),
+                _commit("b", p2, 3, 11, "x3", 5.0),
+                _finish("b", p2, 3, "x3", 9.0),
+            ],
+            "c": [_commit("c", p3, 3, 12, "y3", 6.0), _finish("c", p3, 3, "x3", 9.0)],
+        },
         [
-            _commit("a", p1, 1, 10, "s1", 1.0),
-            _commit("a", p1, 2, 10, "s2", 2.0),
-            _commit("a", p1, 3, 10, "s3", 3.0),
-            {"kind": "hang", "group": "a", "pid": p1, "seconds": 20.0, "step": 3, "t": 3.1},
-        ],
-    )
-    _write(
-        tmp_path / "b.history.jsonl",
-        [
-            _commit("b", p2, 2, 11, "x2", 4.0),
-            _commit("b", p2, 3, 11, "x3", 5.0),
-            {"kind": "finish", "group": "b", "pid": p2, "step": 3, "state": "x3", "t": 9.0},
-        ],
-    )
-    _write(
-        tmp_path / "c.history.jsonl",
-        [
-            _commit("c", p3, 3, 12, "y3", 6.0),
-            {"kind": "finish", "group": "c", "pid": p3, "step": 3, "state": "x3", "t": 9.0},
-        ],
-    )
-    _write(
-        tmp_path / "processes.jsonl",
-        [
-            {"kind": "start", "group": "a", "pid": p1, "t": 0.0},
+            _start("a", p1, 0.0),
             # It ended itself (held hung): what explains that its steps died with it.
-            {"kind": "exit", "group": "a", "pid": p1, "rc": 76, "killed": False, "t": 3.5},
-            {"kind": "start", "group": "b", "pid": p2, "t": 3.6},
-            {"kind": "start", "group": "c", "pid": p3, "t": 3.6},
-            {"kind": "exit", "group": "b", "pid": p2, "rc": 0, "killed": False, "t": 10.0},
-            {"kind": "exit", "group": "c", "pid": p3, "rc": 0, "killed": False, "t": 10.0},
+            _exit("a", p1, 3.5, rc=76),
+            _start("b", p2, 3.6),
+            _start("c", p3, 3.6),
+            _exit("b", p2, 10.0),
+            _exit("c", p3, 10.0),
         ],
     )
     rep = check(tmp_path, target=3, min_replicas=1, groups=["b", "c"])
@@ -279,42 +283,38 @@ def test_report_splits_recoveries_into_phases_and_isolated_or_overlapped(tmp_pat
     killed again before it commits is counted apart, and stalls follow the same split."""
     big = 10**6  # pids that are surely not running here
     a0, b0, b1, c0, c1, c2 = (big + i for i in range(6))
-    commits = {
-        # a survives throughout; b is killed at 10 (isolated); c at 30, its restart again at 31.
-        "a": [
-            _commit("a", a0, s, 1, f"s{s}", t)
-            for s, t in ((1, 1.0), (2, 10.2), (3, 16.0), (4, 32.0), (5, 45.0))
-        ],
-        "b0": [_commit("b", b0, 1, 1, "s1", 1.0)],
-        "b1": [
-            {"kind": "ready", "group": "b", "pid": b1, "imported": 13.0, "t": 14.5},
-            _commit("b", b1, 3, 1, "s3", 14.8),
-        ],
-        "c0": [_commit("c", c0, 1, 1, "s1", 1.0)],
-        "c2": [_commit("c", c2, 3, 1, "s3", 40.0)],
-    }
-    for name, recs in commits.items():
-        _write(tmp_path / f"{name}.history.jsonl", recs)
-    _write(
-        tmp_path / "processes.jsonl",
+    _run(
+        tmp_path,
+        {
+            # a survives throughout; b is killed at 10 (isolated); c at 30, its restart again
+            # at 31.
+            "a": [
+                _commit("a", a0, s, 1, f"s{s}", t)
+                for s, t in ((1, 1.0), (2, 10.2), (3, 16.0), (4, 32.0), (5, 45.0))
+            ],
+            "b0": [_commit("b", b0, 1, 1, "s1", 1.0)],
+            "b1": [
+                {"kind": "ready", "group": "b", "pid": b1, "imported": 13.0, "t": 14.5},
+                _commit("b", b1, 3, 1, "s3", 14.8),
+            ],
+            "c0": [_commit("c", c0, 1, 1, "s1", 1.0)],
+            "c2": [_commit("c", c2, 3, 1, "s3", 40.0)],
+        },
         [
-            {"kind": "start", "group": "a", "pid": a0, "t": 0.0},
-            {"kind": "start", "group": "b", "pid": b0, "t": 0.0},
-            {"kind": "start", "group": "c", "pid": c0, "t": 0.0},
-            {"kind": "exit", "group": "b", "pid": b0, "rc": -9, "killed": True, "t": 10.0},
-            {"kind": "start", "group": "b", "pid": b1, "t": 10.5},
-            {"kind": "exit", "group": "c", "pid": c0, "rc": -9, "killed": True, "t": 30.0},
-            {"kind": "start", "group": "c", "pid": c1, "t": 30.5},
-            {"kind": "exit", "group": "c", "pid": c1, "rc": -9, "killed": True, "t": 31.0},
-            {"kind": "start", "group": "c", "pid": c2, "t": 31.5},
+            _start("a", a0, 0.0),
+            _start("b", b0, 0.0),
+            _start("c", c0, 0.0),
+            _killed("b", b0, 10.0),
+            _start("b", b1, 10.5),
+            _killed("c", c0, 30.0),
+            _start("c", c1, 30.5),
+            _killed("c", c1, 31.0),
+            _start("c", c2, 31.5),
         ],
-    )
-    _write(
-        tmp_path / "faults.jsonl",
         [
-            {"kind": "fault", "fault": "kill_one", "groups": ["b"], "t": 10.0},
-            {"kind": "fault", "fault": "kill_one", "groups": ["c"], "t": 30.0},
-            {"kind": "fault", "fault": "kill_healing", "groups": ["c"], "t": 31.0},
+            _fault("kill_one", ["b"], 10.0),
+            _fault("kill_one", ["c"], 30.0),
+            _fault("kill_healing", ["c"], 31.0),
         ],
     )
     (tmp_path / "floor.json").write_text(json.dumps({"import_s": 2.0, "torch_s": 3.5}))
@@ -472,20 +472,9 @@ def test_an_asked_restart_is_counted_and_a_crash_is_a_violation(tmp_path: Path) 
     from torchft.chaos.history import RESTART_EXIT
 
     big = 10**6 + 100  # pids that are surely not running here
-    _write(
-        tmp_path / "a.history.jsonl",
-        [
-            _commit("a", big + 1, 1, 1, "s1", 1.0),
-            {"kind": "finish", "group": "a", "pid": big + 1, "step": 1, "state": "s1", "t": 3.0},
-        ],
-    )
-    exits = [
-        {"kind": "start", "group": "a", "pid": big, "t": 0.0},
-        {"kind": "exit", "group": "a", "pid": big, "rc": RESTART_EXIT, "killed": False, "t": 0.5},
-        {"kind": "start", "group": "a", "pid": big + 1, "t": 0.6},
-        {"kind": "exit", "group": "a", "pid": big + 1, "rc": 0, "killed": False, "t": 4.0},
-    ]
-    _write(tmp_path / "processes.jsonl", exits)
+    exits = [*_life("a", big, 0.0, 0.5, rc=RESTART_EXIT), *_life("a", big + 1, 0.6, 4.0)]
+    history = [_commit("a", big + 1, 1, 1, "s1", 1.0), _finish("a", big + 1, 1, "s1", 3.0)]
+    _run(tmp_path, {"a": history}, exits)
     rep = check(tmp_path, target=1, min_replicas=1, groups=["a"])
     assert rep.violations == [] and rep.restarts_asked == 1
     assert "restarts asked for" in rep.text()
@@ -503,22 +492,10 @@ def test_a_hung_exit_counts_only_after_an_injected_hang(tmp_path: Path) -> None:
     from torchft.chaos.history import HUNG_EXIT
 
     big = 10**6 + 200
-    hung_history = [
-        _commit("a", big, 1, 1, "s1", 0.2),
-        {"kind": "hang", "group": "a", "pid": big, "seconds": 20.0, "step": 1, "t": 0.3},
-    ]
-    restarted = [
-        _commit("a", big + 1, 2, 2, "s2", 12.0),
-        {"kind": "finish", "group": "a", "pid": big + 1, "step": 2, "state": "s2", "t": 13.0},
-    ]
-    _write(tmp_path / "a.history.jsonl", hung_history + restarted)
-    exits = [
-        {"kind": "start", "group": "a", "pid": big, "t": 0.0},
-        {"kind": "exit", "group": "a", "pid": big, "rc": HUNG_EXIT, "killed": False, "t": 10.5},
-        {"kind": "start", "group": "a", "pid": big + 1, "t": 11.0},
-        {"kind": "exit", "group": "a", "pid": big + 1, "rc": 0, "killed": False, "t": 14.0},
-    ]
-    _write(tmp_path / "processes.jsonl", exits)
+    hung_history = [_commit("a", big, 1, 1, "s1", 0.2), _hang("a", big, 1, 0.3)]
+    restarted = [_commit("a", big + 1, 2, 2, "s2", 12.0), _finish("a", big + 1, 2, "s2", 13.0)]
+    exits = [*_life("a", big, 0.0, 10.5, rc=HUNG_EXIT), *_life("a", big + 1, 11.0, 14.0)]
+    _run(tmp_path, {"a": hung_history + restarted}, exits)
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert rep.violations == [] and rep.hang_exits == 1
     assert "ended themselves (held hung, restarted): 1" in rep.text()
@@ -561,17 +538,11 @@ def _flip_run(
             t = s + 1 + ({"a": 0.1, "b": 0.2, "c": 0.3}[g] if s % 2 else {"a": 0.3}.get(g, 0.1))
             recs.append(_commit(g, pid, s, 7, state, t, healed=healed, participants=3))
         final = f"{g}{last}" if last in mine else f"s{last}"
-        recs.append({"kind": "finish", "group": g, "pid": pid, "step": last, "state": final})
-        recs[-1]["t"] = last + 2.0
+        recs.append(_finish(g, pid, last, final, last + 2.0))
         recs.sort(key=lambda r: float(r["t"]))  # type: ignore[arg-type]
         _write(path / f"{g}.history.jsonl", recs)
-    procs: list[dict[str, object]] = []
-    for g, pid in _FLIP_PIDS.items():
-        procs.append({"kind": "start", "group": g, "pid": pid, "t": 0.0})
-    for g, pid in _FLIP_PIDS.items():
-        rc = exits.get(g, 0)
-        procs.append({"kind": "exit", "group": g, "pid": pid, "rc": rc, "killed": False})
-        procs[-1]["t"] = last + 3.0
+    procs = [_start(g, pid, 0.0) for g, pid in _FLIP_PIDS.items()]
+    procs += [_exit(g, pid, last + 3.0, exits.get(g, 0)) for g, pid in _FLIP_PIDS.items()]
     _write(path / "processes.jsonl", procs)
 
 
@@ -706,9 +677,8 @@ def test_lighthouse_verdicts_must_each_follow_an_injected_fault(tmp_path: Path) 
     injected hang of that group, a divergence within a bit flip's window. Any other is a
     false verdict, a violation, even when the process acted on nothing."""
     _flip_run(tmp_path, last=30, flipped={"a": range(3, 9)})
-    hang = {"kind": "hang", "group": "b", "pid": _FLIP_PIDS["b"], "seconds": 20.0, "step": 4}
-    recs = [json.loads(line) for line in (tmp_path / "b.history.jsonl").read_text().splitlines()]
-    _write(tmp_path / "b.history.jsonl", [*recs, {**hang, "t": 5.0}])
+    hang = _hang("b", _FLIP_PIDS["b"], 4, 5.0)
+    _write(tmp_path / "b.history.jsonl", [*_read(tmp_path / "b.history.jsonl"), hang])
     events = [
         {"seq": 1, "ts": 16.0, "kind": "replica_hung", "replica_id": "b:1"},
         {"seq": 2, "ts": 13.0, "kind": "replica_diverged", "replica_id": "a:1", "step": 12},
@@ -771,10 +741,7 @@ def _total_loss_run(
     first_b = [
         _commit("b", P2, s, 10, f"s{s}", float(s) + 0.1, participants=2) for s in range(1, 7)
     ]
-    finish = [
-        {"kind": "finish", "group": g, "pid": pid, "step": 6, "state": "n6", "t": 30.0}
-        for g, pid in (("a", P3), ("b", P4))
-    ]
+    finish = [_finish(g, pid, 6, "n6", 30.0) for g, pid in (("a", P3), ("b", P4))]
     again = []
     for g, pid in (("a", P3), ("b", P4)):
         again.append(
@@ -791,37 +758,35 @@ def _total_loss_run(
             _commit(g, pid, s, 20, f"n{s}", 21.0 + s + (pid - P3) * 0.1, participants=2)
             for s in range(restored_step + 1, 7)
         ]
-    _write(tmp_path / "a.0.history.jsonl", first)
-    _write(tmp_path / "b.0.history.jsonl", first_b)
-    _write(tmp_path / "a.1.history.jsonl", [again[i] for i in range(len(again) // 2)] + finish[:1])
-    _write(tmp_path / "b.1.history.jsonl", again[len(again) // 2 :] + finish[1:])
-    _write(
-        tmp_path / "processes.jsonl",
+    _run(
+        tmp_path,
+        {
+            "a.0": first,
+            "b.0": first_b,
+            "a.1": [again[i] for i in range(len(again) // 2)] + finish[:1],
+            "b.1": again[len(again) // 2 :] + finish[1:],
+        },
         [
-            {"kind": "start", "group": "a", "pid": P1, "t": 0.0},
-            {"kind": "start", "group": "b", "pid": P2, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": P1, "rc": -9, "killed": True, "t": 10.1},
-            {"kind": "exit", "group": "b", "pid": P2, "rc": -9, "killed": True, "t": holder_dies},
-            {"kind": "start", "group": "a", "pid": P3, "t": 11.0},
-            {"kind": "start", "group": "b", "pid": P4, "t": 11.0},
-            {"kind": "exit", "group": "a", "pid": P3, "rc": 0, "killed": False, "t": 31.0},
-            {"kind": "exit", "group": "b", "pid": P4, "rc": 0, "killed": False, "t": 31.0},
+            _start("a", P1, 0.0),
+            _start("b", P2, 0.0),
+            _killed("a", P1, 10.1),
+            _killed("b", P2, holder_dies),
+            _start("a", P3, 11.0),
+            _start("b", P4, 11.0),
+            _exit("a", P3, 31.0),
+            _exit("b", P4, 31.0),
         ],
-    )
-    _write(
-        tmp_path / "faults.jsonl",
         [
-            {
-                "kind": "fault",
-                "fault": "kill_all",
-                "groups": ["a", "b"],
-                "t": kill_t,
-                "best_step": best,
-                "snapshot_step": snapshot_step,
-                "snapshot_every": 2,
-                "lighthouse": True,
-                "state_file_deleted": True,
-            }
+            _fault(
+                "kill_all",
+                ["a", "b"],
+                kill_t,
+                best_step=best,
+                snapshot_step=snapshot_step,
+                snapshot_every=2,
+                lighthouse=True,
+                state_file_deleted=True,
+            )
         ],
     )
     return check(tmp_path, target=6, min_replicas=1, groups=["a", "b"]).violations
@@ -861,37 +826,15 @@ def test_a_total_loss_check_can_fail(
 def test_after_a_total_loss_the_first_commit_must_follow_the_snapshot(tmp_path: Path) -> None:
     """Groups that trained from scratch after a total loss (first commit step 1, no restore)
     are a violation when a snapshot existed."""
-    _write(
-        tmp_path / "a.0.history.jsonl",
-        [_commit("a", P1, s, 10, f"s{s}", float(s)) for s in (1, 2, 3)],
-    )
-    _write(
-        tmp_path / "a.1.history.jsonl",
-        [_commit("a", P2, s, 20, f"s{s}", 20.0 + s) for s in (1, 2, 3)]
-        + [{"kind": "finish", "group": "a", "pid": P2, "step": 3, "state": "s3", "t": 30.0}],
-    )
-    _write(
-        tmp_path / "processes.jsonl",
-        [
-            {"kind": "start", "group": "a", "pid": P1, "t": 0.0},
-            {"kind": "exit", "group": "a", "pid": P1, "rc": -9, "killed": True, "t": 10.1},
-            {"kind": "start", "group": "a", "pid": P2, "t": 11.0},
-            {"kind": "exit", "group": "a", "pid": P2, "rc": 0, "killed": False, "t": 31.0},
-        ],
-    )
-    _write(
-        tmp_path / "faults.jsonl",
-        [
-            {
-                "kind": "fault",
-                "fault": "kill_all",
-                "groups": ["a"],
-                "t": 10.0,
-                "best_step": 3,
-                "snapshot_step": 2,
-                "snapshot_every": 2,
-            }
-        ],
+    _run(
+        tmp_path,
+        {
+            "a.0": [_commit("a", P1, s, 10, f"s{s}", float(s)) for s in (1, 2, 3)],
+            "a.1": [_commit("a", P2, s, 20, f"s{s}", 20.0 + s) for s in (1, 2, 3)]
+            + [_finish("a", P2, 3, "s3", 30.0)],
+        },
+        [_start("a", P1, 0.0), _killed("a", P1, 10.1), *_life("a", P2, 11.0, 31.0)],
+        [_fault("kill_all", ["a"], 10.0, best_step=3, snapshot_step=2, snapshot_every=2)],
     )
     violations = check(tmp_path, target=3, min_replicas=1, groups=["a"]).violations
     assert any("did not resume from the snapshot" in v for v in violations), violations
@@ -920,20 +863,17 @@ def test_participant_counts_are_held_against_the_groups_that_committed(tmp_path:
     pids = {"a": 10**6 + 401, "b": 10**6 + 402, "c": 10**6 + 403}  # surely not running
 
     def run(counts: dict[str, int], healed: str = "") -> list[str]:
-        for g, pid in pids.items():
-            _write(
-                tmp_path / f"{g}.history.jsonl",
-                [
+        _run(
+            tmp_path,
+            {
+                g: [
                     _commit(g, pid, 1, 5, "s1", 1.0, healed=g == healed, participants=counts[g]),
-                    {"kind": "finish", "group": g, "pid": pid, "step": 1, "state": "s1", "t": 2},
-                ],
-            )
-        procs: list[dict[str, object]] = []
-        for g, pid in pids.items():
-            procs.append({"kind": "start", "group": g, "pid": pid, "t": 0.0})
-            procs.append({"kind": "exit", "group": g, "pid": pid, "rc": 0, "killed": False})
-            procs[-1]["t"] = 3.0
-        _write(tmp_path / "processes.jsonl", procs)
+                    _finish(g, pid, 1, "s1", 2),
+                ]
+                for g, pid in pids.items()
+            },
+            [rec for g, pid in pids.items() for rec in _life(g, pid, 0.0, 3.0)],
+        )
         return check(tmp_path, target=1, min_replicas=1, groups=sorted(pids)).violations
 
     assert run({"a": 3, "b": 3, "c": 3}) == []
@@ -956,21 +896,13 @@ def test_a_restart_asked_for_after_a_commit_is_a_violation(tmp_path: Path) -> No
     from torchft.chaos.history import RESTART_EXIT
 
     big = 10**6 + 500  # pids that are surely not running here
-    _write(
-        tmp_path / "a.history.jsonl",
-        [
-            _commit("a", big, 1, 1, "s1", 0.4),
-            _commit("a", big + 1, 2, 2, "s2", 1.0),
-            {"kind": "finish", "group": "a", "pid": big + 1, "step": 2, "state": "s2", "t": 3.0},
-        ],
-    )
-    exits = [
-        {"kind": "start", "group": "a", "pid": big, "t": 0.0},
-        {"kind": "exit", "group": "a", "pid": big, "rc": RESTART_EXIT, "killed": False, "t": 0.5},
-        {"kind": "start", "group": "a", "pid": big + 1, "t": 0.6},
-        {"kind": "exit", "group": "a", "pid": big + 1, "rc": 0, "killed": False, "t": 4.0},
+    history = [
+        _commit("a", big, 1, 1, "s1", 0.4),
+        _commit("a", big + 1, 2, 2, "s2", 1.0),
+        _finish("a", big + 1, 2, "s2", 3.0),
     ]
-    _write(tmp_path / "processes.jsonl", exits)
+    exits = [*_life("a", big, 0.0, 0.5, rc=RESTART_EXIT), *_life("a", big + 1, 0.6, 4.0)]
+    _run(tmp_path, {"a": history}, exits)
     rep = check(tmp_path, target=2, min_replicas=1, groups=["a"])
     assert rep.restarts_asked == 0
     assert rep.violations == [
