@@ -127,11 +127,28 @@ async fn health_ready_status_and_index() {
             .unwrap()
             .to_string();
         assert!(csp.contains("connect-src 'self'"), "{csp}");
+        // Scripts come from the lighthouse only: none inline.
+        assert!(csp.contains("script-src 'self';"), "{csp}");
         let html = page.text().await.unwrap();
         assert!(html.contains("torchft lighthouse"));
+        assert!(html.contains("<script src=\"dashboard.js\"></script>"));
+        let script = http
+            .get(format!("{base}/dashboard.js"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(script.status(), 200);
+        assert_eq!(
+            script.headers()["content-type"],
+            "text/javascript; charset=utf-8"
+        );
+        let script = script.text().await.unwrap();
+        assert!(script.contains("'use strict'"), "{script:.80}");
         // Self-contained: nothing is loaded from elsewhere.
-        for external in ["src=\"http", "href=\"http", "src=\"//", "@import"] {
-            assert!(!html.contains(external), "external asset: {external}");
+        for text in [&html, &script] {
+            for external in ["src=\"http", "href=\"http", "src=\"//", "@import"] {
+                assert!(!text.contains(external), "external asset: {external}");
+            }
         }
         // The data behind it: ids untouched in JSON (the page inserts them as text).
         let replicas = s["replicas"].as_array().unwrap();

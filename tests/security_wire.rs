@@ -239,7 +239,14 @@ async fn kill_route_needs_the_token_and_status_stays_open_unless_private() {
             post_kill_from(&base, Some("Bearer tok"), Some("http://evil.example")).await;
         assert_eq!(code, 403, "{body}");
         assert!(body.contains("cross-origin request refused"), "{body}");
-        for path in ["/", "/status", "/metrics", "/healthz", "/readyz"] {
+        for path in [
+            "/",
+            "/dashboard.js",
+            "/status",
+            "/metrics",
+            "/healthz",
+            "/readyz",
+        ] {
             assert_eq!(get(&base, path, None).await, 200, "{path}");
         }
         server.shutdown().await;
@@ -251,7 +258,15 @@ async fn kill_route_needs_the_token_and_status_stays_open_unless_private() {
         })
         .await;
         let base = private.address();
-        for path in ["/", "/status", "/metrics", "/healthz", "/readyz", "/events"] {
+        for path in [
+            "/",
+            "/dashboard.js",
+            "/status",
+            "/metrics",
+            "/healthz",
+            "/readyz",
+            "/events",
+        ] {
             assert_eq!(get(&base, path, None).await, 401, "{path}");
             assert_eq!(get(&base, path, Some("Bearer wrong")).await, 401, "{path}");
         }

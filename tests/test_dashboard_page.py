@@ -1,4 +1,5 @@
-"""Browser tests of the lighthouse dashboard page (src/lighthouse/dashboard.html).
+"""Browser tests of the lighthouse dashboard page (src/lighthouse/dashboard.html and its script,
+dashboard.js).
 
 The page is served by a small mock HTTP server in this module that follows docs/telemetry.md:
 ``/status`` (JSON the tests change between polls), ``/events`` (server-sent events) and
@@ -21,6 +22,7 @@ import pytest
 from _browser import chromium_available, console_errors, headless_chromium
 
 PAGE = Path(__file__).resolve().parent.parent / "src" / "lighthouse" / "dashboard.html"
+SCRIPT = PAGE.with_name("dashboard.js")
 DASH = "\u2013"
 EVIL_ID = "<img src=x onerror=alert(1)>"
 
@@ -224,6 +226,8 @@ class MockLighthouse:
                     mock.requests.append(f"GET {self.path}")
                 if self.path == "/":
                     self._send(200, "text/html; charset=utf-8", PAGE.read_bytes())
+                elif self.path == "/dashboard.js":
+                    self._send(200, "text/javascript; charset=utf-8", SCRIPT.read_bytes())
                 elif self.path == "/status":
                     if mock.fail_status:
                         self._send(500, "text/plain", "boom")
@@ -535,7 +539,9 @@ def test_malicious_replica_id_is_text(mock: MockLighthouse, driver: Any) -> None
         driver.switch_to.alert.text  # noqa: B018 - raises when no alert is open
     with mock.cond:
         fetched = [
-            r for r in mock.requests if r.split(" ", 1)[1] not in ("/", "/status", "/events")
+            r
+            for r in mock.requests
+            if r.split(" ", 1)[1] not in ("/", "/dashboard.js", "/status", "/events")
         ]
     assert fetched == []  # the <img src=x> was never loaded
     assert_no_console_errors(driver)

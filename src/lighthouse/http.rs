@@ -3,8 +3,8 @@
 //! `GET /healthz` (liveness), `GET /readyz` (503 while shutting down), `GET /status` (JSON:
 //! current quorum, heartbeats, waiting participants, why the next quorum is or is not ready,
 //! and the health of every replica group), `GET /metrics` (Prometheus), `GET /events`
-//! (server-sent events), `POST /replicas/{id}/kill` (only with `--allow_kill`) and `GET /`
-//! (the live dashboard). Anything else is 404. The schema is in docs/telemetry.md.
+//! (server-sent events), `POST /replicas/{id}/kill` (only with `--allow_kill`), `GET /` (the
+//! live dashboard) and `GET /dashboard.js` (its script). Anything else is 404. The schema is in docs/telemetry.md.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -242,6 +242,7 @@ pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> Router {
         .route("/events", get(events))
         .route("/replicas/{replica_id}/kill", post(kill))
         .route("/", get(index))
+        .route("/dashboard.js", get(dashboard_script))
         .layer(axum::extract::DefaultBodyLimit::max(max_request_bytes))
         .with_state(shared)
 }
@@ -305,8 +306,10 @@ async fn status(State(shared): State<Arc<Shared>>) -> Json<StatusBody> {
     Json(status_body(&shared))
 }
 
-/// The live dashboard: one self-contained page (inline script and style, no external assets).
+/// The live dashboard: one page (inline style) and its script, both served from here (no
+/// external assets).
 const DASHBOARD: &str = include_str!("dashboard.html");
+const DASHBOARD_SCRIPT: &str = include_str!("dashboard.js");
 
 async fn index() -> Response {
     (
@@ -314,11 +317,22 @@ async fn index() -> Response {
             (header::CACHE_CONTROL, "no-store"),
             (
                 header::CONTENT_SECURITY_POLICY,
-                "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                "default-src 'self'; script-src 'self'; style-src 'unsafe-inline'; \
                  img-src 'self' data:; connect-src 'self'",
             ),
         ],
         Html(DASHBOARD),
+    )
+        .into_response()
+}
+
+async fn dashboard_script() -> Response {
+    (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+        ],
+        DASHBOARD_SCRIPT,
     )
         .into_response()
 }

@@ -51,7 +51,15 @@ pub enum OpenRoutes {
 }
 
 /// Read-only lighthouse pages: open unless the lighthouse is private.
-const READ_ONLY_PATHS: &[&str] = &["/", "/status", "/metrics", "/healthz", "/readyz", "/events"];
+const READ_ONLY_PATHS: &[&str] = &[
+    "/",
+    "/dashboard.js",
+    "/status",
+    "/metrics",
+    "/healthz",
+    "/readyz",
+    "/events",
+];
 
 /// How a server checks who talks to it.
 #[derive(Debug, Clone)]
