@@ -13,8 +13,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 from torch.nn import parallel
 
@@ -90,7 +90,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         return list(reversed(parameters)), list(reversed(expect_sparse_gradient))
 
 
-def _manager_comm_hook(state: Manager, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def _manager_comm_hook(state: Manager, bucket: GradBucket) -> Future[torch.Tensor]:
     """Averages one gradient bucket across replicas through the Manager.
 
     Args:
@@ -109,7 +109,7 @@ def _manager_comm_hook(state: Manager, bucket: dist.GradBucket) -> Future[torch.
 # the strings produced by ``from __future__ import annotations``.
 _manager_comm_hook.__annotations__ = {
     "state": object,
-    "bucket": dist.GradBucket,
+    "bucket": GradBucket,
     "return": Future[torch.Tensor],
 }
 

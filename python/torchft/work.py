@@ -92,7 +92,7 @@ def _to_seconds(timeout: timedelta | float | None) -> float | None:
     return float(timeout)
 
 
-class _DummyWork(dist._Work):
+class _DummyWork(dist.Work):
     """A Work that is complete from the start and whose future holds ``result``.
 
     Returned for collectives that are skipped (after an error was recorded, or by fake
@@ -126,7 +126,7 @@ class _DummyWork(dist._Work):
         return self._future
 
 
-class _FutureWork(dist._Work):
+class _FutureWork(dist.Work):
     """A Work backed by a torch Future produced elsewhere.
 
     ``wait()`` waits for the future (honouring an optional timeout) and re-raises its

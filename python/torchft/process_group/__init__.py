@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import Store
+from torch._C._distributed_c10d import Store
 
 from torchft.process_group.baby import (
     ProcessGroupBaby,

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C import _distributed_c10d as c10d
-from torch.distributed import ReduceOp, Store
+from torch._C._distributed_c10d import Store
+from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from torchft.process_group.base import ProcessGroup, create_store_client
@@ -228,7 +229,7 @@ class _BabyOp:
     args: tuple[object, ...]
 
 
-def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> dist._Work:
+def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> dist.Work:
     """Rebuilds torch options from the wire arguments and runs the op on ``pg``."""
     return getattr(pg, method)(*_from_wire(args))
 

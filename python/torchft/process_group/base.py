@@ -27,15 +27,13 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
-    ReduceScatterOptions,
-)
-from torch.distributed import (
     PrefixStore,
-    ReduceOp,
+    ReduceScatterOptions,
     Store,
     TCPStore,
 )
 from torch.distributed import ProcessGroup as BaseProcessGroup
+from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from torchft.config import timeout_override
@@ -225,7 +223,7 @@ class ProcessGroup(BaseProcessGroup):
         Raises:
             ValueError: ``name`` is empty or already registered with torch.
         """
-        from torch._C._distributed_c10d import _register_process_group
+        from torch._C._distributed_c10d import HashStore, _register_process_group
         from torch.distributed.distributed_c10d import _world
 
         if not name:
@@ -236,7 +234,7 @@ class ProcessGroup(BaseProcessGroup):
             self.unregister()
         self._set_group_name(name)
         self._group_name = name
-        store = self._registered_store or dist.HashStore()
+        store = self._registered_store or HashStore()
         _world.pg_map[self] = (self.getBackendName(), store)
         _world.pg_names[self] = name
         _world.pg_group_ranks[self] = {i: i for i in range(self._registration_size())}
@@ -282,7 +280,7 @@ class ProcessGroup(BaseProcessGroup):
     def _unsupported(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} does not support {op}")
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         """Runs collective ``op`` with its normalised positional arguments.
 
         Args:
@@ -296,7 +294,7 @@ class ProcessGroup(BaseProcessGroup):
 
     def allreduce(
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp | Any = None
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduces ``tensors`` in place across the group.
 
         Args:
@@ -312,7 +310,7 @@ class ProcessGroup(BaseProcessGroup):
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | Any = None
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduces several tensors as one operation."""
         return self._dispatch("allreduce_coalesced", (tensors, opts or AllreduceCoalescedOptions()))
 
@@ -321,7 +319,7 @@ class ProcessGroup(BaseProcessGroup):
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: AllgatherOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Gathers every rank's ``input_tensors[i]`` into ``output_tensors[i]``."""
         return self._dispatch(
             "allgather", (output_tensors, input_tensors, opts or AllgatherOptions())
@@ -332,7 +330,7 @@ class ProcessGroup(BaseProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: AllgatherOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Gathers into flat output tensors."""
         return self._dispatch(
             "allgather_into_tensor_coalesced",
@@ -341,11 +339,11 @@ class ProcessGroup(BaseProcessGroup):
 
     def broadcast(
         self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | None = None
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Copies the root's tensors to every rank."""
         return self._dispatch("broadcast", (tensor_list, opts or BroadcastOptions()))
 
-    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist._Work:
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
         """Broadcasts a single tensor from ``root``.
 
         Args:
@@ -364,7 +362,7 @@ class ProcessGroup(BaseProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: ReduceScatterOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduces ``input_tensors`` and scatters the pieces to the ranks."""
         return self._dispatch(
             "reduce_scatter", (output_tensors, input_tensors, opts or ReduceScatterOptions())
@@ -375,7 +373,7 @@ class ProcessGroup(BaseProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: ReduceScatterOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduce-scatter of flat tensors."""
         return self._dispatch(
             "reduce_scatter_tensor_coalesced",
@@ -389,7 +387,7 @@ class ProcessGroup(BaseProcessGroup):
         output_split_sizes: list[int],
         input_split_sizes: list[int],
         opts: AllToAllOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """All-to-all exchange of one flat tensor."""
         return self._dispatch(
             "alltoall_base",
@@ -402,15 +400,15 @@ class ProcessGroup(BaseProcessGroup):
             ),
         )
 
-    def barrier(self, opts: BarrierOptions | None = None) -> dist._Work:
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
         """Synchronises all ranks."""
         return self._dispatch("barrier", (opts or BarrierOptions(),))
 
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist._Work:
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
         """Sends ``tensors`` to ``dst_rank``."""
         return self._dispatch("send", (tensors, dst_rank, tag))
 
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist._Work:
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         """Receives into ``tensors`` from ``src_rank``."""
         return self._dispatch("recv", (tensors, src_rank, tag))
 
@@ -443,7 +441,7 @@ def _default_result(op: str, args: Sequence[object]) -> object:
     return args[index]
 
 
-def _work_future(work: dist._Work, result: object) -> Future[Any]:
+def _work_future(work: dist.Work, result: object) -> Future[Any]:
     """The work's future, or (for backend works without one) a future completed by a
     helper thread that waits on the work and then resolves to ``result``."""
     try:

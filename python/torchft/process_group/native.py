@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, Store
+from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import ProcessGroup as BaseProcessGroup
 
 from torchft.process_group.base import (
@@ -389,7 +389,7 @@ class ProcessGroupNative(ProcessGroupWrapper):
         except Exception:  # noqa: BLE001 - a group without a default backend
             return "torchft"
 
-    def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
+    def _wrap_work(self, work: dist.Work, result: object) -> dist.Work:
         """Bounds the work by the timeout and records its error (as torchft's groups do)."""
         fut = self._inflight.track(
             _work_future(work, result),
