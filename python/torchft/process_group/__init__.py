@@ -103,7 +103,7 @@ def _backend_factory(
     cls: type[ProcessGroupWrapper] | type[ProcessGroupBaby],
 ) -> Callable[[Store, int, int, timedelta], ProcessGroup]:
     def create(store: Store, rank: int, world_size: int, timeout: timedelta) -> ProcessGroup:
-        pg = cls(timeout=timeout)  # type: ignore[call-arg]
+        pg = cls(timeout=timeout)
         pg._configure_store(store, rank, world_size)
         return pg
 

@@ -231,7 +231,8 @@ class _BabyOp:
 
 def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> dist.Work:
     """Rebuilds torch options from the wire arguments and runs the op on ``pg``."""
-    return getattr(pg, method)(*_from_wire(args))
+    work: dist.Work = getattr(pg, method)(*_from_wire(args))
+    return work
 
 
 def _start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> None:

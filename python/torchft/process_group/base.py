@@ -224,7 +224,7 @@ class ProcessGroup(BaseProcessGroup):
             ValueError: ``name`` is empty or already registered with torch.
         """
         from torch._C._distributed_c10d import HashStore, _register_process_group
-        from torch.distributed.distributed_c10d import _world
+        from torch.distributed.distributed_c10d import GroupName, _world
 
         if not name:
             raise ValueError("register needs a non-empty name")
@@ -232,18 +232,18 @@ class ProcessGroup(BaseProcessGroup):
             raise ValueError(f"a process group named {name!r} is already registered")
         if self._group_name is not None:
             self.unregister()
-        self._set_group_name(name)
+        self._set_group_name(GroupName(name))
         self._group_name = name
         store = self._registered_store or HashStore()
         _world.pg_map[self] = (self.getBackendName(), store)
-        _world.pg_names[self] = name
+        _world.pg_names[self] = GroupName(name)
         _world.pg_group_ranks[self] = {i: i for i in range(self._registration_size())}
         _world.pg_backend_config[self] = self.getBackendName()
         tag = f"ptd:{name}"
         _world.pg_to_tag[self] = tag
         _world.tags_to_pg.setdefault(tag, []).append(self)
         _world.tags_to_pg.setdefault("", []).append(self)
-        _register_process_group(name, self)
+        _register_process_group(GroupName(name), self)
         return self
 
     def _registration_size(self) -> int:
@@ -253,7 +253,7 @@ class ProcessGroup(BaseProcessGroup):
     def unregister(self) -> None:
         """Undoes ``register`` (a no-op if the group is not registered)."""
         from torch._C._distributed_c10d import _unregister_process_group
-        from torch.distributed.distributed_c10d import _world
+        from torch.distributed.distributed_c10d import GroupName, _world
 
         name = self._group_name
         if name is None:
@@ -270,12 +270,14 @@ class ProcessGroup(BaseProcessGroup):
                 if not _world.tags_to_pg[key]:
                     del _world.tags_to_pg[key]
         try:
-            _unregister_process_group(name)
+            _unregister_process_group(GroupName(name))
         except Exception:  # noqa: BLE001 - already gone is fine
             logger.debug("process group %s was not registered in c10d", name)
 
     # ---- collectives -----------------------------------------------------------------
     # Each signature is written here once. Implementations override ``_dispatch``.
+    # torch's stubs also list the C++ methods' op/timeout overloads; these take the options
+    # form that torch.distributed calls, hence the ignore[override] on six of them.
 
     def _unsupported(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} does not support {op}")
@@ -292,7 +294,7 @@ class ProcessGroup(BaseProcessGroup):
         """
         raise self._unsupported(op)
 
-    def allreduce(
+    def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp | Any = None
     ) -> dist.Work:
         """Reduces ``tensors`` in place across the group.
@@ -314,7 +316,7 @@ class ProcessGroup(BaseProcessGroup):
         """Reduces several tensors as one operation."""
         return self._dispatch("allreduce_coalesced", (tensors, opts or AllreduceCoalescedOptions()))
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
@@ -337,7 +339,7 @@ class ProcessGroup(BaseProcessGroup):
             (output_tensors, input_tensors, opts or AllgatherOptions()),
         )
 
-    def broadcast(
+    def broadcast(  # type: ignore[override]
         self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | None = None
     ) -> dist.Work:
         """Copies the root's tensors to every rank."""
@@ -357,7 +359,7 @@ class ProcessGroup(BaseProcessGroup):
         opts.rootRank = root
         return self.broadcast([tensor], opts)
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
@@ -380,7 +382,7 @@ class ProcessGroup(BaseProcessGroup):
             (output_tensors, input_tensors, opts or ReduceScatterOptions()),
         )
 
-    def alltoall_base(
+    def alltoall_base(  # type: ignore[override]
         self,
         output_buffer: torch.Tensor,
         input_buffer: torch.Tensor,
@@ -400,7 +402,7 @@ class ProcessGroup(BaseProcessGroup):
             ),
         )
 
-    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:  # type: ignore[override]
         """Synchronises all ranks."""
         return self._dispatch("barrier", (opts or BarrierOptions(),))
 
@@ -464,7 +466,7 @@ def _work_future(work: dist.Work, result: object) -> Future[Any]:
 
 def _weak_callback(method: Callable[[Exception], None]) -> Callable[[Exception], None]:
     """Wraps a bound method so a future callback does not keep its object alive."""
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(method)
 
     def call(e: Exception) -> None:
         m = ref()

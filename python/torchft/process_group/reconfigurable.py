@@ -477,6 +477,7 @@ class ProcessGroupGloo(_OwnGroup):
         """Runs ``op``; an AVG allreduce is computed as SUM / world size."""
         if op != "allreduce" or not _is_avg(args[1]):
             return super()._dispatch(op, args)
+        tensors: list[torch.Tensor]
         tensors, opts = args
         world = self.size()
         work = super()._dispatch("allreduce", (tensors, _copy_opts(opts, ReduceOp.SUM)))

@@ -159,7 +159,7 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
             self._future_error = e
 
     def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
-        work = getattr(self._current(), op)(*args)
+        work: dist.Work = getattr(self._current(), op)(*args)
         with self._lock:
             err = self._future_error
             self._future_error = None
