@@ -59,7 +59,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._rank = 0
         self._world_size = 1
         self._error: Exception | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[], ProcessGroupBaby] | None = None
         self._inflight = _InFlight()
 
     @classmethod
