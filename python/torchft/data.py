@@ -42,7 +42,7 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
-class DistributedSampler(data.distributed.DistributedSampler):
+class DistributedSampler(data.distributed.DistributedSampler[int]):
     """A ``torch.utils.data.DistributedSampler`` sharded over replica groups and group ranks.
 
     The global rank is ``group_rank + num_replicas * replica_rank`` and the global world size

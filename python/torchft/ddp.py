@@ -13,14 +13,16 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 from torch.nn import parallel
 
 from torchft.process_group import ProcessGroupDummy
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from torchft.manager import Manager
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -86,11 +88,12 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
 
     def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The reducer's parameters, last-defined first (roughly gradient-ready order)."""
-        parameters, expect_sparse_gradient = super()._build_params_for_reducer()
+        # torch leaves DistributedDataParallel._build_params_for_reducer unannotated.
+        parameters, expect_sparse_gradient = super()._build_params_for_reducer()  # type: ignore[no-untyped-call]
         return list(reversed(parameters)), list(reversed(expect_sparse_gradient))
 
 
-def _manager_comm_hook(state: Manager, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def _manager_comm_hook(state: Manager, bucket: GradBucket) -> Future[torch.Tensor]:
     """Averages one gradient bucket across replicas through the Manager.
 
     Args:
@@ -109,7 +112,7 @@ def _manager_comm_hook(state: Manager, bucket: dist.GradBucket) -> Future[torch.
 # the strings produced by ``from __future__ import annotations``.
 _manager_comm_hook.__annotations__ = {
     "state": object,
-    "bucket": dist.GradBucket,
+    "bucket": GradBucket,
     "return": Future[torch.Tensor],
 }
 
@@ -134,8 +137,9 @@ class PureDistributedDataParallel(nn.Module):
         self._manager = manager
         self._pending: list[tuple[torch.Tensor, Future[Any]]] = []
         self._callback_queued = False
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        # torch leaves Tensor.register_post_accumulate_grad_hook unannotated.
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in module.parameters()
             if p.requires_grad
         ]

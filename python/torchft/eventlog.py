@@ -40,7 +40,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = ["read_events", "summarize", "format_summary", "main"]
 
@@ -97,7 +97,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     """Whether ``value`` is a finite JSON number (booleans are not numbers here).
 
     Args:

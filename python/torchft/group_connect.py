@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed import TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from torchft.errors import HungProcessError
 from torchft.group_snapshots import GroupSnapshots

@@ -25,7 +25,7 @@ from torchft.snapshot import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
 
     from torchft.telemetry import RankTelemetry
 

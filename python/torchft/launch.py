@@ -334,7 +334,7 @@ class Launcher:
 
     def _spawn_ranks(self, g: GroupState) -> None:
         """Starts the group's ranks as torchrun's agent would, on warm spares when ready."""
-        from torch.distributed import TCPStore
+        from torch._C._distributed_c10d import TCPStore
 
         # A fresh store per incarnation: nothing a dead incarnation wrote can be read.
         g.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

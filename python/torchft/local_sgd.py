@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn, optim
@@ -145,7 +145,7 @@ class LocalSGD:
         exc_type: type[BaseException] | None,
         exc_value: BaseException | None,
         traceback: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         self._hooks.remove_all()
         return False
 
@@ -360,6 +360,7 @@ def _buckets(
         ``(flat buffer, [(tensor, offset, numel), ...])``; each tensor is copied in.
     """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    t: torch.Tensor | None
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     for (dtype, device), ts in groups.items():
@@ -594,7 +595,7 @@ class DiLoCo:
         exc_type: type[BaseException] | None,
         exc_value: BaseException | None,
         traceback: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         self._hooks.remove_all()
         self._manager.allow_state_dict_read()
         return False

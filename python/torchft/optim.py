@@ -43,7 +43,7 @@ class OptimizerWrapper(Optimizer):
     # ---- delegated state --------------------------------------------------------------
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups (LR schedulers edit these)."""
         return self.optim.param_groups
 
@@ -52,7 +52,7 @@ class OptimizerWrapper(Optimizer):
         self.optim.param_groups = groups
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         """The wrapped optimizer's per-parameter state."""
         return self.optim.state
 
@@ -61,7 +61,7 @@ class OptimizerWrapper(Optimizer):
         self.optim.state = state
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         """The wrapped optimizer's defaults."""
         return self.optim.defaults
 

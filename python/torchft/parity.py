@@ -87,7 +87,7 @@ def digest_tensors(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
         meta = f"{path}:{t.dtype}:{tuple(t.shape)};".encode()
         crc, adler = zlib.crc32(meta, crc), zlib.adler32(meta, adler)
         if t.numel():
-            data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            data = t.reshape(-1).view(torch.uint8).numpy().data
             crc, adler = zlib.crc32(data, crc), zlib.adler32(data, adler)
     return crc.to_bytes(4, "big") + adler.to_bytes(4, "big")
 

@@ -155,7 +155,8 @@ class QuorumGroup:
 
         try:
             work = self.pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
-            return work.get_future().then(finish)
+            fut: Future[torch.Tensor] = work.get_future().then(finish)
+            return fut
         except BaseException:
             if telemetry is not None:
                 telemetry.collective_finished(token)  # never started: not in flight

@@ -598,7 +598,8 @@ class SnapshotWriter:
         try:
             rank_dir = path / f"rank_{self._rank}"
             rank_dir.mkdir(parents=True, exist_ok=True)
-            dcp.save(staged, checkpoint_id=str(rank_dir), no_dist=True)
+            # torch re-exports save here without listing it as exported (no __all__).
+            dcp.save(staged, checkpoint_id=str(rank_dir), no_dist=True)  # type: ignore[attr-defined]
             part = {
                 "rank": self._rank,
                 "files": _files_of(rank_dir),

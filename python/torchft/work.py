@@ -92,7 +92,7 @@ def _to_seconds(timeout: timedelta | float | None) -> float | None:
     return float(timeout)
 
 
-class _DummyWork(dist._Work):
+class _DummyWork(dist.Work):
     """A Work that is complete from the start and whose future holds ``result``.
 
     Returned for collectives that are skipped (after an error was recorded, or by fake
@@ -126,7 +126,7 @@ class _DummyWork(dist._Work):
         return self._future
 
 
-class _FutureWork(dist._Work):
+class _FutureWork(dist.Work):
     """A Work backed by a torch Future produced elsewhere.
 
     ``wait()`` waits for the future (honouring an optional timeout) and re-raises its
@@ -180,11 +180,11 @@ class _TimerThread:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int]] = []
-        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._callbacks: dict[int, Callable[[], object]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def schedule(self, delay: float, callback: Callable[[], None]) -> int:
+    def schedule(self, delay: float, callback: Callable[[], object]) -> int:
         """Runs ``callback`` after ``delay`` seconds unless cancelled; returns a handle."""
         with self._cond:
             handle = next(self._ids)
@@ -257,7 +257,7 @@ def _mirror(
     seconds = _to_seconds(timeout)
     out: Future[T] = device_future(like)
     lock = threading.Lock()
-    state = {"done": False, "handle": None}
+    state: dict[str, bool | int | None] = {"done": False, "handle": None}
 
     def finish(value: T | None, error: BaseException | None) -> bool:
         with lock:
@@ -266,14 +266,15 @@ def _mirror(
             state["done"] = True
             handle = state["handle"]
         if handle is not None:
-            _TIMER.cancel(handle)  # type: ignore[arg-type]
+            _TIMER.cancel(handle)
         if error is not None:
             if on_error is not None and isinstance(error, Exception):
                 try:
                     on_error(error)
                 except Exception:
                     logger.exception("error handler failed")
-            out.set_exception(error)
+            # torch types set_exception's argument as the result type, not an exception.
+            out.set_exception(error)  # type: ignore[arg-type]
         else:
             out.set_result(value)  # type: ignore[arg-type]
         return True

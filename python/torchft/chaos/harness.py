@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from torch.distributed import TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from torchft.chaos.history import (
     DIVERGED_EXIT,

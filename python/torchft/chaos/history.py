@@ -930,7 +930,8 @@ def _timings(
                 (s["pid"] for s in reversed(starts) if s["group"] == f["groups"][0] and s["t"] < t),
                 None,
             )
-            end = first_after(by_pid.get(pid, []), t) or t + f.get("seconds", 0.0)
+            stopped = by_pid.get(pid, []) if pid is not None else []
+            end = first_after(stopped, t) or t + f.get("seconds", 0.0)
         elif f["fault"] == "hang":
             # Until the hung group commits again (resumed, or restarted after ending itself;
             # commits are sorted by time).

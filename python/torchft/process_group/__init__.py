@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import Store
+from torch._C._distributed_c10d import Store
 
 from torchft.process_group.baby import (
     ProcessGroupBaby,
@@ -103,7 +103,7 @@ def _backend_factory(
     cls: type[ProcessGroupWrapper] | type[ProcessGroupBaby],
 ) -> Callable[[Store, int, int, timedelta], ProcessGroup]:
     def create(store: Store, rank: int, world_size: int, timeout: timedelta) -> ProcessGroup:
-        pg = cls(timeout=timeout)  # type: ignore[call-arg]
+        pg = cls(timeout=timeout)
         pg._configure_store(store, rank, world_size)
         return pg
 

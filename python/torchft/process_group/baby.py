@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from torchft.process_group.baby_ipc import _BabyChild, _to_wire
 from torchft.process_group.base import (
@@ -59,7 +59,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._rank = 0
         self._world_size = 1
         self._error: Exception | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[], ProcessGroupBaby] | None = None
         self._inflight = _InFlight()
 
     @classmethod
@@ -177,7 +177,7 @@ class ProcessGroupBaby(ProcessGroup):
             if self._error is None:
                 self._error = e
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         """Sends ``op`` to the child, which runs it on the shared tensors in place."""
         wire = _to_wire(args)
         with self._lock:

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C import _distributed_c10d as c10d
-from torch.distributed import ReduceOp, Store
+from torch._C._distributed_c10d import Store
+from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from torchft.process_group.base import ProcessGroup, create_store_client
@@ -131,7 +132,8 @@ def _reduce_storage_inband(storage: torch.UntypedStorage) -> tuple[Any, ...]:
     if fds is None or storage.device.type != "cpu" or storage.size() == 0:
         from torch.multiprocessing.reductions import reduce_storage
 
-        return reduce_storage(storage)
+        # torch leaves torch.multiprocessing.reductions unannotated.
+        return reduce_storage(storage)  # type: ignore[no-untyped-call,no-any-return]
     fd, size = storage._share_fd_cpu_()
     fds.append(fd)
     return (_rebuild_storage_inband, (len(fds) - 1, size))
@@ -141,16 +143,18 @@ def _rebuild_storage_inband(index: int, size: int) -> torch.UntypedStorage:
     """Maps the ``index``-th fd received with the current message (child side)."""
     from torch.multiprocessing.reductions import StorageWeakRef, fd_id, shared_cache
 
+    # torch leaves torch.multiprocessing.reductions unannotated, and UntypedStorage's stub
+    # lacks the _new_shared_fd_cpu constructor that reductions.rebuild_storage_fd uses.
     fd = _fd_context.received[index]
-    key = fd_id(fd)
-    cached = shared_cache.get(key)
+    key = fd_id(fd)  # type: ignore[no-untyped-call]
+    cached = shared_cache.get(key)  # type: ignore[no-untyped-call]
     if cached is not None:
         storage = torch.UntypedStorage._new_with_weak_ptr(cached.cdata)
         if storage is not None:
             return storage
-    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
-    shared_cache[key] = StorageWeakRef(storage)
-    return storage
+    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)  # type: ignore[attr-defined]
+    shared_cache[key] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+    return storage  # type: ignore[no-any-return]
 
 
 class _InbandPickler(ForkingPickler):
@@ -228,9 +232,10 @@ class _BabyOp:
     args: tuple[object, ...]
 
 
-def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> dist._Work:
+def _child_run_op(pg: ProcessGroup, method: str, args: tuple[object, ...]) -> dist.Work:
     """Rebuilds torch options from the wire arguments and runs the op on ``pg``."""
-    return getattr(pg, method)(*_from_wire(args))
+    work: dist.Work = getattr(pg, method)(*_from_wire(args))
+    return work
 
 
 def _start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> None:
@@ -451,7 +456,8 @@ class _BabyChild:
             pending = [fut for fut, _ in self._pending.values()]
             self._pending.clear()
         if not self.ready.done():
-            self.ready.set_exception(err)
+            # torch types set_exception's argument as the result type, not an exception.
+            self.ready.set_exception(err)  # type: ignore[arg-type]
         # Only futures are kept here (not their tensors): an error stored later may hold this
         # frame through its traceback.
         for fut in pending:

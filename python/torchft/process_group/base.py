@@ -27,15 +27,13 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
-    ReduceScatterOptions,
-)
-from torch.distributed import (
     PrefixStore,
-    ReduceOp,
+    ReduceScatterOptions,
     Store,
     TCPStore,
 )
 from torch.distributed import ProcessGroup as BaseProcessGroup
+from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from torchft.config import timeout_override
@@ -225,8 +223,8 @@ class ProcessGroup(BaseProcessGroup):
         Raises:
             ValueError: ``name`` is empty or already registered with torch.
         """
-        from torch._C._distributed_c10d import _register_process_group
-        from torch.distributed.distributed_c10d import _world
+        from torch._C._distributed_c10d import HashStore, _register_process_group
+        from torch.distributed.distributed_c10d import GroupName, _world
 
         if not name:
             raise ValueError("register needs a non-empty name")
@@ -234,18 +232,18 @@ class ProcessGroup(BaseProcessGroup):
             raise ValueError(f"a process group named {name!r} is already registered")
         if self._group_name is not None:
             self.unregister()
-        self._set_group_name(name)
+        self._set_group_name(GroupName(name))
         self._group_name = name
-        store = self._registered_store or dist.HashStore()
+        store = self._registered_store or HashStore()
         _world.pg_map[self] = (self.getBackendName(), store)
-        _world.pg_names[self] = name
+        _world.pg_names[self] = GroupName(name)
         _world.pg_group_ranks[self] = {i: i for i in range(self._registration_size())}
         _world.pg_backend_config[self] = self.getBackendName()
         tag = f"ptd:{name}"
         _world.pg_to_tag[self] = tag
         _world.tags_to_pg.setdefault(tag, []).append(self)
         _world.tags_to_pg.setdefault("", []).append(self)
-        _register_process_group(name, self)
+        _register_process_group(GroupName(name), self)
         return self
 
     def _registration_size(self) -> int:
@@ -255,7 +253,7 @@ class ProcessGroup(BaseProcessGroup):
     def unregister(self) -> None:
         """Undoes ``register`` (a no-op if the group is not registered)."""
         from torch._C._distributed_c10d import _unregister_process_group
-        from torch.distributed.distributed_c10d import _world
+        from torch.distributed.distributed_c10d import GroupName, _world
 
         name = self._group_name
         if name is None:
@@ -272,17 +270,19 @@ class ProcessGroup(BaseProcessGroup):
                 if not _world.tags_to_pg[key]:
                     del _world.tags_to_pg[key]
         try:
-            _unregister_process_group(name)
+            _unregister_process_group(GroupName(name))
         except Exception:  # noqa: BLE001 - already gone is fine
             logger.debug("process group %s was not registered in c10d", name)
 
     # ---- collectives -----------------------------------------------------------------
     # Each signature is written here once. Implementations override ``_dispatch``.
+    # torch's stubs also list the C++ methods' op/timeout overloads; these take the options
+    # form that torch.distributed calls, hence the ignore[override] on six of them.
 
     def _unsupported(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} does not support {op}")
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         """Runs collective ``op`` with its normalised positional arguments.
 
         Args:
@@ -294,9 +294,9 @@ class ProcessGroup(BaseProcessGroup):
         """
         raise self._unsupported(op)
 
-    def allreduce(
+    def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp | Any = None
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduces ``tensors`` in place across the group.
 
         Args:
@@ -312,16 +312,16 @@ class ProcessGroup(BaseProcessGroup):
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | Any = None
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduces several tensors as one operation."""
         return self._dispatch("allreduce_coalesced", (tensors, opts or AllreduceCoalescedOptions()))
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: AllgatherOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Gathers every rank's ``input_tensors[i]`` into ``output_tensors[i]``."""
         return self._dispatch(
             "allgather", (output_tensors, input_tensors, opts or AllgatherOptions())
@@ -332,20 +332,20 @@ class ProcessGroup(BaseProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: AllgatherOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Gathers into flat output tensors."""
         return self._dispatch(
             "allgather_into_tensor_coalesced",
             (output_tensors, input_tensors, opts or AllgatherOptions()),
         )
 
-    def broadcast(
+    def broadcast(  # type: ignore[override]
         self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | None = None
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Copies the root's tensors to every rank."""
         return self._dispatch("broadcast", (tensor_list, opts or BroadcastOptions()))
 
-    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist._Work:
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
         """Broadcasts a single tensor from ``root``.
 
         Args:
@@ -359,12 +359,12 @@ class ProcessGroup(BaseProcessGroup):
         opts.rootRank = root
         return self.broadcast([tensor], opts)
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: ReduceScatterOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduces ``input_tensors`` and scatters the pieces to the ranks."""
         return self._dispatch(
             "reduce_scatter", (output_tensors, input_tensors, opts or ReduceScatterOptions())
@@ -375,21 +375,21 @@ class ProcessGroup(BaseProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: ReduceScatterOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """Reduce-scatter of flat tensors."""
         return self._dispatch(
             "reduce_scatter_tensor_coalesced",
             (output_tensors, input_tensors, opts or ReduceScatterOptions()),
         )
 
-    def alltoall_base(
+    def alltoall_base(  # type: ignore[override]
         self,
         output_buffer: torch.Tensor,
         input_buffer: torch.Tensor,
         output_split_sizes: list[int],
         input_split_sizes: list[int],
         opts: AllToAllOptions | None = None,
-    ) -> dist._Work:
+    ) -> dist.Work:
         """All-to-all exchange of one flat tensor."""
         return self._dispatch(
             "alltoall_base",
@@ -402,15 +402,15 @@ class ProcessGroup(BaseProcessGroup):
             ),
         )
 
-    def barrier(self, opts: BarrierOptions | None = None) -> dist._Work:
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:  # type: ignore[override]
         """Synchronises all ranks."""
         return self._dispatch("barrier", (opts or BarrierOptions(),))
 
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist._Work:
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
         """Sends ``tensors`` to ``dst_rank``."""
         return self._dispatch("send", (tensors, dst_rank, tag))
 
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist._Work:
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         """Receives into ``tensors`` from ``src_rank``."""
         return self._dispatch("recv", (tensors, src_rank, tag))
 
@@ -443,7 +443,7 @@ def _default_result(op: str, args: Sequence[object]) -> object:
     return args[index]
 
 
-def _work_future(work: dist._Work, result: object) -> Future[Any]:
+def _work_future(work: dist.Work, result: object) -> Future[Any]:
     """The work's future, or (for backend works without one) a future completed by a
     helper thread that waits on the work and then resolves to ``result``."""
     try:
@@ -466,7 +466,7 @@ def _work_future(work: dist._Work, result: object) -> Future[Any]:
 
 def _weak_callback(method: Callable[[Exception], None]) -> Callable[[Exception], None]:
     """Wraps a bound method so a future callback does not keep its object alive."""
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(method)
 
     def call(e: Exception) -> None:
         m = ref()

@@ -60,7 +60,7 @@ class ProcessGroupDummy(ProcessGroup):
         """The configured rank."""
         return self._rank
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         """Completes ``op`` at once, as if every rank held this rank's data.
 
         Reductions, broadcasts and point-to-point operations leave the tensors as they

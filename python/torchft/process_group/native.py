@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, Store
+from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import ProcessGroup as BaseProcessGroup
 
 from torchft.process_group.base import (
@@ -54,7 +54,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 try:  # torch 2.15+; older torch has no native reconfiguration (and no such groups)
     from torch._C._distributed_c10d import ReconfigureOptions
 except ImportError:  # pragma: no cover - depends on the installed torch
-    ReconfigureOptions = None
+    ReconfigureOptions = None  # type: ignore[assignment,misc]  # absent before torch 2.15
 
 # How often a waiting member looks for its peers' handles (bounded so that abort is prompt).
 _POLL_MAX_S = 0.05
@@ -268,7 +268,8 @@ class ProcessGroupNative(ProcessGroupWrapper):
         with self._lock:
             self._attempt = attempt
             self._error = None
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        # torch leaves torch.cuda.is_initialized unannotated.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
         attempt.thread = threading.Thread(
             target=self._run,
             args=(attempt, store_addr, rank, world_size, timeout, device),
@@ -389,7 +390,7 @@ class ProcessGroupNative(ProcessGroupWrapper):
         except Exception:  # noqa: BLE001 - a group without a default backend
             return "torchft"
 
-    def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
+    def _wrap_work(self, work: dist.Work, result: object) -> dist.Work:
         """Bounds the work by the timeout and records its error (as torchft's groups do)."""
         fut = self._inflight.track(
             _work_future(work, result),

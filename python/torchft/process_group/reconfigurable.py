@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from torch.distributed import ProcessGroup as BaseProcessGroup
-from torch.distributed import ReduceOp, Store
+from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from torchft.process_group.base import (
@@ -359,7 +360,7 @@ class ProcessGroupWrapper(ProcessGroup):
             )
         return pg
 
-    def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
+    def _wrap_work(self, work: dist.Work, result: object) -> dist.Work:
         """Post-processes a work from the underlying group (timeouts, error recording)."""
         if self._wrapped:
             return work
@@ -371,7 +372,7 @@ class ProcessGroupWrapper(ProcessGroup):
         )
         return _FutureWork(fut)  # fut already carries the deadline
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         pg = self._current()
         work = getattr(pg, op)(*args)
         return self._wrap_work(work, _default_result(op, args))
@@ -472,10 +473,11 @@ class ProcessGroupGloo(_OwnGroup):
     def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
         return _build_gloo(store, rank, world_size, self._timeout)
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         """Runs ``op``; an AVG allreduce is computed as SUM / world size."""
         if op != "allreduce" or not _is_avg(args[1]):
             return super()._dispatch(op, args)
+        tensors: list[torch.Tensor]
         tensors, opts = args
         world = self.size()
         work = super()._dispatch("allreduce", (tensors, _copy_opts(opts, ReduceOp.SUM)))
@@ -513,14 +515,14 @@ class ProcessGroupNCCL(_OwnGroup):
         )
         self.abort()
 
-    def _wrap_work(self, work: dist._Work, result: object) -> dist._Work:
+    def _wrap_work(self, work: dist.Work, result: object) -> dist.Work:
         return _NCCLWork(self, work, self._timeout)
 
 
-class _NCCLWork(dist._Work):
+class _NCCLWork(dist.Work):
     """An NCCL work whose ``wait`` aborts the group when it passes the timeout."""
 
-    def __init__(self, pg: ProcessGroupNCCL, work: dist._Work, timeout: timedelta) -> None:
+    def __init__(self, pg: ProcessGroupNCCL, work: dist.Work, timeout: timedelta) -> None:
         super().__init__()
         self._pg = pg
         self._work = work

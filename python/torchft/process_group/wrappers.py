@@ -47,11 +47,11 @@ class AllreduceManager(Protocol):
     def participating_rank(self) -> int | None: ...
 
 
-class _ErrorSwallowingWork(dist._Work):
+class _ErrorSwallowingWork(dist.Work):
     """A work whose failures are recorded on the wrapper instead of raised."""
 
     def __init__(
-        self, pg: ErrorSwallowingProcessGroupWrapper, work: dist._Work, default: object
+        self, pg: ErrorSwallowingProcessGroupWrapper, work: dist.Work, default: object
     ) -> None:
         super().__init__()
         self._pg = pg
@@ -106,7 +106,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         """Records ``e`` (the first one wins); later collectives become no-ops."""
         self._record_error(e)
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         default = _default_result(op, args)
         if self.error() is not None:
             return _DummyWork(default)
@@ -118,10 +118,10 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         return _ErrorSwallowingWork(self, work, default)
 
 
-class _FailingWork(dist._Work):
+class _FailingWork(dist.Work):
     """A work that fails with a given error once the underlying work is done."""
 
-    def __init__(self, work: dist._Work, error: Exception) -> None:
+    def __init__(self, work: dist.Work, error: Exception) -> None:
         super().__init__()
         self._work = work
         self._error = error
@@ -158,8 +158,8 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         with self._lock:
             self._future_error = e
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
-        work = getattr(self._current(), op)(*args)
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
+        work: dist.Work = getattr(self._current(), op)(*args)
         with self._lock:
             err = self._future_error
             self._future_error = None
@@ -186,7 +186,7 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         super().__init__(pg=inner if isinstance(inner, ProcessGroup) else ProcessGroupDummy(0, 1))
         self._manager = manager
 
-    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist._Work:
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         """Allreduces each tensor with ``manager.allreduce`` (the future holds the tensors);
         other collectives run on the manager's group."""
         if op != "allreduce":
