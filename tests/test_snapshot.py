@@ -309,6 +309,10 @@ def test_diloco_total_loss_resumes_the_outer_state(tmp_path: Path) -> None:
         resumed: Any = None
         with diloco:
             for batch in _batches(replica, 400):
+                # A snapshot still being written makes the next one due be skipped (training
+                # never waits for a write); on a loaded machine that would drop step 6. The
+                # test waits for the writer instead, so every snapshot step is written.
+                writer_idle(manager)
                 _inner_step(model, inner, batch)
                 if resumed is None and manager.current_step() >= 2 and shift:
                     # Right after the resume the global parameters are the snapshot's.
@@ -316,6 +320,13 @@ def test_diloco_total_loss_resumes_the_outer_state(tmp_path: Path) -> None:
                 if manager.current_step() >= until:
                     break
         return resumed, diloco_state(diloco), manager.current_step()
+
+    def writer_idle(manager: Any) -> None:
+        snapshots = manager._snapshots
+        deadline = time.monotonic() + 60
+        while snapshots.writer.busy():
+            assert time.monotonic() < deadline, "a snapshot write did not end within 60 s"
+            time.sleep(0.01)
 
     def diloco_state(diloco: Any) -> str:
         return hash_state([f.state_dict() for f in diloco._fragments])
