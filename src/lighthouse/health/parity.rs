@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 
 /// A step whose digests have not all arrived is decided this long after its first one.
 pub const DECIDE_AFTER: Duration = Duration::from_secs(30);
@@ -115,25 +115,21 @@ impl Parity {
         ranks: Vec<Vec<u8>>,
         now: Instant,
     ) -> Result<i64> {
-        if step < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "state digest step must not be negative (replica {replica_id:?} sent {step})"
-            )));
-        }
-        if ranks.is_empty() || ranks.len() > MAX_RANKS {
-            return Err(Error::InvalidArgument(format!(
-                "a state digest needs 1 to {MAX_RANKS} rank digests (replica {replica_id:?} \
-                 sent {})",
-                ranks.len()
-            )));
-        }
+        ensure!(
+            step >= 0,
+            "state digest step must not be negative (replica {replica_id:?} sent {step})"
+        );
+        ensure!(
+            (1..=MAX_RANKS).contains(&ranks.len()),
+            "a state digest needs 1 to {MAX_RANKS} rank digests (replica {replica_id:?} sent {})",
+            ranks.len()
+        );
         let len = ranks[0].len();
-        if len == 0 || len > MAX_DIGEST_BYTES || ranks.iter().any(|r| r.len() != len) {
-            return Err(Error::InvalidArgument(format!(
-                "rank digests must be 1 to {MAX_DIGEST_BYTES} bytes, all of one length \
-                 (replica {replica_id:?})"
-            )));
-        }
+        ensure!(
+            (1..=MAX_DIGEST_BYTES).contains(&len) && ranks.iter().all(|r| r.len() == len),
+            "rank digests must be 1 to {MAX_DIGEST_BYTES} bytes, all of one length \
+             (replica {replica_id:?})"
+        );
         if self.decided.is_some_and(|d| step <= d) {
             return Ok(step);
         }

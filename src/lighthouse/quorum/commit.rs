@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use super::{EarlierLife, HeartbeatRecord, QuorumEngine};
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 use crate::lighthouse::LighthouseOptions;
 
 /// The lighthouse's answer to a write-ahead commit announcement (see
@@ -154,11 +154,10 @@ impl QuorumEngine {
         now: Instant,
     ) -> Result<CommitVerdict> {
         Self::check_id(replica_id)?;
-        if step < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "step must not be negative (replica {replica_id:?} sent {step})"
-            )));
-        }
+        ensure!(
+            step >= 0,
+            "step must not be negative (replica {replica_id:?} sent {step})"
+        );
         let current = match (&self.previous, &self.restored_quorum) {
             (Some(q), _) => Some((
                 q.quorum_id,

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use super::QuorumEngine;
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 use crate::lighthouse::health::hang::Hung;
 
 /// Heartbeat records unseen for this many heartbeat timeouts are forgotten at tick time, so
@@ -166,11 +166,10 @@ impl QuorumEngine {
     }
 
     pub(super) fn check_id(replica_id: &str) -> Result<()> {
-        if replica_id.trim().is_empty() {
-            return Err(Error::InvalidArgument(
-                "replica_id must not be empty".into(),
-            ));
-        }
+        ensure!(
+            !replica_id.trim().is_empty(),
+            "replica_id must not be empty"
+        );
         Ok(())
     }
 
@@ -200,10 +199,11 @@ impl QuorumEngine {
         now: Instant,
     ) -> Result<()> {
         Self::check_id(replica_id)?;
-        if let Some(step) = step.filter(|s| *s < 0) {
-            return Err(Error::InvalidArgument(format!(
+        if let Some(step) = step {
+            ensure!(
+                step >= 0,
                 "step must not be negative (replica {replica_id:?} sent {step})"
-            )));
+            );
         }
         self.note_step(replica_id, step, now);
         if let Some(idle) = loop_idle {

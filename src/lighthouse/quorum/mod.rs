@@ -52,7 +52,7 @@ use super::health::parity::{Diverged, Parity};
 pub use super::health::Regression;
 use super::LighthouseOptions;
 use crate::client::compact;
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 use crate::proto::{Quorum, QuorumMember};
 
 mod commit;
@@ -144,37 +144,27 @@ pub struct QuorumEngine {
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
 pub fn validate_member(member: &QuorumMember) -> Result<()> {
-    if member.replica_id.trim().is_empty() {
-        return Err(Error::InvalidArgument(
-            "replica_id must not be empty".into(),
-        ));
-    }
-    if member.step < 0 {
-        return Err(Error::InvalidArgument(format!(
-            "step must not be negative (replica {:?} sent {})",
-            member.replica_id, member.step
-        )));
-    }
-    if member.world_size == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "world_size must be at least 1 (replica {:?} sent 0)",
-            member.replica_id
-        )));
-    }
-    if member.commit_failures < 0 {
-        return Err(Error::InvalidArgument(format!(
-            "commit_failures must not be negative (replica {:?} sent {})",
-            member.replica_id, member.commit_failures
-        )));
-    }
-    if !member.data.is_empty()
-        && serde_json::from_str::<serde::de::IgnoredAny>(&member.data).is_err()
-    {
-        return Err(Error::InvalidArgument(format!(
-            "data of replica {:?} is not valid JSON",
-            member.replica_id
-        )));
-    }
+    let id = &member.replica_id;
+    ensure!(!id.trim().is_empty(), "replica_id must not be empty");
+    ensure!(
+        member.step >= 0,
+        "step must not be negative (replica {id:?} sent {})",
+        member.step
+    );
+    ensure!(
+        member.world_size > 0,
+        "world_size must be at least 1 (replica {id:?} sent 0)"
+    );
+    ensure!(
+        member.commit_failures >= 0,
+        "commit_failures must not be negative (replica {id:?} sent {})",
+        member.commit_failures
+    );
+    ensure!(
+        member.data.is_empty()
+            || serde_json::from_str::<serde::de::IgnoredAny>(&member.data).is_ok(),
+        "data of replica {id:?} is not valid JSON"
+    );
     Ok(())
 }
 
