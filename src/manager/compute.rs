@@ -142,14 +142,8 @@ mod tests {
 
     fn member(id: &str, step: i64, world_size: u64) -> QuorumMember {
         QuorumMember {
-            replica_id: id.to_string(),
-            address: format!("http://{id}:1"),
-            store_address: format!("{id}:2"),
-            step,
             world_size,
-            shrink_only: false,
-            commit_failures: 0,
-            data: String::new(),
+            ..crate::testkit::member(id, step)
         }
     }
 

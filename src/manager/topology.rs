@@ -761,14 +761,8 @@ mod tests {
 
     fn member(id: &str, host: &str, data: String) -> QuorumMember {
         QuorumMember {
-            replica_id: id.into(),
-            address: format!("http://{host}:1"),
-            store_address: format!("{host}:2"),
-            step: 0,
-            world_size: 1,
-            shrink_only: false,
-            commit_failures: 0,
             data,
+            ..crate::testkit::member_on(id, host, 0)
         }
     }
 
@@ -1036,7 +1030,7 @@ mod tests {
         let announce: [&dyn Fn() -> String; 2] = [&plain, &|| placed(&t, 3)];
         for data in announce {
             let a = member("a", "h", data());
-            crate::lighthouse::quorum::validate_member(&a).unwrap();
+            crate::testkit::lighthouse_accepts(&a).unwrap();
             let b = QuorumMember {
                 step: a.step + 1,
                 ..member("a", "h", data())

@@ -21,14 +21,7 @@ pub(super) fn opts(min_replicas: u64) -> LighthouseOptions {
 }
 
 pub(super) fn member(id: &str) -> QuorumMember {
-    QuorumMember {
-        replica_id: id.to_string(),
-        address: format!("http://{id}:1"),
-        store_address: format!("{id}:2"),
-        step: 1,
-        world_size: 1,
-        ..Default::default()
-    }
+    crate::testkit::member(id, 1)
 }
 
 pub(super) fn ids(q: &Quorum) -> Vec<&str> {
