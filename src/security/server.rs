@@ -437,8 +437,7 @@ impl axum::serve::Listener for SecureListener {
 }
 
 fn read_pem(what: &str, path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path)
-        .map_err(|e| Error::InvalidArgument(format!("cannot read {what} {}: {e}", path.display())))
+    super::read_named(what, path, |p| std::fs::read(p))
 }
 
 fn certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>> {
