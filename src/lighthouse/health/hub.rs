@@ -158,13 +158,11 @@ impl Hub {
             log_dropped: AtomicU64::new(0),
             opts,
         };
-        hub.with(|t| {
-            t.emit(
-                Instant::now(),
-                EventKind::LighthouseStarted,
-                json!({"min_replicas": min_replicas, "pid": std::process::id()}),
-            )
-        });
+        hub.emit(
+            Instant::now(),
+            EventKind::LighthouseStarted,
+            json!({"min_replicas": min_replicas, "pid": std::process::id()}),
+        );
         Ok(hub)
     }
 
@@ -181,6 +179,11 @@ impl Hub {
         };
         self.publish(events);
         r
+    }
+
+    /// Records one event (see [`Telemetry::emit`]) and publishes it.
+    pub(crate) fn emit(&self, now: Instant, kind: EventKind, fields: serde_json::Value) {
+        self.with(|t| t.emit(now, kind, fields));
     }
 
     /// Reads the telemetry state.
