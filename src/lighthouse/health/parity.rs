@@ -310,13 +310,25 @@ mod tests {
         vec![vec![byte; 16]; ranks]
     }
 
-    #[test]
-    fn agreeing_groups_pass_once_all_expected_have_sent() {
+    /// A fresh check of a quorum of `expected` groups, evaluated once after each group sent
+    /// its digest of `step`; and the time.
+    fn evaluated(
+        expected: usize,
+        step: i64,
+        digests: Vec<(&str, Vec<Vec<u8>>)>,
+    ) -> (Parity, Instant) {
         let t = Instant::now();
         let mut p = Parity::default();
-        p.offer("a", 10, d(1, 2), t).unwrap();
-        p.offer("b", 10, d(1, 2), t).unwrap();
-        p.evaluate(3, t);
+        for (id, ranks) in digests {
+            p.offer(id, step, ranks, t).unwrap();
+        }
+        p.evaluate(expected, t);
+        (p, t)
+    }
+
+    #[test]
+    fn agreeing_groups_pass_once_all_expected_have_sent() {
+        let (mut p, t) = evaluated(3, 10, vec![("a", d(1, 2)), ("b", d(1, 2))]);
         assert_eq!(p.checks, 0, "c has not sent yet");
         p.offer("c", 10, d(1, 2), t).unwrap();
         p.evaluate(3, t);
@@ -330,14 +342,9 @@ mod tests {
 
     #[test]
     fn a_minority_group_is_marked_to_heal_with_the_rank_that_differs() {
-        let t = Instant::now();
-        let mut p = Parity::default();
         let mut bad = d(1, 4);
         bad[2][0] ^= 1;
-        p.offer("a", 20, d(1, 4), t).unwrap();
-        p.offer("b", 20, bad, t).unwrap();
-        p.offer("c", 20, d(1, 4), t).unwrap();
-        p.evaluate(3, t);
+        let (mut p, _) = evaluated(3, 20, vec![("a", d(1, 4)), ("b", bad), ("c", d(1, 4))]);
         let v = p.take_verdicts();
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].replica_id, "b");
@@ -350,11 +357,7 @@ mod tests {
 
     #[test]
     fn two_groups_that_differ_are_both_stopped() {
-        let t = Instant::now();
-        let mut p = Parity::default();
-        p.offer("a", 5, d(1, 1), t).unwrap();
-        p.offer("b", 5, d(2, 1), t).unwrap();
-        p.evaluate(2, t);
+        let (mut p, _) = evaluated(2, 5, vec![("a", d(1, 1)), ("b", d(2, 1))]);
         let v = p.take_verdicts();
         assert_eq!(
             v.iter().map(|x| x.action).collect::<Vec<_>>(),
@@ -385,12 +388,7 @@ mod tests {
 
     #[test]
     fn a_step_missing_a_group_is_decided_late_or_by_a_later_step() {
-        let t = Instant::now();
-        let mut p = Parity::default();
-        p.offer("a", 10, d(1, 1), t).unwrap();
-        p.offer("b", 10, d(2, 1), t).unwrap();
-        p.offer("c", 10, d(1, 1), t).unwrap();
-        p.evaluate(4, t);
+        let (mut p, t) = evaluated(4, 10, vec![("a", d(1, 1)), ("b", d(2, 1)), ("c", d(1, 1))]);
         assert!(p.take_verdicts().is_empty(), "d may still send step 10");
         // Step 20 complete: step 10 is decided with what it has.
         for id in ["a", "b", "c", "d"] {
