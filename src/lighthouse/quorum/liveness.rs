@@ -688,14 +688,8 @@ mod tests {
         let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
         let q1 = quorum_of(&mut e, &["a", "b"], t0);
         // Slow but heartbeating (every 100 ms for 20 s): never lost.
-        let mut t = t0;
-        for _ in 0..200 {
-            t += Duration::from_millis(100);
-            e.heartbeat("a", t).unwrap();
-            e.heartbeat("b", t).unwrap();
-            assert!(e.tick(t).is_none());
-            assert!(e.take_lost().is_empty());
-        }
+        let mut t = waits(&mut e, t0, 200, &["a", "b"], "issued while nobody asks");
+        assert!(e.take_lost().is_empty());
         // "b" hangs: nothing until heartbeat_timeout, then one loss of quorum q1.
         let hung_at = t;
         while t < hung_at + Duration::from_millis(4_900) {

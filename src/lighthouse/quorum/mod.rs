@@ -1113,7 +1113,7 @@ mod tests {
         for (name, edit, same_id, steps_only) in cases {
             let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
             let t0 = Instant::now();
-            let mut ms = at_step(&["b", "c", "d"], 1);
+            let mut ms = at_steps(&["b", "c", "d"], 1);
             let q1 = full_round(&mut e, &ms, t0);
             assert_eq!(
                 (q1.revision, e.revision(), e.stable_since()),
@@ -1171,8 +1171,8 @@ mod tests {
     fn shrink_only_round_with_unchanged_members_is_not_compact_for_older_holders() {
         let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         let t0 = Instant::now();
-        let q1 = full_round(&mut e, &at_step(&["a", "b"], 1), t0);
-        let mut ms = at_step(&["a", "b"], 2);
+        let q1 = full_round(&mut e, &at_steps(&["a", "b"], 1), t0);
+        let mut ms = at_steps(&["a", "b"], 2);
         ms[1].shrink_only = true;
         let q2 = full_round(&mut e, &ms, t0);
         assert_eq!(q2.quorum_id, q1.quorum_id);
@@ -1183,14 +1183,14 @@ mod tests {
             q1.revision
         ));
         // The next steady round is compact for a holder of q2, not of q1.
-        let q3 = full_round(&mut e, &at_step(&["a", "b"], 3), t0);
+        let q3 = full_round(&mut e, &at_steps(&["a", "b"], 3), t0);
         assert!(!compact::compact_applies(
             &q3,
             e.stable_since(),
             q1.quorum_id,
             q1.revision
         ));
-        let q4 = full_round(&mut e, &at_step(&["a", "b"], 4), t0);
+        let q4 = full_round(&mut e, &at_steps(&["a", "b"], 4), t0);
         assert!(compact::compact_applies(
             &q4,
             e.stable_since(),

@@ -145,9 +145,7 @@ pub(super) fn round_at(
     t: Instant,
 ) -> Vec<(String, i64)> {
     let mut last = None;
-    for id in ids {
-        let mut m = member(id);
-        m.step = step;
+    for m in at_steps(ids, step) {
         e.join(m, t).unwrap();
         last = e.poll(t).or(last);
     }
@@ -191,6 +189,43 @@ pub(super) fn at_steps(ids: &[&str], step: i64) -> Vec<QuorumMember> {
     ids.iter().map(|id| at(id, step)).collect()
 }
 
+/// The holder the round waits for at `t`, which must be one of `step` (newer than the
+/// askers').
+pub(super) fn waiting_for(e: &QuorumEngine, t: Instant, step: i64) -> String {
+    match e.verdict(t) {
+        Verdict::WaitingForProgress {
+            holder, step: s, ..
+        } if s == step => holder,
+        v => panic!("not waiting for a holder of step {step}: {v:?}"),
+    }
+}
+
+/// Groups `ids` ask at `step`, in order.
+pub(super) fn join_at(e: &mut QuorumEngine, ids: &[&str], step: i64, t: Instant) {
+    for m in at_steps(ids, step) {
+        e.join(m, t).unwrap();
+    }
+}
+
+/// For `ticks` quorum ticks of 100 ms after `t`, the groups `alive` heartbeat and no quorum
+/// is issued (`why` names what it would be issued behind); returns the last tick's time.
+pub(super) fn waits(
+    e: &mut QuorumEngine,
+    mut t: Instant,
+    ticks: u32,
+    alive: &[&str],
+    why: &str,
+) -> Instant {
+    for _ in 0..ticks {
+        t += Duration::from_millis(100);
+        for id in alive {
+            e.heartbeat(id, t).unwrap();
+        }
+        assert!(e.tick(t).is_none(), "{why}");
+    }
+    t
+}
+
 /// Small deterministic PRNG so the randomized test is reproducible without extra crates.
 pub(super) struct XorShift(pub(super) u64);
 impl XorShift {
@@ -223,12 +258,6 @@ pub(super) fn full_round(e: &mut QuorumEngine, members: &[QuorumMember], now: In
     let q = issued.or_else(|| e.tick(later)).expect("a quorum");
     assert_eq!(q.participants.len(), members.len());
     q
-}
-
-pub(super) fn at_step(ids: &[&str], step: i64) -> Vec<QuorumMember> {
-    ids.iter()
-        .map(|id| QuorumMember { step, ..member(id) })
-        .collect()
 }
 
 pub(super) fn refused(v: CommitVerdict) -> String {
