@@ -212,13 +212,7 @@ mod tests {
         join_at(&mut e, &["b", "c"], 100, t);
         // Past the heartbeat timeout (a is declared lost for its quorum, but its session is
         // open) the round still waits for a, up to progress_wait.
-        let t = waits(
-            &mut e,
-            t,
-            80,
-            &["b", "c"],
-            "issued behind the holder of step 101",
-        );
+        let t = waits(&mut e, t, 80, &["b", "c"]);
         assert!(matches!(
             e.verdict(t),
             Verdict::WaitingForProgress { ref holder, step: 101, candidates_step: 100, .. }
@@ -315,13 +309,7 @@ mod tests {
         join_at(&mut e, &["b", "c"], 100, t);
         // The restored holder is not counted healthy (b and c are a majority) but is waited
         // for, past the startup hold, up to progress_wait after the restart.
-        let t = waits(
-            &mut e,
-            t,
-            95,
-            &["b", "c"],
-            "issued behind the remembered holder",
-        );
+        let t = waits(&mut e, t, 95, &["b", "c"]);
         waiting_for(&e, t, 101);
         // a resumes: its heartbeat (and then its request) end the wait without regression.
         e.heartbeat_with_step("a", Some(101), t).unwrap();
@@ -354,13 +342,7 @@ mod tests {
         let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
         e.join(at("c", 0), t).unwrap();
         // Past the startup hold (5 s) and up to progress_wait (10 s) after the restart.
-        let t = waits(
-            &mut e,
-            t,
-            90,
-            &["c"],
-            "issued behind the remembered holder of 100",
-        );
+        let t = waits(&mut e, t, 90, &["c"]);
         waiting_for(&e, t, 100);
         e.heartbeat_with_step("b", Some(100), t).unwrap();
         e.join(at("b", 100), t).unwrap();

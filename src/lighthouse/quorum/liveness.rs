@@ -688,7 +688,7 @@ mod tests {
         let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
         let q1 = quorum_of(&mut e, &["a", "b"], t0);
         // Slow but heartbeating (every 100 ms for 20 s): never lost.
-        let mut t = waits(&mut e, t0, 200, &["a", "b"], "issued while nobody asks");
+        let mut t = waits(&mut e, t0, 200, &["a", "b"]);
         assert!(e.take_lost().is_empty());
         // "b" hangs: nothing until heartbeat_timeout, then one loss of quorum q1.
         let hung_at = t;

@@ -208,20 +208,17 @@ pub(super) fn join_at(e: &mut QuorumEngine, ids: &[&str], step: i64, t: Instant)
 }
 
 /// For `ticks` quorum ticks of 100 ms after `t`, the groups `alive` heartbeat and no quorum
-/// is issued (`why` names what it would be issued behind); returns the last tick's time.
-pub(super) fn waits(
-    e: &mut QuorumEngine,
-    mut t: Instant,
-    ticks: u32,
-    alive: &[&str],
-    why: &str,
-) -> Instant {
-    for _ in 0..ticks {
+/// is issued; returns the last tick's time.
+#[track_caller]
+pub(super) fn waits(e: &mut QuorumEngine, mut t: Instant, ticks: u32, alive: &[&str]) -> Instant {
+    for tick in 1..=ticks {
         t += Duration::from_millis(100);
         for id in alive {
             e.heartbeat(id, t).unwrap();
         }
-        assert!(e.tick(t).is_none(), "{why}");
+        if let Some(q) = e.tick(t) {
+            panic!("issued at tick {tick} of {ticks}: {q:?}");
+        }
     }
     t
 }
