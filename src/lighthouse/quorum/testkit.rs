@@ -104,22 +104,34 @@ pub(super) fn failing(id: &str) -> QuorumMember {
 
 /// An engine with a fixed hang timeout (and `progress_wait`, if given) whose rounds are
 /// never ended by the join timeout: only the hang rules let a round go on without a group.
+/// Returns it with the time it was created.
 pub(super) fn hang_engine(
-    t0: Instant,
     hang_timeout: Duration,
     progress_wait: Option<Duration>,
-) -> QuorumEngine {
+) -> (QuorumEngine, Instant) {
+    let t0 = Instant::now();
     let base = opts(1);
-    QuorumEngine::new(
-        LighthouseOptions {
-            hang_timeout: Some(hang_timeout),
-            progress_wait: progress_wait.unwrap_or(base.progress_wait),
-            join_timeout: Duration::from_secs(600),
-            ..base
-        },
-        1,
-        t0,
-    )
+    let opts = LighthouseOptions {
+        hang_timeout: Some(hang_timeout),
+        progress_wait: progress_wait.unwrap_or(base.progress_wait),
+        join_timeout: Duration::from_secs(600),
+        ..base
+    };
+    (QuorumEngine::new(opts, 1, t0), t0)
+}
+
+/// Runs `f` every 500 ms from `from` while before `until`; returns the first time past it.
+pub(super) fn every_half_second(
+    from: Instant,
+    until: Instant,
+    mut f: impl FnMut(Instant),
+) -> Instant {
+    let mut t = from;
+    while t < until {
+        f(t);
+        t += Duration::from_millis(500);
+    }
+    t
 }
 
 /// Issues a quorum of `members` (each joins at `t`) and returns it.
