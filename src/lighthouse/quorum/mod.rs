@@ -1007,11 +1007,7 @@ mod tests {
                     _ => e.tick(now),
                 };
                 let Some(q) = issued else { continue };
-                let members: Vec<String> = q
-                    .participants
-                    .iter()
-                    .map(|m| m.replica_id.clone())
-                    .collect();
+                let members = ids(&q);
                 // Issued members no longer wait.
                 for m in &members {
                     gens.remove(m);

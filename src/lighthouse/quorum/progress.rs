@@ -593,11 +593,7 @@ mod tests {
                     _ => e.tick(now),
                 };
                 let Some(q) = issued else { continue };
-                let members: HashSet<String> = q
-                    .participants
-                    .iter()
-                    .map(|m| m.replica_id.clone())
-                    .collect();
+                let members = ids(&q);
                 let to = q.participants.iter().map(|m| m.step).max().unwrap();
                 let started = round_start.unwrap_or(now);
                 if first {

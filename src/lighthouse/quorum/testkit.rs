@@ -24,10 +24,11 @@ pub(super) fn member(id: &str) -> QuorumMember {
     crate::testkit::member(id, 1)
 }
 
-pub(super) fn ids(q: &Quorum) -> Vec<&str> {
+/// The members of `q`, in its order.
+pub(super) fn ids(q: &Quorum) -> Vec<String> {
     q.participants
         .iter()
-        .map(|m| m.replica_id.as_str())
+        .map(|m| m.replica_id.clone())
         .collect()
 }
 
