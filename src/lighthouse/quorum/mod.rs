@@ -53,7 +53,7 @@ pub use super::health::Regression;
 use super::LighthouseOptions;
 use crate::client::compact;
 use crate::error::{ensure, Error, Result};
-use crate::proto::{Quorum, QuorumMember};
+use crate::proto::{Quorum, QuorumMember, StateDigest};
 
 mod commit;
 mod liveness;
@@ -500,18 +500,17 @@ impl QuorumEngine {
         }
     }
 
-    /// Takes group `replica_id`'s digests of its committed state after `step` (see
+    /// Takes group `replica_id`'s digests of its committed state after a step (see
     /// [`crate::lighthouse::health::parity`]) and decides the steps that are ready; returns the step to
     /// acknowledge.
     pub fn offer_digest(
         &mut self,
         replica_id: &str,
-        step: i64,
-        ranks: Vec<Vec<u8>>,
+        digest: StateDigest,
         now: Instant,
     ) -> Result<i64> {
         Self::check_id(replica_id)?;
-        let ack = self.parity.offer(replica_id, step, ranks, now)?;
+        let ack = self.parity.offer(replica_id, digest, now)?;
         self.parity.evaluate(self.previous_ids.len(), now);
         Ok(ack)
     }
@@ -609,10 +608,37 @@ mod tests {
         let mut e = QuorumEngine::new(opts(1), 1, t);
         quorum_of(&mut e, &["a", "b", "c"], t);
         let good = vec![vec![7u8; 16]];
-        e.offer_digest("a", 10, good.clone(), t).unwrap();
-        e.offer_digest("b", 10, vec![vec![8u8; 16]], t).unwrap();
+        e.offer_digest(
+            "a",
+            StateDigest {
+                step: 10,
+                ranks: good.clone(),
+            },
+            t,
+        )
+        .unwrap();
+        e.offer_digest(
+            "b",
+            StateDigest {
+                step: 10,
+                ranks: vec![vec![8u8; 16]],
+            },
+            t,
+        )
+        .unwrap();
         assert!(e.take_diverged().is_empty(), "c has not sent step 10 yet");
-        assert_eq!(e.offer_digest("c", 10, good, t).unwrap(), 10);
+        assert_eq!(
+            e.offer_digest(
+                "c",
+                StateDigest {
+                    step: 10,
+                    ranks: good
+                },
+                t
+            )
+            .unwrap(),
+            10
+        );
         let v = e.take_diverged();
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].replica_id.as_str(), v[0].step), ("b", 10));
@@ -637,8 +663,24 @@ mod tests {
         let t = Instant::now();
         let mut e = QuorumEngine::new(opts(1), 1, t);
         let q = quorum_of(&mut e, &["a", "b"], t);
-        e.offer_digest("a", 5, vec![vec![1u8; 16]], t).unwrap();
-        e.offer_digest("b", 5, vec![vec![2u8; 16]], t).unwrap();
+        e.offer_digest(
+            "a",
+            StateDigest {
+                step: 5,
+                ranks: vec![vec![1u8; 16]],
+            },
+            t,
+        )
+        .unwrap();
+        e.offer_digest(
+            "b",
+            StateDigest {
+                step: 5,
+                ranks: vec![vec![2u8; 16]],
+            },
+            t,
+        )
+        .unwrap();
         let v = e.take_diverged();
         assert_eq!(v.len(), 2);
         assert!(v

@@ -515,7 +515,7 @@ impl Shared {
                 let step = d.step;
                 // A bad digest must not fail the heartbeat (the group's lease): it is refused
                 // alone, and acknowledged so the manager stops resending it.
-                let ack = match state.engine.offer_digest(replica_id, step, d.ranks, now) {
+                let ack = match state.engine.offer_digest(replica_id, d, now) {
                     Ok(ack) => ack,
                     Err(e) => {
                         warn!(replica_id = %replica_id, "state digest refused: {e}");
