@@ -593,7 +593,7 @@ mod tests {
                     _ => e.tick(now),
                 };
                 let Some(q) = issued else { continue };
-                let members = ids(&q);
+                let members: HashSet<String> = ids(&q).into_iter().collect();
                 let to = q.participants.iter().map(|m| m.step).max().unwrap();
                 let started = round_start.unwrap_or(now);
                 if first {
