@@ -27,7 +27,7 @@ macro_rules! dial_constructors {
         /// Dials `addr` (`http://host:port` or `host:port`), retrying until
         /// `connect_timeout` (the server may start a moment after its clients), with the
         /// token and TLS settings of the environment
-        /// ([`Security::from_env`]($crate::security::Security::from_env)).
+        /// ([`Security::from_env`](crate::security::Security::from_env)).
         pub async fn connect(
             addr: &str,
             connect_timeout: std::time::Duration,

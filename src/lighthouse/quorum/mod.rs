@@ -607,38 +607,10 @@ mod tests {
         let t = Instant::now();
         let mut e = QuorumEngine::new(opts(1), 1, t);
         quorum_of(&mut e, &["a", "b", "c"], t);
-        let good = vec![vec![7u8; 16]];
-        e.offer_digest(
-            "a",
-            StateDigest {
-                step: 10,
-                ranks: good.clone(),
-            },
-            t,
-        )
-        .unwrap();
-        e.offer_digest(
-            "b",
-            StateDigest {
-                step: 10,
-                ranks: vec![vec![8u8; 16]],
-            },
-            t,
-        )
-        .unwrap();
+        e.offer_digest("a", digest(10, 7), t).unwrap();
+        e.offer_digest("b", digest(10, 8), t).unwrap();
         assert!(e.take_diverged().is_empty(), "c has not sent step 10 yet");
-        assert_eq!(
-            e.offer_digest(
-                "c",
-                StateDigest {
-                    step: 10,
-                    ranks: good
-                },
-                t
-            )
-            .unwrap(),
-            10
-        );
+        assert_eq!(e.offer_digest("c", digest(10, 7), t).unwrap(), 10);
         let v = e.take_diverged();
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].replica_id.as_str(), v[0].step), ("b", 10));
@@ -663,24 +635,8 @@ mod tests {
         let t = Instant::now();
         let mut e = QuorumEngine::new(opts(1), 1, t);
         let q = quorum_of(&mut e, &["a", "b"], t);
-        e.offer_digest(
-            "a",
-            StateDigest {
-                step: 5,
-                ranks: vec![vec![1u8; 16]],
-            },
-            t,
-        )
-        .unwrap();
-        e.offer_digest(
-            "b",
-            StateDigest {
-                step: 5,
-                ranks: vec![vec![2u8; 16]],
-            },
-            t,
-        )
-        .unwrap();
+        e.offer_digest("a", digest(5, 1), t).unwrap();
+        e.offer_digest("b", digest(5, 2), t).unwrap();
         let v = e.take_diverged();
         assert_eq!(v.len(), 2);
         assert!(v

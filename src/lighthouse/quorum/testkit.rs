@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::lighthouse::LighthouseOptions;
-use crate::proto::{Quorum, QuorumMember};
+use crate::proto::{Quorum, QuorumMember, StateDigest};
 
 pub(super) fn opts(min_replicas: u64) -> LighthouseOptions {
     LighthouseOptions {
@@ -202,14 +202,23 @@ pub(super) fn at_steps(ids: &[&str], step: i64) -> Vec<QuorumMember> {
     ids.iter().map(|id| at(id, step)).collect()
 }
 
-/// The holder the round waits for at `t`, which must be one of `step` (newer than the
-/// askers').
+/// The group the round waits for at `t`; the round must be waiting for a holder of `step`
+/// (a newer state than the askers').
+#[track_caller]
 pub(super) fn waiting_for(e: &QuorumEngine, t: Instant, step: i64) -> String {
     match e.verdict(t) {
         Verdict::WaitingForProgress {
             holder, step: s, ..
         } if s == step => holder,
         v => panic!("not waiting for a holder of step {step}: {v:?}"),
+    }
+}
+
+/// A one-rank group's state digest of `step`: 16 bytes of `byte`.
+pub(super) fn digest(step: i64, byte: u8) -> StateDigest {
+    StateDigest {
+        step,
+        ranks: vec![vec![byte; 16]],
     }
 }
 
