@@ -20,8 +20,8 @@ use crate::security::client::{authenticated, endpoint, AuthChannel};
 use crate::security::Security;
 
 /// The two constructors every client has, `connect` and `connect_with`, given how the
-/// client wraps its dialled channel (an `Fn(AuthChannel) -> Self`); expanded inside the
-/// client's `impl` block.
+/// client wraps its dialled channel (a function, or a closure that captures nothing, from
+/// the `AuthChannel` to the client); expanded inside the client's `impl` block.
 macro_rules! dial_constructors {
     ($wrap:expr) => {
         /// Dials `addr` (`http://host:port` or `host:port`), retrying until
