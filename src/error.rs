@@ -49,6 +49,17 @@ pub enum Error {
 /// Result alias for the torchft core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Returns `Err(Error::InvalidArgument(format!(..)))` from the enclosing function unless the
+/// condition holds: one line per argument check, the message formatted only on failure.
+macro_rules! ensure {
+    ($ok:expr, $($message:tt)+) => {
+        if !$ok {
+            return Err($crate::error::Error::InvalidArgument(format!($($message)+)));
+        }
+    };
+}
+pub(crate) use ensure;
+
 impl Error {
     /// A timeout error naming what was being waited for and for how long.
     pub fn timeout(what: &str, after: Duration) -> Self {

@@ -14,6 +14,8 @@ pub mod net;
 pub mod runtime;
 pub mod security;
 pub mod telemetry;
+#[cfg(test)]
+mod testkit;
 
 #[cfg(feature = "python")]
 pub mod bindings;

@@ -89,21 +89,6 @@ impl From<proto::QuorumMember> for QuorumMember {
     }
 }
 
-impl From<QuorumMember> for proto::QuorumMember {
-    fn from(m: QuorumMember) -> Self {
-        Self {
-            replica_id: m.replica_id,
-            address: m.address,
-            store_address: m.store_address,
-            step: m.step,
-            world_size: m.world_size,
-            shrink_only: m.shrink_only,
-            commit_failures: m.commit_failures,
-            data: m.data_json,
-        }
-    }
-}
-
 #[pymethods]
 impl QuorumMember {
     #[new]

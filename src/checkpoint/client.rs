@@ -160,8 +160,10 @@ impl Fetch {
             for &(start, end) in &spec.ranges {
                 let (addrs, first_error) = (&addrs, &first_error);
                 scope.spawn(move || {
-                    // SAFETY: forwarded from this function's contract; ranges are disjoint.
-                    let r = unsafe { self.fetch_range(spec, addrs, start, end, dests) };
+                    let r = self.while_busy(spec, || {
+                        // SAFETY: forwarded from this function's contract; ranges are disjoint.
+                        unsafe { self.fetch_range_once(spec, addrs, start, end, dests) }
+                    });
                     if let Err(e) = r {
                         let mut first = first_error.lock().unwrap_or_else(|e| e.into_inner());
                         // The first real failure wins over the breakage it causes elsewhere.
@@ -189,20 +191,17 @@ impl Fetch {
             .sum())
     }
 
-    /// [`Fetch::fetch_range_once`], again while the source answers "busy" (all its stream
-    /// slots in use, e.g. serving many healing groups at once), until the deadline.
-    unsafe fn fetch_range(
+    /// Runs `attempt` (one [`Fetch::fetch_range_once`]), again while the source answers
+    /// "busy" (all its stream slots in use, e.g. serving many healing groups at once), until
+    /// the deadline.
+    fn while_busy(
         &self,
         spec: &FetchSpec,
-        addrs: &[SocketAddr],
-        start: usize,
-        end: usize,
-        dests: &[Dest],
+        mut attempt: impl FnMut() -> Result<(), FetchError>,
     ) -> Result<(), FetchError> {
         let mut backoff = Duration::from_millis(20);
         loop {
-            // SAFETY: forwarded from the caller.
-            match unsafe { self.fetch_range_once(spec, addrs, start, end, dests) } {
+            match attempt() {
                 Err(FetchError::Refused {
                     status: wire::STATUS_UNAVAILABLE,
                     message,
@@ -515,6 +514,14 @@ mod tests {
             .collect();
         sources.push(Source::Staged { len: staged_len });
         // SAFETY: `data` outlives the server in every test below.
+        unsafe { offer_sources(server, sources, hooks) };
+    }
+
+    /// Offers `sources` as step 3 of generation "g1".
+    ///
+    /// # Safety
+    /// The memory the sources name must outlive the server.
+    unsafe fn offer_sources(server: &DataServer, sources: Vec<Source>, hooks: Hooks) {
         let o = unsafe {
             Offer::new(
                 3,
@@ -527,15 +534,39 @@ mod tests {
         server.offer(o);
     }
 
-    fn spec(server: &DataServer, token: Option<&str>, ranges: Vec<(usize, usize)>) -> FetchSpec {
+    /// A fetch of step 3 of generation "g1" from `addr`, with a ten-second deadline.
+    fn spec_at(addr: impl ToString, token: Option<&str>, ranges: Vec<(usize, usize)>) -> FetchSpec {
         FetchSpec {
-            addr: server.local_addr().to_string(),
+            addr: addr.to_string(),
             token: token.map(str::to_string),
             step: 3,
             gen: "g1".into(),
             ranges,
             deadline: Instant::now() + Duration::from_secs(10),
         }
+    }
+
+    fn spec(server: &DataServer, token: Option<&str>, ranges: Vec<(usize, usize)>) -> FetchSpec {
+        spec_at(server.local_addr(), token, ranges)
+    }
+
+    fn dests_of(out: &mut [Vec<u8>]) -> Vec<Dest> {
+        out.iter_mut()
+            .map(|v| Dest {
+                addr: v.as_mut_ptr() as usize,
+                len: v.len(),
+            })
+            .collect()
+    }
+
+    /// A source that is no data server: one accepted connection handed to `serve`.
+    fn fake_source(
+        serve: impl FnOnce(TcpStream) + Send + 'static,
+    ) -> (SocketAddr, std::thread::JoinHandle<()>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let t = std::thread::spawn(move || serve(listener.accept().unwrap().0));
+        (addr, t)
     }
 
     #[test]
@@ -549,13 +580,7 @@ mod tests {
         offer(&server, &data, staged_len);
         let mut out: Vec<Vec<u8>> = data.iter().map(|v| vec![0u8; v.len()]).collect();
         out.push(vec![0u8; staged_len]);
-        let dests: Vec<Dest> = out
-            .iter_mut()
-            .map(|v| Dest {
-                addr: v.as_mut_ptr() as usize,
-                len: v.len(),
-            })
-            .collect();
+        let dests = dests_of(&mut out);
         let f = Fetch::new();
         let n = unsafe {
             f.run(
@@ -604,13 +629,7 @@ mod tests {
         };
         offer_with(&server, &data, 10, hooks);
         let mut out: Vec<Vec<u8>> = vec![vec![0u8; 1000], vec![0u8; 1000], vec![0u8; 10]];
-        let dests: Vec<Dest> = out
-            .iter_mut()
-            .map(|v| Dest {
-                addr: v.as_mut_ptr() as usize,
-                len: v.len(),
-            })
-            .collect();
+        let dests = dests_of(&mut out);
         let ok = unsafe { Fetch::new().run(&spec(&server, None, vec![(0, 1), (1, 3)]), &dests) };
         assert!(ok.is_ok(), "{ok:?}");
         // A write: no range of the offer is served any more, whatever was sent before.
@@ -621,15 +640,6 @@ mod tests {
             "{e:?}"
         );
         server.shutdown();
-    }
-
-    fn dests_of(out: &mut [Vec<u8>]) -> Vec<Dest> {
-        out.iter_mut()
-            .map(|v| Dest {
-                addr: v.as_mut_ptr() as usize,
-                len: v.len(),
-            })
-            .collect()
     }
 
     #[test]
@@ -718,14 +728,7 @@ mod tests {
     fn overlapping_or_too_many_ranges_are_refused_before_connecting() {
         let mut out: Vec<Vec<u8>> = vec![vec![0u8; 8], vec![0u8; 8], vec![]];
         let mut dests = dests_of(&mut out);
-        let mut s = FetchSpec {
-            addr: "127.0.0.1:1".into(),
-            token: None,
-            step: 1,
-            gen: "g".into(),
-            ranges: vec![(0, 2), (1, 3)],
-            deadline: Instant::now() + Duration::from_secs(5),
-        };
+        let mut s = spec_at("127.0.0.1:1", None, vec![(0, 2), (1, 3)]);
         let e = unsafe { Fetch::new().run(&s, &dests) };
         assert!(
             matches!(&e, Err(FetchError::Corrupt(m)) if m.contains("overlaps")),
@@ -758,16 +761,7 @@ mod tests {
             len,
         }];
         // SAFETY: `words` outlives the server; it changes under the offer on purpose.
-        let o = unsafe {
-            Offer::new(
-                3,
-                "g1".into(),
-                sources,
-                Duration::from_secs(10),
-                Box::new(Hooks::default()),
-            )
-        };
-        server.offer(o);
+        unsafe { offer_sources(&server, sources, Hooks::default()) };
         let stop = AtomicBool::new(false);
         std::thread::scope(|scope| {
             scope.spawn(|| {
@@ -840,13 +834,7 @@ mod tests {
         let data: Vec<Vec<u8>> = vec![vec![7u8; 100_000], vec![9u8; 50_000]];
         offer(&server, &data, 10);
         let mut out: Vec<Vec<u8>> = vec![vec![0u8; 100_000], vec![0u8; 50_000], vec![0u8; 10]];
-        let dests: Vec<Dest> = out
-            .iter_mut()
-            .map(|v| Dest {
-                addr: v.as_mut_ptr() as usize,
-                len: v.len(),
-            })
-            .collect();
+        let dests = dests_of(&mut out);
         // Reply (16) + range prefix (24) come first: flip inside tensor 0, a CRC, the trailer.
         for flip in [40 + 5_000, 40 + 100_000 + 1, 40 + 150_008 + 10 + 4 + 3] {
             let mut s = spec(&server, None, vec![(0, 3)]);
@@ -876,27 +864,14 @@ mod tests {
 
     #[test]
     fn a_source_that_is_not_a_data_server_fails_clearly() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let t = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
+        let (addr, t) = fake_source(|mut s| {
             let mut buf = [0u8; 64];
             let _ = s.read(&mut buf);
             let _ = s.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n");
         });
-        let mut out = vec![0u8; 16];
-        let dests = [Dest {
-            addr: out.as_mut_ptr() as usize,
-            len: out.len(),
-        }];
-        let s = FetchSpec {
-            addr: addr.to_string(),
-            token: None,
-            step: 1,
-            gen: "g".into(),
-            ranges: vec![(0, 1)],
-            deadline: Instant::now() + Duration::from_secs(5),
-        };
+        let mut out = vec![vec![0u8; 16]];
+        let dests = dests_of(&mut out);
+        let s = spec_at(addr, None, vec![(0, 1)]);
         let e = unsafe { Fetch::new().run(&s, &dests) }.unwrap_err();
         assert!(
             matches!(e, FetchError::Corrupt(ref m) if m.contains("not a torchft")),
@@ -907,25 +882,15 @@ mod tests {
 
     #[test]
     fn abort_breaks_a_fetch_stuck_on_a_silent_source() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let t = std::thread::spawn(move || {
-            let (_s, _) = listener.accept().unwrap();
+        let (addr, t) = fake_source(move |_s| {
             let _ = rx.recv_timeout(Duration::from_secs(30));
         });
-        let mut out = vec![0u8; 16];
-        let dests = [Dest {
-            addr: out.as_mut_ptr() as usize,
-            len: out.len(),
-        }];
+        let mut out = vec![vec![0u8; 16]];
+        let dests = dests_of(&mut out);
         let s = FetchSpec {
-            addr: addr.to_string(),
-            token: None,
-            step: 1,
-            gen: "g".into(),
-            ranges: vec![(0, 1)],
             deadline: Instant::now() + Duration::from_secs(30),
+            ..spec_at(addr, None, vec![(0, 1)])
         };
         let f = Fetch::new();
         let t0 = Instant::now();

@@ -322,12 +322,8 @@ mod tests {
 
     fn member(id: &str, step: i64) -> QuorumMember {
         QuorumMember {
-            replica_id: id.into(),
-            address: format!("http://{id}:1"),
-            store_address: format!("{id}:2"),
-            step,
             world_size: 2,
-            ..Default::default()
+            ..crate::testkit::member(id, step)
         }
     }
 

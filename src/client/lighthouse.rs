@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use tonic::Status;
 use tracing::warn;
 
-use super::{compact, dial};
+use super::compact;
 use crate::error::{Error, Result};
 use crate::net::with_timeout;
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
@@ -26,7 +26,7 @@ use crate::proto::{
     SessionRequest, TelemetryBatch,
 };
 use crate::security::client::{authenticated, AuthChannel};
-use crate::security::{Security, Token};
+use crate::security::Token;
 
 /// A cheap-to-clone handle on one lighthouse connection (HTTP/2 multiplexes the calls).
 ///
@@ -99,22 +99,7 @@ impl LighthouseClient {
         }
     }
 
-    /// Dials `addr` (`http://host:port` or `host:port`), retrying until `connect_timeout`,
-    /// with the token and TLS settings of the environment ([`Security::from_env`]).
-    pub async fn connect(addr: &str, connect_timeout: Duration) -> Result<Self> {
-        Self::connect_with(addr, connect_timeout, &Security::from_env()?).await
-    }
-
-    /// Dials `addr` with explicit token and TLS settings.
-    pub async fn connect_with(
-        addr: &str,
-        connect_timeout: Duration,
-        security: &Security,
-    ) -> Result<Self> {
-        Ok(Self::from_auth(
-            dial(addr, connect_timeout, security).await?,
-        ))
-    }
+    dial_constructors!(Self::from_auth);
 
     /// Wraps an existing channel (e.g. one shared by many clients, or a lazy one); every call
     /// carries `token` when given.

@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::{dial, rpc_error};
+use super::rpc_error;
 use crate::error::{Error, Result};
 use crate::net::with_timeout;
 use crate::proto::manager_service_client::ManagerServiceClient;
@@ -16,7 +16,6 @@ use crate::proto::{
     ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
 };
 use crate::security::client::AuthChannel;
-use crate::security::Security;
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
 #[derive(Debug, Clone)]
@@ -24,37 +23,32 @@ pub struct ManagerClient {
     client: ManagerServiceClient<AuthChannel>,
 }
 
-/// Runs one RPC bounded by `timeout` (the server enforces the same deadline).
-async fn bounded<T, F>(what: &str, timeout: Duration, call: F) -> Result<T>
-where
-    F: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
-{
-    let started = tokio::time::Instant::now();
-    match tokio::time::timeout(timeout, call).await {
-        Ok(Ok(resp)) => Ok(resp.into_inner()),
-        Ok(Err(status)) => Err(rpc_error(status, started, timeout)),
-        Err(_) => Err(Error::timeout(what, timeout)),
-    }
-}
-
 impl ManagerClient {
-    /// Dials the manager server at `addr`, retrying until `connect_timeout` (the server may
-    /// start a moment after its ranks).
-    ///
-    /// The token and TLS settings come from the environment ([`Security::from_env`]).
-    pub async fn connect(addr: &str, connect_timeout: Duration) -> Result<Self> {
-        Self::connect_with(addr, connect_timeout, &Security::from_env()?).await
-    }
+    dial_constructors!(|channel| Self {
+        client: ManagerServiceClient::new(channel),
+    });
 
-    /// Dials `addr` with explicit token and TLS settings.
-    pub async fn connect_with(
-        addr: &str,
-        connect_timeout: Duration,
-        security: &Security,
-    ) -> Result<Self> {
-        Ok(Self {
-            client: ManagerServiceClient::new(dial(addr, connect_timeout, security).await?),
-        })
+    /// Runs one RPC (`what`, for the timeout error) on a clone of the channel: `req` carries
+    /// `timeout` to the server, which enforces the same deadline, and the call is also
+    /// bounded by it here.
+    async fn call<Req, T, F, Fut>(
+        &self,
+        what: &str,
+        req: Req,
+        timeout: Duration,
+        rpc: F,
+    ) -> Result<T>
+    where
+        F: FnOnce(ManagerServiceClient<AuthChannel>, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let started = tokio::time::Instant::now();
+        let call = rpc(self.client.clone(), with_timeout(req, timeout));
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(resp)) => Ok(resp.into_inner()),
+            Ok(Err(status)) => Err(rpc_error(status, started, timeout)),
+            Err(_) => Err(Error::timeout(what, timeout)),
+        }
     }
 
     /// Asks for this rank's part of the next quorum; waits until the whole group and the
@@ -64,24 +58,19 @@ impl ManagerClient {
         req: ManagerQuorumRequest,
         timeout: Duration,
     ) -> Result<ManagerQuorumResponse> {
-        let mut client = self.client.clone();
-        bounded(
-            "manager quorum",
-            timeout,
-            client.quorum(with_timeout(req, timeout)),
-        )
+        self.call("manager quorum", req, timeout, |mut c, r| async move {
+            c.quorum(r).await
+        })
         .await
     }
 
     /// The checkpoint metadata group rank `rank` of that manager's group sent with its latest
     /// quorum request (where that rank serves its state for healing).
     pub async fn checkpoint_metadata(&self, rank: i64, timeout: Duration) -> Result<String> {
-        let mut client = self.client.clone();
-        bounded(
-            "checkpoint_metadata",
-            timeout,
-            client.checkpoint_metadata(with_timeout(CheckpointMetadataRequest { rank }, timeout)),
-        )
+        let req = CheckpointMetadataRequest { rank };
+        self.call("checkpoint_metadata", req, timeout, |mut c, r| async move {
+            c.checkpoint_metadata(r).await
+        })
         .await
         .map(|r| r.checkpoint_metadata)
     }
@@ -109,7 +98,6 @@ impl ManagerClient {
         digest: Option<(i64, Vec<u8>)>,
         timeout: Duration,
     ) -> Result<bool> {
-        let mut client = self.client.clone();
         let (digest_step, digest) = digest.unwrap_or_default();
         let req = ShouldCommitRequest {
             should_commit,
@@ -118,36 +106,35 @@ impl ManagerClient {
             digest_step,
             digest,
         };
-        bounded(
-            "should_commit",
-            timeout,
-            client.should_commit(with_timeout(req, timeout)),
-        )
+        self.call("should_commit", req, timeout, |mut c, r| async move {
+            c.should_commit(r).await
+        })
         .await
         .map(|r| r.should_commit)
     }
 
     /// Sends a batch of this rank's telemetry reports; returns how many were accepted.
     pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
-        let mut client = self.client.clone();
-        bounded(
-            "report",
-            timeout,
-            client.report(with_timeout(batch, timeout)),
-        )
+        self.call("report", batch, timeout, |mut c, r| async move {
+            c.report(r).await
+        })
         .await
         .map(|r| r.accepted)
     }
 
     /// Asks the manager server to end its hosting process (logged with `msg`).
     pub async fn kill(&self, msg: &str, timeout: Duration) -> Result<()> {
-        let mut client = self.client.clone();
         let req = KillRequest {
             msg: msg.to_string(),
         };
-        bounded("kill", timeout, client.kill(with_timeout(req, timeout)))
-            .await
-            .map(|_| ())
+        self.call(
+            "kill",
+            req,
+            timeout,
+            |mut c, r| async move { c.kill(r).await },
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Waits up to `timeout` for lost-member events numbered after `after_seq`.
@@ -159,14 +146,12 @@ impl ManagerClient {
         after_seq: u64,
         timeout: Duration,
     ) -> Result<(Vec<LostEvent>, u64)> {
-        let mut client = self.client.clone();
         let req = WatchEventsRequest { after_seq };
-        match bounded(
-            "watch_events",
-            timeout,
-            client.watch_events(with_timeout(req, timeout)),
-        )
-        .await
+        match self
+            .call("watch_events", req, timeout, |mut c, r| async move {
+                c.watch_events(r).await
+            })
+            .await
         {
             Ok(r) => Ok((r.events, r.last_seq)),
             // No event in time is the ordinary outcome of a long-poll, not a failure.

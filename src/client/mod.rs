@@ -19,6 +19,37 @@ use crate::net::{error_chain, Backoff};
 use crate::security::client::{authenticated, endpoint, AuthChannel};
 use crate::security::Security;
 
+/// The two constructors every client has, `connect` and `connect_with`, given how the
+/// client wraps its dialled channel (a function, or a closure that captures nothing, from
+/// the `AuthChannel` to the client); expanded inside the client's `impl` block.
+macro_rules! dial_constructors {
+    ($wrap:expr) => {
+        /// Dials `addr` (`http://host:port` or `host:port`), retrying until
+        /// `connect_timeout` (the server may start a moment after its clients), with the
+        /// token and TLS settings of the environment
+        /// ([`Security::from_env`](crate::security::Security::from_env)).
+        pub async fn connect(
+            addr: &str,
+            connect_timeout: std::time::Duration,
+        ) -> $crate::error::Result<Self> {
+            let security = $crate::security::Security::from_env()?;
+            Self::connect_with(addr, connect_timeout, &security).await
+        }
+
+        /// Dials `addr` with explicit token and TLS settings.
+        pub async fn connect_with(
+            addr: &str,
+            connect_timeout: std::time::Duration,
+            security: &$crate::security::Security,
+        ) -> $crate::error::Result<Self> {
+            let wrap: fn($crate::security::client::AuthChannel) -> Self = $wrap;
+            Ok(wrap(
+                $crate::client::dial(addr, connect_timeout, security).await?,
+            ))
+        }
+    };
+}
+
 pub mod compact;
 pub mod lighthouse;
 pub mod manager;

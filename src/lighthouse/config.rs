@@ -17,7 +17,7 @@ use super::{
     AccessOptions, LighthouseOptions, LighthouseServer, ObservabilityOptions,
     DEFAULT_MAX_REQUEST_BYTES, MIN_REQUEST_BYTES,
 };
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 use crate::security::{Security, TlsFiles};
 
 /// Default listening address of the daemon.
@@ -240,19 +240,16 @@ impl LighthouseConfig {
     /// Checks every setting that does not need the environment (the token and TLS files
     /// are read, and checked, by [`LighthouseConfig::access`]).
     pub fn validate(&self) -> Result<()> {
-        if self.min_replicas < 1 {
-            return Err(Error::InvalidArgument(format!(
-                "min_replicas must be at least 1, got {}",
-                self.min_replicas
-            )));
-        }
+        ensure!(
+            self.min_replicas >= 1,
+            "min_replicas must be at least 1, got {}",
+            self.min_replicas
+        );
         for (name, ms) in [
             ("quorum_tick_ms", self.quorum_tick_ms),
             ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
         ] {
-            if ms == 0 {
-                return Err(Error::InvalidArgument(format!("{name} must be positive")));
-            }
+            ensure!(ms > 0, "{name} must be positive");
         }
         self.options().validate()?;
         self.observability().validate()?;
@@ -317,6 +314,7 @@ impl LighthouseConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     #[test]
     fn the_defaults_are_the_core_defaults() {

@@ -448,13 +448,11 @@ async fn kill(State(shared): State<Arc<Shared>>, Path(replica_id): Path<String>)
         );
     };
     let now = Instant::now();
-    shared.hub.with(|t| {
-        t.emit(
-            now,
-            EventKind::KillRequested,
-            json!({"replica_id": replica_id, "incarnation": incarnation}),
-        )
-    });
+    shared.hub.emit(
+        now,
+        EventKind::KillRequested,
+        json!({"replica_id": replica_id, "incarnation": incarnation}),
+    );
     let sent = async {
         let client = ManagerClient::connect_with(&address, KILL_TIMEOUT, &shared.security).await?;
         client

@@ -139,22 +139,13 @@ impl AccessOptions {
 impl LighthouseOptions {
     /// Checks the options are usable (at least one replica, non-zero tick and timeouts).
     pub fn validate(&self) -> crate::error::Result<()> {
-        use crate::error::Error;
-        if self.min_replicas < 1 {
-            return Err(Error::InvalidArgument(
-                "min_replicas must be at least 1".into(),
-            ));
-        }
-        if self.quorum_tick.is_zero() {
-            return Err(Error::InvalidArgument(
-                "quorum_tick must be positive".into(),
-            ));
-        }
-        if self.heartbeat_timeout.is_zero() {
-            return Err(Error::InvalidArgument(
-                "heartbeat_timeout must be positive".into(),
-            ));
-        }
+        use crate::error::ensure;
+        ensure!(self.min_replicas >= 1, "min_replicas must be at least 1");
+        ensure!(!self.quorum_tick.is_zero(), "quorum_tick must be positive");
+        ensure!(
+            !self.heartbeat_timeout.is_zero(),
+            "heartbeat_timeout must be positive"
+        );
         Ok(())
     }
 }

@@ -22,6 +22,24 @@ const TELEMETRY_TICK: Duration = Duration::from_millis(250);
 /// How long [`LighthouseServer::shutdown`] waits for connections to drain before aborting.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
+/// Runs `tick` every `period` (a late tick is delayed, not bunched) until `stop` turns true.
+fn spawn_ticker(
+    period: Duration,
+    mut stop: watch::Receiver<bool>,
+    tick: impl Fn() + Send + 'static,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut interval = tokio::time::interval(period);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = interval.tick() => tick(),
+                _ = stop.wait_for(|s| *s) => break,
+            }
+        }
+    })
+}
+
 /// A running lighthouse: gRPC + HTTP on one port, spawned on the current tokio runtime.
 pub struct LighthouseServer {
     local_addr: SocketAddr,
@@ -130,30 +148,13 @@ impl LighthouseServer {
             }
         });
 
-        let tele_shared = shared.clone();
-        let mut tele_stop = stop_rx.clone();
-        let telemetry = tokio::spawn(async move {
-            let mut interval = tokio::time::interval(TELEMETRY_TICK);
-            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = interval.tick() => tele_shared.telemetry_tick(),
-                    _ = tele_stop.wait_for(|s| *s) => break,
-                }
-            }
+        let telemetry = spawn_ticker(TELEMETRY_TICK, stop_rx.clone(), {
+            let shared = shared.clone();
+            move || shared.telemetry_tick()
         });
-
-        let tick_shared = shared.clone();
-        let mut tick_stop = stop_rx;
-        let ticker = tokio::spawn(async move {
-            let mut interval = tokio::time::interval(tick);
-            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = interval.tick() => tick_shared.tick(),
-                    _ = tick_stop.wait_for(|s| *s) => break,
-                }
-            }
+        let ticker = spawn_ticker(tick, stop_rx, {
+            let shared = shared.clone();
+            move || shared.tick()
         });
 
         Ok(Self {

@@ -210,6 +210,35 @@ mod tests {
         tokio::spawn(async move { b.vote(rank, step, vote, timeout).await })
     }
 
+    /// Ranks 0, 1, … vote `votes` on `step` in tasks left waiting for the rest of the group.
+    async fn waiting(
+        b: &Arc<CommitBarrier>,
+        step: i64,
+        votes: &[bool],
+    ) -> Vec<tokio::task::JoinHandle<Result<bool>>> {
+        let handles = votes
+            .iter()
+            .enumerate()
+            .map(|(rank, &vote)| spawn_vote(b, rank as i64, step, vote, LONG))
+            .collect();
+        settle().await;
+        handles
+    }
+
+    /// Every rank's decision of a round on `step` whose ranks vote `votes`, the last rank
+    /// once all the others wait.
+    async fn round(b: &Arc<CommitBarrier>, step: i64, votes: &[bool]) -> Vec<bool> {
+        let (&last, first) = votes.split_last().unwrap();
+        let handles = waiting(b, step, first).await;
+        let last = b.vote(first.len() as i64, step, last, LONG).await.unwrap();
+        let mut decisions = Vec::new();
+        for h in handles {
+            decisions.push(h.await.unwrap().unwrap());
+        }
+        decisions.push(last);
+        decisions
+    }
+
     #[tokio::test(start_paused = true)]
     async fn decision_is_the_and_of_all_votes() {
         for (votes, expected) in [
@@ -254,10 +283,7 @@ mod tests {
     async fn votes_never_leak_into_the_next_round() {
         let b = Arc::new(CommitBarrier::new(2).unwrap());
         // Step 1: rank 0 votes false, rank 1 true → false for both.
-        let r0 = spawn_vote(&b, 0, 1, false, LONG);
-        settle().await;
-        assert!(!b.vote(1, 1, true, LONG).await.unwrap());
-        assert!(!r0.await.unwrap().unwrap());
+        assert_eq!(round(&b, 1, &[false, true]).await, [false, false]);
         // Step 2 starts clean: nothing of step 1 is counted.
         assert_eq!(b.pending_votes(), 0);
         let r0 = spawn_vote(&b, 0, 2, true, LONG);
@@ -270,13 +296,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_vote_for_the_next_step_is_not_counted_in_this_round() {
         let b = Arc::new(CommitBarrier::new(3).unwrap());
-        let r0 = spawn_vote(&b, 0, 7, true, LONG);
-        let r1 = spawn_vote(&b, 1, 7, true, LONG);
-        settle().await;
+        let waiters = waiting(&b, 7, &[true, true]).await;
         // Rank 2 is ahead: its vote must not complete step 7's round.
         assert!(b.vote(2, 8, true, LONG).await.is_err());
-        assert!(r0.await.unwrap().is_err());
-        assert!(r1.await.unwrap().is_err());
+        for r in waiters {
+            assert!(r.await.unwrap().is_err());
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -291,32 +316,24 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::from_millis(100));
         assert_eq!(b.pending_votes(), 0);
         // Its false vote is gone: the next two votes decide alone.
-        let r0 = spawn_vote(&b, 0, 3, true, LONG);
-        settle().await;
-        assert!(b.vote(1, 3, true, LONG).await.unwrap());
-        assert!(r0.await.unwrap().unwrap());
+        assert_eq!(round(&b, 3, &[true, true]).await, [true, true]);
     }
 
     #[tokio::test(start_paused = true)]
     async fn abort_round_decides_no_for_waiting_and_late_voters_of_that_step_only() {
         let b = Arc::new(CommitBarrier::new(3).unwrap());
         assert_eq!(b.abort_round(), None, "nothing to abort");
-        let r0 = spawn_vote(&b, 0, 9, true, LONG);
-        let r1 = spawn_vote(&b, 1, 9, true, LONG);
-        settle().await;
+        let waiters = waiting(&b, 9, &[true, true]).await;
         assert_eq!(b.abort_round(), Some(9));
-        assert!(!r0.await.unwrap().unwrap());
-        assert!(!r1.await.unwrap().unwrap());
+        for r in waiters {
+            assert!(!r.await.unwrap().unwrap());
+        }
         // The rank that was held up votes later: the same decision, at once.
         let start = tokio::time::Instant::now();
         assert!(!b.vote(2, 9, true, LONG).await.unwrap());
         assert_eq!(start.elapsed(), Duration::ZERO);
         // The next step is voted normally.
-        let r0 = spawn_vote(&b, 0, 10, true, LONG);
-        let r1 = spawn_vote(&b, 1, 10, true, LONG);
-        settle().await;
-        assert!(b.vote(2, 10, true, LONG).await.unwrap());
-        assert!(r0.await.unwrap().unwrap() && r1.await.unwrap().unwrap());
+        assert_eq!(round(&b, 10, &[true; 3]).await, [true; 3]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -325,8 +342,7 @@ mod tests {
         // new quorum the abort no longer applies (it once did forever, so a two-rank group
         // never committed again after losing its peer mid-vote).
         let b = Arc::new(CommitBarrier::new(2).unwrap());
-        let r0 = spawn_vote(&b, 0, 25, true, LONG);
-        settle().await;
+        let r0 = waiting(&b, 25, &[true]).await.remove(0);
         assert_eq!(b.abort_round(), Some(25));
         assert!(!r0.await.unwrap().unwrap());
         assert!(
@@ -334,10 +350,7 @@ mod tests {
             "late voter, same quorum"
         );
         b.new_quorum();
-        let r0 = spawn_vote(&b, 0, 25, true, LONG);
-        settle().await;
-        assert!(b.vote(1, 25, true, LONG).await.unwrap());
-        assert!(r0.await.unwrap().unwrap());
+        assert_eq!(round(&b, 25, &[true, true]).await, [true, true]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -142,14 +142,8 @@ mod tests {
 
     fn member(id: &str, step: i64, world_size: u64) -> QuorumMember {
         QuorumMember {
-            replica_id: id.to_string(),
-            address: format!("http://{id}:1"),
-            store_address: format!("{id}:2"),
-            step,
             world_size,
-            shrink_only: false,
-            commit_failures: 0,
-            data: String::new(),
+            ..crate::testkit::member(id, step)
         }
     }
 
@@ -169,6 +163,15 @@ mod tests {
             member("a", 0, 2),
             member("d", 1, 2),
             member("c", 0, 2),
+        ])
+    }
+
+    /// Groups a, b, c of one rank each at step 0 (given out of order): a fresh job.
+    fn fresh() -> Quorum {
+        quorum(vec![
+            member("b", 0, 1),
+            member("a", 0, 1),
+            member("c", 0, 1),
         ])
     }
 
@@ -251,24 +254,16 @@ mod tests {
     #[test]
     fn store_is_an_up_to_date_group_spread_by_group_rank() {
         let q = mixed();
-        for r in results(&q, 0, true) {
-            assert_eq!(r.store_address, "b:2");
-        }
-        for r in results(&q, 1, true) {
-            assert_eq!(r.store_address, "d:2");
-        }
-        for r in results(&q, 2, true) {
-            assert_eq!(r.store_address, "b:2");
+        for (group_rank, store) in [(0, "b:2"), (1, "d:2"), (2, "b:2")] {
+            for r in results(&q, group_rank, true) {
+                assert_eq!(r.store_address, store, "group rank {group_rank}");
+            }
         }
     }
 
     #[test]
     fn init_sync_at_step_zero_heals_all_but_the_primary() {
-        let q = quorum(vec![
-            member("b", 0, 1),
-            member("a", 0, 1),
-            member("c", 0, 1),
-        ]);
+        let q = fresh();
         let r = results_of(&q, &["a", "b", "c"], 0, true);
         assert_eq!(
             r.iter().map(|x| x.heal).collect::<Vec<_>>(),
@@ -282,11 +277,7 @@ mod tests {
 
     #[test]
     fn without_init_sync_nobody_heals_at_step_zero() {
-        let q = quorum(vec![
-            member("b", 0, 1),
-            member("a", 0, 1),
-            member("c", 0, 1),
-        ]);
+        let q = fresh();
         for r in results_of(&q, &["a", "b", "c"], 0, false) {
             assert!(!r.heal);
             assert!(r.recover_dst_replica_ranks.is_empty());

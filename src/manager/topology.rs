@@ -761,14 +761,8 @@ mod tests {
 
     fn member(id: &str, host: &str, data: String) -> QuorumMember {
         QuorumMember {
-            replica_id: id.into(),
-            address: format!("http://{host}:1"),
-            store_address: format!("{host}:2"),
-            step: 0,
-            world_size: 1,
-            shrink_only: false,
-            commit_failures: 0,
             data,
+            ..crate::testkit::member_on(id, host, 0)
         }
     }
 
@@ -782,6 +776,25 @@ mod tests {
     /// What a manager of this build without a topology file announces.
     fn plain() -> String {
         member_data(None)
+    }
+
+    /// Groups "a", "b", … on these hosts, each announcing this build without a topology file.
+    fn on_hosts(hosts: &[&str]) -> Vec<QuorumMember> {
+        ('a'..)
+            .zip(hosts)
+            .map(|(id, host)| member(&id.to_string(), host, plain()))
+            .collect()
+    }
+
+    /// Groups "g0" … "g{n-1}" on one host, group i placed as index i of `t`.
+    fn placed_groups(t: &Topology, n: u64) -> Vec<QuorumMember> {
+        (0..n)
+            .map(|i| member(&format!("g{i}"), "h", placed(t, i)))
+            .collect()
+    }
+
+    fn ps_of(ms: &[QuorumMember]) -> Vec<&QuorumMember> {
+        ms.iter().collect()
     }
 
     /// Four ranks: 0–1 fast to each other, 2–3 fast to each other, slow across.
@@ -806,7 +819,7 @@ mod tests {
             .iter()
             .map(|id| member(id, "h", String::new()))
             .collect();
-        let ps: Vec<&QuorumMember> = ms.iter().collect();
+        let ps = ps_of(&ms);
         assert_eq!(assign_sources(&ps, &[1, 3], &[0, 2, 4], 0, None), [1, 3, 1]);
         assert_eq!(assign_sources(&ps, &[1, 3], &[0, 2, 4], 1, None), [3, 1, 3]);
         assert!(assign_sources(&ps, &[], &[0], 0, None).is_empty());
@@ -816,23 +829,17 @@ mod tests {
     fn same_host_source_is_preferred() {
         // Sources a (host x), b (host y); healers c (host y), d (host x): round-robin would
         // give c → a and d → b, locality gives the reverse.
-        let ms = [
-            member("a", "x", plain()),
-            member("b", "y", plain()),
-            member("c", "y", plain()),
-            member("d", "x", plain()),
-        ];
-        let ps: Vec<&QuorumMember> = ms.iter().collect();
-        assert_eq!(assign_sources(&ps, &[0, 1], &[2, 3], 0, None), [1, 0]);
+        let ms = on_hosts(&["x", "y", "y", "x"]);
+        assert_eq!(
+            assign_sources(&ps_of(&ms), &[0, 1], &[2, 3], 0, None),
+            [1, 0]
+        );
         // Both healers on host y: the local source is shared (ten times better connected).
-        let ms2 = [
-            member("a", "x", plain()),
-            member("b", "y", plain()),
-            member("c", "y", plain()),
-            member("d", "y", plain()),
-        ];
-        let ps2: Vec<&QuorumMember> = ms2.iter().collect();
-        assert_eq!(assign_sources(&ps2, &[0, 1], &[2, 3], 0, None), [1, 1]);
+        let ms = on_hosts(&["x", "y", "y", "y"]);
+        assert_eq!(
+            assign_sources(&ps_of(&ms), &[0, 1], &[2, 3], 0, None),
+            [1, 1]
+        );
     }
 
     #[test]
@@ -845,7 +852,7 @@ mod tests {
             .zip([0u64, 2, 3, 1])
             .map(|(id, g)| member(id, "h", placed(&t, g)))
             .collect();
-        let ps: Vec<&QuorumMember> = ms.iter().collect();
+        let ps = ps_of(&ms);
         assert_eq!(assign_sources(&ps, &[0, 1], &[2, 3], 0, Some(&t)), [1, 0]);
         // Without the file the same quorum is round-robin: c → a, d → b.
         assert_eq!(assign_sources(&ps, &[0, 1], &[2, 3], 0, None), [0, 1]);
@@ -864,13 +871,11 @@ mod tests {
             .to_string(),
         )
         .unwrap();
-        let mut ms: Vec<QuorumMember> = (0..3)
-            .map(|i| member(&format!("g{i}"), "h", placed(&t, i)))
-            .collect();
+        let mut ms = placed_groups(&t, 3);
         for m in &mut ms {
             m.world_size = 2;
         }
-        let ps: Vec<&QuorumMember> = ms.iter().collect();
+        let ps = ps_of(&ms);
         // Sources g0, g1; healer g2. Group rank 0: job-wide 4 is fast to 2 (g1).
         assert_eq!(assign_sources(&ps, &[0, 1], &[2], 0, Some(&t)), [1]);
         // Group rank 1, healer g1 of sources g0 and g2: job-wide 3 is fast to 1 (g0), while
@@ -883,10 +888,8 @@ mod tests {
     fn a_much_better_source_is_shared_an_equal_one_spreads() {
         let t = pairs();
         // Sources: rank 0 and rank 2; healers ranks 1 and 3 → each to its fast partner.
-        let ms: Vec<QuorumMember> = (0..4)
-            .map(|i| member(&format!("g{i}"), "h", placed(&t, i)))
-            .collect();
-        let ps: Vec<&QuorumMember> = ms.iter().collect();
+        let ms = placed_groups(&t, 4);
+        let ps = ps_of(&ms);
         assert_eq!(assign_sources(&ps, &[0, 2], &[1, 3], 0, Some(&t)), [0, 2]);
         // Sources 0 and 1 (both fast to each other, slow to 2 and 3): healers 2 and 3 see
         // both sources equally slow, so they spread.
@@ -906,15 +909,11 @@ mod tests {
             .to_string(),
         )
         .unwrap();
-        let ms3: Vec<QuorumMember> = (0..4)
-            .map(|i| member(&format!("g{i}"), "h", placed(&t3, i)))
-            .collect();
-        let ps3: Vec<&QuorumMember> = ms3.iter().collect();
-        assert_eq!(assign_sources(&ps3, &[0, 2], &[1, 3], 0, Some(&t3)), [0, 0]);
-    }
-
-    fn ps_of(ms: &[QuorumMember]) -> Vec<&QuorumMember> {
-        ms.iter().collect()
+        let ms3 = placed_groups(&t3, 4);
+        assert_eq!(
+            assign_sources(&ps_of(&ms3), &[0, 2], &[1, 3], 0, Some(&t3)),
+            [0, 0]
+        );
     }
 
     #[test]
@@ -977,13 +976,7 @@ mod tests {
     fn a_member_without_the_marker_makes_everyone_round_robin() {
         // Sources a, b on hosts x, y; healers c, d, e on hosts y, y, x. With every member
         // announcing the marker, locality sends c and d to b and e to a.
-        let hosts = ["x", "y", "y", "y", "x"];
-        let ids = ["a", "b", "c", "d", "e"];
-        let mut ms: Vec<QuorumMember> = ids
-            .iter()
-            .zip(hosts)
-            .map(|(id, h)| member(id, h, plain()))
-            .collect();
+        let mut ms = on_hosts(&["x", "y", "y", "y", "x"]);
         let (sources, dests) = ([0, 1], [2, 3, 4]);
         assert_eq!(
             assign_sources(&ps_of(&ms), &sources, &dests, 0, None),
@@ -1036,7 +1029,7 @@ mod tests {
         let announce: [&dyn Fn() -> String; 2] = [&plain, &|| placed(&t, 3)];
         for data in announce {
             let a = member("a", "h", data());
-            crate::lighthouse::quorum::validate_member(&a).unwrap();
+            crate::testkit::lighthouse_accepts(&a).unwrap();
             let b = QuorumMember {
                 step: a.step + 1,
                 ..member("a", "h", data())
@@ -1067,10 +1060,8 @@ mod tests {
         let t =
             Topology::parse(r#"{"version": "0.1", "ranks": {"0": {}, "1": {}, "2": {}, "3": {}}}"#)
                 .unwrap();
-        let ms: Vec<QuorumMember> = (0..4)
-            .map(|i| member(&format!("g{i}"), "h", placed(&t, i)))
-            .collect();
-        let ps: Vec<&QuorumMember> = ms.iter().collect();
+        let ms = placed_groups(&t, 4);
+        let ps = ps_of(&ms);
         assert_eq!(assign_sources(&ps, &[0, 1], &[2, 3], 0, Some(&t)), [0, 1]);
     }
 }

@@ -76,11 +76,8 @@ pub fn endpoint(addr: &str, connect_timeout: Duration, security: &Security) -> R
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(20));
     if let Some(ca) = &security.tls.ca {
-        let read = |what: &str, p: &std::path::Path| {
-            std::fs::read(p).map_err(|e| {
-                Error::InvalidArgument(format!("cannot read {what} {}: {e}", p.display()))
-            })
-        };
+        let read =
+            |what: &str, p: &std::path::Path| super::read_named(what, p, |p| std::fs::read(p));
         let mut tls =
             ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read("TLS CA", ca)?));
         if let (Some(cert), Some(key)) = (&security.tls.cert, &security.tls.key) {

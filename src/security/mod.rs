@@ -35,6 +35,17 @@ pub const ENV_TLS_CA: &str = "TORCHFT_TLS_CA";
 /// one (mutual TLS).
 pub const ENV_TLS_CLIENT_CA: &str = "TORCHFT_TLS_CLIENT_CA";
 
+/// Reads the file a setting names (`what`: "TLS CA", "the token file", …) with `read`; a
+/// failure is an invalid argument naming the setting and the path.
+pub(crate) fn read_named<T>(
+    what: &str,
+    path: &Path,
+    read: impl FnOnce(&Path) -> std::io::Result<T>,
+) -> Result<T> {
+    read(path)
+        .map_err(|e| Error::InvalidArgument(format!("cannot read {what} {}: {e}", path.display())))
+}
+
 /// Longest token accepted (it travels in a header on every call).
 const MAX_TOKEN_BYTES: usize = 4096;
 
@@ -74,12 +85,7 @@ impl Token {
     /// Reads a token from a file (surrounding whitespace, e.g. a trailing newline, is
     /// ignored; a Kubernetes Secret mounted as a file works as is).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let raw = std::fs::read_to_string(path).map_err(|e| {
-            Error::InvalidArgument(format!(
-                "cannot read the token file {}: {e}",
-                path.display()
-            ))
-        })?;
+        let raw = read_named("the token file", path, |p| std::fs::read_to_string(p))?;
         Self::new(raw.trim()).map_err(|e| {
             Error::InvalidArgument(format!("token file {}: {}", path.display(), detail(&e)))
         })

@@ -445,8 +445,7 @@ impl axum::serve::Listener for SecureListener {
 }
 
 fn read_pem(what: &str, path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path)
-        .map_err(|e| Error::InvalidArgument(format!("cannot read {what} {}: {e}", path.display())))
+    super::read_named(what, path, |p| std::fs::read(p))
 }
 
 fn certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>> {
@@ -561,44 +560,50 @@ mod tests {
             token: Some(Token::new("tok").unwrap()),
             ..Default::default()
         };
-        let g = Guard::new(&security, OpenRoutes::ReadOnlyStatus);
-        let none = HeaderMap::new();
-        assert!(g.refuse(&Method::GET, "/status", &none).is_none());
-        assert!(g.refuse(&Method::HEAD, "/metrics", &none).is_none());
-        assert!(g.refuse(&Method::POST, "/status", &none).is_some());
-        assert!(g
-            .refuse(&Method::POST, "/replicas/a/kill", &none)
-            .unwrap()
-            .starts_with("missing"));
-        assert!(g
-            .refuse(&Method::POST, "/replicas/a/kill", &headers("Bearer nope"))
-            .unwrap()
-            .starts_with("wrong"));
-        assert!(g
-            .refuse(&Method::POST, "/replicas/a/kill", &headers("Bearer tok"))
-            .is_none());
-        assert!(g
-            .refuse(&Method::POST, "/x", &headers("bearer tok"))
-            .is_none());
-        // Basic (what a browser caches and resends) opens reads only.
-        assert!(g
-            .refuse(&Method::POST, "/x", &headers("Basic dTp0b2s="))
-            .unwrap()
-            .contains("reading only"));
-        assert!(g
-            .refuse(&Method::POST, "/x", &headers("Basic dTpub3Q="))
-            .is_some());
-        let private_reads = Guard::new(&security, OpenRoutes::None);
-        assert!(private_reads
-            .refuse(&Method::GET, "/status", &headers("Basic dTp0b2s="))
-            .is_none());
-        assert!(private_reads
-            .refuse(&Method::GET, "/status", &headers("Basic dTpub3Q="))
-            .is_some());
+        let public_reads = Guard::new(&security, OpenRoutes::ReadOnlyStatus);
         let private = Guard::new(&security, OpenRoutes::None);
-        assert!(private.refuse(&Method::GET, "/status", &none).is_some());
         let open = Guard::new(&Security::none(), OpenRoutes::None);
-        assert!(open.refuse(&Method::POST, "/x", &none).is_none());
+        let (get, head, post) = (Method::GET, Method::HEAD, Method::POST);
+        let kill = "/replicas/a/kill";
+        // (guard, method, path, Authorization header, None: let through, Some(start of the
+        // reason): refused).
+        let cases = [
+            (&public_reads, &get, "/status", None, None),
+            (&public_reads, &head, "/metrics", None, None),
+            (&public_reads, &post, "/status", None, Some("")),
+            (&public_reads, &post, kill, None, Some("missing")),
+            (
+                &public_reads,
+                &post,
+                kill,
+                Some("Bearer nope"),
+                Some("wrong"),
+            ),
+            (&public_reads, &post, kill, Some("Bearer tok"), None),
+            (&public_reads, &post, "/x", Some("bearer tok"), None),
+            // Basic (what a browser caches and resends) opens reads only.
+            (
+                &public_reads,
+                &post,
+                "/x",
+                Some("Basic dTp0b2s="),
+                Some("HTTP Basic credentials are accepted for reading only"),
+            ),
+            (&public_reads, &post, "/x", Some("Basic dTpub3Q="), Some("")),
+            (&private, &get, "/status", Some("Basic dTp0b2s="), None),
+            (&private, &get, "/status", Some("Basic dTpub3Q="), Some("")),
+            (&private, &get, "/status", None, Some("")),
+            (&open, &post, "/x", None, None),
+        ];
+        for (guard, method, path, auth, refused) in cases {
+            let h = auth.map_or_else(HeaderMap::new, headers);
+            let why = guard.refuse(method, path, &h);
+            let case = format!("{method} {path} with {auth:?}: {why:?}");
+            match refused {
+                None => assert!(why.is_none(), "{case}"),
+                Some(start) => assert!(why.is_some_and(|w| w.starts_with(start)), "{case}"),
+            }
+        }
     }
 
     fn with(pairs: &[(header::HeaderName, &str)]) -> HeaderMap {

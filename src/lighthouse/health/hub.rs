@@ -19,7 +19,7 @@ use tokio::sync::broadcast;
 use tracing::warn;
 
 use super::telemetry::{Event, Telemetry, TelemetryOptions};
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 use crate::telemetry::EventKind;
 
 /// Events buffered for each SSE subscriber before it starts skipping.
@@ -59,12 +59,11 @@ impl Default for ObservabilityOptions {
 impl ObservabilityOptions {
     /// Checks the thresholds.
     pub fn validate(&self) -> Result<()> {
-        if !self.straggler_skew_pct.is_finite() || self.straggler_skew_pct <= 0.0 {
-            return Err(Error::InvalidArgument(format!(
-                "straggler_skew_pct must be a positive number, got {}",
-                self.straggler_skew_pct
-            )));
-        }
+        let pct = self.straggler_skew_pct;
+        ensure!(
+            pct.is_finite() && pct > 0.0,
+            "straggler_skew_pct must be a positive number, got {pct}"
+        );
         Ok(())
     }
 }
@@ -159,13 +158,11 @@ impl Hub {
             log_dropped: AtomicU64::new(0),
             opts,
         };
-        hub.with(|t| {
-            t.emit(
-                Instant::now(),
-                EventKind::LighthouseStarted,
-                json!({"min_replicas": min_replicas, "pid": std::process::id()}),
-            )
-        });
+        hub.emit(
+            Instant::now(),
+            EventKind::LighthouseStarted,
+            json!({"min_replicas": min_replicas, "pid": std::process::id()}),
+        );
         Ok(hub)
     }
 
@@ -182,6 +179,11 @@ impl Hub {
         };
         self.publish(events);
         r
+    }
+
+    /// Records one event (see [`Telemetry::emit`]) and publishes it.
+    pub(crate) fn emit(&self, now: Instant, kind: EventKind, fields: serde_json::Value) {
+        self.with(|t| t.emit(now, kind, fields));
     }
 
     /// Reads the telemetry state.

@@ -58,6 +58,12 @@ impl Writer {
         let _ = writeln!(self.out, " {}", value(v));
     }
 
+    /// One family with one unlabelled sample.
+    fn single(&mut self, name: &str, kind: &str, help: &str, v: f64) {
+        self.family(name, kind, help);
+        self.sample(name, &[], v);
+    }
+
     /// One family with one sample per replica (skipping replicas without a value).
     fn per_replica(
         &mut self,
@@ -108,127 +114,129 @@ pub struct JobMetrics {
 pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
     let mut w = Writer { out: String::new() };
     if let Some(q) = job.quorum_id {
-        w.family(
-            "torchft_quorum_id",
-            "gauge",
-            "Id of the last issued quorum.",
-        );
-        w.sample("torchft_quorum_id", &[], q as f64);
+        let help = "Id of the last issued quorum.";
+        w.single("torchft_quorum_id", "gauge", help, q as f64);
     }
-    w.family(
-        "torchft_quorum_participants",
-        "gauge",
-        "Replica groups in the last issued quorum.",
-    );
-    w.sample(
-        "torchft_quorum_participants",
-        &[],
-        job.quorum_participants as f64,
-    );
-    w.family(
-        "torchft_min_replicas",
-        "gauge",
-        "Fewest replica groups a quorum may have.",
-    );
-    w.sample("torchft_min_replicas", &[], job.min_replicas as f64);
-    for (name, help, v) in [
+    let c = &job.counters;
+    let job_families: [(&str, &str, &str, f64); 18] = [
+        (
+            "torchft_quorum_participants",
+            "gauge",
+            "Replica groups in the last issued quorum.",
+            job.quorum_participants as f64,
+        ),
+        (
+            "torchft_min_replicas",
+            "gauge",
+            "Fewest replica groups a quorum may have.",
+            job.min_replicas as f64,
+        ),
         (
             "torchft_quorum_changes_total",
+            "counter",
             "Quorums issued with a new quorum_id.",
-            job.counters.quorum_changes,
+            c.quorum_changes as f64,
         ),
         (
             "torchft_telemetry_reports_total",
+            "counter",
             "Telemetry reports accepted.",
-            job.counters.reports,
+            c.reports as f64,
         ),
         (
             "torchft_telemetry_rejected_total",
+            "counter",
             "Telemetry reports refused as malformed.",
-            job.counters.reports_rejected,
+            c.reports_rejected as f64,
         ),
         (
             "torchft_events_total",
+            "counter",
             "Replica health events emitted.",
-            job.counters.events,
+            c.events as f64,
         ),
         (
             "torchft_progress_regressions_total",
+            "counter",
             "Quorums that continued from an older committed step than the best known \
              (progress_regressed events).",
-            job.counters.progress_regressions,
+            c.progress_regressions as f64,
         ),
         (
             "torchft_commits_refused_total",
+            "counter",
             "Commits refused because the group's quorum was replaced or the group was \
              declared lost in it (the group heals instead of forking the job's state).",
-            job.counters.commits_refused,
+            c.commits_refused as f64,
         ),
         (
             "torchft_event_log_dropped_total",
+            "counter",
             "Event log lines dropped because the writer fell behind.",
-            job.event_log_dropped,
+            job.event_log_dropped as f64,
         ),
         (
             "torchft_snapshots_total",
+            "counter",
             "Durable snapshots reported complete (snapshot_complete events), newer or not.",
-            job.counters.snapshots,
+            c.snapshots as f64,
         ),
         (
             "torchft_snapshot_failures_total",
+            "counter",
             "Durable snapshot attempts reported failed (snapshot_failed events).",
-            job.counters.snapshot_failures,
+            c.snapshot_failures as f64,
         ),
-    ] {
-        w.family(name, "counter", help);
-        w.sample(name, &[], v as f64);
+        (
+            "torchft_replicas",
+            "gauge",
+            "Replica groups known.",
+            replicas.len() as f64,
+        ),
+        (
+            "torchft_replicas_hung",
+            "gauge",
+            "Replica groups held hung: alive, but their training loop has not reached their \
+             manager for longer than the hang timeout while a round waited (replica_hung events).",
+            job.replicas_hung as f64,
+        ),
+        (
+            "torchft_hang_timeout_seconds",
+            "gauge",
+            "The hang timeout now (configured, or adaptive from the job's round interval).",
+            job.hang_timeout_s,
+        ),
+        (
+            "torchft_parity_checks_total",
+            "counter",
+            "Steps whose committed-state digests were compared across replica groups.",
+            job.parity_checks as f64,
+        ),
+        (
+            "torchft_replicas_diverged_total",
+            "counter",
+            "Replica groups whose committed state differed from the others' at the same step \
+             (replica_diverged events).",
+            job.replicas_diverged as f64,
+        ),
+        (
+            "torchft_replicas_stopped",
+            "gauge",
+            "Replica groups stopped because their states differ with no majority to say which is \
+             right.",
+            job.replicas_stopped as f64,
+        ),
+        (
+            "torchft_replicas_dropped",
+            "gauge",
+            "Replica groups dropped from the quorum now as lasting stragglers \
+             (straggler_dropped events).",
+            job.replicas_dropped as f64,
+        ),
+    ];
+    for (name, kind, help, v) in job_families {
+        w.single(name, kind, help, v);
     }
-    w.family("torchft_replicas", "gauge", "Replica groups known.");
-    w.sample("torchft_replicas", &[], replicas.len() as f64);
-    w.family(
-        "torchft_replicas_hung",
-        "gauge",
-        "Replica groups held hung: alive, but their training loop has not reached their \
-         manager for longer than the hang timeout while a round waited (replica_hung events).",
-    );
-    w.sample("torchft_replicas_hung", &[], job.replicas_hung as f64);
-    w.family(
-        "torchft_hang_timeout_seconds",
-        "gauge",
-        "The hang timeout now (configured, or adaptive from the job's round interval).",
-    );
-    w.sample("torchft_hang_timeout_seconds", &[], job.hang_timeout_s);
-    w.family(
-        "torchft_parity_checks_total",
-        "counter",
-        "Steps whose committed-state digests were compared across replica groups.",
-    );
-    w.sample("torchft_parity_checks_total", &[], job.parity_checks as f64);
-    w.family(
-        "torchft_replicas_diverged_total",
-        "counter",
-        "Replica groups whose committed state differed from the others' at the same step \
-         (replica_diverged events).",
-    );
-    w.sample(
-        "torchft_replicas_diverged_total",
-        &[],
-        job.replicas_diverged as f64,
-    );
-    w.family(
-        "torchft_replicas_stopped",
-        "gauge",
-        "Replica groups stopped because their states differ with no majority to say which is \
-         right.",
-    );
-    w.sample("torchft_replicas_stopped", &[], job.replicas_stopped as f64);
-    w.family(
-        "torchft_replicas_dropped",
-        "gauge",
-        "Replica groups dropped from the quorum now as lasting stragglers \
-         (straggler_dropped events).",
-    );
-    w.sample("torchft_replicas_dropped", &[], job.replicas_dropped as f64);
     // The latest snapshot's gauges are absent until one completed (like torchft_quorum_id
     // before the first quorum): a made-up value would read as a real step or age.
     if let Some(s) = &job.snapshot {
@@ -261,8 +269,7 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
                 s.record.stage_s,
             ),
         ] {
-            w.family(name, "gauge", help);
-            w.sample(name, &[], v);
+            w.single(name, "gauge", help, v);
         }
     }
 
@@ -282,83 +289,94 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
         }
     }
     type Get = fn(&ReplicaStatus) -> Option<f64>;
-    let gauges: [(&str, &str, Get); 8] = [
-        ("torchft_replica_step", "Last committed step.", |r| {
-            Some(r.step as f64)
-        }),
+    let per_replica: [(&str, &str, &str, Get); 14] = [
+        (
+            "torchft_replica_step",
+            "gauge",
+            "Last committed step.",
+            |r| Some(r.step as f64),
+        ),
         (
             "torchft_replica_heartbeat_age_seconds",
+            "gauge",
             "Seconds since the replica group's last heartbeat.",
             |r| r.last_heartbeat_age_s,
         ),
         (
             "torchft_replica_busy_seconds",
+            "gauge",
             "Median busy time per step (step time minus waits).",
             |r| r.timings.busy_s,
         ),
         (
             "torchft_replica_step_seconds",
+            "gauge",
             "Median wall time per step.",
             |r| r.timings.step_s,
         ),
         (
             "torchft_replica_quorum_wait_seconds",
+            "gauge",
             "Median time per step blocked on the quorum (healing included).",
             |r| r.timings.quorum_wait_s,
         ),
         (
             "torchft_replica_collective_seconds",
+            "gauge",
             "Median time per step with a collective in flight.",
             |r| r.timings.collective_s,
         ),
         (
             "torchft_replica_should_commit_seconds",
+            "gauge",
             "Median time per step in the commit vote.",
             |r| r.timings.should_commit_s,
         ),
         (
             "torchft_replica_skew_ratio",
+            "gauge",
             "Busy time relative to the median of the healthy groups, minus 1.",
             |r| Some(r.skew_pct / 100.0),
         ),
-    ];
-    for (name, help, f) in gauges {
-        w.per_replica(replicas, name, "gauge", help, f);
-    }
-    let counters: [(&str, &str, Get); 6] = [
         (
             "torchft_replica_steps_committed_total",
+            "counter",
             "Steps the replica group committed.",
             |r| Some(r.counters.steps_committed as f64),
         ),
         (
             "torchft_replica_commit_failures_total",
+            "counter",
             "Steps the replica group did not commit.",
             |r| Some(r.counters.commit_failures as f64),
         ),
         (
             "torchft_replica_heals_total",
+            "counter",
             "Heals from a live peer.",
             |r| Some(r.counters.heals as f64),
         ),
         (
             "torchft_replica_heal_bytes_total",
+            "counter",
             "Bytes fetched by heals.",
             |r| Some(r.counters.heal_bytes as f64),
         ),
         (
             "torchft_replica_lost_total",
+            "counter",
             "Times the replica group was declared lost.",
             |r| Some(r.counters.lost as f64),
         ),
         (
             "torchft_replica_reports_dropped_total",
+            "counter",
             "Telemetry reports its ranks and manager server dropped.",
             |r| Some(r.counters.reports_dropped as f64),
         ),
     ];
-    for (name, help, f) in counters {
-        w.per_replica(replicas, name, "counter", help, f);
+    for (name, kind, help, f) in per_replica {
+        w.per_replica(replicas, name, kind, help, f);
     }
     w.out
 }

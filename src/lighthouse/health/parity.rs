@@ -20,12 +20,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 
 /// A step whose digests have not all arrived is decided this long after its first one.
 pub const DECIDE_AFTER: Duration = Duration::from_secs(30);
 
 use crate::client::MAX_DIGEST_BYTES;
+use crate::proto::StateDigest;
 
 /// Most group ranks one group digest may have.
 pub const MAX_RANKS: usize = 1 << 16;
@@ -103,37 +104,29 @@ pub struct Parity {
 }
 
 impl Parity {
-    /// Takes group `replica_id`'s digests of committed `step`; returns the step to
-    /// acknowledge (the manager stops resending digests up to it).
+    /// Takes group `replica_id`'s digests of its committed state after a step (as its
+    /// heartbeat carries them); returns the step to acknowledge (the manager stops resending
+    /// digests up to it).
     ///
     /// Errors (`InvalidArgument`, nothing recorded) on a negative step, no ranks, too many
     /// ranks, or a rank digest that is empty, too long, or of another length than the rest.
-    pub fn offer(
-        &mut self,
-        replica_id: &str,
-        step: i64,
-        ranks: Vec<Vec<u8>>,
-        now: Instant,
-    ) -> Result<i64> {
-        if step < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "state digest step must not be negative (replica {replica_id:?} sent {step})"
-            )));
-        }
-        if ranks.is_empty() || ranks.len() > MAX_RANKS {
-            return Err(Error::InvalidArgument(format!(
-                "a state digest needs 1 to {MAX_RANKS} rank digests (replica {replica_id:?} \
-                 sent {})",
-                ranks.len()
-            )));
-        }
+    pub fn offer(&mut self, replica_id: &str, digest: StateDigest, now: Instant) -> Result<i64> {
+        let StateDigest { step, ranks } = digest;
+        ensure!(
+            step >= 0,
+            "state digest step must not be negative (replica {replica_id:?} sent {step})"
+        );
+        ensure!(
+            (1..=MAX_RANKS).contains(&ranks.len()),
+            "a state digest needs 1 to {MAX_RANKS} rank digests (replica {replica_id:?} sent {})",
+            ranks.len()
+        );
         let len = ranks[0].len();
-        if len == 0 || len > MAX_DIGEST_BYTES || ranks.iter().any(|r| r.len() != len) {
-            return Err(Error::InvalidArgument(format!(
-                "rank digests must be 1 to {MAX_DIGEST_BYTES} bytes, all of one length \
-                 (replica {replica_id:?})"
-            )));
-        }
+        ensure!(
+            (1..=MAX_DIGEST_BYTES).contains(&len) && ranks.iter().all(|r| r.len() == len),
+            "rank digests must be 1 to {MAX_DIGEST_BYTES} bytes, all of one length \
+             (replica {replica_id:?})"
+        );
         if self.decided.is_some_and(|d| step <= d) {
             return Ok(step);
         }
@@ -314,34 +307,45 @@ mod tests {
         vec![vec![byte; 16]; ranks]
     }
 
-    #[test]
-    fn agreeing_groups_pass_once_all_expected_have_sent() {
+    fn digest(step: i64, ranks: Vec<Vec<u8>>) -> StateDigest {
+        StateDigest { step, ranks }
+    }
+
+    /// A fresh check of a quorum of `expected` groups, evaluated once after each group sent
+    /// its digest of `step`; and the time.
+    fn evaluated(
+        expected: usize,
+        step: i64,
+        digests: Vec<(&str, Vec<Vec<u8>>)>,
+    ) -> (Parity, Instant) {
         let t = Instant::now();
         let mut p = Parity::default();
-        p.offer("a", 10, d(1, 2), t).unwrap();
-        p.offer("b", 10, d(1, 2), t).unwrap();
-        p.evaluate(3, t);
+        for (id, ranks) in digests {
+            p.offer(id, digest(step, ranks), t).unwrap();
+        }
+        p.evaluate(expected, t);
+        (p, t)
+    }
+
+    #[test]
+    fn agreeing_groups_pass_once_all_expected_have_sent() {
+        let (mut p, t) = evaluated(3, 10, vec![("a", d(1, 2)), ("b", d(1, 2))]);
         assert_eq!(p.checks, 0, "c has not sent yet");
-        p.offer("c", 10, d(1, 2), t).unwrap();
+        p.offer("c", digest(10, d(1, 2)), t).unwrap();
         p.evaluate(3, t);
         assert_eq!((p.checks, p.diverged_total), (1, 0));
         assert!(p.take_verdicts().is_empty());
         // A late digest of a decided step is acknowledged and dropped.
-        assert_eq!(p.offer("c", 10, d(9, 2), t).unwrap(), 10);
+        assert_eq!(p.offer("c", digest(10, d(9, 2)), t).unwrap(), 10);
         p.evaluate(3, t + DECIDE_AFTER);
         assert_eq!(p.checks, 1);
     }
 
     #[test]
     fn a_minority_group_is_marked_to_heal_with_the_rank_that_differs() {
-        let t = Instant::now();
-        let mut p = Parity::default();
         let mut bad = d(1, 4);
         bad[2][0] ^= 1;
-        p.offer("a", 20, d(1, 4), t).unwrap();
-        p.offer("b", 20, bad, t).unwrap();
-        p.offer("c", 20, d(1, 4), t).unwrap();
-        p.evaluate(3, t);
+        let (mut p, _) = evaluated(3, 20, vec![("a", d(1, 4)), ("b", bad), ("c", d(1, 4))]);
         let v = p.take_verdicts();
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].replica_id, "b");
@@ -354,11 +358,7 @@ mod tests {
 
     #[test]
     fn two_groups_that_differ_are_both_stopped() {
-        let t = Instant::now();
-        let mut p = Parity::default();
-        p.offer("a", 5, d(1, 1), t).unwrap();
-        p.offer("b", 5, d(2, 1), t).unwrap();
-        p.evaluate(2, t);
+        let (mut p, _) = evaluated(2, 5, vec![("a", d(1, 1)), ("b", d(2, 1))]);
         let v = p.take_verdicts();
         assert_eq!(
             v.iter().map(|x| x.action).collect::<Vec<_>>(),
@@ -377,10 +377,10 @@ mod tests {
         // the new incarnations commit step 10 again with another state.
         let t = Instant::now();
         let mut p = Parity::default();
-        p.offer("old", 10, d(9, 1), t).unwrap();
+        p.offer("old", digest(10, d(9, 1)), t).unwrap();
         p.lost("old");
         for id in ["a", "b"] {
-            p.offer(id, 10, d(1, 1), t).unwrap();
+            p.offer(id, digest(10, d(1, 1)), t).unwrap();
         }
         p.evaluate(2, t);
         assert!(p.take_verdicts().is_empty());
@@ -389,23 +389,18 @@ mod tests {
 
     #[test]
     fn a_step_missing_a_group_is_decided_late_or_by_a_later_step() {
-        let t = Instant::now();
-        let mut p = Parity::default();
-        p.offer("a", 10, d(1, 1), t).unwrap();
-        p.offer("b", 10, d(2, 1), t).unwrap();
-        p.offer("c", 10, d(1, 1), t).unwrap();
-        p.evaluate(4, t);
+        let (mut p, t) = evaluated(4, 10, vec![("a", d(1, 1)), ("b", d(2, 1)), ("c", d(1, 1))]);
         assert!(p.take_verdicts().is_empty(), "d may still send step 10");
         // Step 20 complete: step 10 is decided with what it has.
         for id in ["a", "b", "c", "d"] {
-            p.offer(id, 20, d(1, 1), t).unwrap();
+            p.offer(id, digest(20, d(1, 1)), t).unwrap();
         }
         p.evaluate(4, t);
         assert_eq!(p.checks, 2);
         let v = p.take_verdicts();
         assert_eq!((v.len(), v[0].replica_id.as_str(), v[0].step), (1, "b", 10));
         // Alone, a step is never compared; it is dropped at the deadline.
-        p.offer("a", 30, d(1, 1), t).unwrap();
+        p.offer("a", digest(30, d(1, 1)), t).unwrap();
         p.evaluate(4, t + DECIDE_AFTER);
         assert_eq!(p.checks, 2);
         assert_eq!(p.last_checked, Some(20));
@@ -415,11 +410,13 @@ mod tests {
     fn bad_digests_are_refused_and_change_nothing() {
         let t = Instant::now();
         let mut p = Parity::default();
-        assert!(p.offer("a", -1, d(1, 1), t).is_err());
-        assert!(p.offer("a", 1, vec![], t).is_err());
-        assert!(p.offer("a", 1, vec![vec![]], t).is_err());
-        assert!(p.offer("a", 1, vec![vec![0; 65]], t).is_err());
-        assert!(p.offer("a", 1, vec![vec![0; 16], vec![0; 8]], t).is_err());
+        assert!(p.offer("a", digest(-1, d(1, 1)), t).is_err());
+        assert!(p.offer("a", digest(1, vec![]), t).is_err());
+        assert!(p.offer("a", digest(1, vec![vec![]]), t).is_err());
+        assert!(p.offer("a", digest(1, vec![vec![0; 65]]), t).is_err());
+        assert!(p
+            .offer("a", digest(1, vec![vec![0; 16], vec![0; 8]]), t)
+            .is_err());
         p.evaluate(1, t + DECIDE_AFTER);
         assert_eq!(p.checks, 0);
         assert!(p.pending.is_empty());
@@ -430,7 +427,7 @@ mod tests {
         let t = Instant::now();
         let mut p = Parity::default();
         for s in 0..100 {
-            p.offer("a", s, d(1, 1), t).unwrap();
+            p.offer("a", digest(s, d(1, 1)), t).unwrap();
         }
         assert!(p.pending.len() <= MAX_PENDING_STEPS);
     }

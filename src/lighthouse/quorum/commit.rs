@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use super::{EarlierLife, HeartbeatRecord, QuorumEngine};
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 use crate::lighthouse::LighthouseOptions;
 
 /// The lighthouse's answer to a write-ahead commit announcement (see
@@ -154,11 +154,10 @@ impl QuorumEngine {
         now: Instant,
     ) -> Result<CommitVerdict> {
         Self::check_id(replica_id)?;
-        if step < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "step must not be negative (replica {replica_id:?} sent {step})"
-            )));
-        }
+        ensure!(
+            step >= 0,
+            "step must not be negative (replica {replica_id:?} sent {step})"
+        );
         let current = match (&self.previous, &self.restored_quorum) {
             (Some(q), _) => Some((
                 q.quorum_id,
@@ -210,16 +209,10 @@ mod tests {
         assert_eq!(e.commit("a", qid, 101, t).unwrap(), CommitVerdict::Accepted);
         assert_eq!(e.best_known_step(), Some(101));
         t += Duration::from_secs(1);
-        e.join(at("b", 100), t).unwrap();
-        e.join(at("c", 100), t).unwrap();
+        join_at(&mut e, &["b", "c"], 100, t);
         // Past the heartbeat timeout (a is declared lost for its quorum, but its session is
         // open) the round still waits for a, up to progress_wait.
-        for _ in 0..80 {
-            t += Duration::from_millis(100);
-            e.heartbeat("b", t).unwrap();
-            e.heartbeat("c", t).unwrap();
-            assert!(e.tick(t).is_none(), "issued behind the holder of step 101");
-        }
+        let t = waits(&mut e, t, 80, &["b", "c"]);
         assert!(matches!(
             e.verdict(t),
             Verdict::WaitingForProgress { ref holder, step: 101, candidates_step: 100, .. }
@@ -243,8 +236,7 @@ mod tests {
         e.heartbeat("c", t).unwrap();
         assert!(e.tick(t).is_none());
         assert_eq!(e.take_lost().len(), 1);
-        e.join(at("b", 100), t).unwrap();
-        e.join(at("c", 100), t).unwrap();
+        join_at(&mut e, &["b", "c"], 100, t);
         let q = e.poll(t).expect("b and c go on: a holds nothing newer");
         assert_eq!(ids(&q), ["b", "c"]);
         assert_eq!(
@@ -311,23 +303,14 @@ mod tests {
     fn a_restarted_lighthouse_waits_for_the_holder_of_the_best_step_it_remembers() {
         let (d, _, t0) = before_restart();
         // Restarted while a is stopped: b and c ask at 100; a is silent and has no session.
-        let mut t = t0 + Duration::from_secs(1);
+        let t = t0 + Duration::from_secs(1);
         let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
         assert_eq!(e.best_known_step(), Some(101));
-        e.join(at("b", 100), t).unwrap();
-        e.join(at("c", 100), t).unwrap();
+        join_at(&mut e, &["b", "c"], 100, t);
         // The restored holder is not counted healthy (b and c are a majority) but is waited
         // for, past the startup hold, up to progress_wait after the restart.
-        for _ in 0..95 {
-            t += Duration::from_millis(100);
-            e.heartbeat("b", t).unwrap();
-            e.heartbeat("c", t).unwrap();
-            assert!(e.tick(t).is_none(), "issued behind the remembered holder");
-        }
-        assert!(matches!(
-            e.verdict(t),
-            Verdict::WaitingForProgress { step: 101, .. }
-        ));
+        let t = waits(&mut e, t, 95, &["b", "c"]);
+        waiting_for(&e, t, 101);
         // a resumes: its heartbeat (and then its request) end the wait without regression.
         e.heartbeat_with_step("a", Some(101), t).unwrap();
         e.join(at("a", 101), t).unwrap();
@@ -355,22 +338,12 @@ mod tests {
         assert!(old.others.is_empty());
         // Restarted while b is stopped, a fresh c asks at step 0: the job waits for b, not
         // regresses to 0, and b's return ends the wait.
-        let mut t = t0 + Duration::from_secs(1);
+        let t = t0 + Duration::from_secs(1);
         let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
         e.join(at("c", 0), t).unwrap();
         // Past the startup hold (5 s) and up to progress_wait (10 s) after the restart.
-        for _ in 0..90 {
-            t += Duration::from_millis(100);
-            e.heartbeat("c", t).unwrap();
-            assert!(
-                e.tick(t).is_none(),
-                "issued behind the remembered holder of 100"
-            );
-        }
-        assert!(matches!(
-            e.verdict(t),
-            Verdict::WaitingForProgress { step: 100, .. }
-        ));
+        let t = waits(&mut e, t, 90, &["c"]);
+        waiting_for(&e, t, 100);
         e.heartbeat_with_step("b", Some(100), t).unwrap();
         e.join(at("b", 100), t).unwrap();
         let q = e.poll(t).expect("a quorum");
@@ -432,8 +405,7 @@ mod tests {
         let (d, _, t0) = before_restart();
         let t = t0 + Duration::from_secs(1);
         let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
-        e.join(at("b", 100), t).unwrap();
-        e.join(at("c", 100), t).unwrap();
+        join_at(&mut e, &["b", "c"], 100, t);
         let later = t + progress_opts().progress_wait;
         e.heartbeat("b", later).unwrap();
         e.heartbeat("c", later).unwrap();
@@ -452,8 +424,7 @@ mod tests {
         // Every member of the remembered quorum asks, one at the remembered best step: the
         // first quorum is issued at once, not at the end of the startup hold.
         let mut e = QuorumEngine::restored(progress_opts(), 50, t, d.clone());
-        e.join(at("b", 100), t).unwrap();
-        e.join(at("c", 100), t).unwrap();
+        join_at(&mut e, &["b", "c"], 100, t);
         assert!(matches!(e.verdict(t), Verdict::StartupHold { .. }));
         e.join(at("a", 101), t).unwrap();
         let q = e.poll(t).expect("issued without the hold");
@@ -502,8 +473,7 @@ mod tests {
         // Once this life issues a quorum without c, c's commit under the old one is refused.
         let mut t = t + Duration::from_secs(6);
         e.heartbeat_with_step("a", Some(101), t).unwrap();
-        e.join(at("a", 101), t).unwrap();
-        e.join(at("b", 101), t).unwrap();
+        join_at(&mut e, &["a", "b"], 101, t);
         t += progress_opts().join_timeout;
         let q = e.tick(t).expect("a and b");
         assert!(q.quorum_id > qid);
@@ -553,10 +523,7 @@ mod tests {
         assert_eq!(e.take_lost().len(), 1);
         e.join(at("b2", 0), t).unwrap();
         assert!(e.tick(t).is_none(), "issued behind the remembered holder");
-        assert!(matches!(
-            e.verdict(t),
-            Verdict::WaitingForProgress { step: 101, .. }
-        ));
+        waiting_for(&e, t, 101);
         // Once a's session opens, its liveness is the session's.
         e.session_opened("a", t).unwrap();
         e.join(at("a", 101), t).unwrap();

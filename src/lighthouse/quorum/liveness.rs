@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use super::QuorumEngine;
-use crate::error::{Error, Result};
+use crate::error::{ensure, Result};
 use crate::lighthouse::health::hang::Hung;
 
 /// Heartbeat records unseen for this many heartbeat timeouts are forgotten at tick time, so
@@ -166,11 +166,10 @@ impl QuorumEngine {
     }
 
     pub(super) fn check_id(replica_id: &str) -> Result<()> {
-        if replica_id.trim().is_empty() {
-            return Err(Error::InvalidArgument(
-                "replica_id must not be empty".into(),
-            ));
-        }
+        ensure!(
+            !replica_id.trim().is_empty(),
+            "replica_id must not be empty"
+        );
         Ok(())
     }
 
@@ -200,10 +199,11 @@ impl QuorumEngine {
         now: Instant,
     ) -> Result<()> {
         Self::check_id(replica_id)?;
-        if let Some(step) = step.filter(|s| *s < 0) {
-            return Err(Error::InvalidArgument(format!(
+        if let Some(step) = step {
+            ensure!(
+                step >= 0,
                 "step must not be negative (replica {replica_id:?} sent {step})"
-            )));
+            );
         }
         self.note_step(replica_id, step, now);
         if let Some(idle) = loop_idle {
@@ -437,29 +437,30 @@ mod tests {
     use super::*;
     use Ev::*;
 
+    /// A [`hang_engine`] whose groups a and b trained together at its start (their loops
+    /// reporting fresh visits); a second later a asks for the next step. Returns it with its
+    /// start.
+    fn a_asks_again(hang_timeout: Duration) -> (QuorumEngine, Instant) {
+        let (mut e, t0) = hang_engine(hang_timeout, None);
+        quorum_of(&mut e, &["a", "b"], t0);
+        e.join(member("a"), t0 + Duration::from_secs(1)).unwrap();
+        (e, t0)
+    }
+
     #[test]
     fn a_hung_group_is_not_waited_for_and_rejoins_when_its_loop_is_back() {
-        let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = hang_engine(t0, 5 * sec, None);
-        // Both train together; their loops report fresh visits.
-        e.join(member("a"), t0).unwrap();
-        e.join(member("b"), t0).unwrap();
-        let q1 = e.tick(t0).expect("both asked");
-        assert_eq!(ids(&q1), vec!["a", "b"]);
-        // a asks for the next step; b's process heartbeats but its loop stays away.
-        e.join(member("a"), t0 + sec).unwrap();
-        let mut t = t0 + sec;
-        while t < t0 + 5 * sec {
+        // b's process heartbeats but its loop stays away.
+        let (mut e, t0) = a_asks_again(5 * sec);
+        every_half_second(t0 + sec, t0 + 5 * sec, |t| {
             e.heartbeat_full("a", None, Some(Duration::ZERO), t)
                 .unwrap();
             e.heartbeat_full("b", None, Some(t - t0), t).unwrap();
             assert!(e.tick(t).is_none(), "a strict majority of two needs b");
-            t += Duration::from_millis(500);
-        }
+        });
         assert!(e.take_newly_hung().is_empty());
         // Past the hang timeout b is hung: a goes on alone, at once.
-        t = t0 + 5 * sec + Duration::from_millis(100);
+        let t = t0 + 5 * sec + Duration::from_millis(100);
         e.heartbeat_full("b", None, Some(t - t0), t).unwrap();
         let q2 = e.tick(t).expect("b is hung: a goes on without it");
         assert_eq!(ids(&q2), vec!["a"]);
@@ -487,13 +488,8 @@ mod tests {
 
     #[test]
     fn a_hung_group_that_dies_is_not_counted_hung_any_more() {
-        let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = hang_engine(t0, 2 * sec, None);
-        e.join(member("a"), t0).unwrap();
-        e.join(member("b"), t0).unwrap();
-        assert!(e.tick(t0).is_some());
-        e.join(member("a"), t0 + sec).unwrap();
+        let (mut e, t0) = a_asks_again(2 * sec);
         let t = t0 + 3 * sec;
         e.heartbeat_full("b", None, Some(3 * sec), t).unwrap();
         assert!(e.tick(t).is_some(), "b is hung: a goes on");
@@ -516,58 +512,38 @@ mod tests {
 
     #[test]
     fn a_hung_group_ahead_of_the_round_is_waited_for_not_held_hung() {
-        let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = hang_engine(t0, 2 * sec, Some(20 * sec));
+        let (mut e, t0) = hang_engine(2 * sec, Some(20 * sec));
         // b holds step 9 and hangs; a restarted at step 0 asks.
         e.heartbeat_full("b", Some(9), Some(Duration::ZERO), t0)
             .unwrap();
-        e.join(
-            QuorumMember {
-                step: 0,
-                ..member("a")
-            },
-            t0,
-        )
-        .unwrap();
-        let mut t = t0;
-        while t < t0 + 10 * sec {
+        e.join(at("a", 0), t0).unwrap();
+        let t = every_half_second(t0, t0 + 10 * sec, |t| {
             e.heartbeat_full("b", Some(9), Some(t - t0), t).unwrap();
             assert!(e.tick(t).is_none(), "a waits for b's newer state");
-            t += Duration::from_millis(500);
-        }
+        });
         // Away far past the hang timeout, but never held hung: it holds the only step 9.
         assert!(e.take_newly_hung().is_empty());
         assert!(e.is_hung("b").is_none());
         // Its loop comes back: it asks, a heals from it.
-        e.join(
-            QuorumMember {
-                step: 9,
-                ..member("b")
-            },
-            t,
-        )
-        .unwrap();
+        e.join(at("b", 9), t).unwrap();
         let q = e.tick(t).expect("both ask");
         assert_eq!(ids(&q), vec!["a", "b"]);
     }
 
     #[test]
     fn a_group_that_never_reached_its_loop_or_a_busy_one_is_never_hung() {
-        let t0 = Instant::now();
         let sec = Duration::from_secs(1);
-        let mut e = hang_engine(t0, 2 * sec, None);
+        let (mut e, t0) = hang_engine(2 * sec, None);
         e.join(member("a"), t0).unwrap();
         // b heartbeats without a loop report (joining, or an upstream manager that never
         // asked), c reports its loop inside torchft (a heal in progress).
-        let mut t = t0;
-        while t < t0 + 10 * sec {
+        let t = every_half_second(t0, t0 + 10 * sec, |t| {
             e.heartbeat_full("b", None, None, t).unwrap();
             e.heartbeat_full("c", None, Some(Duration::ZERO), t)
                 .unwrap();
             assert!(e.tick(t).is_none());
-            t += Duration::from_millis(500);
-        }
+        });
         assert!(e.take_newly_hung().is_empty());
         assert_eq!(e.healthy_not_asking(t, 8), vec!["b", "c"]);
     }
@@ -688,14 +664,8 @@ mod tests {
         let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
         let q1 = quorum_of(&mut e, &["a", "b"], t0);
         // Slow but heartbeating (every 100 ms for 20 s): never lost.
-        let mut t = t0;
-        for _ in 0..200 {
-            t += Duration::from_millis(100);
-            e.heartbeat("a", t).unwrap();
-            e.heartbeat("b", t).unwrap();
-            assert!(e.tick(t).is_none());
-            assert!(e.take_lost().is_empty());
-        }
+        let mut t = waits(&mut e, t0, 200, &["a", "b"]);
+        assert!(e.take_lost().is_empty());
         // "b" hangs: nothing until heartbeat_timeout, then one loss of quorum q1.
         let hung_at = t;
         while t < hung_at + Duration::from_millis(4_900) {

@@ -52,8 +52,8 @@ use super::health::parity::{Diverged, Parity};
 pub use super::health::Regression;
 use super::LighthouseOptions;
 use crate::client::compact;
-use crate::error::{Error, Result};
-use crate::proto::{Quorum, QuorumMember};
+use crate::error::{ensure, Error, Result};
+use crate::proto::{Quorum, QuorumMember, StateDigest};
 
 mod commit;
 mod liveness;
@@ -144,37 +144,27 @@ pub struct QuorumEngine {
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
 pub fn validate_member(member: &QuorumMember) -> Result<()> {
-    if member.replica_id.trim().is_empty() {
-        return Err(Error::InvalidArgument(
-            "replica_id must not be empty".into(),
-        ));
-    }
-    if member.step < 0 {
-        return Err(Error::InvalidArgument(format!(
-            "step must not be negative (replica {:?} sent {})",
-            member.replica_id, member.step
-        )));
-    }
-    if member.world_size == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "world_size must be at least 1 (replica {:?} sent 0)",
-            member.replica_id
-        )));
-    }
-    if member.commit_failures < 0 {
-        return Err(Error::InvalidArgument(format!(
-            "commit_failures must not be negative (replica {:?} sent {})",
-            member.replica_id, member.commit_failures
-        )));
-    }
-    if !member.data.is_empty()
-        && serde_json::from_str::<serde::de::IgnoredAny>(&member.data).is_err()
-    {
-        return Err(Error::InvalidArgument(format!(
-            "data of replica {:?} is not valid JSON",
-            member.replica_id
-        )));
-    }
+    let id = &member.replica_id;
+    ensure!(!id.trim().is_empty(), "replica_id must not be empty");
+    ensure!(
+        member.step >= 0,
+        "step must not be negative (replica {id:?} sent {})",
+        member.step
+    );
+    ensure!(
+        member.world_size > 0,
+        "world_size must be at least 1 (replica {id:?} sent 0)"
+    );
+    ensure!(
+        member.commit_failures >= 0,
+        "commit_failures must not be negative (replica {id:?} sent {})",
+        member.commit_failures
+    );
+    ensure!(
+        member.data.is_empty()
+            || serde_json::from_str::<serde::de::IgnoredAny>(&member.data).is_ok(),
+        "data of replica {id:?} is not valid JSON"
+    );
     Ok(())
 }
 
@@ -510,18 +500,17 @@ impl QuorumEngine {
         }
     }
 
-    /// Takes group `replica_id`'s digests of its committed state after `step` (see
+    /// Takes group `replica_id`'s digests of its committed state after a step (see
     /// [`crate::lighthouse::health::parity`]) and decides the steps that are ready; returns the step to
     /// acknowledge.
     pub fn offer_digest(
         &mut self,
         replica_id: &str,
-        step: i64,
-        ranks: Vec<Vec<u8>>,
+        digest: StateDigest,
         now: Instant,
     ) -> Result<i64> {
         Self::check_id(replica_id)?;
-        let ack = self.parity.offer(replica_id, step, ranks, now)?;
+        let ack = self.parity.offer(replica_id, digest, now)?;
         self.parity.evaluate(self.previous_ids.len(), now);
         Ok(ack)
     }
@@ -618,11 +607,10 @@ mod tests {
         let t = Instant::now();
         let mut e = QuorumEngine::new(opts(1), 1, t);
         quorum_of(&mut e, &["a", "b", "c"], t);
-        let good = vec![vec![7u8; 16]];
-        e.offer_digest("a", 10, good.clone(), t).unwrap();
-        e.offer_digest("b", 10, vec![vec![8u8; 16]], t).unwrap();
+        e.offer_digest("a", digest(10, 7), t).unwrap();
+        e.offer_digest("b", digest(10, 8), t).unwrap();
         assert!(e.take_diverged().is_empty(), "c has not sent step 10 yet");
-        assert_eq!(e.offer_digest("c", 10, good, t).unwrap(), 10);
+        assert_eq!(e.offer_digest("c", digest(10, 7), t).unwrap(), 10);
         let v = e.take_diverged();
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].replica_id.as_str(), v[0].step), ("b", 10));
@@ -647,8 +635,8 @@ mod tests {
         let t = Instant::now();
         let mut e = QuorumEngine::new(opts(1), 1, t);
         let q = quorum_of(&mut e, &["a", "b"], t);
-        e.offer_digest("a", 5, vec![vec![1u8; 16]], t).unwrap();
-        e.offer_digest("b", 5, vec![vec![2u8; 16]], t).unwrap();
+        e.offer_digest("a", digest(5, 1), t).unwrap();
+        e.offer_digest("b", digest(5, 2), t).unwrap();
         let v = e.take_diverged();
         assert_eq!(v.len(), 2);
         assert!(v
@@ -1017,11 +1005,7 @@ mod tests {
                     _ => e.tick(now),
                 };
                 let Some(q) = issued else { continue };
-                let members: Vec<String> = q
-                    .participants
-                    .iter()
-                    .map(|m| m.replica_id.clone())
-                    .collect();
+                let members = ids(&q);
                 // Issued members no longer wait.
                 for m in &members {
                     gens.remove(m);
@@ -1123,7 +1107,7 @@ mod tests {
         for (name, edit, same_id, steps_only) in cases {
             let mut e = QuorumEngine::new(opts(1), 100, Instant::now());
             let t0 = Instant::now();
-            let mut ms = at_step(&["b", "c", "d"], 1);
+            let mut ms = at_steps(&["b", "c", "d"], 1);
             let q1 = full_round(&mut e, &ms, t0);
             assert_eq!(
                 (q1.revision, e.revision(), e.stable_since()),
@@ -1181,8 +1165,8 @@ mod tests {
     fn shrink_only_round_with_unchanged_members_is_not_compact_for_older_holders() {
         let mut e = QuorumEngine::new(opts(1), 1, Instant::now());
         let t0 = Instant::now();
-        let q1 = full_round(&mut e, &at_step(&["a", "b"], 1), t0);
-        let mut ms = at_step(&["a", "b"], 2);
+        let q1 = full_round(&mut e, &at_steps(&["a", "b"], 1), t0);
+        let mut ms = at_steps(&["a", "b"], 2);
         ms[1].shrink_only = true;
         let q2 = full_round(&mut e, &ms, t0);
         assert_eq!(q2.quorum_id, q1.quorum_id);
@@ -1193,14 +1177,14 @@ mod tests {
             q1.revision
         ));
         // The next steady round is compact for a holder of q2, not of q1.
-        let q3 = full_round(&mut e, &at_step(&["a", "b"], 3), t0);
+        let q3 = full_round(&mut e, &at_steps(&["a", "b"], 3), t0);
         assert!(!compact::compact_applies(
             &q3,
             e.stable_since(),
             q1.quorum_id,
             q1.revision
         ));
-        let q4 = full_round(&mut e, &at_step(&["a", "b"], 4), t0);
+        let q4 = full_round(&mut e, &at_steps(&["a", "b"], 4), t0);
         assert!(compact::compact_applies(
             &q4,
             e.stable_since(),

@@ -250,8 +250,7 @@ mod tests {
         e.lost("a", t);
         e.lost("b", t);
         e.heartbeat_with_step("c", Some(101), t).unwrap();
-        e.join(at("a2", 0), t).unwrap();
-        e.join(at("b2", 0), t).unwrap();
+        join_at(&mut e, &["a2", "b2"], 0, t);
         assert!(e.poll(t).is_none());
         // Past the join timeout, 2 of 3 healthy would be enough: the round waits for c.
         for _ in 0..80 {
@@ -290,14 +289,10 @@ mod tests {
         e.lost("b", t0);
         let mut t = t0 + Duration::from_secs(6);
         e.tick(t);
-        e.join(at("a2", 0), t).unwrap();
-        e.join(at("b2", 0), t).unwrap();
+        join_at(&mut e, &["a2", "b2"], 0, t);
         let round = t;
         // c is not healthy (no heartbeat for 6 s), so the round is otherwise ready at once.
-        assert!(matches!(
-            e.verdict(t),
-            Verdict::WaitingForProgress { ref holder, step: 51, .. } if holder == "c"
-        ));
+        assert_eq!(waiting_for(&e, t, 51), "c");
         while t < round + Duration::from_millis(9_900) {
             t += Duration::from_millis(100);
             assert!(e.tick(t).is_none(), "gave up too early at {:?}", t - round);
@@ -316,20 +311,15 @@ mod tests {
         );
         // Given up on at step 51: neither its heartbeats nor the next rounds wait for it again.
         e.heartbeat_with_step("c", Some(51), t).unwrap();
-        e.join(at("a2", 1), t).unwrap();
-        e.join(at("b2", 1), t).unwrap();
+        join_at(&mut e, &["a2", "b2"], 1, t);
         let q2 = e.poll(t).expect("fast path, no second wait");
         assert_eq!(q2.quorum_id, q.quorum_id);
         assert!(e.take_regressions().is_empty(), "reported once");
         // If it reports newer progress it is waited for again.
         e.heartbeat_with_step("c", Some(52), t).unwrap();
-        e.join(at("a2", 2), t).unwrap();
-        e.join(at("b2", 2), t).unwrap();
+        join_at(&mut e, &["a2", "b2"], 2, t);
         assert!(e.poll(t).is_none());
-        assert!(matches!(
-            e.verdict(t),
-            Verdict::WaitingForProgress { step: 52, .. }
-        ));
+        waiting_for(&e, t, 52);
     }
 
     #[test]
@@ -393,8 +383,7 @@ mod tests {
         assert!(e.holds_quorum("old", 42));
         assert!(!e.holds_quorum("old", 42), "turned on once");
         let mut t = t0 + Duration::from_millis(100);
-        e.join(at("fresh", 0), t).unwrap();
-        e.join(at("fresh2", 0), t).unwrap();
+        join_at(&mut e, &["fresh", "fresh2"], 0, t);
         assert!(e.poll(t).is_none());
         // Past the join timeout the round would be ready but for the hold.
         t = t0 + Duration::from_millis(1_200);
@@ -413,10 +402,7 @@ mod tests {
         t = t0 + Duration::from_millis(5_100);
         e.heartbeat_with_step("old", Some(900), t).unwrap();
         assert!(e.tick(t).is_none());
-        assert!(matches!(
-            e.verdict(t),
-            Verdict::WaitingForProgress { step: 900, .. }
-        ));
+        waiting_for(&e, t, 900);
         e.join(at("old", 900), t).unwrap();
         let q = e.poll(t).unwrap();
         assert_eq!(ids(&q), ["fresh", "fresh2", "old"]);
@@ -534,10 +520,7 @@ mod tests {
         let later = t + Duration::from_secs(2);
         e.heartbeat_with_step("c", Some(6), later).unwrap();
         assert!(e.tick(later).is_none());
-        assert!(matches!(
-            e.verdict(later),
-            Verdict::WaitingForProgress { step: 6, .. }
-        ));
+        waiting_for(&e, later, 6);
     }
 
     #[test]
@@ -610,11 +593,7 @@ mod tests {
                     _ => e.tick(now),
                 };
                 let Some(q) = issued else { continue };
-                let members: HashSet<String> = q
-                    .participants
-                    .iter()
-                    .map(|m| m.replica_id.clone())
-                    .collect();
+                let members: HashSet<String> = ids(&q).into_iter().collect();
                 let to = q.participants.iter().map(|m| m.step).max().unwrap();
                 let started = round_start.unwrap_or(now);
                 if first {

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::lighthouse::LighthouseOptions;
-use crate::proto::{Quorum, QuorumMember};
+use crate::proto::{Quorum, QuorumMember, StateDigest};
 
 pub(super) fn opts(min_replicas: u64) -> LighthouseOptions {
     LighthouseOptions {
@@ -21,20 +21,14 @@ pub(super) fn opts(min_replicas: u64) -> LighthouseOptions {
 }
 
 pub(super) fn member(id: &str) -> QuorumMember {
-    QuorumMember {
-        replica_id: id.to_string(),
-        address: format!("http://{id}:1"),
-        store_address: format!("{id}:2"),
-        step: 1,
-        world_size: 1,
-        ..Default::default()
-    }
+    crate::testkit::member(id, 1)
 }
 
-pub(super) fn ids(q: &Quorum) -> Vec<&str> {
+/// The members of `q`, in its order.
+pub(super) fn ids(q: &Quorum) -> Vec<String> {
     q.participants
         .iter()
-        .map(|m| m.replica_id.as_str())
+        .map(|m| m.replica_id.clone())
         .collect()
 }
 
@@ -111,22 +105,34 @@ pub(super) fn failing(id: &str) -> QuorumMember {
 
 /// An engine with a fixed hang timeout (and `progress_wait`, if given) whose rounds are
 /// never ended by the join timeout: only the hang rules let a round go on without a group.
+/// Returns it with the time it was created.
 pub(super) fn hang_engine(
-    t0: Instant,
     hang_timeout: Duration,
     progress_wait: Option<Duration>,
-) -> QuorumEngine {
+) -> (QuorumEngine, Instant) {
+    let t0 = Instant::now();
     let base = opts(1);
-    QuorumEngine::new(
-        LighthouseOptions {
-            hang_timeout: Some(hang_timeout),
-            progress_wait: progress_wait.unwrap_or(base.progress_wait),
-            join_timeout: Duration::from_secs(600),
-            ..base
-        },
-        1,
-        t0,
-    )
+    let opts = LighthouseOptions {
+        hang_timeout: Some(hang_timeout),
+        progress_wait: progress_wait.unwrap_or(base.progress_wait),
+        join_timeout: Duration::from_secs(600),
+        ..base
+    };
+    (QuorumEngine::new(opts, 1, t0), t0)
+}
+
+/// Runs `f` every 500 ms from `from` while before `until`; returns the first time past it.
+pub(super) fn every_half_second(
+    from: Instant,
+    until: Instant,
+    mut f: impl FnMut(Instant),
+) -> Instant {
+    let mut t = from;
+    while t < until {
+        f(t);
+        t += Duration::from_millis(500);
+    }
+    t
 }
 
 /// Issues a quorum of `members` (each joins at `t`) and returns it.
@@ -152,9 +158,7 @@ pub(super) fn round_at(
     t: Instant,
 ) -> Vec<(String, i64)> {
     let mut last = None;
-    for id in ids {
-        let mut m = member(id);
-        m.step = step;
+    for m in at_steps(ids, step) {
         e.join(m, t).unwrap();
         last = e.poll(t).or(last);
     }
@@ -198,6 +202,49 @@ pub(super) fn at_steps(ids: &[&str], step: i64) -> Vec<QuorumMember> {
     ids.iter().map(|id| at(id, step)).collect()
 }
 
+/// The group the round waits for at `t`; the round must be waiting for a holder of `step`
+/// (a newer state than the askers').
+#[track_caller]
+pub(super) fn waiting_for(e: &QuorumEngine, t: Instant, step: i64) -> String {
+    match e.verdict(t) {
+        Verdict::WaitingForProgress {
+            holder, step: s, ..
+        } if s == step => holder,
+        v => panic!("not waiting for a holder of step {step}: {v:?}"),
+    }
+}
+
+/// A one-rank group's state digest of `step`: 16 bytes of `byte`.
+pub(super) fn digest(step: i64, byte: u8) -> StateDigest {
+    StateDigest {
+        step,
+        ranks: vec![vec![byte; 16]],
+    }
+}
+
+/// Groups `ids` ask at `step`, in order.
+pub(super) fn join_at(e: &mut QuorumEngine, ids: &[&str], step: i64, t: Instant) {
+    for m in at_steps(ids, step) {
+        e.join(m, t).unwrap();
+    }
+}
+
+/// For `ticks` quorum ticks of 100 ms after `t`, the groups `alive` heartbeat and no quorum
+/// is issued; returns the last tick's time.
+#[track_caller]
+pub(super) fn waits(e: &mut QuorumEngine, mut t: Instant, ticks: u32, alive: &[&str]) -> Instant {
+    for tick in 1..=ticks {
+        t += Duration::from_millis(100);
+        for id in alive {
+            e.heartbeat(id, t).unwrap();
+        }
+        if let Some(q) = e.tick(t) {
+            panic!("issued at tick {tick} of {ticks}: {q:?}");
+        }
+    }
+    t
+}
+
 /// Small deterministic PRNG so the randomized test is reproducible without extra crates.
 pub(super) struct XorShift(pub(super) u64);
 impl XorShift {
@@ -230,12 +277,6 @@ pub(super) fn full_round(e: &mut QuorumEngine, members: &[QuorumMember], now: In
     let q = issued.or_else(|| e.tick(later)).expect("a quorum");
     assert_eq!(q.participants.len(), members.len());
     q
-}
-
-pub(super) fn at_step(ids: &[&str], step: i64) -> Vec<QuorumMember> {
-    ids.iter()
-        .map(|id| QuorumMember { step, ..member(id) })
-        .collect()
 }
 
 pub(super) fn refused(v: CommitVerdict) -> String {

@@ -5,11 +5,13 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use serde_json::json;
 use tracing::{error, info, warn};
 
 use super::{unix_seconds, Shared, State};
 use crate::error::Error;
 use crate::lighthouse::quorum::EarlierLife;
+use crate::telemetry::EventKind;
 
 /// A round waiting longer than this says why in the log.
 pub(super) const EXPLAIN_WAIT_AFTER: Duration = Duration::from_secs(2);
@@ -117,28 +119,21 @@ impl Shared {
                 h.idle.as_secs_f64(),
                 timeout.as_secs_f64()
             );
-            self.hub.with(|t| {
-                t.emit(
-                    now,
-                    crate::telemetry::EventKind::ReplicaHung,
-                    serde_json::json!({
-                        "replica_id": h.replica_id,
-                        "idle_s": h.idle.as_secs_f64(),
-                        "hang_timeout_s": h.timeout.as_secs_f64(),
-                        "rule": rule,
-                    }),
-                )
-            });
+            self.hub.emit(
+                now,
+                EventKind::ReplicaHung,
+                json!({
+                    "replica_id": h.replica_id,
+                    "idle_s": h.idle.as_secs_f64(),
+                    "hang_timeout_s": h.timeout.as_secs_f64(),
+                    "rule": rule,
+                }),
+            );
         }
         for id in state.engine.take_resumed() {
             info!(replica_id = %id, "replica group {id} is no longer hung: its training loop is back");
-            self.hub.with(|t| {
-                t.emit(
-                    now,
-                    crate::telemetry::EventKind::ReplicaResumed,
-                    serde_json::json!({ "replica_id": id }),
-                )
-            });
+            self.hub
+                .emit(now, EventKind::ReplicaResumed, json!({ "replica_id": id }));
         }
     }
 
@@ -160,18 +155,16 @@ impl Shared {
                 "{why}: dropped from the quorum for {:.1}s; the others go on without it, \
                  then it rejoins and heals",
                 window.as_secs_f64());
-            self.hub.with(|t| {
-                t.emit(
-                    now,
-                    crate::telemetry::EventKind::StragglerDropped,
-                    serde_json::json!({
-                        "replica_id": crate::telemetry::base_id(&incarnation),
-                        "incarnation": incarnation,
-                        "reason": why,
-                        "for_s": window.as_secs_f64(),
-                    }),
-                )
-            });
+            self.hub.emit(
+                now,
+                EventKind::StragglerDropped,
+                json!({
+                    "replica_id": crate::telemetry::base_id(&incarnation),
+                    "incarnation": incarnation,
+                    "reason": why,
+                    "for_s": window.as_secs_f64(),
+                }),
+            );
         }
     }
 
@@ -214,20 +207,18 @@ impl Shared {
                     let _ = w.tx.send(Err(Error::Diverged(why)));
                 }
             }
-            self.hub.with(|t| {
-                t.emit(
-                    now,
-                    crate::telemetry::EventKind::ReplicaDiverged,
-                    serde_json::json!({
-                        "replica_id": d.replica_id,
-                        "step": d.step,
-                        "action": d.action.as_str(),
-                        "majority": d.majority,
-                        "compared": d.compared,
-                        "ranks": d.ranks,
-                    }),
-                )
-            });
+            self.hub.emit(
+                now,
+                EventKind::ReplicaDiverged,
+                json!({
+                    "replica_id": d.replica_id,
+                    "step": d.step,
+                    "action": d.action.as_str(),
+                    "majority": d.majority,
+                    "compared": d.compared,
+                    "ranks": d.ranks,
+                }),
+            );
         }
     }
 

@@ -23,7 +23,7 @@ use super::health::hub::Hub;
 use super::quorum::{CommitVerdict, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
 use super::LighthouseOptions;
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 use crate::proto::{Quorum, QuorumMember, TelemetryBatch};
 use crate::security::Security;
 use crate::telemetry::validate_batch;
@@ -501,10 +501,11 @@ impl Shared {
         if state.shutting_down {
             return Err(Error::Shutdown);
         }
-        if let Some(q) = quorum_id.filter(|q| *q < 0) {
-            return Err(Error::InvalidArgument(format!(
+        if let Some(q) = quorum_id {
+            ensure!(
+                q >= 0,
                 "quorum_id must not be negative (replica {replica_id:?} sent {q})"
-            )));
+            );
         }
         state
             .engine
@@ -514,7 +515,7 @@ impl Shared {
                 let step = d.step;
                 // A bad digest must not fail the heartbeat (the group's lease): it is refused
                 // alone, and acknowledged so the manager stops resending it.
-                let ack = match state.engine.offer_digest(replica_id, step, d.ranks, now) {
+                let ack = match state.engine.offer_digest(replica_id, d, now) {
                     Ok(ack) => ack,
                     Err(e) => {
                         warn!(replica_id = %replica_id, "state digest refused: {e}");

@@ -14,7 +14,7 @@ use tonic::Status;
 use tracing::{debug, info, warn};
 
 use super::{now_instant, LostRecord, OnDrop, Shared, State, LOST_HISTORY};
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 use crate::lighthouse::health::hub::Hub;
 use crate::lighthouse::quorum::LostMember;
 use crate::lighthouse::reply::Issued;
@@ -97,11 +97,10 @@ impl Shared {
 
     /// Opens the session of `replica_id` (replacing an older one) and counts as a heartbeat.
     pub(crate) fn open_session(self: &Arc<Self>, replica_id: &str) -> Result<SessionStream> {
-        if replica_id.trim().is_empty() {
-            return Err(Error::InvalidArgument(
-                "replica_id must not be empty".into(),
-            ));
-        }
+        ensure!(
+            !replica_id.trim().is_empty(),
+            "replica_id must not be empty"
+        );
         let now = now_instant();
         let mut guard = self.lock();
         let state = &mut *guard;

@@ -52,16 +52,7 @@ pub(super) fn record(step: i64) -> SnapshotRecord {
     }
 }
 
-pub(super) fn member(id: &str, step: i64) -> QuorumMember {
-    QuorumMember {
-        replica_id: id.into(),
-        address: format!("http://{id}:1"),
-        store_address: format!("{id}:2"),
-        step,
-        world_size: 1,
-        ..Default::default()
-    }
-}
+pub(super) use crate::testkit::member;
 
 /// Every member asks; returns what each one's waiter received.
 pub(super) fn round(shared: &Shared, members: &[QuorumMember]) -> Vec<Arc<Issued>> {

@@ -43,7 +43,7 @@ use super::parity::DigestCollector;
 use super::reports::ReportQueue;
 use super::ManagerOptions;
 use crate::client::LighthouseClient;
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 use crate::proto::manager_service_server::ManagerServiceServer;
 use crate::proto::{LostEvent, TelemetryReport};
 use crate::security::server::{Guard, OpenRoutes};
@@ -138,34 +138,21 @@ impl ManagerServer {
     /// The lighthouse is dialled lazily: a lighthouse that is down only fails quorum requests
     /// (promptly), it does not prevent the server from starting.
     pub async fn start(opts: ManagerOptions) -> Result<Self> {
-        if opts.world_size == 0 {
-            return Err(Error::InvalidArgument(
-                "world_size must be at least 1".into(),
-            ));
-        }
-        if opts.replica_id.is_empty() {
-            return Err(Error::InvalidArgument(
-                "replica_id must not be empty".into(),
-            ));
-        }
-        if opts.hostname.is_empty() {
-            return Err(Error::InvalidArgument("hostname must not be empty".into()));
-        }
-        if opts.heartbeat_interval.is_zero() {
-            return Err(Error::InvalidArgument(
-                "heartbeat_interval must be positive".into(),
-            ));
-        }
-        if opts.connect_timeout.is_zero() {
-            return Err(Error::InvalidArgument(
-                "connect_timeout must be positive".into(),
-            ));
-        }
-        if opts.max_request_bytes < MIN_REQUEST_LIMIT {
-            return Err(Error::InvalidArgument(format!(
-                "max_request_bytes must be at least {MIN_REQUEST_LIMIT}"
-            )));
-        }
+        ensure!(opts.world_size > 0, "world_size must be at least 1");
+        ensure!(!opts.replica_id.is_empty(), "replica_id must not be empty");
+        ensure!(!opts.hostname.is_empty(), "hostname must not be empty");
+        ensure!(
+            !opts.heartbeat_interval.is_zero(),
+            "heartbeat_interval must be positive"
+        );
+        ensure!(
+            !opts.connect_timeout.is_zero(),
+            "connect_timeout must be positive"
+        );
+        ensure!(
+            opts.max_request_bytes >= MIN_REQUEST_LIMIT,
+            "max_request_bytes must be at least {MIN_REQUEST_LIMIT}"
+        );
         if let Some(p) = &opts.placement {
             p.topology.check_group(p.group, opts.world_size)?;
         }
