@@ -24,6 +24,9 @@ use torchft::proto::{LostEvent, ManagerQuorumRequest, Quorum, QuorumMember, Sess
 const CONNECT: Duration = Duration::from_secs(5);
 /// Long enough that anything faster than it was not decided by heartbeat expiry.
 const SLOW_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Half of `SLOW_HEARTBEAT`: a decision sooner than this came from the loss itself, not from
+/// heartbeat expiry (what the tests tell apart), with room for a loaded machine's scheduling.
+const BEFORE_EXPIRY: Duration = Duration::from_millis(2_500);
 
 /// Environment of the child manager process: the lighthouse address and its replica id.
 const CHILD_ADDR_ENV: &str = "TORCHFT_TEST_CHILD_LIGHTHOUSE";
@@ -139,7 +142,7 @@ async fn dropped_session_is_lost_at_once_and_announced() {
         assert_eq!(ids(&q2), ["a"]);
         assert!(q2.quorum_id > q1.quorum_id);
         let gap = at.duration_since(dropped);
-        assert!(gap < Duration::from_secs(1), "next quorum after {gap:?}");
+        assert!(gap < BEFORE_EXPIRY, "next quorum after {gap:?}");
         let lost = next_lost(&mut sa, Duration::from_secs(2)).await.unwrap();
         assert_eq!(lost.replica_id, "b");
         assert_eq!(lost.quorum_id, q1.quorum_id);
@@ -186,7 +189,7 @@ async fn closed_connection_is_lost_at_once() {
         let (q2, at) = next.await.unwrap();
         assert_eq!(ids(&q2), ["a"]);
         let gap = at.duration_since(dropped);
-        assert!(gap < Duration::from_secs(1), "next quorum after {gap:?}");
+        assert!(gap < BEFORE_EXPIRY, "next quorum after {gap:?}");
         let lost = next_lost(&mut sa, Duration::from_secs(2)).await.unwrap();
         assert_eq!(
             (lost.replica_id.as_str(), lost.quorum_id),
@@ -277,7 +280,7 @@ async fn killed_process_is_lost_at_once() {
             }
         };
         let gap = killed.elapsed();
-        assert!(gap < Duration::from_secs(1), "next quorum after {gap:?}");
+        assert!(gap < BEFORE_EXPIRY, "next quorum after {gap:?}");
         let lost = next_lost(&mut sa, Duration::from_secs(2)).await.unwrap();
         assert_eq!(lost.replica_id, "b");
         assert!(lost.quorum_id >= q1.quorum_id && lost.quorum_id < q_last.quorum_id);
@@ -455,7 +458,7 @@ async fn manager_servers_forward_losses_and_survive_a_lighthouse_restart() {
             .await
             .unwrap();
         assert_eq!(q2.replica_world_size, 1);
-        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(started.elapsed() < BEFORE_EXPIRY, "{:?}", started.elapsed());
         ma.shutdown().await;
         lh.shutdown().await;
     })
