@@ -2,7 +2,7 @@
 //!
 //! The Rust core holds the lighthouse (quorum engine and daemon service), the per replica group
 //! manager server and the clients of both. Everything here is plain Rust; the Python module
-//! `torchft._torchft` lives in [`bindings`] behind the `python` feature.
+//! `torchft._torchft` lives in `bindings` behind the `python` feature.
 
 pub mod checkpoint;
 pub mod client;

@@ -84,7 +84,7 @@ impl HangWatch {
         self.last_round = Some(now);
     }
 
-    /// The median of the recent round intervals (None before [`MIN_SAMPLES`] of them).
+    /// The median of the recent round intervals (None before `MIN_SAMPLES` of them).
     pub fn pace(&self) -> Option<Duration> {
         if self.intervals.len() < MIN_SAMPLES {
             return None;

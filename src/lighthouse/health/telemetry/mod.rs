@@ -360,7 +360,7 @@ impl Telemetry {
         }
     }
 
-    /// Applies one validated report (see [`validate_report`]).
+    /// Applies one validated report (see [`crate::telemetry::validate_report`]).
     pub fn on_report(&mut self, r: &TelemetryReport, now: Instant) {
         self.counters.reports += 1;
         let incarnation = if r.incarnation.is_empty() {
