@@ -57,7 +57,7 @@ from torchft.errors import (
 from torchft.group_connect import join_group, start_services, vote
 from torchft.group_snapshots import GroupSnapshots
 from torchft.hang import HangWatchdog
-from torchft.healing import Healer, default_transport
+from torchft.healing import Healer
 from torchft.loss_watch import LostWatcher
 from torchft.parity import StateParity
 from torchft.quorum_group import (
@@ -243,13 +243,11 @@ class Manager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         if hasattr(self._pg, "set_timeout"):
             self._pg.set_timeout(cfg.timeout)
-        self._own_transport = checkpoint_transport is None
-        if checkpoint_transport is None:
-            checkpoint_transport = default_transport(
-                cfg, self._healer, self._state_dict_lock, hostname_given
-            )
-        self._checkpoint_transport = checkpoint_transport
-        self._healer.attach(checkpoint_transport, self._own_transport)
+        self._checkpoint_transport = (
+            self._healer.attach_default(cfg, hostname_given)
+            if checkpoint_transport is None
+            else self._healer.attach(checkpoint_transport)
+        )
         try:
             # Inside the try: a group that cannot be joined must not leave the checkpoint
             # server (started above) serving.
