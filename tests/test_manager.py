@@ -1081,7 +1081,7 @@ def test_in_place_heal_holds_the_state_write_lock(harness: Any) -> None:
     _serve(h, 5, torch.full((3,), 3.0))
     h.native.quorums = [_heal_quorum()]
     m = h.manager
-    lock = m._state_dict_lock
+    lock = m._user.lock
     receiving, release = threading.Event(), threading.Event()
     held: list[bool] = []
     recv = h.transport.recv_checkpoint
@@ -1260,7 +1260,7 @@ def test_disallow_state_dict_read_excludes_readers(harness: Any) -> None:
     got = threading.Event()
 
     def reader() -> None:
-        with m._state_dict_lock.read():
+        with m._user.lock.read():
             got.set()
 
     t = threading.Thread(target=reader)

@@ -263,7 +263,6 @@ class Manager:
         state and its lock, the counters, the step's state, the services not started yet."""
         self._replica_id = "?"
         self._user = UserState()
-        self._state_dict_lock = self._user.lock
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
@@ -288,7 +287,7 @@ class Manager:
     def _new_healer(self, cfg: ManagerConfig) -> Healer:
         return Healer(
             native=self._native,
-            state_lock=self._state_dict_lock,
+            state_lock=self._user.lock,
             served_state=self._manager_state_dict,
             load_counters=self.load_state_dict,
             loaders=self._user.loaders,
