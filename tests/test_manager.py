@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1401,6 +1402,25 @@ def test_bad_arguments(harness: Any, kwargs: dict[str, Any], exc: type, match: s
     """Invalid constructor arguments raise at once with a clear message."""
     with pytest.raises(exc, match=match):
         harness(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("backend", "missing"),
+    [
+        (object(), "object lacks ManagerServer, ManagerClient, set_log_context"),
+        (
+            SimpleNamespace(ManagerServer=FakeNative, ManagerClient=FakeNative, set_log_context=1),
+            "SimpleNamespace lacks set_log_context",
+        ),
+    ],
+)
+def test_native_backend_is_checked_at_construction(
+    store: TCPStore, backend: Any, missing: str
+) -> None:
+    """A native_backend that is no coordination.NativeBackend fails the constructor with a
+    TypeError naming what it lacks, not the join on a later call."""
+    with pytest.raises(TypeError, match=f"NativeBackend .*; {re.escape(missing)}$"):
+        Harness(backend, {})
 
 
 def test_missing_lighthouse(harness: Any, monkeypatch: pytest.MonkeyPatch) -> None:

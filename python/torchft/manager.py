@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from torchft import _torchft
 from torchft.config import THIS_HOST, ManagerConfig, ThisHost, WorldSizeMode
+from torchft.coordination import check_native_backend
 from torchft.errors import (
     ExceptionWithTraceback,
     HungProcessError,
@@ -229,7 +230,9 @@ class Manager:
         from torchft.process_group.native import manager_group
 
         self._config = cfg
-        self._native: NativeBackend = native_backend if native_backend is not None else _torchft
+        self._native: NativeBackend = (
+            _torchft if native_backend is None else check_native_backend(native_backend)
+        )
         self._group_rank: int = cfg.rank
         self._group_world_size: int = cfg.world_size
         self._init_state()
