@@ -95,21 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ChaosConfig(
             seed=seed,
-            groups=args.groups,
-            faults=args.faults,
-            mtbf=args.mtbf,
-            restart_delay=args.restart_delay,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            progress_wait_ms=args.progress_wait_ms,
-            parity_every=args.parity_every,
-            jitter=args.jitter,
             weights=weights,
             lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
             restart_while_stopped=args.restart_while_stopped,
-            floor_runs=args.floor_runs,
-            worker_log_level=args.worker_log_level,
-            standby=args.standby,
-            snapshot_every=args.snapshot_every,
+            **{name: getattr(args, name) for name in _CONFIG_FLAGS},
         )
         cfg.validate()
     except ValueError as e:
