@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from torchft.process_group.baby_ipc import _BabyChild, _to_wire
+from torchft.process_group.baby_ipc import _BabyChild, _ChildGroup, _to_wire
 from torchft.process_group.base import (
     ProcessGroup,
     _check_rank,
@@ -86,12 +86,14 @@ class ProcessGroupBaby(ProcessGroup):
         self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         self._stop_child(graceful=False)
         child = _BabyChild(
-            type(self)._create_pg,
-            store_addr,
-            rank,
-            world_size,
-            self._timeout,
-            torch.cuda.current_device() if self._use_cuda else None,
+            _ChildGroup(
+                type(self)._create_pg,
+                store_addr,
+                rank,
+                world_size,
+                self._timeout,
+                torch.cuda.current_device() if self._use_cuda else None,
+            )
         )
         with self._lock:
             self._child = child
