@@ -63,6 +63,7 @@ from torchft.loss_watch import LostWatcher
 from torchft.parity import StateParity
 from torchft.quorum_group import (
     PendingQuorum,
+    QuorumCall,
     QuorumGroup,
     participation,
     run_quorum,
@@ -534,15 +535,17 @@ class Manager:
             # thread woken at every step would fight the training thread for the GIL during
             # the forward pass.
             self._quorum_future = start_pending(
-                self._group,
+                QuorumCall(
+                    self._group,
+                    lambda quorum: self._adopt_quorum(quorum, allow_heal),
+                    self.report_error,
+                    quorum_timeout,
+                ),
                 lambda: self._rpc()._quorum_start(
                     **self._quorum_request(shrink_only, quorum_timeout)
                 ),
-                lambda quorum: self._adopt_quorum(quorum, allow_heal),
-                self.report_error,
                 self._executor,
                 allow_heal,
-                quorum_timeout,
             )
         else:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
@@ -550,13 +553,15 @@ class Manager:
             try:
                 with self._timing_quorum(), self._in_torchft():
                     run_quorum(
-                        self._group,
+                        QuorumCall(
+                            self._group,
+                            lambda quorum: self._apply_quorum(quorum, allow_heal),
+                            self.report_error,
+                            quorum_timeout,
+                        ),
                         lambda: self._rpc()._quorum(
                             **self._quorum_request(shrink_only, quorum_timeout)
                         ),
-                        lambda quorum: self._apply_quorum(quorum, allow_heal),
-                        self.report_error,
-                        quorum_timeout,
                     )
                 fut.set_result(None)
             except BaseException as e:
