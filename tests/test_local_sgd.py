@@ -172,6 +172,27 @@ def test_localsgd_rejects_bad_arguments() -> None:
         LocalSGD(_FakeManager(), "model", opt, 2)  # type: ignore[arg-type]
 
 
+def test_entering_hooks_the_inner_optimizer_once_and_leaving_unhooks_it() -> None:
+    """LocalSGD and DiLoCo hook the inner optimizer's step only while entered, refuse to be
+    entered twice, and can be entered again once left."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def hooked(inner: torch.optim.Optimizer) -> int:
+        return len(inner._optimizer_step_pre_hooks) + len(inner._optimizer_step_post_hooks)
+
+    local_sgd = LocalSGD(_FakeManager(), model, opt, 2)  # type: ignore[arg-type]
+    for loop, hooks in ((local_sgd, 1), (_diloco(), 2)):
+        before = hooked(loop._local_optimizer)
+        with loop:
+            assert hooked(loop._local_optimizer) == before + hooks
+            with pytest.raises(RuntimeError, match=f"^{type(loop).__name__} is already entered$"):
+                loop.__enter__()
+        assert hooked(loop._local_optimizer) == before
+        with loop:
+            pass
+
+
 def test_buckets_respect_the_cap_and_cover_every_tensor() -> None:
     """Pseudo-gradients pack into buckets of at most the cap (one dtype each), in order."""
     ts = [torch.arange(n, dtype=torch.float32) for n in (3, 5, 2, 9)] + [torch.ones(2).double()]

@@ -4,13 +4,16 @@ validation, and the fakes' conformance to the native protocols the Manager is bu
 from __future__ import annotations
 
 import inspect
+import re
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from _manager_kit import (  # noqa: F401 - fixtures, found by pytest by name
     FakeNative,
     FakePending,
+    Harness,
     harness_fixture,
     master_store_fixture,
     native_fixture,
@@ -130,6 +133,25 @@ def test_bad_arguments(harness: Any, kwargs: dict[str, Any], exc: type, match: s
     """Invalid constructor arguments raise at once with a clear message."""
     with pytest.raises(exc, match=match):
         harness(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("backend", "missing"),
+    [
+        (object(), "object lacks ManagerServer, ManagerClient, set_log_context"),
+        (
+            SimpleNamespace(ManagerServer=FakeNative, ManagerClient=FakeNative, set_log_context=1),
+            "SimpleNamespace lacks set_log_context",
+        ),
+    ],
+)
+def test_native_backend_is_checked_at_construction(
+    store: TCPStore, backend: Any, missing: str
+) -> None:
+    """A native_backend that is no coordination.NativeBackend fails the constructor with a
+    TypeError naming what it lacks, not the join on a later call."""
+    with pytest.raises(TypeError, match=f"NativeBackend .*; {re.escape(missing)}$"):
+        Harness(backend, {})
 
 
 def test_missing_lighthouse(harness: Any, monkeypatch: pytest.MonkeyPatch) -> None:

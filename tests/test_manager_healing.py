@@ -312,7 +312,7 @@ def test_in_place_heal_holds_the_state_write_lock(harness: Any) -> None:
     _serve(h, 5, torch.full((3,), 3.0))
     h.native.quorums = [_heal_quorum()]
     m = h.manager
-    lock = m._state_dict_lock
+    lock = m._user.lock
     receiving, release = threading.Event(), threading.Event()
     held: list[bool] = []
     recv = h.transport.recv_checkpoint

@@ -23,7 +23,7 @@ def test_disallow_state_dict_read_excludes_readers(harness: Any) -> None:
     got = threading.Event()
 
     def reader() -> None:
-        with m._state_dict_lock.read():
+        with m._user.lock.read():
             got.set()
 
     t = threading.Thread(target=reader)

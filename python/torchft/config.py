@@ -300,6 +300,12 @@ def _setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def _timeout(env: str, help: str) -> Any:
+    """Declares one of the Manager's three timeouts: a minute by default, and a variable in
+    seconds that overrides the argument when set."""
+    return _setting(SECONDS, timedelta(seconds=60), env=env, source=Source.OVERRIDE, help=help)
+
+
 # ----------------------------------------------------------------------------- the config
 
 
@@ -312,26 +318,16 @@ class ManagerConfig:
 
     min_replica_size: int = _setting(POSITIVE, required=True)
     use_async_quorum: bool = _setting(SWITCH, True)
-    timeout: timedelta = _setting(
-        SECONDS,
-        timedelta(seconds=60),
-        env="TORCHFT_TIMEOUT_SEC",
-        source=Source.OVERRIDE,
-        help="timeout of collectives, checkpoint transfer and commit votes (seconds)",
+    timeout: timedelta = _timeout(
+        "TORCHFT_TIMEOUT_SEC",
+        "timeout of collectives, checkpoint transfer and commit votes (seconds)",
     )
-    quorum_timeout: timedelta = _setting(
-        SECONDS,
-        timedelta(seconds=60),
-        env="TORCHFT_QUORUM_TIMEOUT_SEC",
-        source=Source.OVERRIDE,
-        help="deadline of one quorum request (seconds)",
+    quorum_timeout: timedelta = _timeout(
+        "TORCHFT_QUORUM_TIMEOUT_SEC", "deadline of one quorum request (seconds)"
     )
-    connect_timeout: timedelta = _setting(
-        SECONDS,
-        timedelta(seconds=60),
-        env="TORCHFT_CONNECT_TIMEOUT_SEC",
-        source=Source.OVERRIDE,
-        help="deadline for connecting to the store and the manager server (seconds)",
+    connect_timeout: timedelta = _timeout(
+        "TORCHFT_CONNECT_TIMEOUT_SEC",
+        "deadline for connecting to the store and the manager server (seconds)",
     )
     rank: int = _setting(COUNT, env="RANK", help="group rank (torchrun)", required=True)
     world_size: int = _setting(

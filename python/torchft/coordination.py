@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from torchft._torchft import (
     LighthouseClient,
@@ -189,6 +189,23 @@ class NativeBackend(Protocol):
     def set_log_context(self, replica_id: str, group_rank: int) -> None:
         """Names the replica group and rank in the native log lines."""
         ...
+
+
+def check_native_backend(native: object) -> NativeBackend:
+    """``native`` as a :class:`NativeBackend`, checked when a Manager is built rather than at
+    its first use on a background thread.
+
+    Raises:
+        TypeError: ``native`` lacks one of the protocol's methods (named in the message).
+    """
+    wanted = [name for name, v in vars(NativeBackend).items() if callable(v) and name[0] != "_"]
+    missing = [name for name in wanted if not callable(getattr(native, name, None))]
+    if missing:
+        raise TypeError(
+            "native_backend must implement torchft.coordination.NativeBackend "
+            f"({', '.join(wanted)}); {type(native).__name__} lacks {', '.join(missing)}"
+        )
+    return cast(NativeBackend, native)
 
 
 if TYPE_CHECKING:

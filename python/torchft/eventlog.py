@@ -498,46 +498,25 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _split_ms(ts: float) -> tuple[datetime, int]:
-    """Splits a unix time into a UTC datetime (whole seconds) and milliseconds.
+#: Formats of :func:`_utc_ms`: a time of day, and a date and time.
+_CLOCK = "%H:%M:%S"
+_STAMP = "%Y-%m-%d %H:%M:%S"
+
+
+def _utc_ms(ts: float, fmt: str) -> str:
+    """Formats a unix time in UTC with milliseconds, e.g. ``HH:MM:SS.mmm``.
 
     Rounds to the nearest millisecond first so ``.123`` never shows as ``.122``.
 
     Args:
         ts: Unix seconds.
+        fmt: ``strftime`` format of the whole seconds (:data:`_CLOCK`, :data:`_STAMP`).
 
     Returns:
-        The datetime of the whole second and the milliseconds within it.
+        The formatted time, then ``.`` and the milliseconds.
     """
-    total_ms = math.floor(ts * 1000.0 + 0.5)
-    whole, ms = divmod(total_ms, 1000)
-    return datetime.fromtimestamp(whole, tz=timezone.utc), ms
-
-
-def _clock(ts: float) -> str:
-    """Formats a unix time as ``HH:MM:SS.mmm`` in UTC.
-
-    Args:
-        ts: Unix seconds.
-
-    Returns:
-        The time of day.
-    """
-    dt, ms = _split_ms(ts)
-    return f"{dt:%H:%M:%S}.{ms:03d}"
-
-
-def _stamp(ts: float) -> str:
-    """Formats a unix time as ``YYYY-MM-DD HH:MM:SS.mmm`` in UTC.
-
-    Args:
-        ts: Unix seconds.
-
-    Returns:
-        The date and time.
-    """
-    dt, ms = _split_ms(ts)
-    return f"{dt:%Y-%m-%d %H:%M:%S}.{ms:03d}"
+    whole, ms = divmod(math.floor(ts * 1000.0 + 0.5), 1000)
+    return f"{datetime.fromtimestamp(whole, tz=timezone.utc):{fmt}}.{ms:03d}"
 
 
 def _bytes(n: int) -> str:
@@ -606,10 +585,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["first_ts"] is None:
         lines.append("  no events")
         return "\n".join(lines) + "\n"
-    lines.append(
-        f"  span         {_stamp(summary['first_ts'])} -> {_stamp(summary['last_ts'])} UTC"
-        f" ({summary['duration_s']:.1f}s)"
-    )
+    first, last = _utc_ms(summary["first_ts"], _STAMP), _utc_ms(summary["last_ts"], _STAMP)
+    lines.append(f"  span         {first} -> {last} UTC ({summary['duration_s']:.1f}s)")
     lines.append(f"  events       {summary['events']}")
     lines.append(f"  lighthouse   {_plural(summary['lighthouse_starts'], 'start')}")
     if summary["quorum_changes"]:
@@ -688,7 +665,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         if err is not None:
             step = f" step {err['step']}" if err["step"] is not None else ""
             lines.append(
-                f"  first error      {_clock(err['ts'])} {err['kind']}{step}:"
+                f"  first error      {_utc_ms(err['ts'], _CLOCK)} {err['kind']}{step}:"
                 f" {_one_line(err['error'])}"
             )
         if rec["time_in_state_s"]:
@@ -699,7 +676,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             for t in rec["transitions"]:
                 reason = f" ({t['reason']})" if t["reason"] else ""
                 lines.append(
-                    f"    {_clock(t['ts'])}  {t['from'] or '-'} -> {t['to'] or '-'}{reason}"
+                    f"    {_utc_ms(t['ts'], _CLOCK)}  {t['from'] or '-'} -> {t['to'] or '-'}{reason}"
                 )
     return "\n".join(lines) + "\n"
 

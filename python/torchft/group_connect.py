@@ -138,20 +138,7 @@ def start_services(
     try:
         snapshots = None
         if cfg.snapshot_dir is not None:
-            snapshots = GroupSnapshots(
-                cfg.snapshot_dir,
-                every=cfg.snapshot_every,
-                keep=cfg.snapshot_keep,
-                name=name,
-                replica_id=conn.replica_id,
-                group_rank=cfg.rank,
-                group_world_size=cfg.world_size,
-                timeout=cfg.timeout,
-                store=conn.store,
-                connect_timeout=cfg.connect_timeout,
-                telemetry=telemetry,
-                log_info=log_info,
-            )
+            snapshots = GroupSnapshots(cfg, name, conn.replica_id, conn.store, telemetry, log_info)
         hang = None
         if conn.server is not None:
             server = conn.server

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torchft.snapshot import (
@@ -27,6 +26,7 @@ from torchft.snapshot import (
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
 
+    from torchft.config import ManagerConfig
     from torchft.telemetry import RankTelemetry
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -42,51 +42,47 @@ class GroupSnapshots:
     """One rank's durable snapshots within its replica group.
 
     Args:
-        directory: the snapshot directory (shared by every group of the job).
-        every: committed steps between snapshots.
-        keep: complete snapshots kept.
+        cfg: the Manager's settings: the snapshot directory (shared by every group of the
+            job), the interval and the number kept, this rank and the group's size, how long
+            group rank 0 waits for the other ranks' parts of a snapshot (``timeout``) and the
+            bound on waiting for group rank 0's choice (``connect_timeout``).
         name: the group's stable name (recorded in manifests).
         replica_id: the group's id for this start (the same on every rank of the group).
-        group_rank: this rank in the group.
-        group_world_size: ranks in the group.
-        timeout: how long group rank 0 waits for the other ranks' parts of a snapshot.
         store: the group's store, through which group rank 0 shares its choice.
-        connect_timeout: bound on waiting for group rank 0's choice.
         telemetry: reports complete and failed snapshots (None: not reported).
         log_info: the Manager's log (its records carry the group and step).
+
+    Raises:
+        ValueError: ``cfg`` has no snapshot directory.
     """
 
     def __init__(
         self,
-        directory: str,
-        every: int,
-        keep: int,
+        cfg: ManagerConfig,
         name: str,
         replica_id: str,
-        group_rank: int,
-        group_world_size: int,
-        timeout: timedelta,
         store: TCPStore,
-        connect_timeout: timedelta,
         telemetry: RankTelemetry | None,
         log_info: Callable[..., None],
     ) -> None:
+        if cfg.snapshot_dir is None:
+            raise ValueError("durable snapshots need a snapshot directory")
         self.writer = SnapshotWriter(
-            directory,
-            every=every,
-            keep=keep,
+            cfg.snapshot_dir,
+            every=cfg.snapshot_every,
+            keep=cfg.snapshot_keep,
             replica_id=name,
             incarnation=replica_id,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
-            timeout=timeout.total_seconds(),
+            group_rank=cfg.rank,
+            group_world_size=cfg.world_size,
+            timeout=cfg.timeout.total_seconds(),
             on_done=self._written,
         )
         self._store = store
         self._replica_id = replica_id
-        self._rank = group_rank
-        self._world = group_world_size
-        self._connect_timeout = connect_timeout
+        self._rank = cfg.rank
+        self._world = cfg.world_size
+        self._connect_timeout = cfg.connect_timeout
         self._telemetry = telemetry
         self._log_info = log_info
         # The (step, quorum id) this group writes at the top of its next step.

@@ -170,10 +170,21 @@ class Healer:
         self._source: str | None = None
         self._source_lost = threading.Event()
 
-    def attach(self, transport: CheckpointTransport[dict[str, Any]], own: bool) -> None:
-        """Sets the checkpoint transport; ``own``: the Manager built it (the default)."""
+    def attach(
+        self, transport: CheckpointTransport[dict[str, Any]], own: bool = False
+    ) -> CheckpointTransport[dict[str, Any]]:
+        """Sets the checkpoint transport and returns it; ``own``: it is the default one,
+        whose in-place rule is :meth:`heal_into`'s (see :meth:`receives_in_place`)."""
         self._transport = transport
         self._own_transport = own
+        return transport
+
+    def attach_default(
+        self, cfg: ManagerConfig, hostname_given: bool
+    ) -> CheckpointTransport[dict[str, Any]]:
+        """Builds the default transport (:func:`default_transport`), attaches it as its own
+        and returns it."""
+        return self.attach(default_transport(cfg, self, self._state_lock, hostname_given), True)
 
     def _tx(self) -> CheckpointTransport[dict[str, Any]]:
         assert self._transport is not None, "Healer.attach() was not called"

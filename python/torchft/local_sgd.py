@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn, optim
@@ -72,25 +72,43 @@ def _check_manager(manager: object) -> Manager:
     return manager  # type: ignore[return-value]
 
 
-class _OptimizerHooks:
-    """Registers and removes the inner-optimizer hooks of a context manager."""
+class _InnerLoop:
+    """The context manager of :class:`LocalSGD` and :class:`DiLoCo`: while it is entered,
+    hooks on the inner optimizer's ``step`` drive the synchronisations."""
 
     def __init__(self) -> None:
-        self._handles: list[RemovableHandle] = []
+        self._hooks: list[RemovableHandle] = []
 
-    def add(self, handle: RemovableHandle) -> None:
-        self._handles.append(handle)
+    def _hook(self) -> list[RemovableHandle]:
+        """Registers the hooks on the inner optimizer (on entering)."""
+        raise NotImplementedError
 
-    def active(self) -> bool:
-        return bool(self._handles)
+    def _left(self) -> None:
+        """Called on leaving, once the hooks are removed."""
 
-    def remove_all(self) -> None:
-        for handle in self._handles:
+    def __enter__(self: _Loop) -> _Loop:
+        if self._hooks:
+            raise RuntimeError(f"{type(self).__name__} is already entered")
+        self._hooks = self._hook()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> Literal[False]:
+        for handle in self._hooks:
             handle.remove()
-        self._handles.clear()
+        self._hooks.clear()
+        self._left()
+        return False
 
 
-class LocalSGD:
+_Loop = TypeVar("_Loop", bound=_InnerLoop)
+
+
+class LocalSGD(_InnerLoop):
     """Averages the model's parameters across replica groups every ``sync_every`` steps.
 
     Use it as a context manager around the inner loop. After every ``sync_every``-th call of
@@ -132,22 +150,10 @@ class LocalSGD:
         self._local_optimizer = optimizer
         self._sync_every = _check_sync_every(sync_every)
         self._local_step = 0
-        self._hooks = _OptimizerHooks()
+        super().__init__()
 
-    def __enter__(self) -> LocalSGD:
-        if self._hooks.active():
-            raise RuntimeError("LocalSGD is already entered")
-        self._hooks.add(self._local_optimizer.register_step_post_hook(self._step_post_hook))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> Literal[False]:
-        self._hooks.remove_all()
-        return False
+    def _hook(self) -> list[RemovableHandle]:
+        return [self._local_optimizer.register_step_post_hook(self._step_post_hook)]
 
     def _step_post_hook(
         self, _optim: optim.Optimizer, _args: tuple[Any, ...], _kwargs: dict[str, Any]
@@ -385,7 +391,7 @@ def _buckets(
                 batch, size = [t], t.numel()
 
 
-class DiLoCo:
+class DiLoCo(_InnerLoop):
     """DiLoCo and streaming DiLoCo: pseudo-gradients averaged and applied by outer optimizers.
 
     The model is split into ``model_fragments`` (one fragment is plain DiLoCo). Fragment
@@ -537,7 +543,7 @@ class DiLoCo:
         self._pending: _Fragment | None = None
         # The quorum of the last sync: a sync in a new quorum does not overlap (see _prepare).
         self._quorum_id: int | None = None
-        self._hooks = _OptimizerHooks()
+        super().__init__()
         for f in self._fragments:
             f.save_global()
             manager.register_state_dict_fn(f.key, f.load_state_dict, f.state_dict)
@@ -583,22 +589,14 @@ class DiLoCo:
 
     # ---- context manager --------------------------------------------------------------
 
-    def __enter__(self) -> DiLoCo:
-        if self._hooks.active():
-            raise RuntimeError("DiLoCo is already entered")
-        self._hooks.add(self._local_optimizer.register_step_pre_hook(self._step_pre_hook))
-        self._hooks.add(self._local_optimizer.register_step_post_hook(self._step_post_hook))
-        return self
+    def _hook(self) -> list[RemovableHandle]:
+        return [
+            self._local_optimizer.register_step_pre_hook(self._step_pre_hook),
+            self._local_optimizer.register_step_post_hook(self._step_post_hook),
+        ]
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> Literal[False]:
-        self._hooks.remove_all()
+    def _left(self) -> None:
         self._manager.allow_state_dict_read()
-        return False
 
     def _step_pre_hook(
         self, _optim: optim.Optimizer, _args: tuple[Any, ...], _kwargs: dict[str, Any]

@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from torchft import _torchft
 from torchft.config import THIS_HOST, ManagerConfig, ThisHost, WorldSizeMode
+from torchft.coordination import check_native_backend
 from torchft.errors import (
     ExceptionWithTraceback,
     HungProcessError,
@@ -57,11 +58,12 @@ from torchft.errors import (
 from torchft.group_connect import join_group, start_services, vote
 from torchft.group_snapshots import GroupSnapshots
 from torchft.hang import HangWatchdog
-from torchft.healing import Healer, default_transport
+from torchft.healing import Healer
 from torchft.loss_watch import LostWatcher
 from torchft.parity import StateParity
 from torchft.quorum_group import (
     PendingQuorum,
+    QuorumCall,
     QuorumGroup,
     participation,
     run_quorum,
@@ -229,7 +231,9 @@ class Manager:
         from torchft.process_group.native import manager_group
 
         self._config = cfg
-        self._native: NativeBackend = native_backend if native_backend is not None else _torchft
+        self._native: NativeBackend = (
+            _torchft if native_backend is None else check_native_backend(native_backend)
+        )
         self._group_rank: int = cfg.rank
         self._group_world_size: int = cfg.world_size
         self._init_state()
@@ -243,13 +247,11 @@ class Manager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         if hasattr(self._pg, "set_timeout"):
             self._pg.set_timeout(cfg.timeout)
-        self._own_transport = checkpoint_transport is None
-        if checkpoint_transport is None:
-            checkpoint_transport = default_transport(
-                cfg, self._healer, self._state_dict_lock, hostname_given
-            )
-        self._checkpoint_transport = checkpoint_transport
-        self._healer.attach(checkpoint_transport, self._own_transport)
+        self._checkpoint_transport = (
+            self._healer.attach_default(cfg, hostname_given)
+            if checkpoint_transport is None
+            else self._healer.attach(checkpoint_transport)
+        )
         try:
             # Inside the try: a group that cannot be joined must not leave the checkpoint
             # server (started above) serving.
@@ -265,7 +267,6 @@ class Manager:
         state and its lock, the counters, the step's state, the services not started yet."""
         self._replica_id = "?"
         self._user = UserState()
-        self._state_dict_lock = self._user.lock
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
@@ -290,7 +291,7 @@ class Manager:
     def _new_healer(self, cfg: ManagerConfig) -> Healer:
         return Healer(
             native=self._native,
-            state_lock=self._state_dict_lock,
+            state_lock=self._user.lock,
             served_state=self._manager_state_dict,
             load_counters=self.load_state_dict,
             loaders=self._user.loaders,
@@ -534,15 +535,17 @@ class Manager:
             # thread woken at every step would fight the training thread for the GIL during
             # the forward pass.
             self._quorum_future = start_pending(
-                self._group,
+                QuorumCall(
+                    self._group,
+                    lambda quorum: self._adopt_quorum(quorum, allow_heal),
+                    self.report_error,
+                    quorum_timeout,
+                ),
                 lambda: self._rpc()._quorum_start(
                     **self._quorum_request(shrink_only, quorum_timeout)
                 ),
-                lambda quorum: self._adopt_quorum(quorum, allow_heal),
-                self.report_error,
                 self._executor,
                 allow_heal,
-                quorum_timeout,
             )
         else:
             fut: ConcurrentFuture[None] = ConcurrentFuture()
@@ -550,13 +553,15 @@ class Manager:
             try:
                 with self._timing_quorum(), self._in_torchft():
                     run_quorum(
-                        self._group,
+                        QuorumCall(
+                            self._group,
+                            lambda quorum: self._apply_quorum(quorum, allow_heal),
+                            self.report_error,
+                            quorum_timeout,
+                        ),
                         lambda: self._rpc()._quorum(
                             **self._quorum_request(shrink_only, quorum_timeout)
                         ),
-                        lambda quorum: self._apply_quorum(quorum, allow_heal),
-                        self.report_error,
-                        quorum_timeout,
                     )
                 fut.set_result(None)
             except BaseException as e:

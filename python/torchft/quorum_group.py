@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -281,6 +282,22 @@ class QuorumGroup:
             raise
 
 
+@dataclass(frozen=True)
+class QuorumCall:
+    """The Manager's side of one quorum request: the group the step runs on, what adopts the
+    answer (errors recorded, not raised), what records an error of the step, and the
+    request's deadline."""
+
+    group: QuorumGroup
+    adopt: Callable[[NativeQuorumResult], None]
+    report_error: Callable[[Exception], None]
+    quorum_timeout: timedelta
+
+    def timed_out(self, e: TimeoutError) -> QuorumTimeoutError:
+        """The error of a request that passed its deadline."""
+        return QuorumTimeoutError(f"quorum not reached within {self.quorum_timeout}: {e}")
+
+
 class PendingQuorum:
     """The quorum of an async step whose request is in flight in the native client.
 
@@ -295,31 +312,22 @@ class PendingQuorum:
     def __init__(
         self,
         pending: NativePendingQuorum,
-        group: QuorumGroup,
-        adopt: Callable[[NativeQuorumResult], None],
-        report_error: Callable[[Exception], None],
+        call: QuorumCall,
         executor: ThreadPoolExecutor,
         allow_heal: bool,
-        quorum_timeout: timedelta,
     ) -> None:
         """Wraps a request in flight.
 
         Args:
             pending: the native request.
-            group: the quorum group (its id and in-progress flag).
-            adopt: adopts the answer (errors recorded, not raised).
-            report_error: records an error of the step.
+            call: the group, what adopts the answer and records errors, the deadline.
             executor: the quorum worker thread.
             allow_heal: whether the step may heal or serve.
-            quorum_timeout: the request's deadline (for the error message).
         """
         self._pending = pending
-        self._group = group
-        self._adopt_answer = adopt
-        self._report_error = report_error
+        self._call = call
         self._executor = executor
         self._allow_heal = allow_heal
-        self._quorum_timeout = quorum_timeout
         self._lock = threading.Lock()
         self._outcome: ConcurrentFuture[None] | None = None
 
@@ -351,18 +359,18 @@ class PendingQuorum:
         try:
             quorum = self._pending.wait()
         except TimeoutError as e:
-            self._group.quorum_in_progress = False
-            err = QuorumTimeoutError(f"quorum not reached within {self._quorum_timeout}: {e}")
+            self._call.group.quorum_in_progress = False
+            err = self._call.timed_out(e)
             err.__cause__ = e
-            self._report_error(err)
+            self._call.report_error(err)
             done.set_exception(err)
             return done
         except Exception as e:
-            self._group.quorum_in_progress = False
-            self._report_error(e)
+            self._call.group.quorum_in_progress = False
+            self._call.report_error(e)
             done.set_result(None)
             return done
-        heavy = quorum.quorum_id != self._group.quorum_id or (
+        heavy = quorum.quorum_id != self._call.group.quorum_id or (
             self._allow_heal and (bool(quorum.heal) or bool(quorum.recover_dst_replica_ranks))
         )
         if heavy:
@@ -374,50 +382,41 @@ class PendingQuorum:
     def _adopt_and_settle(self, quorum: NativeQuorumResult) -> None:
         """Adopts the answer; from then on the step runs on its quorum (see ``on_lost``)."""
         try:
-            self._adopt_answer(quorum)
+            self._call.adopt(quorum)
         finally:
-            self._group.quorum_in_progress = False
+            self._call.group.quorum_in_progress = False
 
 
-def run_quorum(
-    group: QuorumGroup,
-    send: Callable[[], NativeQuorumResult],
-    adopt: Callable[[NativeQuorumResult], None],
-    report_error: Callable[[Exception], None],
-    quorum_timeout: timedelta,
-) -> None:
+def run_quorum(call: QuorumCall, send: Callable[[], NativeQuorumResult]) -> None:
     """Runs one quorum inline: sends the request, adopts the answer.
 
     Errors are recorded (the step does not commit); only the quorum deadline itself is also
     raised (timeouts while reconfiguring or healing are ordinary step errors, retried).
 
     Raises:
-        QuorumTimeoutError: the quorum was not reached within ``quorum_timeout``.
+        QuorumTimeoutError: the quorum was not reached within ``call.quorum_timeout``.
     """
-    group.quorum_in_progress = True
+    call.group.quorum_in_progress = True
     try:
         try:
             quorum = send()
         except TimeoutError as e:
-            raise QuorumTimeoutError(f"quorum not reached within {quorum_timeout}: {e}") from e
-        adopt(quorum)
+            raise call.timed_out(e) from e
+        call.adopt(quorum)
     except QuorumTimeoutError as e:
-        report_error(e)
+        call.report_error(e)
         raise
     except Exception as e:
-        report_error(e)
+        call.report_error(e)
     finally:
-        group.quorum_in_progress = False
+        call.group.quorum_in_progress = False
 
 
 def start_pending(
-    group: QuorumGroup,
+    call: QuorumCall,
     send: Callable[[], NativePendingQuorum],
-    adopt: Callable[[NativeQuorumResult], None],
-    report_error: Callable[[Exception], None],
     executor: ThreadPoolExecutor,
     allow_heal: bool,
-    quorum_timeout: timedelta,
 ) -> ConcurrentFuture[None] | PendingQuorum:
     """Sends the quorum request of an async step without waiting (see :class:`PendingQuorum`).
 
@@ -426,16 +425,16 @@ def start_pending(
     """
     # Until the answer is adopted the step has not used any process group: a loss reported
     # meanwhile rebuilds the group instead of failing the step (QuorumGroup.on_lost).
-    group.quorum_in_progress = True
+    call.group.quorum_in_progress = True
     try:
         pending = send()
     except Exception as e:
-        group.quorum_in_progress = False
-        report_error(e)
+        call.group.quorum_in_progress = False
+        call.report_error(e)
         done: ConcurrentFuture[None] = ConcurrentFuture()
         done.set_result(None)
         return done
-    return PendingQuorum(pending, group, adopt, report_error, executor, allow_heal, quorum_timeout)
+    return PendingQuorum(pending, call, executor, allow_heal)
 
 
 def participation(

@@ -134,12 +134,15 @@ class RankTelemetry:
             enabled: whether reports are sent (see :data:`ENV_TELEMETRY`).
         """
         self._client = client
-        self._replica_id = replica_id
-        self._incarnation = incarnation
-        self._group_rank = group_rank
-        self._group_world_size = group_world_size
-        self._hostname = _truncate_utf8(hostname, MAX_HOSTNAME_BYTES)
-        self._pid = os.getpid()
+        # Who sends: the same fields in every report.
+        self._sender: dict[str, Any] = {
+            "replica_id": replica_id,
+            "incarnation": incarnation,
+            "group_rank": group_rank,
+            "group_world_size": group_world_size,
+            "hostname": _truncate_utf8(hostname, MAX_HOSTNAME_BYTES),
+            "pid": os.getpid(),
+        }
         self.enabled = enabled
         self._lock = threading.Lock()
         self._last_end = time.perf_counter()
@@ -345,16 +348,7 @@ class RankTelemetry:
         if not self.enabled:
             return
         try:
-            self._client.report(
-                replica_id=self._replica_id,
-                incarnation=self._incarnation,
-                group_rank=self._group_rank,
-                group_world_size=self._group_world_size,
-                hostname=self._hostname,
-                pid=self._pid,
-                unix_s=time.time(),
-                **fields,
-            )
+            self._client.report(**self._sender, unix_s=time.time(), **fields)
         except Exception as e:  # fail-open: telemetry never breaks training
             self.failed_sends += 1
             if self.failed_sends == 1:

@@ -3,44 +3,58 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from torchft.chaos.harness import FAULT_KINDS, Chaos, ChaosConfig
+
+#: The ChaosConfig fields set by a flag of the same name (``restart_delay``:
+#: ``--restart-delay``), with the flag's argparse options; its type and default are the field's.
+_CONFIG_FLAGS: dict[str, dict[str, Any]] = {
+    "groups": {},
+    "faults": {},
+    "mtbf": {"help": "mean seconds between faults"},
+    "restart_delay": {},
+    "heartbeat_timeout_ms": {},
+    "progress_wait_ms": {},
+    "parity_every": {
+        "help": "runtime parity interval of the groups (TORCHFT_PARITY_EVERY; bit flips must "
+        "be healed within 3x this + 20 steps)"
+    },
+    "jitter": {
+        "metavar": "F",
+        "help": "each worker step's sleep is multiplied by a uniform random factor in [1-F, 1+F]",
+    },
+    "floor_runs": {
+        "help": "spawns per floor (import torch, and with torch._dynamo) timed for the report; "
+        "0 skips"
+    },
+    "worker_log_level": {
+        "choices": ["DEBUG", "INFO", "WARNING", "ERROR"],
+        "help": "level of the workers' log lines kept in the run directory (INFO: every heal)",
+    },
+    "standby": {
+        "help": "warm standby processes kept for restarts (torchft.standby); 0 restarts cold"
+    },
+    "snapshot_every": {
+        "help": "durable snapshot interval of the groups (kill_all resumes from them; 0: off, "
+        "which needs --weight kill_all=0)"
+    },
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the flags, runs, prints the report; 0 when no invariant was violated."""
     p = argparse.ArgumentParser(prog="python -m torchft.chaos", description=__doc__)
     p.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
-    p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--faults", type=int, default=200)
-    p.add_argument("--mtbf", type=float, default=1.5, help="mean seconds between faults")
-    p.add_argument("--restart-delay", type=float, default=0.5)
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
-    p.add_argument("--progress-wait-ms", type=int, default=30000)
-    p.add_argument(
-        "--parity-every",
-        type=int,
-        default=10,
-        help="runtime parity interval of the groups (TORCHFT_PARITY_EVERY; bit flips must be "
-        "healed within 3x this + 20 steps)",
-    )
-    p.add_argument(
-        "--jitter",
-        type=float,
-        default=0.0,
-        metavar="F",
-        help="each worker step's sleep is multiplied by a uniform random factor in [1-F, 1+F]",
-    )
-    p.add_argument(
-        "--floor-runs",
-        type=int,
-        default=3,
-        help="spawns per floor (import torch, and with torch._dynamo) timed for the report; 0 skips",
-    )
+    defaults = {f.name: f.default for f in dataclasses.fields(ChaosConfig)}
+    for name, extra in _CONFIG_FLAGS.items():
+        flag, default = "--" + name.replace("_", "-"), defaults[name]
+        p.add_argument(flag, type=type(default), default=default, **extra)
     p.add_argument(
         "--weight",
         action="append",
@@ -65,25 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RUN_DIR",
         help="only re-check the history of an earlier run (no processes are started)",
     )
-    p.add_argument(
-        "--worker-log-level",
-        default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="level of the workers' log lines kept in the run directory (INFO: every heal)",
-    )
-    p.add_argument(
-        "--standby",
-        type=int,
-        default=0,
-        help="warm standby processes kept for restarts (torchft.standby); 0 restarts cold",
-    )
-    p.add_argument(
-        "--snapshot-every",
-        type=int,
-        default=20,
-        help="durable snapshot interval of the groups (kill_all resumes from them; 0: off, "
-        "which needs --weight kill_all=0)",
-    )
     p.add_argument("--out", default=None, help="run directory (default: a new temp dir)")
     args = p.parse_args(argv)
     if args.check:
@@ -100,21 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ChaosConfig(
             seed=seed,
-            groups=args.groups,
-            faults=args.faults,
-            mtbf=args.mtbf,
-            restart_delay=args.restart_delay,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            progress_wait_ms=args.progress_wait_ms,
-            parity_every=args.parity_every,
-            jitter=args.jitter,
             weights=weights,
             lighthouse_cmd=[args.lighthouse_bin] if args.lighthouse_bin else None,
             restart_while_stopped=args.restart_while_stopped,
-            floor_runs=args.floor_runs,
-            worker_log_level=args.worker_log_level,
-            standby=args.standby,
-            snapshot_every=args.snapshot_every,
+            **{name: getattr(args, name) for name in _CONFIG_FLAGS},
         )
         cfg.validate()
     except ValueError as e:

@@ -404,28 +404,27 @@ class Chaos:
         that regression would be unavoidable, not a finding)."""
         return any(self._committed(g) for g in self._running() if g not in victims)
 
+    def _kill_spared(self, kind: str, victims: list[str]) -> list[str] | None:
+        """Kills ``victims`` as a fault of ``kind`` unless that leaves no running group that
+        committed (:meth:`_spares`); returns them, or None when nothing was killed."""
+        if not self._spares(victims):
+            return None
+        self._fault(kind, victims)
+        for g in victims:
+            self._kill(g)
+        return victims
+
     def _fault_kill_one(self) -> list[str] | None:
         running = self._running()
         if len(running) < 2:
             return None
-        g = self.rng.choice(running)
-        if not self._spares([g]):
-            return None
-        self._fault("kill_one", [g])
-        self._kill(g)
-        return [g]
+        return self._kill_spared("kill_one", [self.rng.choice(running)])
 
     def _fault_kill_two(self) -> list[str] | None:
         running = self._running()
         if len(running) < 3:
             return None
-        gs = self.rng.sample(running, 2)
-        if not self._spares(gs):
-            return None
-        self._fault("kill_two", gs)
-        for g in gs:
-            self._kill(g)
-        return gs
+        return self._kill_spared("kill_two", self.rng.sample(running, 2))
 
     def _fault_stop(self) -> list[str] | None:
         running = self._running()
@@ -529,12 +528,7 @@ class Chaos:
         healing = self._healing()
         if not healing or len(self._running()) < 2:
             return None
-        g = self.rng.choice(healing)
-        if not self._spares([g]):
-            return None
-        self._fault("kill_healing", [g])
-        self._kill(g)
-        return [g]
+        return self._kill_spared("kill_healing", [self.rng.choice(healing)])
 
     def _fault_kill_heal_source(self) -> list[str] | None:
         if not self._healing():
@@ -542,12 +536,7 @@ class Chaos:
         sources = [g for g in self._running() if self._committed(g)]
         if len(sources) < 1 or len(self._running()) < 2:
             return None
-        g = self.rng.choice(sources)
-        if not self._spares([g]):
-            return None
-        self._fault("kill_heal_source", [g])
-        self._kill(g)
-        return [g]
+        return self._kill_spared("kill_heal_source", [self.rng.choice(sources)])
 
     def _fault_kill_in_commit(self) -> list[str] | None:
         running = [g for g in self._running() if self._committed(g)]

@@ -411,6 +411,50 @@ class _Carriers:
         return len(unexplained) <= 1
 
 
+@dataclass
+class _Run:
+    """The records of one run, read once: every process's history lines by kind, the
+    processes started and ended, and the faults injected."""
+
+    #: Every process's commits, by time.
+    commits: list[dict[str, Any]]
+    finishes: list[dict[str, Any]]
+    #: The ``ready`` line of each process, by pid.
+    ready: dict[int, dict[str, Any]]
+    hangs: list[dict[str, Any]]
+    restores: list[dict[str, Any]]
+    #: The bit flips, by time.
+    flips: list[_Flip]
+    procs: list[dict[str, Any]]
+    faults: list[dict[str, Any]]
+
+    @classmethod
+    def read(cls, run_dir: Path) -> _Run:
+        """Reads the files of the run in ``run_dir``."""
+        run = cls([], [], {}, [], [], [], [], [])
+        for p in sorted(run_dir.glob("*.history.jsonl")):
+            for rec in read_jsonl(p):
+                if rec["kind"] == "commit":
+                    run.commits.append(rec)
+                elif rec["kind"] == "finish":
+                    run.finishes.append(rec)
+                elif rec["kind"] == "ready":
+                    run.ready[rec["pid"]] = rec
+                elif rec["kind"] == "hang":
+                    run.hangs.append(rec)
+                elif rec["kind"] == "restore":
+                    run.restores.append(rec)
+                elif rec["kind"] == "bitflip":
+                    end = rec["step"] + detection_window(rec["parity_every"])
+                    run.flips.append(_Flip(rec["group"], rec["pid"], rec["step"], end, rec["t"]))
+        run.commits.sort(key=lambda r: r["t"])
+        run.flips.sort(key=lambda f: f.t)
+        run.procs = read_jsonl(run_dir / "processes.jsonl")
+        if (run_dir / "faults.jsonl").exists():
+            run.faults = read_jsonl(run_dir / "faults.jsonl")
+        return run
+
+
 def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> Report:
     """Checks the history of the run in ``run_dir`` against the invariants.
 
@@ -442,40 +486,15 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         flip's window.
     """
     rep = Report()
-    commits: list[dict[str, Any]] = []
-    finishes: list[dict[str, Any]] = []
-    ready: dict[int, dict[str, Any]] = {}
-    hung_pids: set[int] = set()
-    hangs: list[dict[str, Any]] = []
-    flips: list[_Flip] = []
-    restores: list[dict[str, Any]] = []
-    for p in sorted(run_dir.glob("*.history.jsonl")):
-        for rec in read_jsonl(p):
-            if rec["kind"] == "commit":
-                commits.append(rec)
-            elif rec["kind"] == "finish":
-                finishes.append(rec)
-            elif rec["kind"] == "ready":
-                ready[rec["pid"]] = rec
-            elif rec["kind"] == "hang":
-                hung_pids.add(rec["pid"])
-                hangs.append(rec)
-            elif rec["kind"] == "restore":
-                restores.append(rec)
-            elif rec["kind"] == "bitflip":
-                end = rec["step"] + detection_window(rec["parity_every"])
-                flips.append(_Flip(rec["group"], rec["pid"], rec["step"], end, rec["t"]))
+    run = _Run.read(run_dir)
+    commits, flips, procs = run.commits, run.flips, run.procs
     if (run_dir / "floor.json").exists():
         floors = json.loads((run_dir / "floor.json").read_text())
         rep.floors = {"import": floors["import_s"], "torch": floors["torch_s"]}
-    commits.sort(key=lambda r: r["t"])
-    flips.sort(key=lambda f: f.t)
     rep.commits = len(commits)
     rep.bitflips = len(flips)
     carriers = _Carriers(flips, commits)
-    procs = read_jsonl(run_dir / "processes.jsonl")
     death: dict[int, float] = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
-    faults = read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else []
 
     # Same quorum, same step: same state; a bit flip adds at most one state, within its
     # window, held only by commits that may carry it.
@@ -547,7 +566,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 # Every holder died; the injector never kills the last one but in a total
                 # loss, so something the run recorded must explain it.
                 held_until = max((x["t"] for x in commits[:i] if x["step"] >= step), default=0.0)
-                why = _regression_cause(held_until, c["t"], faults, procs)
+                why = _regression_cause(held_until, c["t"], run.faults, procs)
                 if why is None:
                     rep.violations.append(
                         f"progress regressed with nothing to explain it: step {step} "
@@ -581,7 +600,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             rep.violations.append(f"quorum id {b} first used after {a}")
 
     # Every group finished at the target with one state.
-    done = {f["group"]: f for f in finishes}
+    done = {f["group"]: f for f in run.finishes}
     for g in groups:
         if g not in done:
             rep.violations.append(f"group {g} did not finish")
@@ -594,7 +613,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     rep.final = {"groups": len(done), "states": len(states), "step": target}
 
     # No process left behind, none crashed on its own.
-    progressed = {c["pid"] for c in commits} | {r["pid"] for r in restores}
+    progressed = {c["pid"] for c in commits} | {r["pid"] for r in run.restores}
+    hung_pids = {h["pid"] for h in run.hangs}
     for r in procs:
         if r["kind"] == "exit" and r["rc"] == RESTART_EXIT and not r["killed"]:
             if r["pid"] in progressed:
@@ -637,9 +657,9 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if r["kind"] == "start" and _alive(r["pid"]):
             rep.violations.append(f"process {r['pid']} ({r['group']}) is still running")
 
-    _judge_total_losses(rep, commits, restores, faults, procs)
-    _judge_verdicts(rep, run_dir, hangs, flips)
-    _timings(rep, commits, procs, faults, ready)
+    _judge_total_losses(rep, run)
+    _judge_verdicts(rep, run_dir, run)
+    _timings(rep, run)
     return rep
 
 
@@ -715,13 +735,7 @@ def _regression_cause(
     return None
 
 
-def _judge_total_losses(
-    rep: Report,
-    commits: list[dict[str, Any]],
-    restores: list[dict[str, Any]],
-    faults: list[dict[str, Any]],
-    procs: list[dict[str, Any]],
-) -> None:
+def _judge_total_losses(rep: Report, run: _Run) -> None:
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
     loses no more than the snapshot interval, plus one more interval when the newest
@@ -729,10 +743,11 @@ def _judge_total_losses(
     restore, after a total loss or after the last holders of newer steps died otherwise,
     holds a state committed at its step and never bypasses a live holder of that step or a
     later one."""
-    kills = [f for f in faults if f["fault"] == "kill_all"]
+    commits, procs = run.commits, run.procs
+    kills = [f for f in run.faults if f["fault"] == "kill_all"]
     started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
     died = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
-    for r in restores:
+    for r in run.restores:
         # Never past a live holder: no process that had committed the step or a later one
         # before the restoring process started lived on through its restore. (Groups that
         # restored in the same round may commit before this one writes its line, which
@@ -819,9 +834,7 @@ def _judge_total_losses(
 VERDICT_SLACK_S = 5.0
 
 
-def _judge_verdicts(
-    rep: Report, run_dir: Path, hangs: list[dict[str, Any]], flips: list[_Flip]
-) -> None:
+def _judge_verdicts(rep: Report, run_dir: Path, run: _Run) -> None:
     """No false verdicts: every ``replica_hung`` in the lighthouse's event log falls within
     an injected hang of that group, and every ``replica_diverged`` within a bit flip's
     detection window (the flipped state may have spread to a group that healed from it, so
@@ -836,7 +849,7 @@ def _judge_verdicts(
             ts = float(ev.get("ts", 0.0))
             if any(
                 h["group"] == group and h["t"] <= ts <= h["t"] + h["seconds"] + VERDICT_SLACK_S
-                for h in hangs
+                for h in run.hangs
             ):
                 rep.hung_verdicts += 1
             else:
@@ -849,7 +862,7 @@ def _judge_verdicts(
             ts = float(ev.get("ts", 0.0))
             # A flip at the top of the loop with s steps committed precedes the digest of
             # step s (taken as the next step starts): a verdict may name step s itself.
-            if any(f.t <= ts and f.step <= step <= f.end for f in flips):
+            if any(f.t <= ts and f.step <= step <= f.end for f in run.flips):
                 rep.diverged_verdicts += 1
             else:
                 rep.violations.append(
@@ -889,13 +902,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _timings(
-    rep: Report,
-    commits: list[dict[str, Any]],
-    procs: list[dict[str, Any]],
-    faults: list[dict[str, Any]],
-    ready: dict[int, dict[str, Any]],
-) -> None:
+def _timings(rep: Report, run: _Run) -> None:
     """Fills faults by kind, the recoveries and the longest survivor stalls.
 
     Each fault is in effect over a window: a kill until the first commit of every group it
@@ -904,6 +911,7 @@ def _timings(
     of any group after the daemon is back (a bit flip: the moment it was injected). A fault
     is isolated when no other fault's window overlaps its own.
     """
+    commits, procs, faults = run.commits, run.procs, run.faults
     by_pid: dict[int, list[float]] = defaultdict(list)
     by_group: dict[str, list[float]] = defaultdict(list)
     for c in commits:
@@ -964,7 +972,7 @@ def _timings(
         alone = isolated(i, *windows[i])
         for g, start, back_proc, first in restarts[i]:
             again = back_proc is not start
-            r = None if again else ready.get(start["pid"])
+            r = None if again else run.ready.get(start["pid"])
             rep.recoveries.append(
                 Recovery(
                     fault=f["fault"],

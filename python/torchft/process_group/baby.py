@@ -12,13 +12,13 @@ import threading
 import uuid
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from torchft.process_group.baby_ipc import _BabyChild, _to_wire
+from torchft.process_group.baby_ipc import _BabyChild, _ChildGroup, _to_wire
 from torchft.process_group.base import (
     ProcessGroup,
     _check_rank,
@@ -45,6 +45,9 @@ class ProcessGroupBaby(ProcessGroup):
     """
 
     _use_cuda = False
+    #: The torchft group the child builds on the store with the group's timeout (a subclass
+    #: that needs more overrides ``_create_pg`` instead).
+    _child_pg: ClassVar[type[ProcessGroupGloo] | type[ProcessGroupNCCL] | None] = None
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         """Creates an unconfigured group (no child yet).
@@ -66,8 +69,13 @@ class ProcessGroupBaby(ProcessGroup):
     def _create_pg(
         cls, store: Store, rank: int, world_size: int, timeout: timedelta
     ) -> ProcessGroup:
-        """Builds the real group inside the child (subclasses implement)."""
-        raise NotImplementedError(f"{cls.__name__} does not implement _create_pg")
+        """Builds the real group inside the child (subclasses set ``_child_pg`` or implement
+        this). With CUDA the worker has already selected the parent's current device."""
+        if cls._child_pg is None:
+            raise NotImplementedError(f"{cls.__name__} does not implement _create_pg")
+        pg = cls._child_pg(timeout=timeout)
+        pg._configure_store(store, rank, world_size)
+        return pg
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         """Kills the current child and spawns one that joins ``store_addr`` as ``rank``."""
@@ -78,12 +86,14 @@ class ProcessGroupBaby(ProcessGroup):
         self._inflight.fail_all(RuntimeError(f"{type(self).__name__} was reconfigured"))
         self._stop_child(graceful=False)
         child = _BabyChild(
-            type(self)._create_pg,
-            store_addr,
-            rank,
-            world_size,
-            self._timeout,
-            torch.cuda.current_device() if self._use_cuda else None,
+            _ChildGroup(
+                type(self)._create_pg,
+                store_addr,
+                rank,
+                world_size,
+                self._timeout,
+                torch.cuda.current_device() if self._use_cuda else None,
+            )
         )
         with self._lock:
             self._child = child
@@ -198,13 +208,7 @@ class ProcessGroupBaby(ProcessGroup):
 class ProcessGroupBabyGloo(ProcessGroupBaby):
     """``ProcessGroupBaby`` running a Gloo group in the child (CPU tensors)."""
 
-    @classmethod
-    def _create_pg(
-        cls, store: Store, rank: int, world_size: int, timeout: timedelta
-    ) -> ProcessGroup:
-        pg = ProcessGroupGloo(timeout=timeout)
-        pg._configure_store(store, rank, world_size)
-        return pg
+    _child_pg = ProcessGroupGloo
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``torchft-baby-gloo``."""
@@ -220,15 +224,7 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
     """
 
     _use_cuda = True
-
-    @classmethod
-    def _create_pg(
-        cls, store: Store, rank: int, world_size: int, timeout: timedelta
-    ) -> ProcessGroup:
-        # The worker already selected the parent's current device.
-        pg = ProcessGroupNCCL(timeout=timeout)
-        pg._configure_store(store, rank, world_size)
-        return pg
+    _child_pg = ProcessGroupNCCL
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``torchft-baby-nccl``."""

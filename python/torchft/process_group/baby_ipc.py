@@ -256,27 +256,30 @@ def _start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="torchft_parent_watchdog", daemon=True).start()
 
 
-def _baby_worker(
-    create: Callable[[Store, int, int, timedelta], ProcessGroup],
-    store_addr: str,
-    rank: int,
-    world_size: int,
-    timeout: timedelta,
-    cuda_device: int | None,
-    req: Any,
-    resp: Any,
-    parent_pid: int,
-) -> None:
+@dataclass(frozen=True)
+class _ChildGroup:
+    """The group a child process builds: how (``create``), on which store, as which rank of
+    how many, with which timeout, and on which CUDA device (None: CPU)."""
+
+    create: Callable[[Store, int, int, timedelta], ProcessGroup]
+    store_addr: str
+    rank: int
+    world_size: int
+    timeout: timedelta
+    cuda_device: int | None
+
+
+def _baby_worker(group: _ChildGroup, req: Any, resp: Any, parent_pid: int) -> None:
     """Entry point of the child process: builds the group and serves operations.
 
     Replies are ("ready",), ("done", op_id), ("error", op_id, message) or ("fatal", message).
     The loop ends when the parent closes its pipe (or dies) or asks for shutdown.
     """
     _start_parent_watchdog(parent_pid)
-    use_cuda = cuda_device is not None
-    if cuda_device is not None:
+    use_cuda = group.cuda_device is not None
+    if group.cuda_device is not None:
         # Same device as the parent's tensors.
-        torch.cuda.set_device(cuda_device)
+        torch.cuda.set_device(group.cuda_device)
     send_lock = threading.Lock()
 
     def reply(msg: tuple[object, ...]) -> None:
@@ -287,8 +290,8 @@ def _baby_worker(
                 pass
 
     try:
-        store = create_store_client(store_addr, timeout)
-        pg = create(store, rank, world_size, timeout)
+        store = create_store_client(group.store_addr, group.timeout)
+        pg = group.create(store, group.rank, group.world_size, group.timeout)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         reply(("fatal", f"{type(e).__name__}: {e}"))
         return
@@ -330,15 +333,7 @@ def _baby_worker(
 class _BabyChild:
     """Parent-side handle of one child process: pipes, a reader thread and pending futures."""
 
-    def __init__(
-        self,
-        create: Callable[[Store, int, int, timedelta], ProcessGroup],
-        store_addr: str,
-        rank: int,
-        world_size: int,
-        timeout: timedelta,
-        cuda_device: int | None,
-    ) -> None:
+    def __init__(self, group: _ChildGroup) -> None:
         ctx = mp.get_context("spawn")
         req_w, req_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         resp_r, resp_w = ctx.Pipe(duplex=False)
@@ -352,18 +347,8 @@ class _BabyChild:
         self.ready: Future[None] = Future()
         self.process = ctx.Process(
             target=_baby_worker,
-            args=(
-                create,
-                store_addr,
-                rank,
-                world_size,
-                timeout,
-                cuda_device,
-                req_r,
-                resp_w,
-                os.getpid(),
-            ),
-            name=f"torchft_baby_{rank}",
+            args=(group, req_r, resp_w, os.getpid()),
+            name=f"torchft_baby_{group.rank}",
             daemon=True,
         )
         try:
