@@ -287,6 +287,20 @@ class Healer:
         except Exception:
             logger.exception("aborting the checkpoint transfer failed")
 
+    def serve(self, quorum: NativeQuorumResult, max_step: int) -> None:
+        """Offers this group's state of step ``max_step`` to the groups the quorum names to
+        heal from it (nothing when it names none)."""
+        dst_ranks = list(quorum.recover_dst_replica_ranks)
+        if not dst_ranks:
+            return
+        self._log_info("serving checkpoint of step %d to replicas %s", max_step, dst_ranks)
+        self._tx().send_checkpoint(
+            dst_ranks=dst_ranks,
+            step=max_step,
+            state_dict=self._served_state(),
+            timeout=self._timeout,
+        )
+
     def heal(
         self, quorum: NativeQuorumResult, max_step: int, was_lost: Callable[[str], bool]
     ) -> None:

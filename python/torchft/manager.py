@@ -693,15 +693,7 @@ class Manager:
                 "it does not commit"
             )
         if allow_heal:
-            dst_ranks = list(quorum.recover_dst_replica_ranks)
-            if dst_ranks:
-                self._log_info("serving checkpoint of step %d to replicas %s", max_step, dst_ranks)
-                self._checkpoint_transport.send_checkpoint(
-                    dst_ranks=dst_ranks,
-                    step=max_step,
-                    state_dict=self._manager_state_dict(),
-                    timeout=self._config.timeout,
-                )
+            self._healer.serve(quorum, max_step)
             if heal:
                 self._healer.heal(
                     quorum, max_step, lambda src: self._group.was_lost(quorum_id, src)
