@@ -4,6 +4,7 @@ and the structured records of each step."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -147,6 +148,45 @@ def test_loss_after_the_steps_collectives_completed_still_commits(harness: Any) 
         "storehost:1234/torchft/7/0",
         "storehost:1234/torchft/9/0",
     ]
+
+
+def test_loss_while_a_completed_collectives_callback_waits_still_commits(harness: Any) -> None:
+    """The backend completed the step's collective (every member's data is in), but its
+    callback has not run yet (on a loaded machine it waits for the GIL) when the lighthouse
+    reports a member lost: the member may have finished and committed the step, so the step
+    still commits here too."""
+    h = harness()
+    h.pg.strict_abort = True
+    two = {"replica_rank": 0, "replica_world_size": 2, "max_world_size": 2}
+    h.native.quorums = [make_quorum(quorum_id=7, replica_ids=["rg0", "gone"], **two)]
+    m = h.manager
+    m.start_quorum()
+    h.pg.hold = True
+    work = m.allreduce(torch.ones(2))
+    (backend,) = h.pg.held
+    h.pg.held = []  # completed below by the backend, not failed by the abort
+    in_callback, release = threading.Event(), threading.Event()
+    server = m._manager
+    assert server is not None
+    busy = server.set_loop_busy
+
+    def slow_callback(flag: bool) -> None:
+        if not flag:  # the collective's callback, first thing it does
+            in_callback.set()
+            release.wait(10)
+        busy(flag)
+
+    server.set_loop_busy = slow_callback
+    completer = threading.Thread(target=backend.set_result, args=([torch.ones(2)],))
+    completer.start()
+    assert in_callback.wait(10)
+    m._on_lost("gone", 7)
+    release.set()
+    completer.join(10)
+    work.wait()
+    assert h.pg.aborts == 1
+    assert m.should_commit(), m.errored()
+    assert m.current_step() == 1
 
 
 def test_loss_with_a_collective_in_flight_fails_the_step(harness: Any) -> None:

@@ -80,7 +80,11 @@ class QuorumGroup:
         self.closed = False
         self._lost_in: dict[int, set[str]] = {}
         self._inflight_lock = threading.Lock()
-        self._in_flight = 0
+        # The step's collectives not finished yet, each by its backend future (None while it
+        # is being issued). A collective whose backend future is done has every member's
+        # data even while its callback still waits (for the GIL, say).
+        self._in_flight: dict[int, Future[Any] | None] = {}
+        self._next_token = 0
 
     def close(self) -> bool:
         """Stops acting on losses; False when it was closed already."""
@@ -97,13 +101,26 @@ class QuorumGroup:
 
     # ------------------------------------------------------------------ collectives
 
-    def _collective_started(self) -> None:
+    def _collective_started(self) -> int:
         with self._inflight_lock:
-            self._in_flight += 1
+            self._next_token += 1
+            self._in_flight[self._next_token] = None
+            return self._next_token
 
-    def _collective_finished(self) -> None:
+    def _collective_issued(self, token: int, backend: Future[Any]) -> None:
         with self._inflight_lock:
-            self._in_flight -= 1
+            if token in self._in_flight:
+                self._in_flight[token] = backend
+
+    def _collective_finished(self, token: int) -> None:
+        with self._inflight_lock:
+            self._in_flight.pop(token, None)
+
+    def _collectives_done(self) -> bool:
+        """Whether every collective of the step has completed in its backend (its data is
+        all there), whether or not its callback has run."""
+        with self._inflight_lock:
+            return all(f is not None and f.done() for f in self._in_flight.values())
 
     def allreduce(
         self,
@@ -123,7 +140,7 @@ class QuorumGroup:
             Exception: the collective could not be issued (nothing is left in flight).
         """
         token = telemetry.collective_started() if telemetry is not None else None
-        self._collective_started()
+        flight = self._collective_started()
         # A collective in flight is the loop inside torchft (the reducer waits for it inside
         # backward, outside any other torchft call): never "away" for the hang watch. The
         # collective's own timeout (an error, or the group's abort) bounds it.
@@ -146,7 +163,7 @@ class QuorumGroup:
                 self._report_error(e)
                 return tensor
             finally:
-                self._collective_finished()
+                self._collective_finished(flight)
             if divisor:
                 if floating:
                     tensor.div_(divisor)
@@ -156,12 +173,14 @@ class QuorumGroup:
 
         try:
             work = self.pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
-            fut: Future[torch.Tensor] = work.get_future().then(finish)
+            backend = work.get_future()
+            self._collective_issued(flight, backend)
+            fut: Future[torch.Tensor] = backend.then(finish)
             return fut
         except BaseException:
             if telemetry is not None:
                 telemetry.collective_finished(token)  # never started: not in flight
-            self._collective_finished()
+            self._collective_finished(flight)
             if server is not None:
                 server.set_loop_busy(False)
             raise
@@ -179,7 +198,7 @@ class QuorumGroup:
         The collectives in flight fail at once instead of at their timeout, and so does any
         the step issues later: the step then does not commit, and the next quorum (without
         the lost group) reconfigures the group. A step whose collectives had all completed
-        before the loss still commits: they hold every member's data, and the lost group may
+        before the loss (in their backend, even while their callbacks wait) still commits: they hold every member's data, and the lost group may
         itself have committed the step (it finished, or died after its vote), so abandoning
         the step here would leave two states under one step number.
 
@@ -203,9 +222,7 @@ class QuorumGroup:
                 replica_id,
                 quorum_id,
             )
-            with self._inflight_lock:
-                idle = self._in_flight == 0
-            settled = not self.quorum_in_progress and idle
+            settled = not self.quorum_in_progress and self._collectives_done()
             before = self.error()
             if not self.quorum_in_progress and not settled:
                 # The step runs on this quorum with collectives in flight: it must not commit.
