@@ -7,6 +7,7 @@ the invariants (:mod:`torchft.chaos.history`). See ``docs/chaos.md``.
 """
 
 from torchft.chaos.harness import FAULT_KINDS, Chaos, ChaosConfig
-from torchft.chaos.history import Report, check
+from torchft.chaos.history import check
+from torchft.chaos.report import Report
 
 __all__ = ["FAULT_KINDS", "Chaos", "ChaosConfig", "Report", "check"]
