@@ -77,12 +77,22 @@ impl QuorumEngine {
                     .filter(|(_, s)| *s >= 0 && *s < step),
             );
             for (id, held) in remembered {
-                e.heartbeats.entry(id).or_insert_with(|| HeartbeatRecord {
-                    step: Some(held),
-                    restored_until: Some(until),
-                    heard: false,
-                    ..HeartbeatRecord::new(now)
-                });
+                if e.heartbeats.contains_key(&id) {
+                    continue;
+                }
+                e.restored_by_group
+                    .entry(crate::telemetry::base_id(&id).to_string())
+                    .or_default()
+                    .push(id.clone());
+                e.heartbeats.insert(
+                    id,
+                    HeartbeatRecord {
+                        step: Some(held),
+                        restored_until: Some(until),
+                        heard: false,
+                        ..HeartbeatRecord::new(now)
+                    },
+                );
             }
         }
         e

@@ -125,15 +125,25 @@ impl QuorumEngine {
         if base == replica_id {
             return; // no incarnation suffix: nothing to tell incarnations apart by
         }
+        let Some(restored) = self.restored_by_group.remove(base) else {
+            return;
+        };
         let mut gone = Vec::new();
-        for (id, rec) in &self.heartbeats {
-            if rec.restored_until.is_some()
-                && !rec.heard
-                && !rec.session
-                && crate::telemetry::base_id(id) == base
-            {
-                gone.push(id.clone());
+        let mut still = Vec::new();
+        for id in restored {
+            match self.heartbeats.get(&id) {
+                Some(rec) if rec.restored_until.is_some() && !rec.heard => {
+                    if rec.session {
+                        still.push(id);
+                    } else {
+                        gone.push(id);
+                    }
+                }
+                _ => {} // heard from since, or forgotten: no longer only restored
             }
+        }
+        if !still.is_empty() {
+            self.restored_by_group.insert(base.to_string(), still);
         }
         for id in gone {
             if let Some(rec) = self.heartbeats.remove(&id) {
