@@ -7,6 +7,7 @@
 pub mod checkpoint;
 pub mod client;
 pub mod error;
+pub mod ids;
 pub mod lighthouse;
 pub mod logging;
 pub mod manager;

@@ -16,7 +16,9 @@
 //! at most [`HANG_CEILING`]; a fixed timeout replaces it when configured. Pure: the caller
 //! supplies `now`.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::ids::IdMap;
 use std::time::{Duration, Instant};
 
 /// The adaptive hang timeout is this many times the job's recent round interval ...
@@ -54,7 +56,7 @@ pub struct HangWatch {
     intervals: VecDeque<Duration>,
     last_round: Option<Instant>,
     /// When each group's training loop last reached its manager, as last reported.
-    visited: HashMap<String, Instant>,
+    visited: IdMap<Instant>,
     /// Groups hung now, by id.
     hung: BTreeMap<String, Hung>,
     /// Groups found hung since the last [`HangWatch::take_newly_hung`].
@@ -126,10 +128,7 @@ impl HangWatch {
     /// `idle` ago. A visit newer than the hang ends it.
     pub fn visited(&mut self, replica_id: &str, idle: Duration, now: Instant) {
         let at = now.checked_sub(idle).unwrap_or(now);
-        let slot = self.visited.entry(replica_id.to_string()).or_insert(at);
-        if at > *slot {
-            *slot = at;
-        }
+        self.mark_visit(replica_id, at);
         if self.hung.get(replica_id).is_some_and(|h| at > h.since) {
             self.resume(replica_id);
         }
@@ -137,12 +136,24 @@ impl HangWatch {
 
     /// `replica_id` asked for a quorum at `now`: its loop is back.
     pub fn asked(&mut self, replica_id: &str, now: Instant) {
-        let slot = self.visited.entry(replica_id.to_string()).or_insert(now);
-        if now > *slot {
-            *slot = now;
-        }
+        self.mark_visit(replica_id, now);
         if self.hung.contains_key(replica_id) {
             self.resume(replica_id);
+        }
+    }
+
+    /// Moves `replica_id`'s last visit forward to `at`. Looked up before inserting: no
+    /// allocation for a group already known (this runs on every request and heartbeat).
+    fn mark_visit(&mut self, replica_id: &str, at: Instant) {
+        match self.visited.get_mut(replica_id) {
+            Some(slot) => {
+                if at > *slot {
+                    *slot = at;
+                }
+            }
+            None => {
+                self.visited.insert(replica_id.to_string(), at);
+            }
         }
     }
 

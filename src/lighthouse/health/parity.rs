@@ -17,7 +17,9 @@
 //!
 //! Pure: no I/O, no clocks; the caller supplies `now`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::ids::IdMap;
 use std::time::{Duration, Instant};
 
 use crate::error::{ensure, Result};
@@ -92,8 +94,8 @@ pub struct Parity {
     pending: BTreeMap<i64, PendingStep>,
     /// The last step decided (digests of it and earlier steps are acknowledged and dropped).
     decided: Option<i64>,
-    heal: HashMap<String, HealMark>,
-    stopped: HashMap<String, String>,
+    heal: IdMap<HealMark>,
+    stopped: IdMap<String>,
     new_verdicts: Vec<Diverged>,
     /// Steps compared with at least two groups.
     pub checks: u64,
@@ -253,7 +255,7 @@ impl Parity {
     }
 
     /// The groups marked to heal.
-    pub fn heal_marks(&mut self) -> &mut HashMap<String, HealMark> {
+    pub fn heal_marks(&mut self) -> &mut IdMap<HealMark> {
         &mut self.heal
     }
 

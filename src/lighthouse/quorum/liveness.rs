@@ -95,24 +95,36 @@ impl QuorumEngine {
         self.heartbeats.len()
     }
 
-    pub(super) fn touch(&mut self, replica_id: &str, now: Instant) -> &mut HeartbeatRecord {
-        if !self.heartbeats.contains_key(replica_id) {
-            self.forget_superseded(replica_id);
+    /// Records that `replica_id` is alive at `now` and runs `f` on its record (created, and
+    /// its group's superseded incarnations forgotten, when it is new). One lookup and no
+    /// allocation for a replica already known: this runs on every request.
+    pub(super) fn touch<R>(
+        &mut self,
+        replica_id: &str,
+        now: Instant,
+        f: impl FnOnce(&mut HeartbeatRecord) -> R,
+    ) -> R {
+        fn refresh(rec: &mut HeartbeatRecord, healthy: &mut usize, now: Instant) {
+            if now > rec.last_seen {
+                rec.last_seen = now;
+            }
+            rec.heard = true;
+            if !rec.counted {
+                rec.counted = true;
+                *healthy += 1;
+            }
         }
-        let healthy = &mut self.healthy;
+        if let Some(rec) = self.heartbeats.get_mut(replica_id) {
+            refresh(rec, &mut self.healthy, now);
+            return f(rec);
+        }
+        self.forget_superseded(replica_id);
         let rec = self
             .heartbeats
             .entry(replica_id.to_string())
             .or_insert_with(|| HeartbeatRecord::new(now));
-        if now > rec.last_seen {
-            rec.last_seen = now;
-        }
-        rec.heard = true;
-        if !rec.counted {
-            rec.counted = true;
-            *healthy += 1;
-        }
-        rec
+        refresh(rec, &mut self.healthy, now);
+        f(rec)
     }
 
     /// A replica group runs one incarnation at a time (`{name}:{uuid}`): once a new one of
@@ -121,6 +133,9 @@ impl QuorumEngine {
     /// waits for them: a lighthouse restarted more often than `progress_wait` would
     /// otherwise wait for a dead incarnation forever.
     pub(super) fn forget_superseded(&mut self, replica_id: &str) {
+        if self.restored_by_group.is_empty() {
+            return; // nothing restored (or all of it settled): the common case
+        }
         let base = crate::telemetry::base_id(replica_id);
         if base == replica_id {
             return; // no incarnation suffix: nothing to tell incarnations apart by
@@ -160,10 +175,18 @@ impl QuorumEngine {
     /// Notes that `replica_id` (alive at `now`) committed `step`, raising the best step known
     /// unless the replica was given up on at that step.
     pub(super) fn note_step(&mut self, replica_id: &str, step: Option<i64>, now: Instant) {
-        let rec = self.touch(replica_id, now);
-        let Some(step) = step else { return };
-        if rec.step.is_none_or(|s| step > s) {
-            rec.step = Some(step);
+        let Some(step) = step else {
+            self.touch(replica_id, now, |_| ());
+            return;
+        };
+        let raised = self.touch(replica_id, now, |rec| {
+            let raised = rec.step.is_none_or(|s| step > s);
+            if raised {
+                rec.step = Some(step);
+            }
+            raised
+        });
+        if raised {
             self.durable_revision += 1;
         }
         if self.waived.get(replica_id).is_some_and(|w| step <= *w) {
@@ -255,10 +278,11 @@ impl QuorumEngine {
     /// (see [`QuorumEngine::lost`]) the replica may come back even when silent.
     pub fn session_opened(&mut self, replica_id: &str, now: Instant) -> Result<()> {
         Self::check_id(replica_id)?;
-        let rec = self.touch(replica_id, now);
-        rec.session = true;
-        // Its session now says whether it lives.
-        rec.restored_until = None;
+        self.touch(replica_id, now, |rec| {
+            rec.session = true;
+            // Its session now says whether it lives.
+            rec.restored_until = None;
+        });
         Ok(())
     }
 

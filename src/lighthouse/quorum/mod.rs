@@ -44,7 +44,7 @@
 //! write-ahead commits and the durable state; `verdict` why a round is ready or not, and
 //! the read-only view for the status pages.
 
-use std::collections::{HashMap, HashSet};
+use crate::ids::{IdMap, IdSet};
 use std::time::Instant;
 
 use super::health::hang::HangWatch;
@@ -92,15 +92,15 @@ pub struct QuorumEngine {
     /// Id given to the next quorum whose membership changed.
     next_id: i64,
     previous: Option<Quorum>,
-    previous_ids: HashSet<String>,
-    participants: HashMap<String, Participant>,
+    previous_ids: IdSet,
+    participants: IdMap<Participant>,
     round_started: Option<Instant>,
     next_generation: u64,
     /// Participants that are members of the previous quorum.
     prev_participating: usize,
     /// Participants that asked for shrink_only.
     shrink_only: usize,
-    heartbeats: HashMap<String, HeartbeatRecord>,
+    heartbeats: IdMap<HeartbeatRecord>,
     /// Records with `counted`: a superset of the healthy replicas (exact after a prune).
     healthy: usize,
     /// Revision of the last issued quorum (a counter of issued quorums, 0 before the first).
@@ -109,7 +109,7 @@ pub struct QuorumEngine {
     /// except steps (0 before the first quorum).
     stable_since: u64,
     /// Members of the last quorum already declared lost (each is reported once).
-    lost_reported: HashSet<String>,
+    lost_reported: IdSet,
     /// Losses not yet collected by [`QuorumEngine::take_lost`].
     pending_lost: Vec<LostMember>,
     /// When this engine started (after a restart, the first quorum is held until it has
@@ -123,16 +123,16 @@ pub struct QuorumEngine {
     high_water: Option<i64>,
     /// Holders given up on: replica id → the step they held then (not waited for again at
     /// that step).
-    waived: HashMap<String, i64>,
+    waived: IdMap<i64>,
     /// Records restored from the state file and not heard from yet, by group (base id): a
     /// new incarnation's arrival finds its group's old ones here instead of scanning every
     /// record (which made a first round of n groups O(n²)).
-    restored_by_group: HashMap<String, Vec<String>>,
+    restored_by_group: IdMap<Vec<String>>,
     /// Regressions not yet collected by [`QuorumEngine::take_regressions`].
     pending_regressions: Vec<Regression>,
     /// The last quorum of the previous life of the lighthouse (id, members), until this life
     /// issues its first.
-    restored_quorum: Option<(i64, HashSet<String>)>,
+    restored_quorum: Option<(i64, IdSet)>,
     /// Bumped whenever [`QuorumEngine::durable`] may have changed.
     durable_revision: u64,
     /// The training loops' visits and the groups found hung (see [`crate::lighthouse::health::hang`]).
@@ -141,9 +141,9 @@ pub struct QuorumEngine {
     parity: Parity,
     /// Groups dropped from the quorum as lasting stragglers, until when, and why: not
     /// counted as healthy, and their requests wait in `parked` until then.
-    dropped: HashMap<String, (Instant, String)>,
+    dropped: IdMap<(Instant, String)>,
     /// Requests of dropped groups, joining the round when their drop ends.
-    parked: HashMap<String, Participant>,
+    parked: IdMap<Participant>,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -182,30 +182,30 @@ impl QuorumEngine {
         Self {
             next_id: initial_quorum_id.max(1),
             previous: None,
-            previous_ids: HashSet::new(),
-            participants: HashMap::new(),
+            previous_ids: Default::default(),
+            participants: Default::default(),
             round_started: None,
             next_generation: 1,
             prev_participating: 0,
             shrink_only: 0,
-            heartbeats: HashMap::new(),
+            heartbeats: Default::default(),
             healthy: 0,
             revision: 0,
             stable_since: 0,
-            lost_reported: HashSet::new(),
+            lost_reported: Default::default(),
             pending_lost: Vec::new(),
             started: now,
             earlier_life: None,
             high_water: None,
-            waived: HashMap::new(),
-            restored_by_group: HashMap::new(),
+            waived: Default::default(),
+            restored_by_group: Default::default(),
             pending_regressions: Vec::new(),
             restored_quorum: None,
             durable_revision: 0,
             hang: HangWatch::new(opts.hang_timeout),
             parity: Parity::default(),
-            dropped: HashMap::new(),
-            parked: HashMap::new(),
+            dropped: Default::default(),
+            parked: Default::default(),
             opts,
         }
     }
@@ -541,6 +541,7 @@ mod testkit;
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::time::Duration;
 
     use super::testkit::*;
