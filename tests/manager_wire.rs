@@ -5,6 +5,7 @@ use common::bounded;
 
 use std::time::{Duration, Instant};
 
+use torchft::client::in_process;
 use torchft::error::Error;
 use torchft::lighthouse::{LighthouseOptions, LighthouseServer};
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
@@ -64,12 +65,13 @@ async fn group_with(o: ManagerOptions) -> Group {
     let world_size = o.world_size;
     let server = ManagerServer::start(o).await.unwrap();
     let mut clients = Vec::new();
-    for _ in 0..world_size {
-        clients.push(
-            ManagerClient::connect(&server.address(), CONNECT)
-                .await
-                .unwrap(),
-        );
+    for rank in 0..world_size {
+        let c = ManagerClient::connect(&server.address(), CONNECT)
+            .await
+            .unwrap();
+        // As in a job: group rank 0 hosts the server (its calls skip the network), the other
+        // ranks are other processes.
+        clients.push(if rank == 0 { c } else { c.network_only() });
     }
     Group { server, clients }
 }
@@ -505,6 +507,55 @@ async fn shutdown_ends_pending_calls() {
         assert!(r.is_err(), "{r:?}");
         assert!(!r.unwrap_err().is_timeout());
         assert!(start.elapsed() < Duration::from_secs(3));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_calls_answer_as_the_network_does() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let g = group("a", &lh.address(), 1).await;
+        let local = g.clients[0].clone();
+        let net = ManagerClient::connect(&g.server.address(), CONNECT)
+            .await
+            .unwrap()
+            .network_only();
+        let address = g.server.address();
+        assert!(in_process::find(&address, None).is_some());
+        // The same rank asks step after step, alternately in process and over the network.
+        let mut answers = Vec::new();
+        for step in 0..4 {
+            let c = if step % 2 == 0 { &local } else { &net };
+            let r = c.quorum(req(0, step), LONG).await.unwrap();
+            assert!(c.should_commit(0, step, true, LONG).await.unwrap());
+            answers.push(r);
+        }
+        // One quorum throughout (the same members), each answer at the step asked.
+        for (i, r) in answers.iter().enumerate() {
+            assert_eq!(r.quorum_id, answers[0].quorum_id, "{answers:?}");
+            assert_eq!(r.replica_rank, 0);
+            assert_eq!(r.replica_world_size, 1);
+            assert_eq!(r.max_step, i as i64, "{answers:?}");
+        }
+        // A bad request is refused alike (same kind, same words) both ways.
+        for bad in [req(2, 4), req(0, -1)] {
+            let a = local.quorum(bad.clone(), LONG).await.unwrap_err();
+            let b = net.quorum(bad, LONG).await.unwrap_err();
+            assert!(matches!(a, Error::InvalidArgument(_)), "{a}");
+            assert_eq!(a.to_string(), b.to_string());
+        }
+        let a = local.should_commit(3, 4, true, LONG).await.unwrap_err();
+        let b = net.should_commit(3, 4, true, LONG).await.unwrap_err();
+        assert_eq!(a.to_string(), b.to_string());
+        // Once the server stops, an in-process call fails at once, as a network one does.
+        g.server.shutdown().await;
+        assert!(in_process::find(&address, None).is_none());
+        let start = Instant::now();
+        let e = local.quorum(req(0, 4), LONG).await.unwrap_err();
+        assert!(!e.is_timeout(), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(3));
+        lh.shutdown().await;
     })
     .await;
 }

@@ -99,7 +99,7 @@ impl LighthouseClient {
         }
     }
 
-    dial_constructors!(Self::from_auth);
+    dial_constructors!(|channel, _, _| Self::from_auth(channel));
 
     /// Wraps an existing channel (e.g. one shared by many clients, or a lazy one); every call
     /// carries `token` when given.

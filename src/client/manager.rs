@@ -2,12 +2,15 @@
 //! healing rank uses to ask a source group's manager for checkpoint metadata).
 //!
 //! One HTTP/2 channel per client, shared by its clones; every call carries its deadline to the
-//! server and is also bounded locally, so no call blocks past its timeout.
+//! server and is also bounded locally, so no call blocks past its timeout. The per-step calls
+//! (quorum, commit vote) to a server in this same process skip the network (see
+//! [`super::in_process`]).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::rpc_error;
+use super::{in_process, rpc_error};
 use crate::error::{Error, Result};
 use crate::net::with_timeout;
 use crate::proto::manager_service_client::ManagerServiceClient;
@@ -16,17 +19,41 @@ use crate::proto::{
     ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
 };
 use crate::security::client::AuthChannel;
+use crate::security::Token;
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
 #[derive(Debug, Clone)]
 pub struct ManagerClient {
     client: ManagerServiceClient<AuthChannel>,
+    /// The address dialled and the token sent: what finds the server in this process.
+    address: Arc<str>,
+    token: Option<Token>,
+    /// Never in process (see [`ManagerClient::network_only`]).
+    network_only: bool,
 }
 
 impl ManagerClient {
-    dial_constructors!(|channel| Self {
+    dial_constructors!(|channel, address, security| Self {
         client: ManagerServiceClient::new(channel),
+        address: address.into(),
+        token: security.token.clone(),
+        network_only: false,
     });
+
+    /// This client, making every call over the network even to a server in this process
+    /// (as a rank in another process does).
+    pub fn network_only(mut self) -> Self {
+        self.network_only = true;
+        self
+    }
+
+    /// The server dialled, if it runs in this process and takes this client's token.
+    fn in_process(&self) -> Option<in_process::InProcess> {
+        if self.network_only {
+            return None;
+        }
+        in_process::find(&self.address, self.token.as_ref())
+    }
 
     /// Runs one RPC (`what`, for the timeout error) on a clone of the channel: `req` carries
     /// `timeout` to the server, which enforces the same deadline, and the call is also
@@ -42,8 +69,18 @@ impl ManagerClient {
         F: FnOnce(ManagerServiceClient<AuthChannel>, tonic::Request<Req>) -> Fut,
         Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
-        let started = tokio::time::Instant::now();
         let call = rpc(self.client.clone(), with_timeout(req, timeout));
+        Self::bounded(what, timeout, call).await
+    }
+
+    /// Awaits one call (over the network or in process), bounded by `timeout`; a failed
+    /// status becomes the error Python sees.
+    async fn bounded<T>(
+        what: &str,
+        timeout: Duration,
+        call: impl Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T> {
+        let started = tokio::time::Instant::now();
         match tokio::time::timeout(timeout, call).await {
             Ok(Ok(resp)) => Ok(resp.into_inner()),
             Ok(Err(status)) => Err(rpc_error(status, started, timeout)),
@@ -58,9 +95,20 @@ impl ManagerClient {
         req: ManagerQuorumRequest,
         timeout: Duration,
     ) -> Result<ManagerQuorumResponse> {
-        self.call("manager quorum", req, timeout, |mut c, r| async move {
-            c.quorum(r).await
-        })
+        const WHAT: &str = "manager quorum";
+        if let Some(local) = self.in_process() {
+            if let Some(refused) = local.refuse_size(&req) {
+                return Err(Error::from(refused));
+            }
+            let call = local.service().quorum(with_timeout(req, timeout));
+            return Self::bounded(WHAT, timeout, call).await;
+        }
+        self.call(
+            WHAT,
+            req,
+            timeout,
+            |mut c, r| async move { c.quorum(r).await },
+        )
         .await
     }
 
@@ -106,6 +154,15 @@ impl ManagerClient {
             digest_step,
             digest,
         };
+        if let Some(local) = self.in_process() {
+            if let Some(refused) = local.refuse_size(&req) {
+                return Err(Error::from(refused));
+            }
+            let call = local.service().should_commit(with_timeout(req, timeout));
+            return Self::bounded("should_commit", timeout, call)
+                .await
+                .map(|r| r.should_commit);
+        }
         self.call("should_commit", req, timeout, |mut c, r| async move {
             c.should_commit(r).await
         })

@@ -42,15 +42,22 @@ macro_rules! dial_constructors {
             connect_timeout: std::time::Duration,
             security: &$crate::security::Security,
         ) -> $crate::error::Result<Self> {
-            let wrap: fn($crate::security::client::AuthChannel) -> Self = $wrap;
+            let wrap: fn(
+                $crate::security::client::AuthChannel,
+                &str,
+                &$crate::security::Security,
+            ) -> Self = $wrap;
             Ok(wrap(
                 $crate::client::dial(addr, connect_timeout, security).await?,
+                addr,
+                security,
             ))
         }
     };
 }
 
 pub mod compact;
+pub mod in_process;
 pub mod lighthouse;
 pub mod manager;
 

@@ -200,10 +200,19 @@ impl ManagerServer {
             opts,
         });
 
-        let service = ManagerServiceServer::new(Service {
+        let service = Arc::new(Service {
             inner: inner.clone(),
-        })
-        .max_decoding_message_size(inner.opts.max_request_bytes);
+        });
+        // This process's own clients of the server (group rank 0) reach it without the
+        // network; see `crate::client::in_process`.
+        crate::client::in_process::register(
+            &address,
+            service.clone(),
+            inner.opts.security.token.clone(),
+            inner.opts.max_request_bytes,
+        );
+        let service = ManagerServiceServer::from_arc(service)
+            .max_decoding_message_size(inner.opts.max_request_bytes);
         let app = tonic::service::Routes::new(service).into_axum_router();
         let guard = Guard::new(&inner.opts.security, OpenRoutes::None);
         let signal = shutting_down(shutdown_rx.clone());
@@ -355,6 +364,7 @@ impl ManagerServer {
     /// Stops serving: pending quorum and commit waits end with `Shutdown`, the heartbeat loop
     /// stops, open connections get a bounded grace period. Idempotent.
     pub async fn shutdown(&self) {
+        crate::client::in_process::unregister(&self.address);
         if !*self.shutdown_tx.borrow() {
             // The ranks' last words (e.g. "finished") reach the lighthouse before the session
             // ends.
@@ -382,6 +392,7 @@ impl ManagerServer {
 
 impl Drop for ManagerServer {
     fn drop(&mut self) {
+        crate::client::in_process::unregister(&self.address);
         let _ = self.shutdown_tx.send(true);
     }
 }

@@ -1,0 +1,299 @@
+"""Control-plane cost of one step, the way a job runs it: ours against upstream torchft.
+
+Two replica groups of one rank each, each its own process, and the lighthouse in a third
+process (``min_replicas=2``). Every step is what a training step does around its compute:
+``start_quorum()`` (the async quorum, the default), ``wait_quorum()``, one gradient
+``allreduce`` of a small tensor (which keeps the groups in step, as a real step's does: a
+group healing at the start is waited for), then ``should_commit()``. Each group times, per
+step, the control plane (the two parts below; the allreduce is not counted):
+
+- **quorum**: ``start_quorum`` + ``wait_quorum``: the manager server's round and the
+  lighthouse's quorum (fast path);
+- **vote**: ``should_commit``: the group's vote and, in ours, the write-ahead commit the
+  lighthouse records before a group applies a step.
+
+Configurations, alternated trial by trial in the same run (fresh processes each trial):
+
+- ``ours``: our lighthouse and our managers;
+- ``upstream``: upstream 0.2.0's (``make bench`` installs it under ``.venv/upstream``);
+- ``ours/upstream-lh``: our managers against upstream's lighthouse, which does not take
+  write-ahead commits: our path without that round trip (what the commit costs).
+
+A row is the median over trials of the slower group's per-trial median of the control plane
+per step, with the min and max over trials, the p90 of all steps, the same medians of its two
+parts, and the allreduce's for reference. Target: ours <= 0.3 ms per step; exits 1 when it
+is missed (2 when upstream is not installed, unless ``--allow-missing-upstream``).
+
+``--check`` runs one short trial of each configuration and checks that every step committed,
+without judging the times (the bounded version ``make test`` runs).
+
+Usage: ``python benches/step_control.py [--trials 5] [--steps 2000] [--warmup 200] [--json]
+[--check] [--allow-missing-upstream] [--configs ours upstream ours/upstream-lh]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM = ROOT / ".venv" / "upstream"
+TARGET_MS = 0.3
+CONFIGS = {
+    # name: (lighthouse is upstream's, managers are upstream's)
+    "ours": (False, False),
+    "upstream": (True, True),
+    "ours/upstream-lh": (True, False),
+}
+
+
+def _lighthouse() -> None:
+    """Child: a lighthouse for two groups; prints its address, serves until stdin closes."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
+    print(server.address(), flush=True)
+    sys.stdin.read()
+    server.shutdown()
+
+
+def _group(address: str, replica_id: str, steps: int, warmup: int, result: str) -> None:
+    """Child: one replica group (one rank); times each step and writes them to ``result``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from torchft import Manager, ProcessGroupGloo
+
+    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        min_replica_size=2,
+        load_state_dict=lambda _: None,
+        state_dict=lambda: None,
+        replica_id=replica_id,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=address,
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=60),
+    )
+    grad = torch.ones(1024)
+    total, quorum, vote, allreduce = [], [], [], []
+    committed = 0
+    try:
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            manager.start_quorum()
+            manager.wait_quorum()
+            t1 = time.perf_counter()
+            manager.allreduce(grad).wait()
+            t2 = time.perf_counter()
+            ok = manager.should_commit()
+            t3 = time.perf_counter()
+            if i >= warmup:
+                committed += bool(ok)
+                quorum.append((t1 - t0) * 1e3)
+                allreduce.append((t2 - t1) * 1e3)
+                vote.append((t3 - t2) * 1e3)
+                total.append(quorum[-1] + vote[-1])
+    finally:
+        manager.shutdown(wait=False)
+    Path(result).write_text(
+        json.dumps(
+            {
+                "total": total,
+                "quorum": quorum,
+                "vote": vote,
+                "allreduce": allreduce,
+                "committed": committed,
+            }
+        )
+    )
+
+
+def _env(upstream: bool) -> dict[str, str]:
+    env = dict(os.environ, RUST_LOG="error", TORCHFT_TELEMETRY="0", OMP_NUM_THREADS="1")
+    path = [str(ROOT / "python"), env.get("PYTHONPATH", "")]
+    if upstream:
+        path.insert(0, str(UPSTREAM))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    return env
+
+
+def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """One lighthouse and two groups, each its own process; the groups' results."""
+    lh_upstream, mgr_upstream = CONFIGS[config]
+    me = str(Path(__file__).resolve())
+    with (
+        tempfile.TemporaryDirectory(prefix="step_control") as d,
+        tempfile.TemporaryFile(mode="w+") as errors,
+    ):
+        lh = subprocess.Popen(
+            [sys.executable, me, "--role", "lighthouse"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=_env(lh_upstream),
+        )
+        groups: list[subprocess.Popen[str]] = []
+        try:
+            assert lh.stdout is not None
+            address = lh.stdout.readline().strip()
+            if not address:
+                lh.wait(10)
+                errors.seek(0)
+                raise RuntimeError(f"the lighthouse did not start:\n{errors.read()[-2000:]}")
+            results = [Path(d) / f"g{i}.json" for i in range(2)]
+            for i in range(2):
+                groups.append(
+                    subprocess.Popen(
+                        [sys.executable, me, "--role", "group", "--address", address,
+                         "--replica-id", f"g{i}", "--steps", str(steps), "--warmup",
+                         str(warmup), "--result", str(results[i])],
+                        stderr=errors,
+                        text=True,
+                        env=_env(mgr_upstream),
+                    )
+                )  # fmt: skip
+            deadline = time.monotonic() + 300 + steps * 0.05
+            for g in groups:
+                rc = g.wait(timeout=max(1.0, deadline - time.monotonic()))
+                if rc != 0:
+                    errors.seek(0)
+                    raise RuntimeError(f"{config}: a group exited {rc}:\n{errors.read()[-3000:]}")
+            return [json.loads(r.read_text()) for r in results]
+        finally:
+            for g in groups:
+                if g.poll() is None:
+                    g.kill()
+                    g.wait()
+            if lh.stdin is not None:
+                lh.stdin.close()
+            try:
+                lh.wait(10)
+            except subprocess.TimeoutExpired:
+                lh.kill()
+                lh.wait()
+
+
+def _p90(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def main() -> int:
+    """Runs the alternating trials and prints the comparison; non-zero on a missed target."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=["bench", "lighthouse", "group"], default="bench")
+    parser.add_argument("--address", default="")
+    parser.add_argument("--replica-id", default="")
+    parser.add_argument("--result", default="")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--check", action="store_true", help="one short trial each, no target")
+    parser.add_argument("--allow-missing-upstream", action="store_true")
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="rows to run"
+    )
+    args = parser.parse_args()
+    if args.role == "lighthouse":
+        _lighthouse()
+        return 0
+    if args.role == "group":
+        _group(args.address, args.replica_id, args.steps, args.warmup, args.result)
+        return 0
+    if args.check:
+        args.trials, args.steps, args.warmup = 1, 50, 10
+    elif args.trials < 5:
+        parser.error("--trials must be >= 5 (a median and a spread)")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    have_upstream = (UPSTREAM / "torchft" / "__init__.py").exists()
+    needs_upstream = any(any(CONFIGS[c]) for c in args.configs)
+    if needs_upstream and not have_upstream and not args.allow_missing_upstream:
+        print(f"upstream torchft is not installed under {UPSTREAM.relative_to(ROOT)}: make bench")
+        return 2
+    configs = [c for c in args.configs if have_upstream or not any(CONFIGS[c])]
+    print(
+        f"step_control: 2 groups x 1 rank + lighthouse, separate processes; {args.steps} steps "
+        f"(quorum, allreduce, vote; the control plane is quorum + vote), {args.trials} trials per configuration, "
+        "alternating; per trial the slower group's median",
+        flush=True,
+    )
+    runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in configs}
+    for t in range(args.trials):
+        for c in configs:
+            runs[c].append(_trial(c, args.steps, args.warmup))
+        line = ", ".join(
+            f"{c} {max(statistics.median(g['total']) for g in runs[c][-1]):.3f}" for c in configs
+        )
+        print(f"trial {t + 1}/{args.trials} (control plane, ms per step): {line}", flush=True)
+
+    summary: dict[str, dict[str, float]] = {}
+    incomplete = []
+    print(
+        f"{'':18} {'control ms: median':>18} {'[min, max]':>17} {'p90':>7} {'quorum':>7} "
+        f"{'vote':>7} {'(allreduce)':>11}"
+    )
+    for c in configs:
+        per_trial = {
+            part: [max(statistics.median(g[part]) for g in groups) for groups in runs[c]]
+            for part in ("total", "quorum", "vote", "allreduce")
+        }
+        every = [s for groups in runs[c] for g in groups for s in g["total"]]
+        med = statistics.median(per_trial["total"])
+        summary[c] = {
+            "median_ms": med,
+            "min_ms": min(per_trial["total"]),
+            "max_ms": max(per_trial["total"]),
+            "p90_ms": _p90(every),
+            "quorum_ms": statistics.median(per_trial["quorum"]),
+            "vote_ms": statistics.median(per_trial["vote"]),
+            "allreduce_ms": statistics.median(per_trial["allreduce"]),
+        }
+        s = summary[c]
+        print(
+            f"{c:18} {med:18.3f} [{s['min_ms']:6.3f}, {s['max_ms']:6.3f}] {s['p90_ms']:7.3f} "
+            f"{s['quorum_ms']:7.3f} {s['vote_ms']:7.3f} {s['allreduce_ms']:11.3f}"
+        )
+        if any(g["committed"] != args.steps for groups in runs[c] for g in groups):
+            incomplete.append(c)
+    if "upstream" in summary and "ours" in summary:
+        ratio = summary["ours"]["median_ms"] / summary["upstream"]["median_ms"]
+        print(f"ours / upstream (medians): {ratio:.2f}")
+    if "ours/upstream-lh" in summary and "ours" in summary:
+        cost = summary["ours"]["median_ms"] - summary["ours/upstream-lh"]["median_ms"]
+        print(f"the write-ahead commit's share of ours: {cost:+.3f} ms per step")
+    for c in incomplete:
+        print(f"{c}: not every step committed (a step that did not commit is not a fast path)")
+    met = "ours" not in summary or summary["ours"]["median_ms"] <= TARGET_MS
+    if "ours" in summary:
+        print(
+            f"target ours <= {TARGET_MS} ms of control plane per step: {'met' if met else 'MISSED'}"
+        )
+    if args.json:
+        print(json.dumps(summary))
+    if incomplete:
+        return 1
+    if args.check:
+        return 0
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
