@@ -317,10 +317,7 @@ impl Fetch {
                 unsafe { std::slice::from_raw_parts_mut(dest.addr as *mut u8, dest.len) }
             };
             let mut crc = crc32fast::Hasher::new();
-            for piece in out.chunks_mut(READ_PIECE_BYTES) {
-                io.read_exact(piece, "tensor bytes")?;
-                crc.update(piece);
-            }
+            io.read_checksummed(out, &mut crc)?;
             let mut got = [0u8; 4];
             io.read_exact(&mut got, "a tensor checksum")?;
             if u32::from_le_bytes(got) != crc.finalize() {
@@ -388,6 +385,42 @@ impl Io<'_> {
                 Ok(n) => got += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.error(e, what)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf` from the stream, adding every byte to `crc` as it arrives.
+    ///
+    /// Each read asks for everything still missing (at most [`READ_PIECE_BYTES`]), as a
+    /// plain socket copy does, and checksums the bytes it returned at once, while they are
+    /// still in cache: a read that returns early is not followed by another read into the
+    /// same piece before anything is checksummed, and no byte is checksummed from memory.
+    fn read_checksummed(
+        &mut self,
+        buf: &mut [u8],
+        crc: &mut crc32fast::Hasher,
+    ) -> Result<(), FetchError> {
+        let mut got = 0;
+        while got < buf.len() {
+            // Each read waits at most until the fetch's deadline.
+            self.set_timeouts()?;
+            let end = buf.len().min(got + READ_PIECE_BYTES);
+            match (&*self.stream).read(&mut buf[got..end]) {
+                Ok(0) => {
+                    if self.fetch.stopped() {
+                        return Err(FetchError::Aborted);
+                    }
+                    return Err(FetchError::Broken(
+                        "the source closed the stream while sending tensor bytes".into(),
+                    ));
+                }
+                Ok(n) => {
+                    crc.update(&buf[got..got + n]);
+                    got += n;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.error(e, "tensor bytes")),
             }
         }
         Ok(())
