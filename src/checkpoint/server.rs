@@ -1,5 +1,6 @@
-//! The sending side: serves ranges of one offered state from its memory, one piece at a time
-//! through a per-stream staging buffer (the piece sent is the piece checksummed).
+//! The sending side: serves ranges of one offered state from its memory, one piece at a time:
+//! straight from the tensor to receivers that fetch a torn tensor again (`direct` requests),
+//! else through a per-stream staging buffer (the piece sent is the piece checksummed).
 //!
 //! The owner offers a state ([`DataServer::offer`]) and revokes it before the state may change
 //! ([`DataServer::revoke`]): revoking stops every stream of the offer at its next piece (their
@@ -478,7 +479,7 @@ fn serve_connection(shared: &Shared, id: u64, stream: TcpStream) {
         }
     }
     let t0 = Instant::now();
-    let result = stream_range(&offer, &stream, start, end);
+    let result = stream_range(&offer, &stream, start, end, req.direct);
     drop(guard);
     match result {
         Ok(bytes) => tracing::debug!(
@@ -536,11 +537,14 @@ fn grow(staging: &mut Vec<u8>, len: usize) {
     }
 }
 
+/// Sends tensors `[start, end)` of `offer`. With `direct`, plain memory goes to the socket
+/// from the tensor itself (see [`wire::Request::direct`]), else through the staging buffer.
 fn stream_range(
     offer: &Offer,
     stream: &TcpStream,
     start: usize,
     end: usize,
+    direct: bool,
 ) -> Result<u64, StreamError> {
     let deadline = Instant::now() + offer.timeout;
     let mut out = stream;
@@ -584,15 +588,28 @@ fn stream_range(
                     // SAFETY: `Offer::new`'s contract: the range is valid while the offer
                     // lives, and this stream holds the offer and the owner's read guard.
                     let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                    grow(&mut staging, len);
-                    for src in bytes.chunks(PIECE_BYTES) {
-                        // One copy, checksummed and sent: memory the owner changes outside
-                        // its lock (running statistics updated by a concurrent forward)
-                        // cannot make the bytes sent differ from the bytes checksummed.
-                        let piece = &mut staging[..src.len()];
-                        piece.copy_from_slice(src);
-                        crc.update(piece);
-                        write(piece)?;
+                    if direct {
+                        for src in bytes.chunks(PIECE_BYTES) {
+                            // Checksummed first: that pass brings the piece into the cache
+                            // the kernel then copies it from (one read from memory per
+                            // byte, as a plain socket copy). Written in between, the piece
+                            // fails the receiver's check, which then asks for the tensor
+                            // again, staged.
+                            crc.update(src);
+                            write(src)?;
+                        }
+                    } else {
+                        grow(&mut staging, len);
+                        for src in bytes.chunks(PIECE_BYTES) {
+                            // One copy, checksummed and sent: memory the owner changes
+                            // outside its lock (running statistics updated by a concurrent
+                            // forward) cannot make the bytes sent differ from the bytes
+                            // checksummed.
+                            let piece = &mut staging[..src.len()];
+                            piece.copy_from_slice(src);
+                            crc.update(piece);
+                            write(piece)?;
+                        }
                     }
                 }
             }
