@@ -562,8 +562,9 @@ def test_cuda_tensors_go_through_pinned_staging() -> None:
 
 
 def test_two_process_benchmark_small_version() -> None:
-    """The two-process benchmark, small: every row's receive is correct and the native row
-    receives every tensor in place (no timing asserted)."""
+    """The two-process benchmark, small: every row's receive is correct and the native rows
+    (at the default stream count and at one stream) receive every tensor in place (no
+    timing asserted)."""
     out = subprocess.run(
         [sys.executable, str(REPO / "benches" / "checkpoint_wire.py"), "--check"],
         capture_output=True,
@@ -574,4 +575,4 @@ def test_two_process_benchmark_small_version() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "check passed" in out.stdout
     rows = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
-    assert {"raw", "http", "native"} <= rows
+    assert {"raw", "http", "native", "raw1", "native1"} <= rows

@@ -5,6 +5,11 @@
 //! when the source is declared lost): every connection is shut down, so blocked reads return
 //! at once. A source that dies ends its streams with EOF or a reset, which fails the fetch at
 //! once; one that stops answering fails it at the deadline.
+//!
+//! Ranges are asked for `direct` (see [`wire::Request::direct`]): the source sends tensor
+//! memory without staging a copy, and a tensor whose checksum does not match (written while
+//! it was sent, or damaged on the way) is fetched once more, alone and staged, after its
+//! range; if that copy does not match either, the fetch fails.
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read};
@@ -160,10 +165,14 @@ impl Fetch {
             for &(start, end) in &spec.ranges {
                 let (addrs, first_error) = (&addrs, &first_error);
                 scope.spawn(move || {
-                    let r = self.while_busy(spec, || {
-                        // SAFETY: forwarded from this function's contract; ranges are disjoint.
-                        unsafe { self.fetch_range_once(spec, addrs, start, end, dests) }
-                    });
+                    let r = self
+                        .while_busy(spec, || {
+                            // SAFETY: forwarded from this function's contract; ranges are
+                            // disjoint.
+                            unsafe { self.fetch_range_once(spec, addrs, start, end, dests, true) }
+                        })
+                        // SAFETY: as above; the torn tensors are within this range.
+                        .and_then(|torn| unsafe { self.refetch(spec, addrs, &torn, dests) });
                     if let Err(e) = r {
                         let mut first = first_error.lock().unwrap_or_else(|e| e.into_inner());
                         // The first real failure wins over the breakage it causes elsewhere.
@@ -194,11 +203,11 @@ impl Fetch {
     /// Runs `attempt` (one [`Fetch::fetch_range_once`]), again while the source answers
     /// "busy" (all its stream slots in use, e.g. serving many healing groups at once), until
     /// the deadline.
-    fn while_busy(
+    fn while_busy<T>(
         &self,
         spec: &FetchSpec,
-        mut attempt: impl FnMut() -> Result<(), FetchError>,
-    ) -> Result<(), FetchError> {
+        mut attempt: impl FnMut() -> Result<T, FetchError>,
+    ) -> Result<T, FetchError> {
         let mut backoff = Duration::from_millis(20);
         loop {
             match attempt() {
@@ -255,6 +264,40 @@ impl Fetch {
         Err(FetchError::Connect(last))
     }
 
+    /// Fetches each tensor of `torn` again, alone and staged by the source (not `direct`),
+    /// so what arrives is what the source checksummed even while it writes that tensor.
+    ///
+    /// # Safety
+    /// As [`Fetch::run`], for the tensors of `torn`.
+    unsafe fn refetch(
+        &self,
+        spec: &FetchSpec,
+        addrs: &[SocketAddr],
+        torn: &[usize],
+        dests: &[Dest],
+    ) -> Result<(), FetchError> {
+        for &i in torn {
+            self.while_busy(spec, || {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { self.fetch_range_once(spec, addrs, i, i + 1, dests, false) }
+            })
+            .map_err(|e| match e {
+                e @ (FetchError::Aborted
+                | FetchError::Timeout(_)
+                | FetchError::Corrupt(_)
+                | FetchError::Refused { .. }) => e,
+                // The mismatch is what went wrong; say so, and why it could not be repaired.
+                e => FetchError::Corrupt(format!(
+                    "checksum mismatch in tensor {i}, and fetching it again failed: {e}"
+                )),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Fetches tensors `[start, end)` over one connection. With `direct`, returns the
+    /// tensors whose checksum did not match (for [`Fetch::refetch`]); without, such a
+    /// tensor fails the fetch.
     unsafe fn fetch_range_once(
         &self,
         spec: &FetchSpec,
@@ -262,7 +305,8 @@ impl Fetch {
         start: usize,
         end: usize,
         dests: &[Dest],
-    ) -> Result<(), FetchError> {
+        direct: bool,
+    ) -> Result<Vec<usize>, FetchError> {
         if self.stopped() {
             return Err(FetchError::Aborted);
         }
@@ -280,6 +324,7 @@ impl Fetch {
             gen: spec.gen.clone(),
             start: start as u64,
             end: end as u64,
+            direct,
         };
         // Until the source answers, a broken connection means it could not serve at all.
         let unanswered = |e: FetchError| match e {
@@ -309,6 +354,7 @@ impl Fetch {
             )));
         }
         let mut crcs = Vec::with_capacity(4 * (end - start));
+        let mut torn = Vec::new();
         for (i, dest) in dests.iter().enumerate().take(end).skip(start) {
             let out: &mut [u8] = if dest.len == 0 {
                 &mut [] // an empty tensor's address may be null
@@ -317,16 +363,17 @@ impl Fetch {
                 unsafe { std::slice::from_raw_parts_mut(dest.addr as *mut u8, dest.len) }
             };
             let mut crc = crc32fast::Hasher::new();
-            for piece in out.chunks_mut(READ_PIECE_BYTES) {
-                io.read_exact(piece, "tensor bytes")?;
-                crc.update(piece);
-            }
+            io.read_checksummed(out, &mut crc)?;
             let mut got = [0u8; 4];
             io.read_exact(&mut got, "a tensor checksum")?;
             if u32::from_le_bytes(got) != crc.finalize() {
-                return Err(FetchError::Corrupt(format!(
-                    "checksum mismatch in tensor {i}"
-                )));
+                if !direct {
+                    return Err(FetchError::Corrupt(format!(
+                        "checksum mismatch in tensor {i}"
+                    )));
+                }
+                // The frame stays in step (every length is known): read on, fetch it later.
+                torn.push(i);
             }
             crcs.extend_from_slice(&got);
         }
@@ -337,7 +384,7 @@ impl Fetch {
         }
         let mut extra = [0u8; 1];
         match (&stream).read(&mut extra) {
-            Ok(0) => Ok(()),
+            Ok(0) => Ok(torn),
             Ok(_) => Err(FetchError::Corrupt("trailing bytes after the range".into())),
             Err(e) => Err(io.error(e, "closing")),
         }
@@ -388,6 +435,42 @@ impl Io<'_> {
                 Ok(n) => got += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.error(e, what)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf` from the stream, adding every byte to `crc` as it arrives.
+    ///
+    /// Each read asks for everything still missing (at most [`READ_PIECE_BYTES`]), as a
+    /// plain socket copy does, and checksums the bytes it returned at once, while they are
+    /// still in cache: a read that returns early is not followed by another read into the
+    /// same piece before anything is checksummed, and no byte is checksummed from memory.
+    fn read_checksummed(
+        &mut self,
+        buf: &mut [u8],
+        crc: &mut crc32fast::Hasher,
+    ) -> Result<(), FetchError> {
+        let mut got = 0;
+        while got < buf.len() {
+            // Each read waits at most until the fetch's deadline.
+            self.set_timeouts()?;
+            let end = buf.len().min(got + READ_PIECE_BYTES);
+            match (&*self.stream).read(&mut buf[got..end]) {
+                Ok(0) => {
+                    if self.fetch.stopped() {
+                        return Err(FetchError::Aborted);
+                    }
+                    return Err(FetchError::Broken(
+                        "the source closed the stream while sending tensor bytes".into(),
+                    ));
+                }
+                Ok(n) => {
+                    crc.update(&buf[got..got + n]);
+                    got += n;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.error(e, "tensor bytes")),
             }
         }
         Ok(())
@@ -788,44 +871,91 @@ mod tests {
         server.shutdown();
     }
 
-    /// A one-connection proxy that flips the byte at `flip_at` of the server's answer, or
-    /// cuts the answer at `cut_at`.
-    fn tamper(target: SocketAddr, flip_at: Option<usize>, cut_at: Option<usize>) -> SocketAddr {
+    /// A proxy that flips the byte at `flip_at` of the server's answer, or cuts the answer
+    /// at `cut_at`: on every connection, or (`every` false) on the first only. Counts the
+    /// connections it accepted.
+    fn tamper(
+        target: SocketAddr,
+        flip_at: Option<usize>,
+        cut_at: Option<usize>,
+        every: bool,
+    ) -> (SocketAddr, Arc<AtomicU64>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let count = accepted.clone();
         std::thread::spawn(move || {
-            let (mut client, _) = listener.accept().unwrap();
-            let mut server = TcpStream::connect(target).unwrap();
-            let mut req = vec![0u8; 4096];
-            let n = client.read(&mut req).unwrap();
-            server.write_all(&req[..n]).unwrap();
-            let mut pos = 0usize;
-            let mut buf = vec![0u8; 64 << 10];
-            loop {
-                let n = match server.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let first = count.fetch_add(1, Ordering::SeqCst) == 0;
+                let (flip_at, cut_at) = if first || every {
+                    (flip_at, cut_at)
+                } else {
+                    (None, None)
                 };
-                let mut n = n;
-                if let Some(cut) = cut_at {
-                    if pos + n >= cut {
-                        n = cut - pos;
-                        let _ = client.write_all(&buf[..n]);
-                        break;
-                    }
-                }
-                if let Some(f) = flip_at {
-                    if (pos..pos + n).contains(&f) {
-                        buf[f - pos] ^= 0x40;
-                    }
-                }
-                if client.write_all(&buf[..n]).is_err() {
-                    break;
-                }
-                pos += n;
+                std::thread::spawn(move || proxy(client, target, flip_at, cut_at));
             }
         });
-        addr
+        (addr, accepted)
+    }
+
+    fn proxy(
+        mut client: TcpStream,
+        target: SocketAddr,
+        flip_at: Option<usize>,
+        cut_at: Option<usize>,
+    ) {
+        let mut server = TcpStream::connect(target).unwrap();
+        let mut req = vec![0u8; 4096];
+        let n = client.read(&mut req).unwrap();
+        server.write_all(&req[..n]).unwrap();
+        let mut pos = 0usize;
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match server.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let mut n = n;
+            if let Some(cut) = cut_at {
+                if pos + n >= cut {
+                    n = cut - pos;
+                    let _ = client.write_all(&buf[..n]);
+                    break;
+                }
+            }
+            if let Some(f) = flip_at {
+                if (pos..pos + n).contains(&f) {
+                    buf[f - pos] ^= 0x40;
+                }
+            }
+            if client.write_all(&buf[..n]).is_err() {
+                break;
+            }
+            pos += n;
+        }
+    }
+
+    #[test]
+    fn a_tensor_damaged_on_a_direct_stream_is_fetched_again_whole() {
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![7u8; 100_000], vec![9u8; 50_000]];
+        offer(&server, &data, 10);
+        // Reply (16) + range prefix (24) come first: one flip in each memory tensor.
+        for flip in [40 + 5_000, 40 + 100_000 + 4 + 7] {
+            let mut out: Vec<Vec<u8>> = vec![vec![0u8; 100_000], vec![0u8; 50_000], vec![0u8; 10]];
+            let dests = dests_of(&mut out);
+            let (addr, accepted) = tamper(server.local_addr(), Some(flip), None, false);
+            let mut s = spec(&server, None, vec![(0, 3)]);
+            s.addr = addr.to_string();
+            let r = unsafe { Fetch::new().run(&s, &dests) };
+            assert!(r.is_ok(), "flip at {flip}: {r:?}");
+            assert_eq!(&out[..2], &data[..], "flip at {flip}");
+            assert_eq!(out[2], (0..10u8).map(|k| 2 + k).collect::<Vec<_>>());
+            // The range, then the damaged tensor alone.
+            assert_eq!(accepted.load(Ordering::SeqCst), 2, "flip at {flip}");
+        }
+        server.shutdown();
     }
 
     #[test]
@@ -838,7 +968,10 @@ mod tests {
         // Reply (16) + range prefix (24) come first: flip inside tensor 0, a CRC, the trailer.
         for flip in [40 + 5_000, 40 + 100_000 + 1, 40 + 150_008 + 10 + 4 + 3] {
             let mut s = spec(&server, None, vec![(0, 3)]);
-            s.addr = tamper(server.local_addr(), Some(flip), None).to_string();
+            // Damaged on every connection: the tensor fetched again is damaged too.
+            s.addr = tamper(server.local_addr(), Some(flip), None, true)
+                .0
+                .to_string();
             let e = unsafe { Fetch::new().run(&s, &dests) };
             assert!(
                 matches!(e, Err(FetchError::Corrupt(_))),
@@ -847,7 +980,9 @@ mod tests {
         }
         for cut in [8, 30, 70_000] {
             let mut s = spec(&server, None, vec![(0, 3)]);
-            s.addr = tamper(server.local_addr(), None, Some(cut)).to_string();
+            s.addr = tamper(server.local_addr(), None, Some(cut), true)
+                .0
+                .to_string();
             let e = unsafe { Fetch::new().run(&s, &dests) };
             let want_connect = cut < 16;
             assert!(

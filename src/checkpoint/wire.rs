@@ -3,7 +3,7 @@
 //! One TCP connection carries one request and the answer to it:
 //!
 //! ```text
-//! request : REQUEST_MAGIC | u32 json_len | json {token, step, gen, start, end}
+//! request : REQUEST_MAGIC | u32 json_len | json {token, step, gen, start, end[, direct]}
 //! reply   : REPLY_MAGIC   | u32 status   | u32 message_len | message (UTF-8)
 //! then, if status is OK, the range frame of tensors [start, end):
 //!           RANGE_MAGIC | u64 start | u64 end
@@ -13,6 +13,12 @@
 //!
 //! The range frame is byte for byte the one the Python HTTP path streams (same magics, same
 //! CRC-32 as zlib), so both paths are checked by the same rules. Integers are little endian.
+//!
+//! `direct` (absent: false) changes no byte on the wire, only what a tensor's checksum
+//! promises: with it, the server may send a tensor straight from its memory, so a tensor
+//! written while it was sent can arrive with a checksum that does not match, and the receiver
+//! asks for that tensor again without `direct`. Servers that do not know the field ignore it
+//! (they always stage), and requests without it are served as before.
 
 use std::io::{self, Read, Write};
 
@@ -57,6 +63,10 @@ pub struct Request {
     pub start: u64,
     /// One past the last tensor index.
     pub end: u64,
+    /// The receiver fetches again, without `direct`, every tensor whose checksum does not
+    /// match: the server may send tensor memory as it is, without staging a copy first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub direct: bool,
 }
 
 /// Writes a request frame.
@@ -152,10 +162,27 @@ mod tests {
             gen: "abc".into(),
             start: 1,
             end: 4,
+            direct: false,
         };
         let mut buf = Vec::new();
         write_request(&mut buf, &req).unwrap();
         assert_eq!(read_request(&mut buf.as_slice()).unwrap(), req);
+        // Without `direct`, the request is byte for byte what receivers sent before it.
+        assert!(!String::from_utf8_lossy(&buf).contains("direct"));
+        let direct = Request {
+            direct: true,
+            ..req.clone()
+        };
+        let mut buf = Vec::new();
+        write_request(&mut buf, &direct).unwrap();
+        assert_eq!(read_request(&mut buf.as_slice()).unwrap(), direct);
+        // Fields a server does not know are ignored (how `direct` reaches older servers).
+        let json = br#"{"token":null,"step":7,"gen":"g","start":0,"end":1,"later":[1]}"#;
+        let mut buf = REQUEST_MAGIC.to_vec();
+        buf.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        buf.extend_from_slice(json);
+        let got = read_request(&mut buf.as_slice()).unwrap();
+        assert!(!got.direct && got.end == 1);
         let http = b"GET /checkpoint/7 HTTP/1.1\r\n\r\n".to_vec();
         assert!(read_request(&mut http.as_slice())
             .unwrap_err()
