@@ -1,5 +1,6 @@
-"""What the per-step benchmarks share: the MLP replica group they train, and the launch of
-two groups as separate processes against one in-process lighthouse.
+"""What the benchmarks share: the MLP replica group the per-step ones train, the launch of
+two groups as separate processes against one in-process lighthouse, a lighthouse in a
+process of its own, and a percentile.
 
 A benchmark script runs itself with ``worker ...`` arguments in each process; the worker
 builds its group with :func:`train_group` and writes its timings to its ``--result`` file.
@@ -7,14 +8,16 @@ builds its group with :func:`train_group` and writes its timings to its ``--resu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO_PYTHON = str(Path(__file__).resolve().parent.parent / "python")
 
@@ -98,3 +101,44 @@ def run_two_groups(
                     p.wait()
             lighthouse.shutdown()
         return [json.loads(r.read_text()) for r in results]
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The q-quantile (0..1) of samples, nearest-rank."""
+    ordered = sorted(samples)
+    idx = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+@contextlib.contextmanager
+def lighthouse_process(script: str, env: dict[str, str], errors: IO[str]) -> Iterator[str]:
+    """Runs ``script --role lighthouse`` (which prints its address, then serves until its
+    stdin closes) with ``env`` and its stderr into ``errors``; yields the address. Raises
+    RuntimeError, with the end of its stderr, if it reports none. On exit its stdin is
+    closed and it is waited for (killed after 10 s)."""
+    lh = subprocess.Popen(
+        [sys.executable, script, "--role", "lighthouse"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+        env=env,
+    )
+    try:
+        assert lh.stdout is not None
+        address = lh.stdout.readline().strip()
+        if not address:
+            lh.wait(10)
+            errors.seek(0)
+            raise RuntimeError(
+                f"the lighthouse process did not report its address:\n{errors.read()[-2000:]}"
+            )
+        yield address
+    finally:
+        if lh.stdin is not None:
+            lh.stdin.close()
+        try:
+            lh.wait(10)
+        except subprocess.TimeoutExpired:
+            lh.kill()
+            lh.wait()

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
+from _groups import percentile
+
 from torchft._torchft import QuorumRequest
 from torchft.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
 
@@ -38,13 +40,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 TIMEOUT = timedelta(seconds=10)
 TARGET_MEDIAN_MS = 0.5
 REFERENCE_MEDIAN_MS = 0.7
-
-
-def _percentile(samples: list[float], q: float) -> float:
-    """The q-quantile (0..1) of samples, nearest-rank."""
-    ordered = sorted(samples)
-    idx = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[idx]
 
 
 def _time_steps(step_fn: Callable[[int], None], steps: int, warmup: int) -> list[float]:
@@ -216,8 +211,8 @@ def main() -> int:
             "median_ms": statistics.median(run_medians[name]),
             "min_run_median_ms": min(run_medians[name]),
             "max_run_median_ms": max(run_medians[name]),
-            "p90_ms": _percentile(samples[name], 0.9),
-            "p99_ms": _percentile(samples[name], 0.99),
+            "p90_ms": percentile(samples[name], 0.9),
+            "p99_ms": percentile(samples[name], 0.99),
         }
         for name in names
     }

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _groups import lighthouse_process
+
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / ".venv" / "upstream"
 TARGET_RATIO = 1.5
@@ -87,24 +89,10 @@ def _trial(upstream: bool) -> float:
     """One fresh lighthouse and one job, each its own process; the job's first quorum (s)."""
     env = _env(upstream)
     me = str(Path(__file__).resolve())
-    errors = tempfile.TemporaryFile(mode="w+")
-    lh = subprocess.Popen(
-        [sys.executable, me, "--role", "lighthouse"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=errors,
-        text=True,
-        env=env,
-    )
-    try:
-        assert lh.stdout is not None
-        address = lh.stdout.readline().strip()
-        if not address:
-            lh.wait(10)
-            errors.seek(0)
-            raise RuntimeError(
-                f"the lighthouse process did not report its address:\n{errors.read()[-2000:]}"
-            )
+    with (
+        tempfile.TemporaryFile(mode="w+") as errors,
+        lighthouse_process(me, env, errors) as address,
+    ):
         out = subprocess.run(
             [sys.executable, me, "--role", "job", "--address", address],
             capture_output=True,
@@ -113,19 +101,10 @@ def _trial(upstream: bool) -> float:
             timeout=120,
             check=False,
         )
-        if out.returncode != 0:
-            raise RuntimeError(f"job process failed:\n{out.stderr[-2000:]}")
-        line = out.stdout.strip().splitlines()[-1]
-        return float(json.loads(line)["first_quorum_s"])
-    finally:
-        if lh.stdin is not None:
-            lh.stdin.close()
-        try:
-            lh.wait(10)
-        except subprocess.TimeoutExpired:
-            lh.kill()
-            lh.wait()
-        errors.close()
+    if out.returncode != 0:
+        raise RuntimeError(f"job process failed:\n{out.stderr[-2000:]}")
+    line = out.stdout.strip().splitlines()[-1]
+    return float(json.loads(line)["first_quorum_s"])
 
 
 def _summary(samples: list[float]) -> str:

@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _groups import lighthouse_process, percentile
+
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / ".venv" / "upstream"
 TARGET_MS = 0.3
@@ -140,58 +142,35 @@ def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
         tempfile.TemporaryDirectory(prefix="step_control") as d,
         tempfile.TemporaryFile(mode="w+") as errors,
     ):
-        lh = subprocess.Popen(
-            [sys.executable, me, "--role", "lighthouse"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-            env=_env(lh_upstream),
-        )
         groups: list[subprocess.Popen[str]] = []
         try:
-            assert lh.stdout is not None
-            address = lh.stdout.readline().strip()
-            if not address:
-                lh.wait(10)
-                errors.seek(0)
-                raise RuntimeError(f"the lighthouse did not start:\n{errors.read()[-2000:]}")
-            results = [Path(d) / f"g{i}.json" for i in range(2)]
-            for i in range(2):
-                groups.append(
-                    subprocess.Popen(
-                        [sys.executable, me, "--role", "group", "--address", address,
-                         "--replica-id", f"g{i}", "--steps", str(steps), "--warmup",
-                         str(warmup), "--result", str(results[i])],
-                        stderr=errors,
-                        text=True,
-                        env=_env(mgr_upstream),
-                    )
-                )  # fmt: skip
-            deadline = time.monotonic() + 300 + steps * 0.05
-            for g in groups:
-                rc = g.wait(timeout=max(1.0, deadline - time.monotonic()))
-                if rc != 0:
-                    errors.seek(0)
-                    raise RuntimeError(f"{config}: a group exited {rc}:\n{errors.read()[-3000:]}")
-            return [json.loads(r.read_text()) for r in results]
+            with lighthouse_process(me, _env(lh_upstream), errors) as address:
+                results = [Path(d) / f"g{i}.json" for i in range(2)]
+                for i in range(2):
+                    groups.append(
+                        subprocess.Popen(
+                            [sys.executable, me, "--role", "group", "--address", address,
+                             "--replica-id", f"g{i}", "--steps", str(steps), "--warmup",
+                             str(warmup), "--result", str(results[i])],
+                            stderr=errors,
+                            text=True,
+                            env=_env(mgr_upstream),
+                        )
+                    )  # fmt: skip
+                deadline = time.monotonic() + 300 + steps * 0.05
+                for g in groups:
+                    rc = g.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    if rc != 0:
+                        errors.seek(0)
+                        raise RuntimeError(
+                            f"{config}: a group exited {rc}:\n{errors.read()[-3000:]}"
+                        )
+                return [json.loads(r.read_text()) for r in results]
         finally:
             for g in groups:
                 if g.poll() is None:
                     g.kill()
                     g.wait()
-            if lh.stdin is not None:
-                lh.stdin.close()
-            try:
-                lh.wait(10)
-            except subprocess.TimeoutExpired:
-                lh.kill()
-                lh.wait()
-
-
-def _p90(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
 
 
 def main() -> int:
@@ -261,7 +240,7 @@ def main() -> int:
             "median_ms": med,
             "min_ms": min(per_trial["total"]),
             "max_ms": max(per_trial["total"]),
-            "p90_ms": _p90(every),
+            "p90_ms": percentile(every, 0.9),
             "quorum_ms": statistics.median(per_trial["quorum"]),
             "vote_ms": statistics.median(per_trial["vote"]),
             "allreduce_ms": statistics.median(per_trial["allreduce"]),

@@ -420,24 +420,7 @@ impl Io<'_> {
     }
 
     fn read_exact(&mut self, buf: &mut [u8], what: &str) -> Result<(), FetchError> {
-        self.set_timeouts()?;
-        let mut got = 0;
-        while got < buf.len() {
-            match (&*self.stream).read(&mut buf[got..]) {
-                Ok(0) => {
-                    if self.fetch.stopped() {
-                        return Err(FetchError::Aborted);
-                    }
-                    return Err(FetchError::Broken(format!(
-                        "the source closed the stream while sending {what}"
-                    )));
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.error(e, what)),
-            }
-        }
-        Ok(())
+        self.read_seen(buf, what, usize::MAX, |_| {})
     }
 
     /// Fills `buf` from the stream, adding every byte to `crc` as it arrives.
@@ -451,26 +434,37 @@ impl Io<'_> {
         buf: &mut [u8],
         crc: &mut crc32fast::Hasher,
     ) -> Result<(), FetchError> {
+        self.read_seen(buf, "tensor bytes", READ_PIECE_BYTES, |b| crc.update(b))
+    }
+
+    /// Fills `buf` (`what`, for errors) with reads of at most `piece` bytes, each bounded by
+    /// the fetch's deadline, handing `seen` the bytes of each read as it returns.
+    fn read_seen(
+        &mut self,
+        buf: &mut [u8],
+        what: &str,
+        piece: usize,
+        mut seen: impl FnMut(&[u8]),
+    ) -> Result<(), FetchError> {
         let mut got = 0;
         while got < buf.len() {
-            // Each read waits at most until the fetch's deadline.
             self.set_timeouts()?;
-            let end = buf.len().min(got + READ_PIECE_BYTES);
+            let end = buf.len().min(got.saturating_add(piece));
             match (&*self.stream).read(&mut buf[got..end]) {
                 Ok(0) => {
                     if self.fetch.stopped() {
                         return Err(FetchError::Aborted);
                     }
-                    return Err(FetchError::Broken(
-                        "the source closed the stream while sending tensor bytes".into(),
-                    ));
+                    return Err(FetchError::Broken(format!(
+                        "the source closed the stream while sending {what}"
+                    )));
                 }
                 Ok(n) => {
-                    crc.update(&buf[got..got + n]);
+                    seen(&buf[got..got + n]);
                     got += n;
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.error(e, "tensor bytes")),
+                Err(e) => return Err(self.error(e, what)),
             }
         }
         Ok(())
