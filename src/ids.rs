@@ -16,3 +16,28 @@ pub type IdMap<V> = HashMap<String, V, IdHasher>;
 
 /// A set of replica ids.
 pub type IdSet = HashSet<String, IdHasher>;
+
+/// Longest job (room) name a lighthouse accepts.
+pub const MAX_JOB_LEN: usize = 64;
+
+/// Checks a job (room) name: empty (the default room), or 1 to [`MAX_JOB_LEN`] characters of
+/// ASCII letters, digits, `-`, `_` and `.`, not starting with `.` (it names the room's part of
+/// the state file, so it must be a safe file name suffix).
+pub fn validate_job(job: &str) -> crate::error::Result<()> {
+    if job.is_empty() {
+        return Ok(());
+    }
+    let ok = job.len() <= MAX_JOB_LEN
+        && !job.starts_with('.')
+        && job
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(crate::error::Error::InvalidArgument(format!(
+            "invalid job name {job:?}: use 1 to {MAX_JOB_LEN} ASCII letters, digits, '-', '_' \
+             or '.', not starting with '.' (empty: the default room)"
+        )))
+    }
+}

@@ -38,6 +38,8 @@ pub struct LighthouseClient {
     /// Id of the last quorum received (0: none). Unlike `known`, never forgotten: heartbeats
     /// carry it, and it tells a restarted lighthouse that the job ran before.
     last_quorum_id: Arc<AtomicI64>,
+    /// The job (room) every request names; empty: the lighthouse's default room.
+    job: Arc<str>,
 }
 
 /// A lighthouse's answer to a heartbeat.
@@ -75,6 +77,7 @@ impl LighthouseClient {
                 replica_id: replica_id.to_string(),
                 quorum_id,
                 step,
+                job: self.job.to_string(),
             },
             timeout,
         );
@@ -90,8 +93,9 @@ impl LighthouseClient {
     }
 
     /// Sends a batch of telemetry reports; returns how many the lighthouse accepted.
-    pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
+    pub async fn report(&self, mut batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
         let mut client = self.client.clone();
+        batch.job = self.job.to_string();
         match tokio::time::timeout(timeout, client.report(with_timeout(batch, timeout))).await {
             Ok(Ok(r)) => Ok(r.into_inner().accepted),
             Ok(Err(status)) => Err(status.into()),
@@ -115,7 +119,22 @@ impl LighthouseClient {
                 .max_encoding_message_size(usize::MAX),
             known: Arc::new(Mutex::new(None)),
             last_quorum_id: Arc::new(AtomicI64::new(0)),
+            job: Arc::from(""),
         }
+    }
+
+    /// This client with every request naming `job` (the lighthouse room it belongs to; empty
+    /// is the default room). Refused when the name is not a valid job name (see
+    /// [`crate::ids::validate_job`]).
+    pub fn with_job(mut self, job: &str) -> Result<Self> {
+        crate::ids::validate_job(job)?;
+        self.job = Arc::from(job);
+        Ok(self)
+    }
+
+    /// The job (room) this client's requests name (empty: the default room).
+    pub fn job(&self) -> &str {
+        &self.job
     }
 
     /// Id of the last quorum this client received, if any (kept when the cached quorum is
@@ -155,6 +174,7 @@ impl LighthouseClient {
                 requester: Some(requester),
                 known_quorum_id: known.map_or(0, |q| q.quorum_id),
                 known_revision: known.map_or(0, |q| q.revision),
+                job: self.job.to_string(),
             },
             timeout,
         );
@@ -270,6 +290,7 @@ impl LighthouseClient {
                 quorum_id: self.last_quorum_id(),
                 loop_idle_ms: loop_idle.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                 digest,
+                job: self.job.to_string(),
             },
             timeout,
         );
@@ -307,6 +328,7 @@ impl LighthouseClient {
             let mut stream = client
                 .session(SessionRequest {
                     replica_id: replica_id.to_string(),
+                    job: self.job.to_string(),
                 })
                 .await?
                 .into_inner();

@@ -141,7 +141,11 @@ impl ReportQueue {
         } else {
             self.inner.dropped.swap(0, Ordering::Relaxed)
         };
-        TelemetryBatch { reports, dropped }
+        TelemetryBatch {
+            reports,
+            dropped,
+            job: String::new(),
+        }
     }
 
     /// Sends everything queued now, batch by batch, with `send`; stops at the first failure
