@@ -196,6 +196,7 @@ async fn round(
                             requester: Some(member(i, step, failing)),
                             known_quorum_id,
                             known_revision,
+                            ..Default::default()
                         },
                         timeout,
                     );

@@ -75,6 +75,7 @@ async fn run(c: &ManagerClient, call: Call) -> Result<(), Error> {
                     })
                     .collect(),
                 dropped: 0,
+                ..Default::default()
             };
             c.report(batch, CALL).await.map(|_| ())
         }

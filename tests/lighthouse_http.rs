@@ -423,6 +423,7 @@ async fn snapshots_show_in_status_and_metrics_and_survive_a_restart() {
                 let batch = TelemetryBatch {
                     reports,
                     dropped: 0,
+                    ..Default::default()
                 };
                 rank.report(batch, Duration::from_secs(5)).await.unwrap();
             }

@@ -388,6 +388,7 @@ async fn ranks_reports_are_forwarded_in_batches_and_garbage_is_refused() {
             let batch = TelemetryBatch {
                 reports: vec![telemetry("grp", step)],
                 dropped: 2,
+                ..Default::default()
             };
             assert_eq!(client.report(batch, t).await.unwrap(), 1);
         }
@@ -400,6 +401,7 @@ async fn ranks_reports_are_forwarded_in_batches_and_garbage_is_refused() {
             let batch = TelemetryBatch {
                 reports: vec![telemetry("grp", 3), bad],
                 dropped: 0,
+                ..Default::default()
             };
             let err = client.report(batch, t).await.unwrap_err();
             assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
@@ -428,6 +430,7 @@ async fn ranks_reports_are_forwarded_in_batches_and_garbage_is_refused() {
         let batch = TelemetryBatch {
             reports: vec![telemetry("grp", 9)],
             dropped: 0,
+            ..Default::default()
         };
         client.report(batch, t).await.unwrap();
         server.shutdown().await;

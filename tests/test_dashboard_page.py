@@ -104,6 +104,8 @@ class MockLighthouse:
         # With a token, a kill without `Authorization: Bearer <token>` gets 401; every
         # kill's Authorization header is recorded.
         self.kill_token: str | None = None
+        #: ``rooms`` of ``/status`` (the lighthouse's open rooms; empty: before rooms).
+        self.rooms: list[dict[str, Any]] = []
         self.kill_auth: list[str | None] = []
         self.requests: list[str] = []
         self.stopping = False
@@ -195,6 +197,7 @@ class MockLighthouse:
                 },
                 "snapshot": copy.deepcopy(self.snapshot),
                 "events": copy.deepcopy(self.status_events[-100:]),
+                "rooms": copy.deepcopy(self.rooms),
             }
 
     @property
@@ -224,16 +227,17 @@ class MockLighthouse:
             def do_GET(self) -> None:
                 with mock.cond:
                     mock.requests.append(f"GET {self.path}")
-                if self.path == "/":
+                path = self.path.split("?", 1)[0]
+                if path == "/":
                     self._send(200, "text/html; charset=utf-8", PAGE.read_bytes())
-                elif self.path == "/dashboard.js":
+                elif path == "/dashboard.js":
                     self._send(200, "text/javascript; charset=utf-8", SCRIPT.read_bytes())
-                elif self.path == "/status":
+                elif path == "/status":
                     if mock.fail_status:
                         self._send(500, "text/plain", "boom")
                     else:
                         self._send(200, "application/json", json.dumps(mock.status()))
-                elif self.path == "/events":
+                elif path == "/events":
                     self._events()
                 else:
                     self._send(404, "text/plain", "not found\n")
@@ -244,7 +248,9 @@ class MockLighthouse:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
-                if self.path.startswith("/replicas/") and self.path.endswith("/kill"):
+                if self.path.startswith("/replicas/") and self.path.split("?", 1)[0].endswith(
+                    "/kill"
+                ):
                     auth = self.headers.get("Authorization")
                     with mock.cond:
                         mock.kill_posts.append(self.path)
@@ -649,6 +655,39 @@ def test_latest_snapshot_and_failures_in_the_header(mock: MockLighthouse, driver
         == "bad"
     )
     assert driver.execute_script("return document.querySelectorAll('header img').length;") == 0
+    assert_no_console_errors(driver)
+
+
+@pytest.mark.timeout(60)
+def test_room_picker_appears_with_a_second_room_and_switches_the_page(
+    mock: MockLighthouse, driver: Any
+) -> None:
+    """One room: no picker. A second room open: the picker lists them; picking one reloads the
+    page on ?job=NAME, whose polls, event stream and kill action name the room."""
+    mock.set_replicas(make_replica("a", step=1))
+    mock.allow_kill = True
+    mock.rooms = [{"job": ""}]
+    open_page(driver, mock, rows_expected=1)
+    assert not driver.find_element("id", "room-field").is_displayed()
+    mock.rooms = [{"job": ""}, {"job": "team-b"}]
+    wait_until(lambda: driver.find_element("id", "room-field").is_displayed(), what="the picker")
+    options = driver.execute_script(
+        "return Array.from(document.getElementById('room').options).map(o => o.textContent);"
+    )
+    assert options == ["(default)", "team-b"]
+    driver.execute_script(
+        "const s = document.getElementById('room'); s.value = 'team-b';"
+        "s.dispatchEvent(new Event('change'));"
+    )
+    wait_until(lambda: driver.current_url.endswith("/?job=team-b"), what="the room's page")
+    wait_until(lambda: "GET /status?job=team-b" in mock.requests, what="the room's /status")
+    wait_until(lambda: "GET /events?job=team-b" in mock.requests, what="the room's events")
+    assert driver.execute_script("return document.getElementById('room').value;") == "team-b"
+    wait_until(lambda: rows(driver) and not rows(driver)[0]["kill"]["hidden"], what="kill")
+    driver.execute_script("window.confirm = () => true;")
+    driver.find_element("css selector", 'tr.replica[data-replica-id="a"] button.kill').click()
+    wait_until(lambda: mock.kill_posts, what="the kill POST")
+    assert mock.kill_posts == ["/replicas/a/kill?job=team-b"]
     assert_no_console_errors(driver)
 
 

@@ -160,3 +160,22 @@ def test_token_is_mounted_from_a_secret(manifest: str, kind: str, names: list[st
         secret = volumes[mount["name"]]["secret"]
         assert secret["secretName"] == "torchft-token"
         assert path.endswith("/token")
+
+
+def test_the_cluster_lighthouse_serves_rooms_across_namespaces() -> None:
+    """The cluster-wide variant lives in its own namespace (its Service reachable from every
+    job's namespace), bounds and expires rooms with flags the daemon knows, and is one
+    lighthouse at a time like the per-job one."""
+    docs = {d["kind"]: d for d in documents(DEPLOY / "k8s" / "cluster-lighthouse.yaml")}
+    dep, svc = docs["Deployment"], docs["Service"]
+    assert dep["metadata"]["namespace"] == svc["metadata"]["namespace"] == "torchft-system"
+    assert dep["spec"].get("replicas", 1) == 1
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    (c,) = [c for c in containers(dep["spec"]["template"]) if c["name"] == "lighthouse"]
+    args = c["args"]
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert int(flags["--max_rooms"]) >= 1
+    assert int(flags["--room_expiry_ms"]) > 0
+    text = (DEPLOY / "k8s" / "cluster-lighthouse.yaml").read_text()
+    assert "TORCHFT_JOB" in text, "the header tells jobs how to name their room"
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]

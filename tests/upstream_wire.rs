@@ -284,8 +284,11 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
             step: 10,
             ranks: vec![vec![1; 16], vec![2; 16]],
         }),
+        job: "a-job".into(),
     });
     assert_eq!(up.replica_id, "u");
+    // Upstream sends no job: ours reads the default room.
+    assert_eq!(hb.job, "");
     // Our heartbeat reply carries fields upstream does not know: they must be skippable.
     let _: upstream::LighthouseHeartbeatResponse = cross(&ours::LighthouseHeartbeatResponse {
         heartbeat_timeout_ms: 5000,
@@ -546,6 +549,42 @@ async fn upstream_and_our_clients_share_a_quorum() {
             assert_eq!(u.data, "{\"name\":\"u\"}");
             assert_eq!(u.world_size, 3);
         }
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_clients_join_the_default_room_next_to_a_named_job() {
+    bounded(async {
+        let server = start(2).await;
+        let addr = server.address();
+        let mut up = UpstreamClient::connect(&addr).await;
+        let ours_default = LighthouseClient::connect(&addr, ASK)
+            .await
+            .expect("connects");
+        let job = LighthouseClient::connect(&addr, ASK)
+            .await
+            .expect("connects")
+            .with_job("other-job")
+            .unwrap();
+        // The named job runs its own round with the same replica names.
+        let (j1, j2) = (job.clone(), job.clone());
+        let ju = tokio::spawn(async move { j1.quorum(our_member("u", 40), ASK).await });
+        let jz = tokio::spawn(async move { j2.quorum(our_member("z", 40), ASK).await });
+        // The upstream client (no job field) and ours (no job) meet in the default room.
+        let c = ours_default.clone();
+        let t = tokio::spawn(async move { c.quorum(our_member("z", 1), ASK).await });
+        let q_up = up.quorum(upstream_member("u", 1, 0)).await;
+        let q_ours = t.await.unwrap().expect("our client gets a quorum");
+        assert_eq!(q_up.quorum_id, q_ours.quorum_id);
+        assert!(q_up.participants.iter().all(|m| m.step == 1));
+        let q_job = ju.await.unwrap().expect("job quorum");
+        assert_eq!(jz.await.unwrap().expect("job quorum"), q_job);
+        assert!(q_job.participants.iter().all(|m| m.step == 40));
+        assert_ne!(q_job.quorum_id, q_up.quorum_id);
+        assert_eq!(server.quorum_id(), Some(q_up.quorum_id));
+        assert_eq!(server.room_quorum_id("other-job"), Some(q_job.quorum_id));
         server.shutdown().await;
     })
     .await;

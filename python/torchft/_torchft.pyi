@@ -136,6 +136,9 @@ class LighthouseServer:
         tls_client_ca: str | None = None,
         private_status: bool = False,
         max_request_bytes: int | None = None,
+        room_expiry_ms: int | None = None,
+        max_rooms: int | None = None,
+        room_min_replicas: dict[str, int] | None = None,
     ) -> LighthouseServer:
         """Token and TLS default to ``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/``TORCHFT_TLS_*``;
         the keyword arguments win over them (see docs/security.md)."""
@@ -149,7 +152,9 @@ class LighthouseServer:
 class LighthouseClient:
     """A client of a lighthouse."""
 
-    def __new__(cls, addr: str, connect_timeout: timedelta) -> LighthouseClient: ...
+    def __new__(cls, addr: str, connect_timeout: timedelta, job: str = ...) -> LighthouseClient:
+        """Connects; every request names ``job`` (its room on the lighthouse; empty: the
+        default room). ValueError for an invalid job name."""
     def quorum(
         self,
         replica_id: str,
@@ -202,9 +207,12 @@ class ManagerServer:
         quorum_retries: int = 0,
         topology_file: str | None = None,
         topology_group: int | None = None,
+        job: str = ...,
     ) -> ManagerServer:
-        """Starts the server. With ``topology_file`` (the job's topology, JSON version 0.1)
-        and ``topology_group`` (this group's index; its ranks there are
+        """Starts the server; its requests to the lighthouse name ``job`` (the group's room on
+        a lighthouse shared by many jobs; empty: the default room; ValueError for an invalid
+        name). With ``topology_file`` (the job's topology, JSON version 0.1) and
+        ``topology_group`` (this group's index; its ranks there are
         ``topology_group * world_size + group_rank``) heal sources follow the file. Raises
         ValueError on a malformed file (naming the field) or one lacking this group's ranks."""
     def lease_held(self) -> bool:

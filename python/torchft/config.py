@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -194,6 +195,25 @@ def _check_name(name: str, v: Any) -> str:
     return v
 
 
+#: A job (room) name, as the lighthouse accepts it (empty: the default room).
+_JOB_NAME = re.compile(r"(?![.])[A-Za-z0-9._-]{1,64}")
+
+
+def _check_job(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str, got {v!r}")
+    if v and _JOB_NAME.fullmatch(v) is None:
+        raise ValueError(
+            f"{name} must be 1 to 64 ASCII letters, digits, '-', '_' or '.', not starting "
+            f"with '.' (empty: the lighthouse's default room), got {v!r}"
+        )
+    return v
+
+
+def _parse_job(raw: str) -> str:
+    return _check_job("TORCHFT_JOB", raw.strip())
+
+
 def _check_mode(name: str, v: Any) -> WorldSizeMode:
     if not isinstance(v, WorldSizeMode):
         raise TypeError(f"{name} must be a WorldSizeMode, got {v!r}")
@@ -233,6 +253,9 @@ STORE_PORT: Kind[int] = _int_kind("a port in 1..65535", 1, 65535)
 SWITCH: Kind[bool] = Kind("one of 1/true/yes/on or 0/false/no/off", _check_bool, _parse_bool)
 TEXT: Kind[str] = Kind("a non-empty string", _check_text, _parse_text)
 NAME: Kind[str] = Kind("a string", _check_name, _parse_text)
+JOB: Kind[str] = Kind(
+    "a job name (letters, digits, '-', '_', '.'; at most 64)", _check_job, _parse_job
+)
 MODE: Kind[WorldSizeMode] = Kind("DYNAMIC or FIXED_WITH_SPARES", _check_mode, _parse_mode)
 DIRECTORY: Kind[str] = Kind("a directory path (no URL)", _check_dir, _parse_dir)
 HANG_ACTION: Kind[str] = Kind("exit or keep", _check_hang_action, _parse_hang_action)
@@ -368,6 +391,13 @@ class ManagerConfig:
         SWITCH, True, env="TORCHFT_TELEMETRY", help="per-step telemetry to the lighthouse"
     )
     job_id: str = _setting(TEXT, "unknown", env="JOB_ID", help="job name in structured logs")
+    job: str = _setting(
+        JOB,
+        "",
+        env="TORCHFT_JOB",
+        help="the job's room on a lighthouse shared by many jobs: its quorums, ids and events "
+        "are its own (empty: the lighthouse's default room)",
+    )
     hang_action: str = _setting(
         HANG_ACTION,
         "exit",

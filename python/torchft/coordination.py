@@ -176,6 +176,7 @@ class NativeBackend(Protocol):
         quorum_retries: int,
         topology_file: str | None,
         topology_group: int | None,
+        job: str,
     ) -> NativeManagerServer:
         """Starts the replica group's manager server (on group rank 0)."""
         ...

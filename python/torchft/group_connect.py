@@ -80,6 +80,7 @@ def join_group(cfg: ManagerConfig, native: NativeBackend) -> GroupConnection:
                 quorum_retries=cfg.quorum_retries,
                 topology_file=cfg.topology_file,
                 topology_group=cfg.replica_group_index,
+                job=cfg.job,
             )
             store.set(key, json.dumps({"address": server.address(), "replica_id": full_id}))
         info = json.loads(store.get(key).decode())

@@ -176,6 +176,9 @@ class Manager:
             ``TORCHFT_SNAPSHOT_EVERY``, else 500).
         snapshot_keep: complete snapshots kept (default env ``TORCHFT_SNAPSHOT_KEEP``,
             else 3).
+        job: this job's room on a lighthouse that serves many jobs: its quorums, quorum ids,
+            progress records and events are its own (default env ``TORCHFT_JOB``, else the
+            lighthouse's default room). See docs/rooms.md.
 
     """
 
@@ -209,6 +212,7 @@ class Manager:
         snapshot_dir: str | os.PathLike[str] | None = None,
         snapshot_every: int | None = None,
         snapshot_keep: int | None = None,
+        job: str | None = None,
         native_backend: NativeBackend | None = None,
     ) -> None:
         """Creates the manager, joins the replica group (store, manager server, client).

@@ -259,6 +259,11 @@ fn non_negative(name: &str, value: Option<i64>) -> PyResult<Option<u64>> {
 ///     tls_client_ca: require client certificates signed by this PEM CA bundle (mutual TLS).
 ///     private_status: require the token on the read-only pages too.
 ///     max_request_bytes: largest request message or HTTP body accepted (>= 4096).
+///     room_expiry_ms: a job's room (not the default room) closes after this long idle
+///         (default 3600000; > 0). See docs/rooms.md.
+///     max_rooms: most rooms open at once besides the default room (default 1024; >= 1).
+///     room_min_replicas: per-job `min_replicas` (`{"job": n}`); other rooms use
+///         `min_replicas`.
 ///
 /// Raises:
 ///     ValueError: an argument is out of range.
@@ -275,7 +280,8 @@ impl LighthouseServer {
         heartbeat_timeout_ms = None, *, progress_wait_ms = None, state_file = None,
         event_log = None, allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None, token_file = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_client_ca = None,
-        private_status = false, max_request_bytes = None))]
+        private_status = false, max_request_bytes = None, room_expiry_ms = None, max_rooms = None,
+        room_min_replicas = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -297,6 +303,9 @@ impl LighthouseServer {
         tls_client_ca: Option<PathBuf>,
         private_status: bool,
         max_request_bytes: Option<usize>,
+        room_expiry_ms: Option<i64>,
+        max_rooms: Option<usize>,
+        room_min_replicas: Option<std::collections::BTreeMap<String, i64>>,
     ) -> PyResult<Self> {
         let min_replicas = u64::try_from(min_replicas).map_err(|_| {
             PyValueError::new_err(format!(
@@ -346,6 +355,20 @@ impl LighthouseServer {
         if let Some(bytes) = max_request_bytes {
             config.max_request_bytes = bytes;
         }
+        if let Some(ms) = non_negative("room_expiry_ms", room_expiry_ms)? {
+            config.room_expiry_ms = ms;
+        }
+        if let Some(n) = max_rooms {
+            config.max_rooms = n;
+        }
+        for (job, n) in room_min_replicas.unwrap_or_default() {
+            let n = u64::try_from(n).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "min_replicas of room {job:?} must be at least 1, got {n}"
+                ))
+            })?;
+            config.room_min_replicas.push((job, n));
+        }
         let access = config.access()?;
         let inner = block_on(py, config.bind(access))?;
         Ok(Self { inner })
@@ -371,9 +394,11 @@ impl LighthouseServer {
 /// Args:
 ///     addr: the lighthouse address (`http://host:port`).
 ///     connect_timeout: how long to keep retrying the connection (a `timedelta`).
+///     job: the job (room) every request names (default: the default room).
 ///
 /// Raises:
 ///     TimeoutError: no connection within `connect_timeout`.
+///     ValueError: `job` is not a valid job name.
 #[pyclass(module = "torchft._torchft", frozen)]
 pub struct LighthouseClient {
     inner: core::LighthouseClient,
@@ -383,10 +408,12 @@ pub struct LighthouseClient {
 #[pymethods]
 impl LighthouseClient {
     #[new]
-    #[pyo3(signature = (addr, connect_timeout))]
-    fn new(py: Python<'_>, addr: String, connect_timeout: Duration) -> PyResult<Self> {
+    #[pyo3(signature = (addr, connect_timeout, job = String::new()))]
+    fn new(py: Python<'_>, addr: String, connect_timeout: Duration, job: String) -> PyResult<Self> {
         let connect_timeout = check_duration("connect_timeout", connect_timeout)?;
-        let inner = block_on(py, core::LighthouseClient::connect(&addr, connect_timeout))?;
+        crate::ids::validate_job(&job)?;
+        let inner = block_on(py, core::LighthouseClient::connect(&addr, connect_timeout))?
+            .with_job(&job)?;
         Ok(Self { inner, addr })
     }
 

@@ -44,10 +44,13 @@ use crate::telemetry::validate_report;
 ///         follow it when every group of a quorum announced the same file.
 ///     topology_group: this replica group's index in the job (its ranks in the file are
 ///         `topology_group * world_size + group_rank`); required with `topology_file`.
+///     job: the job (room) this group belongs to on a lighthouse serving many jobs
+///         (`TORCHFT_JOB`; empty: the default room).
 ///
 /// Raises:
-///     ValueError: an argument is out of range, or the topology file is unreadable or
-///         malformed (the message names the field) or lacks this group's ranks.
+///     ValueError: an argument is out of range, the job name is invalid, or the topology
+///         file is unreadable or malformed (the message names the field) or lacks this
+///         group's ranks.
 ///     TimeoutError: the lighthouse cannot be reached within `connect_timeout`.
 #[pyclass(module = "torchft._torchft", name = "ManagerServer", frozen)]
 pub struct PyManagerServer {
@@ -70,6 +73,7 @@ impl PyManagerServer {
         quorum_retries = 0,
         topology_file = None,
         topology_group = None,
+        job = String::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -85,6 +89,7 @@ impl PyManagerServer {
         quorum_retries: i64,
         topology_file: Option<std::path::PathBuf>,
         topology_group: Option<i64>,
+        job: String,
     ) -> PyResult<Self> {
         if world_size < 1 {
             return Err(PyValueError::new_err(format!(
@@ -125,6 +130,7 @@ impl PyManagerServer {
             security: Security::from_env()?,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             placement,
+            job,
         };
         let server = block_on(py, CoreServer::start(opts))?;
         Ok(Self { server })

@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::builder::TypedValueParser as _;
 
 use super::health::telemetry::{DEFAULT_STRAGGLER_MIN_MS, DEFAULT_STRAGGLER_SKEW_PCT};
+use super::rooms::{RoomOptions, DEFAULT_MAX_ROOMS};
 use super::{
     AccessOptions, LighthouseOptions, LighthouseServer, ObservabilityOptions,
     DEFAULT_MAX_REQUEST_BYTES, MIN_REQUEST_BYTES,
@@ -203,6 +204,48 @@ pub struct LighthouseConfig {
             .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
     )]
     pub max_request_bytes: usize,
+
+    /// A job's room (other than the default room) closes after this long (ms) without a
+    /// request, an open session or a waiting quorum request; its part of the state file
+    /// stays. See docs/rooms.md.
+    #[arg(
+        long = "room_expiry_ms",
+        alias = "room-expiry-ms",
+        env = "TORCHFT_ROOM_EXPIRY_MS",
+        default_value_t = ROOM_EXPIRY_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub room_expiry_ms: u64,
+
+    /// Most rooms open at once besides the default room; a request naming one more job is
+    /// refused.
+    #[arg(
+        long = "max_rooms",
+        alias = "max-rooms",
+        env = "TORCHFT_MAX_ROOMS",
+        default_value_t = DEFAULT_MAX_ROOMS,
+        value_parser = clap::value_parser!(u64)
+            .range(1..)
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+    )]
+    pub max_rooms: usize,
+
+    /// `JOB=N`: the room of JOB needs N replica groups per quorum instead of
+    /// --min_replicas (repeat the flag for more jobs).
+    #[arg(
+        long = "room_min_replicas",
+        alias = "room-min-replicas",
+        value_name = "JOB=N",
+        value_parser = parse_room_min_replicas
+    )]
+    pub room_min_replicas: Vec<(String, u64)>,
+}
+
+/// Default of `--room_expiry_ms`.
+pub const ROOM_EXPIRY_MS: u64 = 3_600_000;
+
+fn parse_room_min_replicas(spec: &str) -> std::result::Result<(String, u64), String> {
+    RoomOptions::parse_min_replicas(spec).map_err(|e| e.message())
 }
 
 /// `ms` as a duration, or None for zero (the "off"/"adaptive" value of some settings).
@@ -234,6 +277,9 @@ impl LighthouseConfig {
             tls_client_ca: None,
             private_status: false,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            room_expiry_ms: ROOM_EXPIRY_MS,
+            max_rooms: DEFAULT_MAX_ROOMS,
+            room_min_replicas: Vec::new(),
         }
     }
 
@@ -253,6 +299,7 @@ impl LighthouseConfig {
         }
         self.options().validate()?;
         self.observability().validate()?;
+        self.rooms().validate()?;
         AccessOptions::check_max_request_bytes(self.max_request_bytes)
     }
 
@@ -305,9 +352,24 @@ impl LighthouseConfig {
     }
 
     /// Binds and starts serving with `access` (from [`LighthouseConfig::access`]).
+    /// The room settings (see [`super::rooms`]).
+    pub fn rooms(&self) -> RoomOptions {
+        RoomOptions {
+            expiry: Duration::from_millis(self.room_expiry_ms),
+            max_rooms: self.max_rooms,
+            min_replicas: self.room_min_replicas.iter().cloned().collect(),
+        }
+    }
+
     pub async fn bind(&self, access: AccessOptions) -> Result<LighthouseServer> {
-        LighthouseServer::bind_secured(&self.bind, self.options(), self.observability(), access)
-            .await
+        LighthouseServer::bind_rooms(
+            &self.bind,
+            self.options(),
+            self.observability(),
+            access,
+            self.rooms(),
+        )
+        .await
     }
 }
 

@@ -6,6 +6,9 @@
   const HISTORY = 120;
   const MAX_EVENTS = 200;
   const SSE_RETRY_MS = 5000;
+  // The room (job) this page shows: ?job=NAME in the page's address (empty: the default room).
+  const JOB = new URLSearchParams(window.location.search).get('job') || '';
+  const JOB_QUERY = JOB ? '?job=' + encodeURIComponent(JOB) : '';
   const STATES = ['joining', 'healing', 'healthy', 'straggler', 'lost', 'failed', 'finished'];
   const INACTIVE = ['lost', 'failed', 'finished'];
   const EVENT_KINDS = {
@@ -172,6 +175,7 @@
     }
 
     renderSnapshot(status);
+    renderRooms(status);
 
     const allowKill = status.allow_kill === true;
     $('kill-hint').hidden = allowKill;
@@ -417,6 +421,32 @@
     $('no-replicas').hidden = rows.size > 0;
   }
 
+  // ---------- room picker ----------
+  // Shown once a second room is open; picking a room reloads the page on ?job=NAME.
+  function renderRooms(status) {
+    const picker = $('room');
+    const rooms = Array.isArray(status.rooms) ? status.rooms : [];
+    const jobs = rooms.map((r) => (r && typeof r.job === 'string' ? r.job : '')).filter((j, i, a) => a.indexOf(j) === i);
+    if (JOB && !jobs.includes(JOB)) jobs.push(JOB);
+    $('room-field').hidden = jobs.length < 2;
+    const have = Array.from(picker.options).map((o) => o.value).join('\n');
+    if (have !== jobs.join('\n')) {
+      picker.textContent = '';
+      for (const job of jobs) {
+        const opt = document.createElement('option');
+        opt.value = job;
+        opt.textContent = job || '(default)';
+        picker.appendChild(opt);
+      }
+    }
+    picker.value = JOB;
+  }
+
+  $('room').addEventListener('change', (e) => {
+    const job = e.target.value;
+    window.location.search = job ? '?job=' + encodeURIComponent(job) : '';
+  });
+
   // ---------- kill action ----------
 
   function setAction(text, kind) {
@@ -432,7 +462,7 @@
     btn.classList.add('busy');
     setAction(`kill ${id}: sending…`, 'pending');
     try {
-      const url = 'replicas/' + encodeURIComponent(id) + '/kill';
+      const url = 'replicas/' + encodeURIComponent(id) + '/kill' + JOB_QUERY;
       const post = () => {
         // The token goes as a Bearer header, never as cached Basic credentials: the server
         // accepts Basic for reading only, so another site's page cannot replay a login.
@@ -729,7 +759,7 @@
     if (sseRetry !== null) { clearTimeout(sseRetry); sseRetry = null; }
     if (source) { source.close(); source = null; }
     if (typeof EventSource !== 'function') { setSseState('(polling)', false); return; }
-    const es = new EventSource('events');
+    const es = new EventSource('events' + JOB_QUERY);
     source = es;
     es.onmessage = onSseMessage;
     for (const kind of Object.keys(EVENT_KINDS)) es.addEventListener(kind, onSseMessage);
@@ -778,7 +808,7 @@
     const ctrl = typeof AbortController === 'function' ? new AbortController() : null;
     const timer = ctrl ? setTimeout(() => ctrl.abort(), FETCH_TIMEOUT_MS) : null;
     try {
-      const resp = await fetch('status', {
+      const resp = await fetch('status' + JOB_QUERY, {
         cache: 'no-store',
         headers: { Accept: 'application/json' },
         signal: ctrl ? ctrl.signal : undefined,

@@ -18,7 +18,8 @@ use axum::response::IntoResponse;
 use prost::Message;
 use tonic::{Request, Response, Status};
 
-use super::state::{wait_for_quorum, SessionStream, Shared};
+use super::rooms::Rooms;
+use super::state::{wait_for_quorum, SessionStream};
 use crate::proto::served::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use crate::proto::{
     LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
@@ -29,9 +30,10 @@ use crate::proto::{
 /// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
 const MAX_RESPONSE_BYTES: usize = 256 * 1024 * 1024;
 
-/// The generated service for every lighthouse method but Quorum.
+/// The generated service for every lighthouse method but Quorum; each request goes to the
+/// room of the job it names.
 struct Grpc {
-    shared: Arc<Shared>,
+    rooms: Arc<Rooms>,
 }
 
 #[tonic::async_trait]
@@ -41,7 +43,7 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
         let req = request.into_inner();
-        let reply = self.shared.heartbeat(
+        let reply = self.rooms.room(&req.job)?.heartbeat(
             &req.replica_id,
             req.step,
             req.quorum_id,
@@ -61,7 +63,8 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<TelemetryBatch>,
     ) -> std::result::Result<Response<TelemetryAck>, Status> {
-        let accepted = self.shared.report(request.get_ref())?;
+        let batch = request.get_ref();
+        let accepted = self.rooms.room(&batch.job)?.report(batch)?;
         Ok(Response::new(TelemetryAck { accepted }))
     }
 
@@ -71,7 +74,8 @@ impl LighthouseService for Grpc {
     ) -> std::result::Result<Response<LighthouseCommitResponse>, Status> {
         let req = request.into_inner();
         let refused = self
-            .shared
+            .rooms
+            .room(&req.job)?
             .commit(&req.replica_id, req.quorum_id, req.step)
             .await?;
         Ok(Response::new(LighthouseCommitResponse {
@@ -86,16 +90,17 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<SessionRequest>,
     ) -> std::result::Result<Response<SessionStream>, Status> {
-        let stream = self.shared.open_session(&request.into_inner().replica_id)?;
+        let req = request.into_inner();
+        let stream = self.rooms.room(&req.job)?.open_session(&req.replica_id)?;
         Ok(Response::new(stream))
     }
 }
 
 /// The gRPC routes of the lighthouse: the generated service, and the Quorum route. Requests
 /// larger than `max_request_bytes` are refused.
-pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> axum::Router {
+pub(crate) fn router(rooms: Arc<Rooms>, max_request_bytes: usize) -> axum::Router {
     let grpc = LighthouseServiceServer::new(Grpc {
-        shared: shared.clone(),
+        rooms: rooms.clone(),
     })
     .max_decoding_message_size(max_request_bytes)
     .max_encoding_message_size(MAX_RESPONSE_BYTES);
@@ -104,7 +109,7 @@ pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> axum::Rou
         .route_service(
             QUORUM_PATH,
             QuorumRoute {
-                shared,
+                rooms,
                 max_request_bytes,
             },
         )
@@ -146,13 +151,13 @@ impl http_body::Body for SharedBody {
 /// keeping a round linear in the number of replica groups on the server side.
 #[derive(Clone)]
 struct QuorumRoute {
-    shared: Arc<Shared>,
+    rooms: Arc<Rooms>,
     max_request_bytes: usize,
 }
 
 impl QuorumRoute {
     async fn serve(
-        shared: Arc<Shared>,
+        rooms: Arc<Rooms>,
         max_request_bytes: usize,
         req: http::Request<axum::body::Body>,
     ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
@@ -187,6 +192,7 @@ impl QuorumRoute {
             })?;
         let msg = decode_quorum_request(&body)?;
         let known = (msg.known_quorum_id, msg.known_revision);
+        let shared = rooms.room(&msg.job)?;
         let issued = wait_for_quorum(&shared, msg.requester, msg.known_quorum_id, timeout).await?;
         shared.count_reply(&issued, known);
         let mut trailers = HeaderMap::new();
@@ -238,10 +244,10 @@ impl tower::Service<http::Request<axum::body::Body>> for QuorumRoute {
     }
 
     fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
-        let shared = self.shared.clone();
+        let rooms = self.rooms.clone();
         let limit = self.max_request_bytes;
         Box::pin(async move {
-            Ok(Self::serve(shared, limit, req)
+            Ok(Self::serve(rooms, limit, req)
                 .await
                 .unwrap_or_else(|status| status.into_http()))
         })
@@ -257,6 +263,7 @@ mod fuzz {
     use super::*;
     use crate::error::Error;
     use crate::lighthouse::quorum::validate_member;
+    use crate::lighthouse::state::Shared;
     use crate::lighthouse::LighthouseOptions;
     use crate::proto::{QuorumMember, TelemetryReport};
 
@@ -317,6 +324,7 @@ mod fuzz {
                 requester: Some(member),
                 known_quorum_id: id,
                 known_revision: rev,
+                job: String::new(),
             };
             let framed = frame(&msg);
             prop_assert_eq!(decode_quorum_request(&framed).unwrap(), msg);
@@ -371,6 +379,7 @@ mod fuzz {
                     })
                     .collect(),
                 dropped: 0,
+                job: String::new(),
             };
             let _ = shared.report(&batch);
         }

@@ -5,25 +5,31 @@
 //! and the health of every replica group), `GET /metrics` (Prometheus), `GET /events`
 //! (server-sent events), `POST /replicas/{id}/kill` (only with `--allow_kill`), `GET /` (the
 //! live dashboard) and `GET /dashboard.js` (its script). Anything else is 404. The schema is in docs/telemetry.md.
+//!
+//! Rooms (see [`super::rooms`]): `/status`, `/events` and the kill action show the default
+//! room unless `?job=NAME` names another open room (404 for a room that is not open);
+//! `/status` lists every open room in `rooms`, and `/metrics` shows every room at once, the
+//! named rooms' samples labelled `job`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
 use super::health::metrics::JobMetrics;
 use super::health::telemetry::{GlobalCounters, ReplicaStatus, SnapshotStatus};
 use super::quorum::{ParitySnapshot, Snapshot};
+use super::rooms::Rooms;
 use super::state::Shared;
 use crate::client::ManagerClient;
 use crate::telemetry::EventKind;
@@ -101,9 +107,30 @@ pub struct HungStatus {
     pub hang_timeout_s: f64,
 }
 
+/// One open room, as listed on the status page.
+#[derive(Debug, Serialize)]
+pub struct RoomStatus {
+    /// The job's name (empty: the default room).
+    pub job: String,
+    /// Id of the room's last issued quorum (null before the first).
+    pub quorum_id: Option<i64>,
+    /// Members of that quorum.
+    pub members: usize,
+    /// The room's `min_replicas`.
+    pub min_replicas: u64,
+    /// Replica groups the room knows from heartbeats or requests.
+    pub replicas: usize,
+    /// Seconds since the room's last request (0 for the default room, which never expires).
+    pub idle_s: f64,
+}
+
 /// The body of `GET /status`.
 #[derive(Debug, Serialize)]
 pub struct StatusBody {
+    /// The room this body describes (empty: the default room; `?job=NAME` picks another).
+    pub job: String,
+    /// Every open room, the default room first.
+    pub rooms: Vec<RoomStatus>,
     /// Id of the last issued quorum (null before the first).
     pub quorum_id: Option<i64>,
     /// The configured minimum number of replica groups.
@@ -164,6 +191,8 @@ impl StatusBody {
     fn from_snapshot(s: Snapshot, started_unix_s: f64) -> Self {
         let now = Instant::now();
         Self {
+            job: String::new(),
+            rooms: Vec::new(),
             quorum_id: s.quorum_id,
             min_replicas: s.min_replicas,
             members: s
@@ -233,7 +262,7 @@ impl StatusBody {
 
 /// The HTTP routes; merged with the gRPC routes by the server. Bodies larger than
 /// `max_request_bytes` are refused with 413.
-pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> Router {
+pub(crate) fn router(rooms: Arc<Rooms>, max_request_bytes: usize) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -244,7 +273,25 @@ pub(crate) fn router(shared: Arc<Shared>, max_request_bytes: usize) -> Router {
         .route("/", get(index))
         .route("/dashboard.js", get(dashboard_script))
         .layer(axum::extract::DefaultBodyLimit::max(max_request_bytes))
-        .with_state(shared)
+        .with_state(rooms)
+}
+
+/// `?job=NAME`: the room a page is about (absent or empty: the default room).
+#[derive(Debug, Default, Deserialize)]
+struct JobQuery {
+    job: Option<String>,
+}
+
+/// The open room a page asks about, or a 404 naming the job.
+fn room_of(rooms: &Rooms, query: &JobQuery) -> std::result::Result<Arc<Shared>, Box<Response>> {
+    let job = query.job.as_deref().unwrap_or("");
+    rooms.existing(job).ok_or_else(|| {
+        Box::new(reply(
+            StatusCode::NOT_FOUND,
+            false,
+            format!("no open room for job {job:?} (a room opens on its job's first request)"),
+        ))
+    })
 }
 
 /// 404 for every path nobody serves.
@@ -256,8 +303,8 @@ async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
-    if shared.serving() {
+async fn readyz(State(rooms): State<Arc<Rooms>>) -> Response {
+    if rooms.default_room().serving() {
         (StatusCode::OK, "ready").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
@@ -302,8 +349,29 @@ fn status_body(shared: &Shared) -> StatusBody {
     body
 }
 
-async fn status(State(shared): State<Arc<Shared>>) -> Json<StatusBody> {
-    Json(status_body(&shared))
+async fn status(State(rooms): State<Arc<Rooms>>, Query(query): Query<JobQuery>) -> Response {
+    let shared = match room_of(&rooms, &query) {
+        Ok(shared) => shared,
+        Err(missing) => return *missing,
+    };
+    let mut body = status_body(&shared);
+    body.job = query.job.unwrap_or_default();
+    body.rooms = rooms
+        .all()
+        .into_iter()
+        .map(|r| {
+            let s = r.shared.snapshot();
+            RoomStatus {
+                job: r.job,
+                quorum_id: s.quorum_id,
+                members: s.members.len(),
+                min_replicas: s.min_replicas,
+                replicas: s.heartbeats.len(),
+                idle_s: r.idle.as_secs_f64(),
+            }
+        })
+        .collect();
+    Json(body).into_response()
 }
 
 /// The live dashboard: one page (inline style) and its script, both served from here (no
@@ -337,7 +405,31 @@ async fn dashboard_script() -> Response {
         .into_response()
 }
 
-async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+async fn metrics(State(rooms): State<Arc<Rooms>>) -> Response {
+    let rooms = rooms.all();
+    let measured: Vec<(String, JobMetrics, Vec<ReplicaStatus>)> = rooms
+        .iter()
+        .map(|r| {
+            let (job, replicas) = room_metrics(&r.shared);
+            (r.job.clone(), job, replicas)
+        })
+        .collect();
+    let views: Vec<(&str, &JobMetrics, &[ReplicaStatus])> = measured
+        .iter()
+        .map(|(job, m, replicas)| (job.as_str(), m, replicas.as_slice()))
+        .collect();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        super::health::metrics::render_rooms(&views),
+    )
+        .into_response()
+}
+
+/// What `/metrics` shows of one room.
+fn room_metrics(shared: &Shared) -> (JobMetrics, Vec<ReplicaStatus>) {
     let snapshot = shared.snapshot();
     let now = Instant::now();
     let (replicas, counters, latest_snapshot) = shared.hub.read(|t| {
@@ -361,18 +453,19 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         replicas_dropped: snapshot.dropped.len(),
         snapshot: latest_snapshot,
     };
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        super::health::metrics::render(&job, &replicas),
-    )
-        .into_response()
+    (job, replicas)
 }
 
 /// `GET /events`: server-sent events, replaying the buffered events after `Last-Event-ID`.
-async fn events(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+async fn events(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let shared = match room_of(&rooms, &query) {
+        Ok(shared) => shared,
+        Err(missing) => return *missing,
+    };
     let Some(rx) = shared.hub.subscribe() else {
         return (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response();
     };
@@ -432,7 +525,15 @@ fn reply(code: StatusCode, ok: bool, message: String) -> Response {
 
 /// `POST /replicas/{replica_id}/kill`: ends the group's manager process (only with
 /// `--allow_kill`).
-async fn kill(State(shared): State<Arc<Shared>>, Path(replica_id): Path<String>) -> Response {
+async fn kill(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    Path(replica_id): Path<String>,
+) -> Response {
+    let shared = match room_of(&rooms, &query) {
+        Ok(shared) => shared,
+        Err(missing) => return *missing,
+    };
     if !shared.hub.opts.allow_kill {
         return reply(
             StatusCode::FORBIDDEN,
@@ -485,10 +586,20 @@ mod tests {
     #[tokio::test]
     async fn readyz_503_while_shutting_down() {
         let shared = Arc::new(Shared::new(LighthouseOptions::default(), 1));
-        assert_eq!(readyz(State(shared.clone())).await.status(), StatusCode::OK);
-        shared.begin_shutdown();
+        let rooms = Arc::new(
+            Rooms::new(
+                shared,
+                LighthouseOptions::default(),
+                crate::lighthouse::ObservabilityOptions::default(),
+                crate::security::Security::none(),
+                crate::lighthouse::RoomOptions::default(),
+            )
+            .unwrap(),
+        );
+        assert_eq!(readyz(State(rooms.clone())).await.status(), StatusCode::OK);
+        rooms.begin_shutdown();
         assert_eq!(
-            readyz(State(shared.clone())).await.status(),
+            readyz(State(rooms.clone())).await.status(),
             StatusCode::SERVICE_UNAVAILABLE
         );
         // Liveness is unaffected.

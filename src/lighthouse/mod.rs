@@ -24,12 +24,14 @@ pub mod health;
 pub mod http;
 pub mod quorum;
 mod reply;
+pub mod rooms;
 pub mod server;
 mod state;
 
 pub use crate::client::LighthouseClient;
 pub use config::LighthouseConfig;
 pub use health::hub::ObservabilityOptions;
+pub use rooms::RoomOptions;
 pub use server::LighthouseServer;
 
 /// Tunables of a lighthouse; the defaults match the `torchft_lighthouse` daemon's flags.

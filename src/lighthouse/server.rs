@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use tracing::warn;
 
 use super::health::hub::{Hub, ObservabilityOptions};
+use super::rooms::{RoomOptions, Rooms};
 use super::state::{initial_quorum_id, Shared};
 use super::{AccessOptions, LighthouseOptions};
 use crate::error::{Error, Result};
@@ -45,7 +46,7 @@ pub struct LighthouseServer {
     local_addr: SocketAddr,
     /// Whether it serves TLS (its address is then `https://`).
     tls: bool,
-    shared: Arc<Shared>,
+    rooms: Arc<Rooms>,
     stop: watch::Sender<bool>,
     tasks: tokio::sync::Mutex<Vec<JoinHandle<()>>>,
 }
@@ -85,9 +86,22 @@ impl LighthouseServer {
         obs: ObservabilityOptions,
         access: AccessOptions,
     ) -> Result<Self> {
+        Self::bind_rooms(bind, opts, obs, access, RoomOptions::default()).await
+    }
+
+    /// Binds `bind` and starts serving every job's room (see [`super::rooms`]), with the
+    /// room settings of `rooms`. Nothing is left behind on error.
+    pub async fn bind_rooms(
+        bind: &str,
+        opts: LighthouseOptions,
+        obs: ObservabilityOptions,
+        access: AccessOptions,
+        rooms: RoomOptions,
+    ) -> Result<Self> {
         opts.validate()?;
         obs.validate()?;
         access.validate()?;
+        rooms.validate()?;
         let tls = crate::security::server::acceptor(&access.security)?;
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(bind)
             .await
@@ -115,20 +129,24 @@ impl LighthouseServer {
             .map_err(|e| Error::Unavailable(format!("cannot read bound address: {e}")))?;
 
         let tick = opts.quorum_tick;
-        let hub = Hub::new(obs, opts.heartbeat_timeout, opts.min_replicas)?;
+        let hub = Hub::new(obs.clone(), opts.heartbeat_timeout, opts.min_replicas)?;
         let shared = Arc::new(Shared::with_hub(
-            opts,
+            opts.clone(),
             initial_quorum_id(),
             hub,
             access.security.clone(),
         )?);
+        let rooms = Arc::new(Rooms::new(
+            shared,
+            opts,
+            obs,
+            access.security.clone(),
+            rooms,
+        )?);
         let (stop, stop_rx) = watch::channel(false);
 
-        let app = super::grpc::router(shared.clone(), access.max_request_bytes)
-            .merge(super::http::router(
-                shared.clone(),
-                access.max_request_bytes,
-            ))
+        let app = super::grpc::router(rooms.clone(), access.max_request_bytes)
+            .merge(super::http::router(rooms.clone(), access.max_request_bytes))
             .fallback(super::http::not_found);
         let open = if access.private_status {
             OpenRoutes::None
@@ -149,26 +167,27 @@ impl LighthouseServer {
         });
 
         let telemetry = spawn_ticker(TELEMETRY_TICK, stop_rx.clone(), {
-            let shared = shared.clone();
-            move || shared.telemetry_tick()
+            let rooms = rooms.clone();
+            move || rooms.telemetry_tick()
         });
         let ticker = spawn_ticker(tick, stop_rx, {
-            let shared = shared.clone();
-            move || shared.tick()
+            let rooms = rooms.clone();
+            move || rooms.tick()
         });
 
         Ok(Self {
             local_addr,
             tls: serves_tls,
-            shared,
+            rooms,
             stop,
             tasks: tokio::sync::Mutex::new(vec![server, ticker, telemetry]),
         })
     }
 
-    /// Number of replica groups whose session is open (each manager server holds one).
+    /// Number of replica groups whose session is open (each manager server holds one), over
+    /// every room.
     pub fn num_sessions(&self) -> usize {
-        self.shared.num_sessions()
+        self.rooms.num_sessions()
     }
 
     /// The socket address actually bound (useful with port 0).
@@ -188,23 +207,34 @@ impl LighthouseServer {
         }
     }
 
-    /// Id of the last issued quorum, if any (for tests and tooling).
+    /// Id of the last issued quorum of the default room, if any (for tests and tooling).
     pub fn quorum_id(&self) -> Option<i64> {
-        self.shared.snapshot().quorum_id
+        self.rooms.default_room().snapshot().quorum_id
+    }
+
+    /// Id of the last issued quorum of `job`'s room (empty: the default room), if the room
+    /// is open and issued one.
+    pub fn room_quorum_id(&self, job: &str) -> Option<i64> {
+        self.rooms.existing(job)?.snapshot().quorum_id
+    }
+
+    /// The jobs with an open room, the default room (`""`) first.
+    pub fn rooms(&self) -> Vec<String> {
+        self.rooms.all().into_iter().map(|r| r.job).collect()
     }
 
     /// Quorum replies sent so far as `(full, compact)` (for tests and tooling; compact counts
     /// steps-only and delta replies): every requester that holds the previous quorum gets a
     /// compact reply.
     pub fn reply_counts(&self) -> (u64, u64) {
-        self.shared.reply_counts()
+        self.rooms.reply_counts()
     }
 
     /// Graceful stop: pending long-polls end with UNAVAILABLE, then the listener and the tick
     /// task are joined (connections still open after a grace period are cut), and the last
     /// state handed to the state file's writer is written.
     pub async fn shutdown(&self) {
-        self.shared.begin_shutdown();
+        self.rooms.begin_shutdown();
         let _ = self.stop.send(true);
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().await.drain(..).collect();
         for mut t in tasks {
@@ -213,7 +243,7 @@ impl LighthouseServer {
                 t.abort();
             }
         }
-        if let Err(e) = self.shared.close_state().await {
+        if let Err(e) = self.rooms.close_state().await {
             warn!(error = %e, "the lighthouse state file may miss the last state");
         }
     }
@@ -222,14 +252,14 @@ impl LighthouseServer {
     /// (at once without a state file). Answers already wait for what they depend on (a
     /// commit, a changed quorum); this is for readers of the file (tools and tests).
     pub async fn flush_state(&self) -> Result<()> {
-        self.shared.flush_state().await
+        self.rooms.flush_state().await
     }
 }
 
 impl Drop for LighthouseServer {
     fn drop(&mut self) {
         // Dropping without `shutdown()` still stops serving (without waiting).
-        self.shared.begin_shutdown();
+        self.rooms.begin_shutdown();
         let _ = self.stop.send(true);
     }
 }

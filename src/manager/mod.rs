@@ -70,6 +70,9 @@ pub struct ManagerOptions {
     /// This group's place in the job's topology file (`WORLD_TOPOLOGY_FILE`), announced to
     /// the other groups so heal sources follow the file; None: locality by host name only.
     pub placement: Option<topology::Placement>,
+    /// The job (room) this group belongs to on a lighthouse serving many jobs; empty: the
+    /// default room (see [`crate::lighthouse::rooms`]).
+    pub job: String,
 }
 
 /// Default bound on one request to a manager server (ranks' reports are the largest).
@@ -90,6 +93,7 @@ impl Default for ManagerOptions {
             security: crate::security::Security::none(),
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             placement: None,
+            job: String::new(),
         }
     }
 }

@@ -71,19 +71,43 @@ impl ObservabilityOptions {
 /// One published event: its number and its JSON text.
 pub type FeedItem = Arc<(u64, String)>;
 
-struct EventLog {
-    tx: SyncSender<String>,
-    thread: JoinHandle<()>,
+/// Where a hub's events go: the event log it owns (the default room's hub), or the sender
+/// of another hub's log (the other rooms' hubs write into the one log, each line naming its
+/// job). `None` on the channel tells the writer thread to finish.
+enum EventLog {
+    Own {
+        tx: SyncSender<Option<String>>,
+        thread: JoinHandle<()>,
+    },
+    Shared(SyncSender<Option<String>>),
 }
 
-fn write_lines(rx: Receiver<String>, file: File, path: PathBuf) {
+impl EventLog {
+    fn tx(&self) -> &SyncSender<Option<String>> {
+        match self {
+            EventLog::Own { tx, .. } | EventLog::Shared(tx) => tx,
+        }
+    }
+}
+
+/// The sender into a hub's event log, for the hubs of other rooms (see [`Hub::for_room`]).
+pub(crate) type LogSink = SyncSender<Option<String>>;
+
+fn write_lines(rx: Receiver<Option<String>>, file: File, path: PathBuf) {
     let mut out = BufWriter::new(file);
     let mut failed = false;
-    while let Ok(line) = rx.recv() {
+    while let Ok(Some(line)) = rx.recv() {
         let mut res = writeln!(out, "{line}");
         // Write what is queued, then flush, so a crash loses at most the current burst.
-        while let Ok(line) = rx.try_recv() {
-            res = res.and_then(|_| writeln!(out, "{line}"));
+        let mut finished = false;
+        while let Ok(next) = rx.try_recv() {
+            match next {
+                Some(line) => res = res.and_then(|_| writeln!(out, "{line}")),
+                None => {
+                    finished = true;
+                    break;
+                }
+            }
         }
         res = res.and_then(|_| out.flush());
         if let Err(e) = res {
@@ -93,6 +117,9 @@ fn write_lines(rx: Receiver<String>, file: File, path: PathBuf) {
             }
         } else {
             failed = false;
+        }
+        if finished {
+            break;
         }
     }
     let _ = out.flush();
@@ -104,6 +131,9 @@ pub(crate) struct Hub {
     feed: Mutex<Option<broadcast::Sender<FeedItem>>>,
     log: Mutex<Option<EventLog>>,
     log_dropped: AtomicU64,
+    /// The job (room) this hub belongs to; empty for the default room. Other rooms' events
+    /// carry it as `job`.
+    job: String,
     pub(crate) opts: ObservabilityOptions,
 }
 
@@ -142,10 +172,47 @@ impl Hub {
                     .name("torchft-event-log".into())
                     .spawn(move || write_lines(rx, file, p))
                     .map_err(|e| Error::Unavailable(format!("cannot start log writer: {e}")))?;
-                Some(EventLog { tx, thread })
+                Some(EventLog::Own { tx, thread })
             }
             None => None,
         };
+        Self::build(opts, heartbeat_timeout, min_replicas, String::new(), log)
+    }
+
+    /// The hub of room `job` (not the default room): its own telemetry and feed, its events
+    /// written into `log` (the default room's event log, if any) with `job` in every line.
+    pub(crate) fn for_room(
+        opts: ObservabilityOptions,
+        heartbeat_timeout: Duration,
+        min_replicas: u64,
+        job: &str,
+        log: Option<LogSink>,
+    ) -> Result<Self> {
+        opts.validate()?;
+        let opts = ObservabilityOptions {
+            event_log: None,
+            ..opts
+        };
+        let log = log.map(EventLog::Shared);
+        Self::build(opts, heartbeat_timeout, min_replicas, job.to_string(), log)
+    }
+
+    /// The sender into this hub's event log (None without one, or once closed).
+    pub(crate) fn log_sink(&self) -> Option<LogSink> {
+        self.log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|l| l.tx().clone())
+    }
+
+    fn build(
+        opts: ObservabilityOptions,
+        heartbeat_timeout: Duration,
+        min_replicas: u64,
+        job: String,
+        log: Option<EventLog>,
+    ) -> Result<Self> {
         let topts = TelemetryOptions {
             heartbeat_timeout,
             straggler_skew_pct: opts.straggler_skew_pct,
@@ -156,6 +223,7 @@ impl Hub {
             feed: Mutex::new(Some(broadcast::channel(FEED_CAPACITY).0)),
             log: Mutex::new(log),
             log_dropped: AtomicU64::new(0),
+            job,
             opts,
         };
         hub.emit(
@@ -198,9 +266,13 @@ impl Hub {
         let feed = self.feed.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         for e in events {
-            let line = e.to_json().to_string();
+            let mut json = e.to_json();
+            if !self.job.is_empty() {
+                json["job"] = serde_json::Value::String(self.job.clone());
+            }
+            let line = json.to_string();
             if let Some(log) = log.as_ref() {
-                match log.tx.try_send(line.clone()) {
+                match log.tx().try_send(Some(line.clone())) {
                     Ok(()) => {}
                     Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
                         self.log_dropped.fetch_add(1, Ordering::Relaxed);
@@ -232,7 +304,10 @@ impl Hub {
     pub(crate) fn close(&self) {
         self.feed.lock().unwrap_or_else(|e| e.into_inner()).take();
         let log = self.log.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(EventLog { tx, thread }) = log {
+        if let Some(EventLog::Own { tx, thread }) = log {
+            // Other rooms' hubs may still hold senders: tell the writer to finish after
+            // what is queued (their later lines are counted as dropped).
+            let _ = tx.send(None);
             drop(tx);
             let _ = thread.join();
         }

@@ -33,29 +33,69 @@ fn value(v: f64) -> String {
     }
 }
 
+/// One metric family: its `# HELP`/`# TYPE` lines and its samples (of every room).
+struct Family {
+    name: String,
+    header: String,
+    samples: String,
+}
+
+/// Collects families in the order they are first written; the samples of every room go
+/// under their family's one header.
+#[derive(Default)]
 struct Writer {
-    out: String,
+    families: Vec<Family>,
+    index: std::collections::HashMap<String, usize>,
+    current: usize,
+    /// The room being written (empty: the default room, whose samples carry no `job`).
+    job: String,
 }
 
 impl Writer {
     fn family(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}");
-        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+        if let Some(&i) = self.index.get(name) {
+            self.current = i;
+            return;
+        }
+        let mut header = String::new();
+        let _ = writeln!(header, "# HELP {name} {help}");
+        let _ = writeln!(header, "# TYPE {name} {kind}");
+        self.families.push(Family {
+            name: name.to_string(),
+            header,
+            samples: String::new(),
+        });
+        self.current = self.families.len() - 1;
+        self.index.insert(name.to_string(), self.current);
     }
 
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: f64) {
-        self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (k, val)) in labels.iter().enumerate() {
+        let family = &mut self.families[self.current];
+        debug_assert_eq!(family.name, name);
+        let out = &mut family.samples;
+        out.push_str(name);
+        let job = (!self.job.is_empty()).then_some(("job", self.job.as_str()));
+        let all: Vec<&(&str, &str)> = job.iter().chain(labels.iter()).collect();
+        if !all.is_empty() {
+            out.push('{');
+            for (i, (k, val)) in all.iter().enumerate() {
                 if i > 0 {
-                    self.out.push(',');
+                    out.push(',');
                 }
-                let _ = write!(self.out, "{k}=\"{}\"", label(val));
+                let _ = write!(out, "{k}=\"{}\"", label(val));
             }
-            self.out.push('}');
+            out.push('}');
         }
-        let _ = writeln!(self.out, " {}", value(v));
+        let _ = writeln!(out, " {}", value(v));
+    }
+
+    fn finish(self) -> String {
+        let mut out = String::new();
+        for f in self.families {
+            out.push_str(&f.header);
+            out.push_str(&f.samples);
+        }
+        out
     }
 
     /// One family with one unlabelled sample.
@@ -110,9 +150,30 @@ pub struct JobMetrics {
     pub snapshot: Option<SnapshotStatus>,
 }
 
-/// Renders the exposition text.
+/// Renders the exposition text of a lighthouse with one room.
 pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
-    let mut w = Writer { out: String::new() };
+    render_rooms(&[("", job, replicas)])
+}
+
+/// Renders the exposition text of every room `(job, metrics, replicas)`: each family once,
+/// with the samples of every room; a named room's samples carry its `job` label (the
+/// default room's none, as a single-job lighthouse's).
+pub fn render_rooms(rooms: &[(&str, &JobMetrics, &[ReplicaStatus])]) -> String {
+    let mut w = Writer::default();
+    w.family(
+        "torchft_rooms",
+        "gauge",
+        "Rooms (jobs) open, the default room included.",
+    );
+    w.sample("torchft_rooms", &[], rooms.len() as f64);
+    for (name, job, replicas) in rooms {
+        w.job = name.to_string();
+        render_room(&mut w, job, replicas);
+    }
+    w.finish()
+}
+
+fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
     if let Some(q) = job.quorum_id {
         let help = "Id of the last issued quorum.";
         w.single("torchft_quorum_id", "gauge", help, q as f64);
@@ -378,7 +439,6 @@ pub fn render(job: &JobMetrics, replicas: &[ReplicaStatus]) -> String {
     for (name, kind, help, f) in per_replica {
         w.per_replica(replicas, name, kind, help, f);
     }
-    w.out
 }
 
 #[cfg(test)]

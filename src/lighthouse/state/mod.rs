@@ -651,6 +651,17 @@ impl Shared {
         self.lock().engine.snapshot(now)
     }
 
+    /// The room's `min_replicas`.
+    pub(crate) fn min_replicas(&self) -> u64 {
+        self.lock().engine.options().min_replicas
+    }
+
+    /// True when no session is open and no quorum request waits (a room may then expire).
+    pub(crate) fn is_idle(&self) -> bool {
+        let state = self.lock();
+        state.sessions.is_empty() && state.waiters.is_empty()
+    }
+
     /// False once shutdown has begun.
     pub(crate) fn serving(&self) -> bool {
         !self.lock().shutting_down

@@ -165,7 +165,8 @@ impl ManagerServer {
         .map_err(|e| Error::InvalidArgument(format!("lighthouse address: {}", e.message())))?;
         let lighthouse_addr = endpoint.uri().to_string();
         let lighthouse =
-            LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref());
+            LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref())
+                .with_job(&opts.job)?;
 
         let listener = tokio::net::TcpListener::bind(&opts.bind)
             .await
