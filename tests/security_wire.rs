@@ -558,3 +558,134 @@ async fn oversized_requests_are_refused_with_a_clear_status() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_own_token_acts_on_its_room_only() {
+    bounded(async {
+        let dir = common::TempDir::new("room-tokens");
+        std::fs::write(dir.0.join("job-a"), "token-of-a\n").unwrap();
+        std::fs::write(dir.0.join("job-b"), "token-of-b").unwrap();
+        // A Kubernetes Secret volume's hidden entries are skipped.
+        std::fs::create_dir(dir.0.join("..data")).unwrap();
+        let room_tokens = torchft::security::RoomTokens::load_dir(&dir.0).unwrap();
+        let server = lighthouse(AccessOptions {
+            security: server_security(Some("admin-token"), false, false),
+            private_status: true,
+            room_tokens,
+            ..Default::default()
+        })
+        .await;
+        let addr = server.address();
+        let as_token = |tok: &'static str, job: &'static str| {
+            let addr = addr.clone();
+            async move {
+                LighthouseClient::connect_with(
+                    &addr,
+                    CONNECT,
+                    &client_security(Some(tok), None, false),
+                )
+                .await
+                .unwrap()
+                .with_job(job)
+                .unwrap()
+            }
+        };
+        // Job a's token: its own room works, job b's room and the default room are refused.
+        let a = as_token("token-of-a", "job-a").await;
+        let q = a.quorum(member("x"), CALL).await.unwrap();
+        assert_eq!(q.participants.len(), 1);
+        for job in ["job-b", ""] {
+            let err = as_token("token-of-a", job)
+                .await
+                .quorum(member("x"), CALL)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, Error::Unauthenticated(_)), "{job}: {err}");
+            assert!(err.to_string().contains("job \"job-a\"'s"), "{err}");
+        }
+        let err = as_token("token-of-a", "job-b")
+            .await
+            .heartbeat("x", CALL)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unauthenticated(_)), "{err}");
+        assert_eq!(server.rooms(), ["", "job-a"], "refusals open no room");
+        // The lighthouse's own token acts on every room; an unknown token on none.
+        let admin = as_token("admin-token", "job-b").await;
+        admin.quorum(member("y"), CALL).await.unwrap();
+        let err = as_token("nobody", "job-a")
+            .await
+            .quorum(member("x"), CALL)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("wrong token"), "{err}");
+
+        // Private pages: job a's token reads its own room, not another's nor /metrics.
+        let http = reqwest::Client::new();
+        let get = |path: &str, tok: &str| {
+            http.get(format!("{addr}{path}"))
+                .header("authorization", format!("Bearer {tok}"))
+                .send()
+        };
+        let own = get("/status?job=job-a", "token-of-a").await.unwrap();
+        assert_eq!(own.status(), 200);
+        let body: serde_json::Value = own.json().await.unwrap();
+        let listed: Vec<&str> = body["rooms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["job"].as_str().unwrap())
+            .collect();
+        assert_eq!(listed, ["job-a"], "a job's token lists its own room only");
+        for (path, code) in [
+            ("/status?job=job-b", 403),
+            ("/status", 403),
+            ("/metrics", 403),
+        ] {
+            let resp = get(path, "token-of-a").await.unwrap();
+            assert_eq!(resp.status(), code, "{path}");
+        }
+        assert_eq!(get("/metrics", "admin-token").await.unwrap().status(), 200);
+        assert_eq!(
+            get("/status?job=job-b", "admin-token")
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+        server.shutdown().await;
+    })
+    .await;
+}
+
+#[test]
+fn room_token_directories_are_checked() {
+    let dir = common::TempDir::new("room-tokens-bad");
+    let err = torchft::security::RoomTokens::load_dir(&dir.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("holds no token"), "{err}");
+    std::fs::write(dir.0.join("a"), "same").unwrap();
+    std::fs::write(dir.0.join("b"), "same").unwrap();
+    let err = torchft::security::RoomTokens::load_dir(&dir.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the same token"), "{err}");
+    std::fs::write(dir.0.join("b"), "other").unwrap();
+    std::fs::write(dir.0.join("bad name"), "third").unwrap();
+    let err = torchft::security::RoomTokens::load_dir(&dir.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("invalid job name"), "{err}");
+    let err = AccessOptions {
+        room_tokens: torchft::security::RoomTokens::from_pairs([(
+            "a".to_string(),
+            Token::new("t").unwrap(),
+        )]),
+        ..Default::default()
+    }
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("need the lighthouse's own token"), "{err}");
+}

@@ -139,6 +139,7 @@ class LighthouseServer:
         room_expiry_ms: int | None = None,
         max_rooms: int | None = None,
         room_min_replicas: dict[str, int] | None = None,
+        room_token_dir: str | None = None,
     ) -> LighthouseServer:
         """Token and TLS default to ``TORCHFT_TOKEN_FILE``/``TORCHFT_TOKEN``/``TORCHFT_TLS_*``;
         the keyword arguments win over them (see docs/security.md)."""

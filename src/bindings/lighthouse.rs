@@ -264,6 +264,8 @@ fn non_negative(name: &str, value: Option<i64>) -> PyResult<Option<u64>> {
 ///     max_rooms: most rooms open at once besides the default room (default 1024; >= 1).
 ///     room_min_replicas: per-job `min_replicas` (`{"job": n}`); other rooms use
 ///         `min_replicas`.
+///     room_token_dir: a directory of per-job tokens (a file named after each job holds
+///         its token); a job's token acts on its own room only (needs `token_file`).
 ///
 /// Raises:
 ///     ValueError: an argument is out of range.
@@ -281,7 +283,7 @@ impl LighthouseServer {
         event_log = None, allow_kill = false, straggler_skew_pct = None, straggler_min_ms = None, token_file = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_client_ca = None,
         private_status = false, max_request_bytes = None, room_expiry_ms = None, max_rooms = None,
-        room_min_replicas = None))]
+        room_min_replicas = None, room_token_dir = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -306,6 +308,7 @@ impl LighthouseServer {
         room_expiry_ms: Option<i64>,
         max_rooms: Option<usize>,
         room_min_replicas: Option<std::collections::BTreeMap<String, i64>>,
+        room_token_dir: Option<PathBuf>,
     ) -> PyResult<Self> {
         let min_replicas = u64::try_from(min_replicas).map_err(|_| {
             PyValueError::new_err(format!(
@@ -369,6 +372,7 @@ impl LighthouseServer {
             })?;
             config.room_min_replicas.push((job, n));
         }
+        config.room_token_dir = room_token_dir;
         let access = config.access()?;
         let inner = block_on(py, config.bind(access))?;
         Ok(Self { inner })

@@ -230,6 +230,16 @@ pub struct LighthouseConfig {
     )]
     pub max_rooms: usize,
 
+    /// A directory of per-job tokens: a file named after a job holds that job's token (a
+    /// Kubernetes Secret with one key per job, mounted as a volume). A job's token acts on
+    /// its own room only; the lighthouse's token (--token_file) on every room.
+    #[arg(
+        long = "room_token_dir",
+        alias = "room-token-dir",
+        env = "TORCHFT_ROOM_TOKEN_DIR"
+    )]
+    pub room_token_dir: Option<PathBuf>,
+
     /// `JOB=N`: the room of JOB needs N replica groups per quorum instead of
     /// --min_replicas (repeat the flag for more jobs).
     #[arg(
@@ -280,6 +290,7 @@ impl LighthouseConfig {
             room_expiry_ms: ROOM_EXPIRY_MS,
             max_rooms: DEFAULT_MAX_ROOMS,
             room_min_replicas: Vec::new(),
+            room_token_dir: None,
         }
     }
 
@@ -336,6 +347,10 @@ impl LighthouseConfig {
             security: Security::from_env_and(self.token_file.as_deref(), &self.tls_files())?,
             private_status: self.private_status,
             max_request_bytes: self.max_request_bytes,
+            room_tokens: match &self.room_token_dir {
+                Some(dir) => crate::security::RoomTokens::load_dir(dir)?,
+                None => crate::security::RoomTokens::default(),
+            },
         };
         access.validate()?;
         Ok(access)

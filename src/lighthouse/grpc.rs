@@ -26,9 +26,18 @@ use crate::proto::{
     LighthouseHeartbeatResponse, LighthouseQuorumRequest, SessionRequest, TelemetryAck,
     TelemetryBatch,
 };
+use crate::security::server::Caller;
 
 /// Largest gRPC message sent (a quorum of 10,000+ groups is a few MB).
 const MAX_RESPONSE_BYTES: usize = 256 * 1024 * 1024;
+
+/// Who sent a request (the guard put it in the request's extensions).
+fn caller(extensions: &http::Extensions) -> Caller {
+    extensions
+        .get::<Caller>()
+        .cloned()
+        .unwrap_or(Caller::Anyone)
+}
 
 /// The generated service for every lighthouse method but Quorum; each request goes to the
 /// room of the job it names.
@@ -42,8 +51,9 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<LighthouseHeartbeatRequest>,
     ) -> std::result::Result<Response<LighthouseHeartbeatResponse>, Status> {
+        let who = caller(request.extensions());
         let req = request.into_inner();
-        let reply = self.rooms.room(&req.job)?.heartbeat(
+        let reply = self.rooms.room_for(&req.job, &who)?.heartbeat(
             &req.replica_id,
             req.step,
             req.quorum_id,
@@ -63,8 +73,9 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<TelemetryBatch>,
     ) -> std::result::Result<Response<TelemetryAck>, Status> {
+        let who = caller(request.extensions());
         let batch = request.get_ref();
-        let accepted = self.rooms.room(&batch.job)?.report(batch)?;
+        let accepted = self.rooms.room_for(&batch.job, &who)?.report(batch)?;
         Ok(Response::new(TelemetryAck { accepted }))
     }
 
@@ -72,10 +83,11 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<LighthouseCommitRequest>,
     ) -> std::result::Result<Response<LighthouseCommitResponse>, Status> {
+        let who = caller(request.extensions());
         let req = request.into_inner();
         let refused = self
             .rooms
-            .room(&req.job)?
+            .room_for(&req.job, &who)?
             .commit(&req.replica_id, req.quorum_id, req.step)
             .await?;
         Ok(Response::new(LighthouseCommitResponse {
@@ -90,8 +102,12 @@ impl LighthouseService for Grpc {
         &self,
         request: Request<SessionRequest>,
     ) -> std::result::Result<Response<SessionStream>, Status> {
+        let who = caller(request.extensions());
         let req = request.into_inner();
-        let stream = self.rooms.room(&req.job)?.open_session(&req.replica_id)?;
+        let stream = self
+            .rooms
+            .room_for(&req.job, &who)?
+            .open_session(&req.replica_id)?;
         Ok(Response::new(stream))
     }
 }
@@ -173,6 +189,7 @@ impl QuorumRoute {
             )
                 .into_response());
         }
+        let who = caller(req.extensions());
         let timeout = req
             .headers()
             .get("grpc-timeout")
@@ -192,7 +209,7 @@ impl QuorumRoute {
             })?;
         let msg = decode_quorum_request(&body)?;
         let known = (msg.known_quorum_id, msg.known_revision);
-        let shared = rooms.room(&msg.job)?;
+        let shared = rooms.room_for(&msg.job, &who)?;
         let issued = wait_for_quorum(&shared, msg.requester, msg.known_quorum_id, timeout).await?;
         shared.count_reply(&issued, known);
         let mut trailers = HeaderMap::new();

@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
@@ -32,6 +32,7 @@ use super::quorum::{ParitySnapshot, Snapshot};
 use super::rooms::Rooms;
 use super::state::Shared;
 use crate::client::ManagerClient;
+use crate::security::server::Caller;
 use crate::telemetry::EventKind;
 
 /// One member of the current quorum, as shown on the status page.
@@ -282,9 +283,19 @@ struct JobQuery {
     job: Option<String>,
 }
 
-/// The open room a page asks about, or a 404 naming the job.
-fn room_of(rooms: &Rooms, query: &JobQuery) -> std::result::Result<Arc<Shared>, Box<Response>> {
+/// The open room a page asks about: a 403 when the caller's token is another job's, a 404
+/// naming the job when the room is not open.
+fn room_of(
+    rooms: &Rooms,
+    query: &JobQuery,
+    caller: Option<&Extension<Caller>>,
+) -> std::result::Result<Arc<Shared>, Box<Response>> {
     let job = query.job.as_deref().unwrap_or("");
+    if let Some(Extension(caller)) = caller {
+        if let Err(e) = caller.may_act_on(job) {
+            return Err(Box::new(reply(StatusCode::FORBIDDEN, false, e.message())));
+        }
+    }
     rooms.existing(job).ok_or_else(|| {
         Box::new(reply(
             StatusCode::NOT_FOUND,
@@ -349,16 +360,26 @@ fn status_body(shared: &Shared) -> StatusBody {
     body
 }
 
-async fn status(State(rooms): State<Arc<Rooms>>, Query(query): Query<JobQuery>) -> Response {
-    let shared = match room_of(&rooms, &query) {
+async fn status(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
+) -> Response {
+    let shared = match room_of(&rooms, &query, caller.as_ref()) {
         Ok(shared) => shared,
         Err(missing) => return *missing,
     };
     let mut body = status_body(&shared);
     body.job = query.job.unwrap_or_default();
+    // A job's own token lists its own room only.
+    let own = match caller.as_ref().map(|c| &c.0) {
+        Some(Caller::Room(job)) => Some(job.clone()),
+        _ => None,
+    };
     body.rooms = rooms
         .all()
         .into_iter()
+        .filter(|r| own.as_ref().is_none_or(|job| *job == r.job))
         .map(|r| {
             let s = r.shared.snapshot();
             RoomStatus {
@@ -405,7 +426,17 @@ async fn dashboard_script() -> Response {
         .into_response()
 }
 
-async fn metrics(State(rooms): State<Arc<Rooms>>) -> Response {
+async fn metrics(State(rooms): State<Arc<Rooms>>, caller: Option<Extension<Caller>>) -> Response {
+    if let Some(Extension(Caller::Room(job))) = &caller {
+        return reply(
+            StatusCode::FORBIDDEN,
+            false,
+            format!(
+                "/metrics shows every job's room; job {job:?}'s token reads its own: \
+                 /status?job={job}"
+            ),
+        );
+    }
     let rooms = rooms.all();
     let measured: Vec<(String, JobMetrics, Vec<ReplicaStatus>)> = rooms
         .iter()
@@ -460,9 +491,10 @@ fn room_metrics(shared: &Shared) -> (JobMetrics, Vec<ReplicaStatus>) {
 async fn events(
     State(rooms): State<Arc<Rooms>>,
     Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
 ) -> Response {
-    let shared = match room_of(&rooms, &query) {
+    let shared = match room_of(&rooms, &query, caller.as_ref()) {
         Ok(shared) => shared,
         Err(missing) => return *missing,
     };
@@ -528,9 +560,10 @@ fn reply(code: StatusCode, ok: bool, message: String) -> Response {
 async fn kill(
     State(rooms): State<Arc<Rooms>>,
     Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
     Path(replica_id): Path<String>,
 ) -> Response {
-    let shared = match room_of(&rooms, &query) {
+    let shared = match room_of(&rooms, &query, caller.as_ref()) {
         Ok(shared) => shared,
         Err(missing) => return *missing,
     };

@@ -97,6 +97,9 @@ pub struct AccessOptions {
     pub private_status: bool,
     /// Largest request message or HTTP body accepted; larger ones fail with a clear status.
     pub max_request_bytes: usize,
+    /// Each job's own token (`--room_token_dir`): it acts on that job's room only, where
+    /// `security.token` acts on every room. Empty: one token for all.
+    pub room_tokens: crate::security::RoomTokens,
 }
 
 /// Default bound on one request to the lighthouse (a quorum request or a telemetry batch).
@@ -111,6 +114,7 @@ impl Default for AccessOptions {
             security: crate::security::Security::none(),
             private_status: false,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            room_tokens: crate::security::RoomTokens::default(),
         }
     }
 }
@@ -129,6 +133,13 @@ impl AccessOptions {
     /// Checks the options are usable (a workable request limit, complete TLS files).
     pub fn validate(&self) -> crate::error::Result<()> {
         Self::check_max_request_bytes(self.max_request_bytes)?;
+        if !self.room_tokens.is_empty() && self.security.token.is_none() {
+            return Err(crate::error::Error::InvalidArgument(
+                "per-job tokens (--room_token_dir) need the lighthouse's own token too \
+                 (TORCHFT_TOKEN_FILE / --token_file): it acts on every room"
+                    .into(),
+            ));
+        }
         if self.private_status && self.security.token.is_none() {
             return Err(crate::error::Error::InvalidArgument(
                 "private_status needs a token (TORCHFT_TOKEN_FILE / --token_file)".into(),

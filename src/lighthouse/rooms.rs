@@ -28,7 +28,8 @@ use super::state::{initial_quorum_id, Shared};
 use super::LighthouseOptions;
 use crate::error::{Error, Result};
 use crate::ids::validate_job;
-use crate::security::Security;
+use crate::security::server::Caller;
+use crate::security::{RoomTokens, Security};
 
 /// Default of [`RoomOptions::expiry`]: an hour without a request, session or waiter.
 pub const DEFAULT_ROOM_EXPIRY: Duration = Duration::from_secs(3600);
@@ -123,6 +124,7 @@ pub(crate) struct Rooms {
     obs: ObservabilityOptions,
     security: Security,
     opts: RoomOptions,
+    tokens: RoomTokens,
 }
 
 impl Rooms {
@@ -143,7 +145,22 @@ impl Rooms {
             obs,
             security,
             opts,
+            tokens: RoomTokens::default(),
         })
+    }
+
+    /// These rooms with each job's own token: a room's calls to its managers (the kill
+    /// action) present its job's token, which is what its managers accept.
+    pub(crate) fn with_tokens(mut self, tokens: RoomTokens) -> Self {
+        self.tokens = tokens;
+        self
+    }
+
+    /// The room of `job` for a request from `caller` (see [`Rooms::room`]); refused when the
+    /// caller's token belongs to another job.
+    pub(crate) fn room_for(&self, job: &str, caller: &Caller) -> Result<Arc<Shared>> {
+        caller.may_act_on(job)?;
+        self.room(job)
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Room>> {
@@ -216,7 +233,11 @@ impl Rooms {
             job,
             self.default.hub.log_sink(),
         )?;
-        Shared::with_hub(opts, initial_quorum_id(), hub, self.security.clone())
+        let mut security = self.security.clone();
+        if let Some(token) = self.tokens.get(job) {
+            security.token = Some(token.clone());
+        }
+        Shared::with_hub(opts, initial_quorum_id(), hub, security)
     }
 
     /// The open room of `job` (empty: the default room), without opening one: the status

@@ -136,13 +136,10 @@ impl LighthouseServer {
             hub,
             access.security.clone(),
         )?);
-        let rooms = Arc::new(Rooms::new(
-            shared,
-            opts,
-            obs,
-            access.security.clone(),
-            rooms,
-        )?);
+        let rooms = Arc::new(
+            Rooms::new(shared, opts, obs, access.security.clone(), rooms)?
+                .with_tokens(access.room_tokens.clone()),
+        );
         let (stop, stop_rx) = watch::channel(false);
 
         let app = super::grpc::router(rooms.clone(), access.max_request_bytes)
@@ -153,7 +150,7 @@ impl LighthouseServer {
         } else {
             OpenRoutes::ReadOnlyStatus
         };
-        let guard = Guard::new(&access.security, open);
+        let guard = Guard::new(&access.security, open).with_room_tokens(access.room_tokens.clone());
         let serves_tls = tls.is_some();
         let mut serve_stop = stop_rx.clone();
         let server = tokio::spawn(async move {

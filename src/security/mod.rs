@@ -108,6 +108,97 @@ impl Token {
     }
 }
 
+/// Per-job tokens of a lighthouse serving many jobs (rooms): a request presenting job J's
+/// token may act on J's room only; the lighthouse's own token acts on every room.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoomTokens(std::collections::BTreeMap<String, Token>);
+
+impl RoomTokens {
+    /// Reads a directory holding one file per job, named after the job and holding its token
+    /// (a Kubernetes Secret with one key per job, mounted as a volume, is exactly this; its
+    /// hidden `..data` entries are skipped). Refused: an unreadable directory, a file name
+    /// that is not a valid job name, an invalid token, no token at all, and one token shared
+    /// by two jobs (it would act on both).
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let entries = std::fs::read_dir(dir).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "cannot read the room token directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+        let mut tokens = std::collections::BTreeMap::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "cannot read the room token directory {}: {e}",
+                    dir.display()
+                ))
+            })?;
+            let name = entry.file_name();
+            let Some(job) = name.to_str() else {
+                return Err(Error::InvalidArgument(format!(
+                    "room token directory {}: {name:?} is not a job name",
+                    dir.display()
+                )));
+            };
+            if job.starts_with('.') || entry.path().is_dir() {
+                continue;
+            }
+            crate::ids::validate_job(job).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "room token directory {}: {}",
+                    dir.display(),
+                    detail(&e)
+                ))
+            })?;
+            tokens.insert(job.to_string(), Token::from_file(&entry.path())?);
+        }
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "the room token directory {} holds no token (one file per job, named after it)",
+                dir.display()
+            )));
+        }
+        let mut seen: Vec<(&Token, &str)> = Vec::new();
+        for (job, token) in &tokens {
+            if let Some((_, other)) = seen.iter().find(|(t, _)| *t == token) {
+                return Err(Error::InvalidArgument(format!(
+                    "room token directory {}: jobs {other:?} and {job:?} have the same token",
+                    dir.display()
+                )));
+            }
+            seen.push((token, job));
+        }
+        Ok(Self(tokens))
+    }
+
+    /// A set of tokens from `(job, token)` pairs (tests and tools).
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (String, Token)>) -> Self {
+        Self(pairs.into_iter().collect())
+    }
+
+    /// True when no job has a token of its own.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The token of `job`, if it has one.
+    pub fn get(&self, job: &str) -> Option<&Token> {
+        self.0.get(job)
+    }
+
+    /// The job whose token `presented` is (every token is compared, each in constant time).
+    pub fn job_of(&self, presented: &[u8]) -> Option<&str> {
+        let mut found = None;
+        for (job, token) in &self.0 {
+            if token.matches(presented) && found.is_none() {
+                found = Some(job.as_str());
+            }
+        }
+        found
+    }
+}
+
 /// Compares two byte strings without an early exit on the first difference.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {

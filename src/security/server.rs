@@ -61,10 +61,40 @@ const READ_ONLY_PATHS: &[&str] = &[
     "/events",
 ];
 
+/// Who a request comes from, as the guard found it (in the request's extensions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// No token is required here (none configured, or an open read-only page).
+    Anyone,
+    /// The server's own token: may act on everything.
+    Admin,
+    /// A job's own token (see [`super::RoomTokens`]): may act on that job's room only.
+    Room(String),
+}
+
+impl Caller {
+    /// Whether this caller may act on (or read the private pages of) `job`'s room.
+    pub fn may_act_on(&self, job: &str) -> crate::error::Result<()> {
+        match self {
+            Caller::Room(own) if own != job => Err(crate::error::Error::Unauthenticated(format!(
+                "the token presented is job {own:?}'s: it acts on that job's room only, not on \
+                 {}",
+                if job.is_empty() {
+                    "the default room".to_string()
+                } else {
+                    format!("job {job:?}'s")
+                }
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// How a server checks who talks to it.
 #[derive(Debug, Clone)]
 pub struct Guard {
     token: Option<Token>,
+    room_tokens: super::RoomTokens,
     tls_only: bool,
     open: OpenRoutes,
 }
@@ -75,9 +105,17 @@ impl Guard {
     pub fn new(security: &Security, open: OpenRoutes) -> Self {
         Self {
             token: security.token.clone(),
+            room_tokens: super::RoomTokens::default(),
             tls_only: security.tls.serves_tls(),
             open,
         }
+    }
+
+    /// This guard also accepting each job's own token (for that job's room only; the
+    /// handlers check the room with [`Caller::may_act_on`]).
+    pub fn with_room_tokens(mut self, room_tokens: super::RoomTokens) -> Self {
+        self.room_tokens = room_tokens;
+        self
     }
 
     fn is_open(&self, method: &Method, path: &str) -> bool {
@@ -86,29 +124,39 @@ impl Guard {
             && READ_ONLY_PATHS.contains(&path)
     }
 
-    /// `None` if a request with these headers may pass; else why not.
-    fn refuse(&self, method: &Method, path: &str, headers: &HeaderMap) -> Option<&'static str> {
-        let token = self.token.as_ref()?;
+    /// Who sent a request with these headers, if it may pass; else why not.
+    fn admit(
+        &self,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> std::result::Result<Caller, &'static str> {
+        let Some(token) = self.token.as_ref() else {
+            return Ok(Caller::Anyone);
+        };
         if self.is_open(method, path) {
-            return None;
+            return Ok(Caller::Anyone);
         }
         if changes_state(method) && !is_grpc(headers) && is_basic(headers) {
             // A browser that logged in to a private dashboard resends Basic credentials by
             // itself, also on a request another site's page makes it send.
-            return Some(
+            return Err(
                 "HTTP Basic credentials are accepted for reading only (a browser resends them                  by itself): send the token as `Authorization: Bearer <token>`",
             );
         }
         match presented_token(headers) {
-            None => Some(
+            None => Err(
                 "missing token: this server requires the shared secret; set TORCHFT_TOKEN_FILE \
                  (or TORCHFT_TOKEN) to the job's token",
             ),
-            Some(t) if token.matches(&t) => None,
-            Some(_) => Some(
-                "wrong token: the shared secret sent does not match this server's; check \
-                 TORCHFT_TOKEN_FILE / TORCHFT_TOKEN on both sides",
-            ),
+            Some(t) if token.matches(&t) => Ok(Caller::Admin),
+            Some(t) => match self.room_tokens.job_of(&t) {
+                Some(job) => Ok(Caller::Room(job.to_string())),
+                None => Err(
+                    "wrong token: the shared secret sent does not match this server's; check \
+                     TORCHFT_TOKEN_FILE / TORCHFT_TOKEN on both sides",
+                ),
+            },
         }
     }
 }
@@ -246,7 +294,8 @@ async fn check(
         debug!(peer = %peer.addr, path = %req.uri().path(), "{why}");
         return (StatusCode::FORBIDDEN, format!("{why}\n")).into_response();
     }
-    if let Some(why) = guard.refuse(req.method(), req.uri().path(), req.headers()) {
+    let admitted = guard.admit(req.method(), req.uri().path(), req.headers());
+    if let Err(why) = admitted {
         debug!(peer = %peer.addr, path = %req.uri().path(), "{why}");
         return if grpc {
             grpc_error(tonic::Status::unauthenticated(why))
@@ -258,6 +307,10 @@ async fn check(
             );
             resp
         };
+    }
+    let mut req = req;
+    if let Ok(caller) = admitted {
+        req.extensions_mut().insert(caller);
     }
     next.run(req).await
 }
@@ -597,12 +650,54 @@ mod tests {
         ];
         for (guard, method, path, auth, refused) in cases {
             let h = auth.map_or_else(HeaderMap::new, headers);
-            let why = guard.refuse(method, path, &h);
+            let why = guard.admit(method, path, &h).err();
             let case = format!("{method} {path} with {auth:?}: {why:?}");
             match refused {
                 None => assert!(why.is_none(), "{case}"),
                 Some(start) => assert!(why.is_some_and(|w| w.starts_with(start)), "{case}"),
             }
+        }
+    }
+
+    #[test]
+    fn room_tokens_name_their_job_and_the_servers_token_acts_on_all() {
+        let security = Security {
+            token: Some(Token::new("admin").unwrap()),
+            ..Default::default()
+        };
+        let rooms = super::super::RoomTokens::from_pairs([
+            ("a".to_string(), Token::new("tok-a").unwrap()),
+            ("b".to_string(), Token::new("tok-b").unwrap()),
+        ]);
+        let guard = Guard::new(&security, OpenRoutes::ReadOnlyStatus).with_room_tokens(rooms);
+        let post = Method::POST;
+        let path = "/torchft.LighthouseService/Quorum";
+        let admit = |auth: &str| guard.admit(&post, path, &headers(auth));
+        assert_eq!(admit("Bearer admin"), Ok(Caller::Admin));
+        assert_eq!(admit("Bearer tok-a"), Ok(Caller::Room("a".into())));
+        assert_eq!(admit("Bearer tok-b"), Ok(Caller::Room("b".into())));
+        assert!(admit("Bearer tok-c")
+            .unwrap_err()
+            .starts_with("wrong token"));
+        assert_eq!(
+            guard.admit(&Method::GET, "/status", &HeaderMap::new()),
+            Ok(Caller::Anyone)
+        );
+        let a = Caller::Room("a".into());
+        a.may_act_on("a").unwrap();
+        let err = a.may_act_on("b").unwrap_err().to_string();
+        assert!(
+            err.contains("job \"a\"'s") && err.contains("job \"b\"'s"),
+            "{err}"
+        );
+        assert!(a
+            .may_act_on("")
+            .unwrap_err()
+            .to_string()
+            .contains("default room"));
+        for caller in [Caller::Admin, Caller::Anyone] {
+            caller.may_act_on("b").unwrap();
+            caller.may_act_on("").unwrap();
         }
     }
 
