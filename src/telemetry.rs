@@ -356,6 +356,7 @@ mod tests {
         let batch = TelemetryBatch {
             reports: vec![good; MAX_BATCH + 1],
             dropped: 0,
+            job: String::new(),
         };
         assert!(validate_batch(&batch).is_err());
     }

@@ -317,6 +317,7 @@ mod fuzz {
                 requester: Some(member),
                 known_quorum_id: id,
                 known_revision: rev,
+                job: String::new(),
             };
             let framed = frame(&msg);
             prop_assert_eq!(decode_quorum_request(&framed).unwrap(), msg);
@@ -371,6 +372,7 @@ mod fuzz {
                     })
                     .collect(),
                 dropped: 0,
+                job: String::new(),
             };
             let _ = shared.report(&batch);
         }

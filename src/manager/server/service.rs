@@ -226,6 +226,7 @@ mod tests {
         let batch = TelemetryBatch {
             reports: vec![report("a:1"), report("b:2")],
             dropped: 0,
+            job: String::new(),
         };
         let err = service.report(Request::new(batch)).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
@@ -233,6 +234,7 @@ mod tests {
         let batch = TelemetryBatch {
             reports: vec![report("a:1")],
             dropped: 0,
+            job: String::new(),
         };
         let ack = service.report(Request::new(batch)).await.unwrap();
         assert_eq!(ack.into_inner().accepted, 1);
