@@ -71,6 +71,7 @@ async fn raw_quorum(
             requester: Some(m),
             known_quorum_id: known.0,
             known_revision: known.1,
+            job: String::new(),
         },
         ASK,
     );

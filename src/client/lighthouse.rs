@@ -442,6 +442,55 @@ fn quorum_call_error(status: Status, elapsed: Duration, timeout: Duration) -> St
 mod tests {
     use super::*;
 
+    fn quorum(id: i64, revision: u64, steps: &[i64]) -> Quorum {
+        Quorum {
+            quorum_id: id,
+            revision,
+            participants: steps
+                .iter()
+                .enumerate()
+                .map(|(i, s)| crate::testkit::member(&format!("r{i}"), *s))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_held_quorum_is_shared_only_for_its_own_abridged_reply() {
+        let next = quorum(4, 3, &[2, 2, 5]);
+        let held = Held {
+            quorum: Arc::new(next.clone()),
+            steps: OnceLock::new(),
+        };
+        assert!(held.is(&compact::compact_form(&next)));
+        assert!(held.is(&compact::delta_form(&quorum(3, 2, &[1, 1, 1]), &next)));
+        for (name, reply) in [
+            ("the full form", next.clone()),
+            (
+                "another revision",
+                compact::compact_form(&quorum(4, 4, &[2, 2, 5])),
+            ),
+            (
+                "another id",
+                compact::compact_form(&quorum(5, 3, &[2, 2, 5])),
+            ),
+            (
+                "other steps",
+                compact::compact_form(&quorum(4, 3, &[2, 2, 6])),
+            ),
+            (
+                "another count",
+                compact::compact_form(&quorum(4, 3, &[2, 2])),
+            ),
+            (
+                "no revision",
+                compact::compact_form(&quorum(4, 0, &[2, 2, 5])),
+            ),
+        ] {
+            assert!(!held.is(&reply), "{name}");
+        }
+    }
+
     #[test]
     fn only_a_cancel_at_the_deadline_reads_as_a_timeout() {
         let t = Duration::from_secs(2);
