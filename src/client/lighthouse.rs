@@ -9,7 +9,7 @@
 //! again without `known_*` and gets the full form.
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -22,8 +22,8 @@ use crate::error::{Error, Result};
 use crate::net::with_timeout;
 use crate::proto::lighthouse_service_client::LighthouseServiceClient;
 use crate::proto::{
-    LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember, SessionEvent,
-    SessionRequest, TelemetryBatch,
+    CompactSteps, LighthouseHeartbeatRequest, LighthouseQuorumRequest, Quorum, QuorumMember,
+    SessionEvent, SessionRequest, TelemetryBatch,
 };
 use crate::security::client::{authenticated, AuthChannel};
 use crate::security::Token;
@@ -34,12 +34,40 @@ use crate::security::Token;
 #[derive(Debug, Clone)]
 pub struct LighthouseClient {
     client: LighthouseServiceClient<AuthChannel>,
-    known: Arc<Mutex<Option<Arc<Quorum>>>>,
+    known: Arc<Mutex<Option<Arc<Held>>>>,
     /// Id of the last quorum received (0: none). Unlike `known`, never forgotten: heartbeats
     /// carry it, and it tells a restarted lighthouse that the job ran before.
     last_quorum_id: Arc<AtomicI64>,
     /// The job (room) every request names; empty: the lighthouse's default room.
     job: Arc<str>,
+}
+
+/// The last full quorum a client (and its clones) received.
+#[derive(Debug)]
+struct Held {
+    quorum: Arc<Quorum>,
+    /// The quorum's steps as the lighthouse summarises them, computed on first use.
+    steps: OnceLock<CompactSteps>,
+}
+
+impl Held {
+    /// True when `reply` is an abridged form of exactly the held quorum (same quorum_id and
+    /// revision, the same step summary): a clone already expanded it, and it can be shared
+    /// as it is instead of being rebuilt (an O(members) copy per clone).
+    fn is(&self, reply: &Quorum) -> bool {
+        let Some(c) = &reply.compact else {
+            return false;
+        };
+        let q = &self.quorum;
+        if reply.revision == 0 || q.quorum_id != reply.quorum_id || q.revision != reply.revision {
+            return false;
+        }
+        let held = self.steps.get_or_init(|| compact::compact_steps(q));
+        held.count == c.count
+            && held.base_step == c.base_step
+            && held.indices == c.indices
+            && held.steps == c.steps
+    }
 }
 
 /// A lighthouse's answer to a heartbeat.
@@ -146,6 +174,10 @@ impl LighthouseClient {
 
     /// The last full quorum this client received (expanded if it came compact), if any.
     pub fn known_quorum(&self) -> Option<Arc<Quorum>> {
+        self.held().map(|h| h.quorum.clone())
+    }
+
+    fn held(&self) -> Option<Arc<Held>> {
         self.known.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -154,10 +186,30 @@ impl LighthouseClient {
         *self.known.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    fn remember(&self, quorum: &Quorum) {
+    fn remember(&self, quorum: Quorum) -> Arc<Quorum> {
         self.last_quorum_id
             .store(quorum.quorum_id, Ordering::Relaxed);
-        *self.known.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(quorum.clone()));
+        let quorum = Arc::new(quorum);
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Held {
+            quorum: quorum.clone(),
+            steps: OnceLock::new(),
+        }));
+        quorum
+    }
+
+    /// Expands `reply` against `known` (what the request said it holds), or shares the held
+    /// quorum when a clone already expanded this very reply.
+    fn expand(
+        &self,
+        known: Option<&Quorum>,
+        reply: Quorum,
+    ) -> std::result::Result<Arc<Quorum>, Error> {
+        if let Some(held) = self.held().filter(|h| h.is(&reply)) {
+            self.last_quorum_id
+                .store(reply.quorum_id, Ordering::Relaxed);
+            return Ok(held.quorum.clone());
+        }
+        compact::expand(known, reply).map(|q| self.remember(q))
     }
 
     /// One Quorum call telling the lighthouse it holds `known`; the raw (possibly compact)
@@ -196,16 +248,26 @@ impl LighthouseClient {
         requester: QuorumMember,
         timeout: Duration,
     ) -> std::result::Result<Quorum, Status> {
+        self.quorum_status_shared(requester, timeout)
+            .await
+            .map(Arc::unwrap_or_clone)
+    }
+
+    /// Like [`LighthouseClient::quorum_status`], but the quorum is shared with the client's
+    /// cache instead of copied: clones that receive the same quorum share one copy (e.g. one
+    /// process driving many replica groups over one connection).
+    pub async fn quorum_status_shared(
+        &self,
+        requester: QuorumMember,
+        timeout: Duration,
+    ) -> std::result::Result<Arc<Quorum>, Status> {
         let deadline = Instant::now() + timeout;
         let known = self.known_quorum();
         let reply = self
             .call(requester.clone(), known.as_deref(), timeout)
             .await?;
-        let err = match compact::expand(known.as_deref(), reply) {
-            Ok(q) => {
-                self.remember(&q);
-                return Ok(q);
-            }
+        let err = match self.expand(known.as_deref(), reply) {
+            Ok(q) => return Ok(q),
             Err(e) => e,
         };
         // Never guess: drop the cache and ask for the full form (this joins the next round).
@@ -219,10 +281,7 @@ impl LighthouseClient {
         }
         let reply = self.call(requester, None, remaining).await?;
         match compact::expand(None, reply) {
-            Ok(q) => {
-                self.remember(&q);
-                Ok(q)
-            }
+            Ok(q) => Ok(self.remember(q)),
             Err(e) => Err(Status::internal(format!(
                 "lighthouse sent a compact quorum to a request that holds none: {e}"
             ))),
@@ -236,6 +295,18 @@ impl LighthouseClient {
     /// a malformed member.
     pub async fn quorum(&self, requester: QuorumMember, timeout: Duration) -> Result<Quorum> {
         self.quorum_status(requester, timeout)
+            .await
+            .map_err(Error::from)
+    }
+
+    /// Like [`LighthouseClient::quorum`], but the quorum is shared with the client's cache
+    /// (see [`LighthouseClient::quorum_status_shared`]).
+    pub async fn quorum_shared(
+        &self,
+        requester: QuorumMember,
+        timeout: Duration,
+    ) -> Result<Arc<Quorum>> {
+        self.quorum_status_shared(requester, timeout)
             .await
             .map_err(Error::from)
     }
@@ -370,6 +441,55 @@ fn quorum_call_error(status: Status, elapsed: Duration, timeout: Duration) -> St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn quorum(id: i64, revision: u64, steps: &[i64]) -> Quorum {
+        Quorum {
+            quorum_id: id,
+            revision,
+            participants: steps
+                .iter()
+                .enumerate()
+                .map(|(i, s)| crate::testkit::member(&format!("r{i}"), *s))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_held_quorum_is_shared_only_for_its_own_abridged_reply() {
+        let next = quorum(4, 3, &[2, 2, 5]);
+        let held = Held {
+            quorum: Arc::new(next.clone()),
+            steps: OnceLock::new(),
+        };
+        assert!(held.is(&compact::compact_form(&next)));
+        assert!(held.is(&compact::delta_form(&quorum(3, 2, &[1, 1, 1]), &next)));
+        for (name, reply) in [
+            ("the full form", next.clone()),
+            (
+                "another revision",
+                compact::compact_form(&quorum(4, 4, &[2, 2, 5])),
+            ),
+            (
+                "another id",
+                compact::compact_form(&quorum(5, 3, &[2, 2, 5])),
+            ),
+            (
+                "other steps",
+                compact::compact_form(&quorum(4, 3, &[2, 2, 6])),
+            ),
+            (
+                "another count",
+                compact::compact_form(&quorum(4, 3, &[2, 2])),
+            ),
+            (
+                "no revision",
+                compact::compact_form(&quorum(4, 0, &[2, 2, 5])),
+            ),
+        ] {
+            assert!(!held.is(&reply), "{name}");
+        }
+    }
 
     #[test]
     fn only_a_cancel_at_the_deadline_reads_as_a_timeout() {
