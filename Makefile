@@ -118,8 +118,8 @@ fmt: venv
 
 bench: develop upstream
 	cargo bench --bench quorum
-	cargo run --release --example lighthouse_load -- --replicas 1000 --replicas 10000
 	$(PY) benches/run_all.py
+	cargo bench --bench lighthouse_load
 
 # The property/fuzz targets run briefly inside `make test`; this runs them for much longer:
 # the lighthouse and manager request handlers (proptest) and the checkpoint header parser and

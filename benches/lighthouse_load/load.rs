@@ -602,6 +602,7 @@ async fn run_rooms(
     rooms: usize,
     per_room: usize,
     apart: bool,
+    reps: usize,
 ) -> Result<RoomsResult> {
     let min = if apart { per_room } else { rooms * per_room };
     let daemon = Daemon::start(&opts.daemon, min)?;
@@ -612,8 +613,17 @@ async fn run_rooms(
         &received,
     )
     .await?;
+    // Each room's groups share as many connections as a lone room of the same size gets
+    // (its own slice of them), so a room's round moves the same traffic over the same number
+    // of connections among many rooms as alone.
+    let per_room_channels = opts.connections_for(per_room).min(channels.len());
     let mut all: Vec<Vec<Group>> = (0..rooms)
-        .map(|r| groups(&format!("room-{r:03}"), per_room, &channels, r * per_room))
+        .map(|r| {
+            let own: Vec<Channel> = (0..per_room_channels)
+                .map(|j| channels[(r * per_room_channels + j) % channels.len()].clone())
+                .collect();
+            groups(&format!("room-{r:03}"), per_room, &own, r * per_room)
+        })
         .collect::<Result<_>>()?;
     // Every room's first round at once (or the one room's).
     let started = Instant::now();
@@ -645,7 +655,7 @@ async fn run_rooms(
         }
     }
     let mut steady = Samples::default();
-    for _ in 0..opts.reps {
+    for _ in 0..reps {
         if apart {
             // One room at a time while the others idle: what a room's round costs among many.
             for room in all.iter_mut() {
@@ -793,8 +803,10 @@ pub fn run(opts: &Options) -> Result<Report> {
                         .to_string(),
                 );
             }
-            let lone = run_rooms(opts, 1, opts.room_groups, apart).await?;
-            let many = run_rooms(opts, opts.rooms, opts.room_groups, apart).await?;
+            // As many rounds of the lone room as of one room among many in total.
+            let lone_reps = opts.reps * opts.rooms.max(1);
+            let lone = run_rooms(opts, 1, opts.room_groups, apart, lone_reps).await?;
+            let many = run_rooms(opts, opts.rooms, opts.room_groups, apart, opts.reps).await?;
             let ((lm, llo, lhi), (mm, mlo, mhi)) = (lone.steady.spread(), many.steady.spread());
             let ratio = mm.as_secs_f64() / lm.as_secs_f64().max(1e-9);
             for (name, r, (m, lo, hi)) in [

@@ -16,7 +16,7 @@
 //! [`RoomOptions::max_rooms`] rooms besides the default one are open at once; a request for
 //! one more is refused (UNAVAILABLE, naming the limit) and changes nothing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -119,7 +119,7 @@ pub(crate) struct RoomEntry {
 /// Every room of a lighthouse.
 pub(crate) struct Rooms {
     default: Arc<Shared>,
-    others: Mutex<HashMap<String, Room>>,
+    others: Mutex<crate::ids::IdMap<Room>>,
     base: LighthouseOptions,
     obs: ObservabilityOptions,
     security: Security,
@@ -140,7 +140,7 @@ impl Rooms {
         opts.validate()?;
         Ok(Self {
             default,
-            others: Mutex::new(HashMap::new()),
+            others: Mutex::new(crate::ids::IdMap::default()),
             base,
             obs,
             security,
@@ -163,7 +163,7 @@ impl Rooms {
         self.room(job)
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Room>> {
+    fn lock(&self) -> MutexGuard<'_, crate::ids::IdMap<Room>> {
         self.others.lock().unwrap_or_else(|e| e.into_inner())
     }
 

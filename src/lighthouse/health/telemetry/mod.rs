@@ -10,7 +10,9 @@
 //! pages and `/metrics` show; `snapshots` the latest durable snapshot; `stragglers`
 //! the straggler verdicts. This module holds the model itself and the events it emits.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use crate::ids::{IdMap, IdSet};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
@@ -101,11 +103,11 @@ pub struct Telemetry {
     opts: TelemetryOptions,
     /// Creation instant and the unix time it corresponds to (event timestamps).
     epoch: (Instant, f64),
-    groups: HashMap<String, Group>,
+    groups: IdMap<Group>,
     /// Lighthouse id → replica group name, for current and retired incarnations.
-    by_incarnation: HashMap<String, String>,
+    by_incarnation: IdMap<String>,
     quorum_id: Option<i64>,
-    quorum_members: HashSet<String>,
+    quorum_members: IdSet,
     next_seq: u64,
     pending: Vec<Event>,
     recent: VecDeque<Event>,
@@ -122,10 +124,10 @@ impl Telemetry {
         Self {
             opts,
             epoch: (now, unix_now),
-            groups: HashMap::new(),
-            by_incarnation: HashMap::new(),
+            groups: IdMap::default(),
+            by_incarnation: IdMap::default(),
             quorum_id: None,
-            quorum_members: HashSet::new(),
+            quorum_members: IdSet::default(),
             next_seq: 1,
             pending: Vec::new(),
             recent: VecDeque::new(),

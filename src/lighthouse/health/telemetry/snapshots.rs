@@ -153,6 +153,7 @@ mod tests {
     use super::super::testkit::*;
     use super::super::*;
     use super::*;
+    use std::collections::HashSet;
 
     #[test]
     fn a_newer_snapshot_is_recorded_an_older_one_only_announced() {
