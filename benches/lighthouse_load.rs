@@ -2,6 +2,7 @@
 //! daemon as a separate process (see `lighthouse_load/load.rs` for what is measured).
 //!
 //! `cargo bench --bench lighthouse_load -- [--quick] [--groups N] [--connections N]
+//! (under `cargo test` it runs `--quick`)
 //! [--reps N] [--steady N] [--rooms N] [--room-groups N] [--daemon PATH] [--no-judge]`
 //!
 //! Exits non-zero when a target is missed: at 10,000 groups the first and membership-change
@@ -15,7 +16,12 @@ mod load;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo bench` passes --bench; `cargo test --all-targets` runs this target with no
+    // arguments (and a debug daemon): then it is the quick smoke run, not the full load.
+    if !args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--quick") {
+        args.push("--quick".to_string());
+    }
     let daemon = std::env::var_os("TORCHFT_LIGHTHOUSE_BIN")
         .map(Into::into)
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_torchft_lighthouse").into());
