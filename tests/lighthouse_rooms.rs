@@ -79,6 +79,10 @@ async fn round(c: &LighthouseClient, ids: &[&str], step: i64) -> Vec<Quorum> {
     out
 }
 
+async fn get_json(http: &reqwest::Client, url: &str) -> serde_json::Value {
+    http.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 fn ids(q: &Quorum) -> Vec<&str> {
     q.participants
         .iter()
@@ -212,14 +216,7 @@ async fn rooms_have_their_own_min_replicas_limit_and_pages() {
         assert_eq!(server.rooms(), ["", "pair", "solo"]);
 
         let http = reqwest::Client::new();
-        let status: serde_json::Value = http
-            .get(format!("{addr}/status?job=pair"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let status = get_json(&http, &format!("{addr}/status?job=pair")).await;
         assert_eq!(status["job"], "pair");
         assert_eq!(status["members"].as_array().unwrap().len(), 2);
         let rooms: Vec<&str> = status["rooms"]
@@ -229,14 +226,7 @@ async fn rooms_have_their_own_min_replicas_limit_and_pages() {
             .map(|r| r["job"].as_str().unwrap())
             .collect();
         assert_eq!(rooms, ["", "pair", "solo"]);
-        let default: serde_json::Value = http
-            .get(format!("{addr}/status"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let default = get_json(&http, &format!("{addr}/status")).await;
         assert_eq!(default["job"], "");
         assert!(default["members"].as_array().unwrap().is_empty());
         let missing = http
