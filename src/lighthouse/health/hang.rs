@@ -4,8 +4,10 @@
 //! Heartbeats come from the manager server's own thread, so they prove that the process
 //! lives, not that it trains. Managers that know say in each heartbeat how long ago their
 //! training loop last reached them (a quorum request or a commit vote of the whole group);
-//! a quorum request is such a visit too. A group counted as healthy, not asking in an open
-//! round, whose loop has been away longer than the hang timeout is *hung*: the quorum rules
+//! a quorum request is such a visit too. A group counted as healthy and not asking, whose
+//! loop has been away longer than the hang timeout while a round is open (the job waits on
+//! it) or after a quorum without it was issued (the job went on without it; their rounds may
+//! then complete as they ask, never seen open), is *hung*: the quorum rules
 //! stop counting it as healthy (majority and join wait), so the others go on without it. It
 //! is no longer hung as soon as its loop comes back (it asks, or its manager reports a
 //! fresh visit); it then rejoins and heals like any late group, and the write-ahead commit
@@ -170,10 +172,18 @@ impl HangWatch {
     }
 
     /// Whether `replica_id` is hung as of `now`, judged for a group that is counted as
-    /// healthy and not asking: away longer than the timeout, and either hung already or a
-    /// round is open (someone waits on it). Updates the hung set; call for every such group
-    /// once per check (see [`HangWatch::clear`] for the others).
-    pub fn judge(&mut self, replica_id: &str, round_open: bool, now: Instant) -> bool {
+    /// healthy and not asking: away longer than the timeout, and either hung already or the
+    /// job waits on it or went on without it: a round is open (someone waits on it), or a
+    /// quorum it is not a member of (`left_out`) was issued after its loop's last visit.
+    /// Updates the hung set; call for every such group once per check (see
+    /// [`HangWatch::clear`] for the others).
+    pub fn judge(
+        &mut self,
+        replica_id: &str,
+        round_open: bool,
+        left_out: bool,
+        now: Instant,
+    ) -> bool {
         let Some(at) = self.visited.get(replica_id).copied() else {
             return false; // its loop never reached the manager yet: joining, not hung
         };
@@ -186,7 +196,10 @@ impl HangWatch {
         if self.hung.contains_key(replica_id) {
             return true;
         }
-        if !round_open {
+        // Rounds of the others that complete at once are rarely seen open by a periodic
+        // check; a quorum issued without it since its last visit says the same.
+        let went_on_without = left_out && self.last_round.is_some_and(|r| r > at);
+        if !round_open && !went_on_without {
             return false;
         }
         let h = Hung {
@@ -289,14 +302,14 @@ mod tests {
         let t0 = Instant::now();
         let mut w = HangWatch::new(Some(Duration::from_secs(5)));
         // Never visited: joining, never hung.
-        assert!(!w.judge("new", true, t0 + Duration::from_secs(100)));
+        assert!(!w.judge("new", true, false, t0 + Duration::from_secs(100)));
         w.visited("g", Duration::ZERO, t0);
-        assert!(!w.judge("g", true, t0 + Duration::from_secs(4)));
+        assert!(!w.judge("g", true, false, t0 + Duration::from_secs(4)));
         // Away past the timeout, but nobody waits: not hung.
-        assert!(!w.judge("g", false, t0 + Duration::from_secs(6)));
+        assert!(!w.judge("g", false, false, t0 + Duration::from_secs(6)));
         // A round is open: hung, reported once.
-        assert!(w.judge("g", true, t0 + Duration::from_secs(7)));
-        assert!(w.judge("g", false, t0 + Duration::from_secs(8)));
+        assert!(w.judge("g", true, false, t0 + Duration::from_secs(7)));
+        assert!(w.judge("g", false, false, t0 + Duration::from_secs(8)));
         let newly = w.take_newly_hung();
         assert_eq!(newly.len(), 1);
         assert_eq!(newly[0].replica_id, "g");
@@ -311,12 +324,32 @@ mod tests {
         assert!(!w.is_hung("g"));
         assert_eq!(w.take_resumed(), vec!["g".to_string()]);
         // Hung again later, then it asks: resumed at once.
-        assert!(w.judge("g", true, t0 + Duration::from_secs(20)));
+        assert!(w.judge("g", true, false, t0 + Duration::from_secs(20)));
         w.asked("g", t0 + Duration::from_secs(21));
         assert!(!w.is_hung("g"));
-        assert!(!w.judge("g", true, t0 + Duration::from_secs(22)));
+        assert!(!w.judge("g", true, false, t0 + Duration::from_secs(22)));
         // Forgotten groups leave nothing behind.
         w.forget("g");
-        assert!(!w.judge("g", true, t0 + Duration::from_secs(100)));
+        assert!(!w.judge("g", true, false, t0 + Duration::from_secs(100)));
+    }
+
+    #[test]
+    fn a_group_left_out_of_a_quorum_issued_after_its_last_visit_is_hung_with_no_round_open() {
+        let t0 = Instant::now();
+        let mut w = HangWatch::new(Some(Duration::from_secs(5)));
+        w.visited("g", Duration::ZERO, t0);
+        // A quorum issued before its last visit (the one it was in) says nothing.
+        w.round_issued(t0 - Duration::from_millis(1));
+        assert!(!w.judge("g", false, true, t0 + Duration::from_secs(6)));
+        // The others went on without it (a quorum issued later, which it is not in), and
+        // their rounds complete at once: no round is seen open, yet it is hung.
+        w.round_issued(t0 + Duration::from_secs(1));
+        assert!(!w.judge("g", false, true, t0 + Duration::from_secs(4)));
+        assert!(
+            !w.judge("g", false, false, t0 + Duration::from_secs(7)),
+            "still a member"
+        );
+        assert!(w.judge("g", false, true, t0 + Duration::from_secs(7)));
+        assert_eq!(w.take_newly_hung().len(), 1);
     }
 }

@@ -418,6 +418,7 @@ impl QuorumEngine {
         let waived = &self.waived;
         let participants = &self.participants;
         let parked = &self.parked;
+        let previous = &self.previous_ids;
         let hang = &mut self.hang;
         let mut healthy = 0;
         self.heartbeats.retain(|id, rec| {
@@ -432,7 +433,8 @@ impl QuorumEngine {
                 _ => false,
             };
             if rec.counted && !waiting && !ahead {
-                hang.judge(id, round_open, now);
+                // Left out of the last quorum: the others went on without it.
+                hang.judge(id, round_open, !previous.contains(id), now);
             } else {
                 hang.clear(id);
             }
@@ -518,6 +520,56 @@ mod tests {
         assert_eq!(e.take_resumed(), vec!["b".to_string()]);
         let q3 = e.tick(back).expect("both ask");
         assert_eq!(ids(&q3), vec!["a", "b"]);
+    }
+
+    #[test]
+    fn a_group_left_out_whose_loop_stays_away_is_hung_though_no_round_is_seen_open() {
+        // Three groups; c's loop stops. The join timeout issues a and b without it, and from
+        // then on their rounds complete as they ask (none open at a tick): c is still named
+        // hung once its loop has been away past the timeout.
+        let sec = Duration::from_secs(1);
+        let t0 = Instant::now();
+        let opts = crate::lighthouse::LighthouseOptions {
+            hang_timeout: Some(5 * sec),
+            join_timeout: sec,
+            ..opts(1)
+        };
+        let mut e = QuorumEngine::new(opts, 1, t0);
+        quorum_of(&mut e, &["a", "b", "c"], t0);
+        e.heartbeat_full("c", None, Some(Duration::ZERO), t0)
+            .unwrap();
+        let mut without_c = 0;
+        let t = every_half_second(t0 + sec, t0 + 7 * sec, |t| {
+            e.heartbeat_full("a", None, Some(Duration::ZERO), t)
+                .unwrap();
+            e.heartbeat_full("b", None, Some(Duration::ZERO), t)
+                .unwrap();
+            e.heartbeat_full("c", None, Some(t - t0), t).unwrap();
+            if without_c == 0 {
+                // The first round waits for c, then the join timeout goes on without it.
+                e.join(member("a"), t).unwrap();
+                e.join(member("b"), t).unwrap();
+                if let Some(q) = e.tick(t + Duration::from_millis(1_100)) {
+                    assert_eq!(ids(&q), vec!["a", "b"]);
+                    without_c += 1;
+                }
+                return;
+            }
+            e.join(member("a"), t).unwrap();
+            assert!(e.poll(t).is_none(), "b has not asked yet");
+            e.join(member("b"), t).unwrap();
+            let q = e.poll(t).expect("both members of the last quorum ask");
+            assert_eq!(ids(&q), vec!["a", "b"]);
+            without_c += 1;
+            assert!(e.tick(t).is_none(), "no round is open at the tick");
+        });
+        assert!(without_c > 3, "{without_c}");
+        let hung = e.take_newly_hung();
+        assert_eq!(hung.len(), 1, "{hung:?}");
+        assert_eq!(hung[0].replica_id, "c");
+        assert!(hung[0].idle > 5 * sec && t - t0 > hung[0].idle);
+        // A member of the last quorum is not judged so: a and b never were.
+        assert!(e.is_hung("a").is_none() && e.is_hung("b").is_none());
     }
 
     #[test]
