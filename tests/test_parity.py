@@ -15,7 +15,9 @@ from _hang_worker import DIVERGED_EXIT
 from conftest import start_lighthouse_process
 from test_hang import Job, _commits, _history, _status
 
+from torchft.chaos.history import state_hash
 from torchft.parity import StateParity, digest_tensors
+from torchft.snapshot import list_snapshots, load_rank
 
 EVERY = 10
 
@@ -85,6 +87,76 @@ def test_a_flipped_bit_in_one_of_three_groups_is_found_and_healed(tmp_path: Path
         # One divergence, the injected one: later comparisons all agreed.
         assert _status(lh.address)["parity"]["diverged_total"] == 1
         assert "differs from the majority" in "".join(lh.log)
+    finally:
+        job.close()
+        lh.stop()
+        (tmp_path / "lighthouse.log").write_text("".join(lh.log))
+
+
+@pytest.mark.timeout(300)
+def test_a_state_found_diverged_never_becomes_a_durable_snapshot(tmp_path: Path) -> None:
+    """Three groups with parity and snapshots every 10 steps: one bit of g2's state is
+    flipped just before a snapshot step that g2 writes (snapshot writers rotate by step). The
+    lighthouse finds g2 diverged at that step and g2 heals, but its snapshot of the step is
+    never made complete; every snapshot that is complete holds the state the agreeing groups
+    committed at its step, and says parity confirmed it."""
+    lh = start_lighthouse_process("--min_replicas", "1", "--quorum_tick_ms", "50")
+    snap_dir = tmp_path / "snapshots"
+    job = Job(
+        tmp_path,
+        lh.address,
+        env={
+            "TORCHFT_PARITY_EVERY": str(EVERY),
+            "TORCHFT_SNAPSHOT_DIR": str(snap_dir),
+            "TORCHFT_SNAPSHOT_EVERY": str(EVERY),
+            "TORCHFT_SNAPSHOT_KEEP": "100",
+        },
+    )
+    names = ["g0", "g1", "g2"]
+    bad = "g2"
+    # The writer of snapshot step s is participating rank (s // EVERY) % 3; g2 is rank 2.
+    written_by_bad = 2
+    try:
+        for n in names:
+            job.start(n, "exit")
+        job.wait_for("every group committing together", lambda: _together(job, names, 25), 120)
+        event = None
+        for attempt in range(3):
+            # Flip so that the state g2 commits next lands before a step g2 snapshots.
+            def aimed() -> bool:
+                done = [c["step"] for c in _commits(job.history(bad))]
+                return bool(done) and 11 <= done[-1] % (3 * EVERY) <= 15
+
+            job.wait_for("a step before one that g2 snapshots", aimed, 60)
+            job.flip_file(bad).write_text("1")
+            found = len(_diverged(lh.address, bad))
+            event = job.wait_for(
+                "a replica_diverged event",
+                lambda n=found: _diverged(lh.address, bad)[n:],  # type: ignore[misc]
+                60,
+            )[0]
+            assert event["action"] == "heal", event
+            if (event["step"] // EVERY) % 3 == written_by_bad:
+                break
+            print(f"attempt {attempt}: found at step {event['step']}, not a g2 snapshot step")
+        assert event is not None and (event["step"] // EVERY) % 3 == written_by_bad, event
+        step = event["step"]
+        top = max(c["step"] for n in names for c in _commits(job.history(n)))
+        job.set_target(max(top, step) + 3 * EVERY)
+        for n in names:
+            assert job.procs[n].wait(timeout=120) == 0, job.log(n, 0)[-4000:]
+
+        agreed = {c["step"]: c["state"] for c in _commits(job.history("g0"))}
+        snaps = list_snapshots(snap_dir)
+        assert step not in {s.step for s in snaps}, "the diverged state became a snapshot"
+        log = job.log(bad, 0)
+        assert "a diverged state never becomes a snapshot" in log, log[-4000:]
+        assert len(snaps) >= 3, [s.step for s in snaps]
+        for s in snaps:
+            state = load_rank(s, 0)["user"]
+            assert state_hash(state["model"], state["optim"]) == agreed[s.step], s.path
+            assert s.manifest["parity"].startswith(("confirmed", "unconfirmed")), s.manifest
+        assert any(s.manifest["parity"].startswith("confirmed") for s in snaps)
     finally:
         job.close()
         lh.stop()

@@ -355,3 +355,72 @@ def test_snapshot_settings_resolve_and_bad_ones_are_refused() -> None:
         resolve(snapshot_dir="/d", snapshot_keep=0)
     with pytest.raises(TypeError):
         resolve(snapshot_dir=5)
+
+
+def test_rank_0_makes_a_snapshot_complete_only_once_parity_confirms_its_state(
+    tmp_path: Path,
+) -> None:
+    """With a confirmation (runtime state parity), the manifest waits for it on a thread of
+    its own: the next snapshot is written meanwhile; a state found diverged never becomes a
+    snapshot; an unconfirmed one times out incomplete; one pending at shutdown is made
+    complete and says so."""
+    from torchft.group_snapshots import parity_confirmation
+
+    verdicts = {"checked": True, "ok": 0, "diverged": 0}
+    results: list[SnapshotResult] = []
+    confirm = parity_confirmation(
+        lambda: (verdicts["checked"], verdicts["ok"], verdicts["diverged"]), lambda: True
+    )
+    w = writer(tmp_path / "a", results, confirm=confirm, confirm_timeout=30.0)
+    assert w.save(5, 1, state(5)) is None
+    deadline = time.monotonic() + 30
+    while w.busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not w.busy(), "the writer is free while the confirmation waits"
+    time.sleep(0.3)
+    assert list_snapshots(tmp_path / "a") == [], "not complete before parity confirms step 5"
+    assert results == []
+    # The next snapshot is written meanwhile (not skipped as "still being written").
+    assert w.save(10, 2, state(10)) is None
+    verdicts["ok"] = 5
+    deadline = time.monotonic() + 30
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.01)
+    snaps = {s.step: s for s in list_snapshots(tmp_path / "a")}
+    assert 5 in snaps and snaps[5].manifest["parity"] == "confirmed by the parity check of step 5"
+    # Step 10's state is found differing at step 10: its snapshot is never made complete.
+    verdicts["diverged"] = 10
+    deadline = time.monotonic() + 30
+    while len(results) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.step for r in results] == [5, 10], results
+    assert results[0].complete and results[0].error is None, results
+    assert not results[1].complete and "different from the other groups' at step 10" in str(
+        results[1].error
+    )
+    assert sorted(s.step for s in list_snapshots(tmp_path / "a")) == [5]
+    w.shutdown()
+
+    # Never confirmed: incomplete after the timeout, saying why.
+    results.clear()
+    verdicts.update(ok=0, diverged=0)
+    w = writer(tmp_path / "b", results, confirm=confirm, confirm_timeout=0.5)
+    assert w.save(5, 1, state(5)) is None
+    timed_out = w.wait(30)
+    assert timed_out is not None and not timed_out.complete
+    assert "did not confirm the state of step 5 within 0.5s" in str(timed_out.error)
+    assert list_snapshots(tmp_path / "b") == []
+    w.shutdown()
+
+    # Pending at a clean shutdown: complete, marked unconfirmed. A lighthouse that does not
+    # check parity (upstream) confirms nothing and holds nothing.
+    results.clear()
+    w = writer(tmp_path / "c", results, confirm=confirm, confirm_timeout=60.0)
+    assert w.save(5, 1, state(5)) is None
+    time.sleep(0.5)
+    w.shutdown()
+    (snap,) = list_snapshots(tmp_path / "c")
+    assert snap.manifest["parity"].startswith("unconfirmed: the group shut down"), snap.manifest
+    verdicts["checked"] = False
+    assert confirm(5) == "unchecked: the lighthouse does not check parity"
+    assert parity_confirmation(lambda: (True, 0, 0), lambda: False)(5) == "off"

@@ -296,6 +296,8 @@ fn lighthouse_messages_match_upstream_numbers_both_ways() {
         hung: "no training-loop activity for 12.0s".into(),
         parity_step: 10,
         diverged: "no majority".into(),
+        parity_ok_step: 10,
+        parity_diverged_step: 0,
     });
     // Upstream's empty reply reads as ours with nothing said.
     let back: ours::LighthouseHeartbeatResponse = cross(&upstream::LighthouseHeartbeatResponse {});

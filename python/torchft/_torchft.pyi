@@ -238,6 +238,11 @@ class ManagerServer:
     def hung(self) -> str | None:
         """Why the lighthouse holds this group hung (its training loop stayed away from the
         manager past the hang timeout while a round waited on it), or None."""
+    def parity_verdicts(self) -> tuple[bool, int, int]:
+        """What the lighthouse's parity checks said of this group's committed states, as
+        ``(checked, ok_step, diverged_step)``: whether the lighthouse says at all (upstream
+        lighthouses do not), the newest step decided with this group's digest and no
+        disagreement, and the newest step at which it differed (0 = none of either)."""
     def set_loop_busy(self, busy: bool) -> None:
         """Marks the training loop as inside torchft (a heal, however long) or back out of
         it; while busy the group is never reported away."""

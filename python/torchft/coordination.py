@@ -95,6 +95,11 @@ class NativeManagerServer(Protocol):
         """Why the lighthouse holds the group hung, or None (see :mod:`torchft.hang`)."""
         ...
 
+    def parity_verdicts(self) -> tuple[bool, int, int]:
+        """What the lighthouse's parity checks said of the group's committed states:
+        ``(checked, ok_step, diverged_step)`` (see :mod:`torchft.parity`)."""
+        ...
+
     def set_loop_busy(self, busy: bool) -> None:
         """Marks the training loop as inside torchft (a heal) or back out of it."""
         ...

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch._C._distributed_c10d import TCPStore
 
 from torchft.errors import HungProcessError
-from torchft.group_snapshots import GroupSnapshots
+from torchft.group_snapshots import GroupSnapshots, parity_confirmation
 from torchft.hang import HangWatchdog
 from torchft.loss_watch import LostWatcher
 from torchft.telemetry import RankTelemetry
@@ -30,6 +30,7 @@ from torchft.telemetry import RankTelemetry
 if TYPE_CHECKING:
     from torchft.config import ManagerConfig
     from torchft.coordination import NativeBackend, NativeManagerClient, NativeManagerServer
+    from torchft.parity import StateParity
 
 
 @dataclass
@@ -115,6 +116,7 @@ def start_services(
     on_lost: Callable[[str, int], None],
     step: Callable[[], int],
     log_info: Callable[..., None],
+    parity: StateParity | None = None,
 ) -> GroupServices:
     """Starts the services of a joined group; nothing is left running when it raises.
 
@@ -124,6 +126,8 @@ def start_services(
         on_lost: called with ``(replica_id, quorum_id)`` for every lost member.
         step: the current step.
         log_info: the Manager's prefixed info logger (snapshot progress).
+        parity: the ranks' state digests (runtime state parity): while on, group rank 0
+            makes a snapshot complete only once the parity check confirmed its state.
     """
     name = cfg.replica_id or conn.replica_id
     telemetry = RankTelemetry(
@@ -139,7 +143,15 @@ def start_services(
     try:
         snapshots = None
         if cfg.snapshot_dir is not None:
-            snapshots = GroupSnapshots(cfg, name, conn.replica_id, conn.store, telemetry, log_info)
+            confirm = None
+            if conn.server is not None:
+                on = parity
+                confirm = parity_confirmation(
+                    conn.server.parity_verdicts, lambda: on is not None and on.every > 0
+                )
+            snapshots = GroupSnapshots(
+                cfg, name, conn.replica_id, conn.store, telemetry, log_info, confirm
+            )
         hang = None
         if conn.server is not None:
             server = conn.server

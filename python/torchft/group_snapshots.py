@@ -38,6 +38,43 @@ SNAPSHOT_FLUSH_S = 1.0
 _WAIT_LOG_S = 10.0
 
 
+def parity_confirmation(
+    verdicts: Callable[[], tuple[bool, int, int]], parity_on: Callable[[], bool]
+) -> Callable[[int], str | None]:
+    """What group rank 0 asks before making the snapshot of a step complete: the state of
+    that step must have been compared by the runtime state parity check (at that step or a
+    later one) and found agreeing, and not found differing since.
+
+    Args:
+        verdicts: the manager server's ``parity_verdicts()``: whether the lighthouse checks
+            parity, the newest step it found this group agreeing at, and the newest it found
+            it differing at.
+        parity_on: whether this rank digests its state (parity may be turned off later, as
+            Local SGD does).
+
+    The returned callable gives a note for the manifest, None while the check is pending,
+    and raises :class:`SnapshotError` when the state was found diverged.
+    """
+
+    def confirm(step: int) -> str | None:
+        if not parity_on():
+            return "off"
+        checked, ok, diverged = verdicts()
+        if not checked:
+            return "unchecked: the lighthouse does not check parity"
+        if diverged >= step:
+            raise SnapshotError(
+                f"the parity check found this group's state different from the other groups' "
+                f"at step {diverged}, at or after the snapshot's step {step}: a diverged state "
+                "never becomes a snapshot"
+            )
+        if ok >= step:
+            return f"confirmed by the parity check of step {ok}"
+        return None
+
+    return confirm
+
+
 class GroupSnapshots:
     """One rank's durable snapshots within its replica group.
 
@@ -51,6 +88,8 @@ class GroupSnapshots:
         store: the group's store, through which group rank 0 shares its choice.
         telemetry: reports complete and failed snapshots (None: not reported).
         log_info: the Manager's log (its records carry the group and step).
+        confirm: on group rank 0, what the writer asks before making a written snapshot
+            complete (see :func:`parity_confirmation`); None: complete at once.
 
     Raises:
         ValueError: ``cfg`` has no snapshot directory.
@@ -64,6 +103,7 @@ class GroupSnapshots:
         store: TCPStore,
         telemetry: RankTelemetry | None,
         log_info: Callable[..., None],
+        confirm: Callable[[int], str | None] | None = None,
     ) -> None:
         if cfg.snapshot_dir is None:
             raise ValueError("durable snapshots need a snapshot directory")
@@ -77,6 +117,7 @@ class GroupSnapshots:
             group_world_size=cfg.world_size,
             timeout=cfg.timeout.total_seconds(),
             on_done=self._written,
+            confirm=confirm,
         )
         self._store = store
         self._replica_id = replica_id

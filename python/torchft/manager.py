@@ -315,7 +315,9 @@ class Manager:
         conn = join_group(cfg, self._native)
         self._store, self._manager, self._client = conn.store, conn.server, conn.client
         self._replica_id = conn.replica_id
-        services = start_services(cfg, conn, self._on_lost, lambda: self._step, self._log_info)
+        services = start_services(
+            cfg, conn, self._on_lost, lambda: self._step, self._log_info, self._parity
+        )
         self._telemetry, self._watcher = services.telemetry, services.watcher
         self._snapshots, self._hang_watchdog = services.snapshots, services.hang_watchdog
         self._log_info(

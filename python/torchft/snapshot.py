@@ -18,7 +18,14 @@ the only time the training thread may wait). The writer thread then writes the c
 ``<dir>/step_<step>_<tag>/rank_<r>`` (a standard DCP checkpoint of that rank's state),
 checksums the files and writes ``rank_<r>.json``. Group rank 0 then waits for every rank's
 file and writes ``manifest.json`` last, atomically: a snapshot without a manifest is
-incomplete and never loaded. Rank 0 then deletes snapshots beyond the newest ``keep`` and
+incomplete and never loaded. With runtime state parity on (:mod:`torchft.parity`) and a
+lighthouse that checks it, rank 0 first waits (on a thread of its own, so the next snapshot
+is not held up) until the lighthouse has compared this group's state at the snapshot's step
+or a later one and found it agreeing, and none since differing: a state that parity finds
+diverged (a flipped bit, a bad kernel) never becomes a snapshot every group would later
+resume from. A snapshot parity did not confirm within :data:`PARITY_CONFIRM_TIMEOUT_S` stays
+incomplete; one still waiting when the group shuts down cleanly is made complete and its
+manifest says ``"parity": "unconfirmed ..."``. Rank 0 then deletes snapshots beyond the newest ``keep`` and
 tells the lighthouse (telemetry), which records the newest complete snapshot in ``/status``,
 ``/metrics`` and its state file. A failure (full disk, unwritable directory) is logged and
 reported as a ``snapshot_failed`` event; training goes on.
@@ -58,6 +65,10 @@ from typing import Any
 import torch
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+#: How long group rank 0 waits for the parity check to confirm a written snapshot's state
+#: before leaving it incomplete: past the lighthouse's own bound on deciding a step (30 s).
+PARITY_CONFIRM_TIMEOUT_S = 90.0
 
 #: Version of the manifest layout this module writes and reads.
 FORMAT = 1
@@ -445,6 +456,11 @@ class SnapshotWriter:
         group_world_size: ranks in the group.
         timeout: how long rank 0 waits for the other ranks' parts.
         on_done: called with each write's :class:`SnapshotResult` (on the writer thread).
+        confirm: rank 0 calls it with the step before making a written snapshot complete:
+            a note for the manifest once the state is confirmed (or needs no confirmation),
+            None while the check is pending; it raises when the state must not become a
+            snapshot. None: complete at once.
+        confirm_timeout: how long rank 0 waits for ``confirm``.
     """
 
     def __init__(
@@ -458,8 +474,19 @@ class SnapshotWriter:
         group_world_size: int,
         timeout: float,
         on_done: Callable[[SnapshotResult], None] | None = None,
+        confirm: Callable[[int], str | None] | None = None,
+        confirm_timeout: float = PARITY_CONFIRM_TIMEOUT_S,
     ) -> None:
         self.directory = Path(directory)
+        self._confirm = confirm
+        self._confirm_timeout = confirm_timeout
+        # Snapshots written and waiting for ``confirm``, on a thread of their own.
+        self._confirmer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="torchft_snapshot_confirm"
+        )
+        self._confirming: Future[SnapshotResult] | None = None
+        # Set at shutdown: a snapshot still waiting is made complete, marked unconfirmed.
+        self._closing = threading.Event()
         self.every = every
         self.keep = keep
         self._replica_id = replica_id
@@ -470,7 +497,7 @@ class SnapshotWriter:
         self._on_done = on_done
         self._staging = _Staging()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_snapshot")
-        self._running: Future[SnapshotResult] | None = None
+        self._running: Future[SnapshotResult | None] | None = None
         self._running_step = -1
         # Set once the tensors of the snapshot in flight are copied (see settle).
         self._staged = threading.Event()
@@ -547,7 +574,7 @@ class SnapshotWriter:
         skeleton: dict[str, Any],
         user_keys: list[str],
         staged: threading.Event,
-    ) -> SnapshotResult:
+    ) -> SnapshotResult | None:
         t0 = time.perf_counter()
         try:
             self._staging.fill()
@@ -590,7 +617,9 @@ class SnapshotWriter:
         user_keys: list[str],
         tensor_bytes: int,
         copy_s: float,
-    ) -> SnapshotResult:
+    ) -> SnapshotResult | None:
+        """Writes this rank's part; rank 0 then gathers the parts and makes the snapshot
+        complete, or hands it to the confirmer (and returns None)."""
         import torch.distributed.checkpoint as dcp
 
         t0 = time.perf_counter()
@@ -626,6 +655,17 @@ class SnapshotWriter:
                     "digest": _state_digest(ranks),
                     "torch": torch.__version__,
                 }
+                if self._confirm is not None:
+                    args = (step, path, manifest, time.perf_counter() - t0, copy_s)
+                    if not self._must_wait(step) or self._closing.is_set():
+                        return self._confirm_and_complete(*args)
+                    try:
+                        self._confirming = self._confirmer.submit(
+                            self._confirm_and_complete, *args
+                        )
+                    except RuntimeError:  # shut down meanwhile: complete it here
+                        return self._confirm_and_complete(*args)
+                    return None
                 _atomic_json(path / MANIFEST, manifest)
                 complete = True
                 tensor_bytes = total
@@ -652,6 +692,81 @@ class SnapshotWriter:
             )
         return self._report(
             SnapshotResult(step, path, blocked, write_s, tensor_bytes, complete, copy_s=copy_s)
+        )
+
+    def _must_wait(self, step: int) -> bool:
+        """Whether the confirmation of ``step`` is still pending (an answer, or an error to
+        report, is taken at once on the writer thread)."""
+        assert self._confirm is not None
+        try:
+            return self._confirm(step) is None
+        except Exception:
+            return False
+
+    def _confirm_and_complete(
+        self, step: int, path: Path, manifest: dict[str, Any], write_s: float, copy_s: float
+    ) -> SnapshotResult:
+        """Waits for ``confirm`` to pass the state of ``step``, then writes the manifest."""
+        assert self._confirm is not None
+        t0 = time.monotonic()
+        deadline = t0 + self._confirm_timeout
+        next_log = t0 + 5.0
+        while True:
+            try:
+                note = self._confirm(step)
+            except Exception as e:  # noqa: BLE001 - reported, never raised into training
+                return self._fail(step, path, self._blocked_s, f"not made complete: {e}")
+            now = time.monotonic()
+            if note is None and self._closing.is_set():
+                note = "unconfirmed: the group shut down before the parity check of this step"
+                logger.warning("snapshot of step %d made complete %s", step, note[11:])
+            if note is not None:
+                break
+            if now >= deadline:
+                return self._fail(
+                    step,
+                    path,
+                    self._blocked_s,
+                    f"the parity check did not confirm the state of step {step} within "
+                    f"{self._confirm_timeout:g}s; the snapshot stays incomplete",
+                )
+            if now >= next_log:
+                logger.info(
+                    "snapshot of step %d written; waiting for the parity check of step %d or "
+                    "later to confirm the state before making it complete (gives up in %.0fs)",
+                    step,
+                    step,
+                    deadline - now,
+                )
+                next_log = now + 5.0
+            self._closing.wait(0.02)
+        manifest["parity"] = note
+        try:
+            _atomic_json(path / MANIFEST, manifest)
+            self._retain()
+        except Exception as e:  # noqa: BLE001 - reported, never raised into training
+            return self._fail(step, path, self._blocked_s, f"{type(e).__name__}: {e}")
+        waited = time.monotonic() - t0
+        logger.info(
+            "snapshot of step %d complete at %s: %d bytes, written in %.3fs, then %.3fs for "
+            "the parity check (%s)",
+            step,
+            path,
+            manifest["tensor_bytes"],
+            write_s,
+            waited,
+            note,
+        )
+        return self._report(
+            SnapshotResult(
+                step,
+                path,
+                self._blocked_s,
+                write_s,
+                int(manifest["tensor_bytes"]),
+                True,
+                copy_s=copy_s,
+            )
         )
 
     def _gather_parts(self, path: Path) -> dict[str, Any]:
@@ -712,15 +827,22 @@ class SnapshotWriter:
             logger.info("snapshot %s deleted (keeping the newest %d)", p.name, self.keep)
 
     def wait(self, timeout: float | None = None) -> SnapshotResult | None:
-        """Waits for the write in flight (tests, shutdown)."""
+        """Waits for the write in flight, and its confirmation on rank 0 (tests, shutdown)."""
         running = self._running
         if running is None:
             return None
-        return running.result(timeout=timeout)
+        result = running.result(timeout=timeout)
+        confirming = self._confirming
+        if result is None and confirming is not None:
+            return confirming.result(timeout=timeout)
+        return result
 
     def shutdown(self, wait: bool = True) -> None:
-        """Lets a write in flight finish (``wait``), then stops the writer thread."""
+        """Lets a write in flight finish (``wait``), then stops the writer thread; a snapshot
+        waiting for its confirmation is made complete, marked unconfirmed."""
         self._pool.shutdown(wait=wait)
+        self._closing.set()
+        self._confirmer.shutdown(wait=wait)
 
 
 # ----------------------------------------------------------------------------- choosing

@@ -189,6 +189,15 @@ impl PyManagerServer {
         self.server.hung()
     }
 
+    /// What the lighthouse's parity checks said of this group's committed states, as
+    /// ``(checked, ok_step, diverged_step)``: whether the lighthouse says at all (upstream
+    /// lighthouses do not), the newest step decided with this group's digest and no
+    /// disagreement, and the newest step at which it differed (0 = none of either).
+    fn parity_verdicts(&self) -> (bool, i64, i64) {
+        let v = self.server.parity_verdicts();
+        (v.checked, v.ok_step, v.diverged_step)
+    }
+
     /// The server's view of the group now, in one line (for a hang report).
     fn describe(&self) -> String {
         self.server.describe()

@@ -86,6 +86,11 @@ pub struct HeartbeatAck {
     /// When the parity check stopped the group (its state differs from the others' with no
     /// majority): why (None otherwise).
     pub diverged: Option<String>,
+    /// The newest step the parity check decided with the group's digest and no disagreement
+    /// (0 = none, and from lighthouses that do not say).
+    pub parity_ok_step: i64,
+    /// The newest step at which the group's digest differed from the others' (0 = never).
+    pub parity_diverged_step: i64,
 }
 
 impl LighthouseClient {
@@ -375,6 +380,8 @@ impl LighthouseClient {
                     hung: (!resp.hung.is_empty()).then_some(resp.hung),
                     parity_step: resp.parity_step,
                     diverged: (!resp.diverged.is_empty()).then_some(resp.diverged),
+                    parity_ok_step: resp.parity_ok_step,
+                    parity_diverged_step: resp.parity_diverged_step,
                 }
             }),
             Err(_) => Err(Status::deadline_exceeded(format!(

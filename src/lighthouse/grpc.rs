@@ -66,6 +66,8 @@ impl LighthouseService for Grpc {
             hung: reply.hung.unwrap_or_default(),
             parity_step: reply.parity_step,
             diverged: reply.diverged.unwrap_or_default(),
+            parity_ok_step: reply.parity_mark.ok,
+            parity_diverged_step: reply.parity_mark.diverged,
         }))
     }
 

@@ -25,7 +25,7 @@ pub mod topology;
 pub(crate) use crate::client::rpc_error;
 pub use crate::client::ManagerClient;
 pub use compute::compute_quorum_results;
-pub use server::ManagerServer;
+pub use server::{ManagerServer, ParityVerdicts};
 
 /// Deadline applied to a request that arrives without one (a gRPC caller may omit it).
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);

@@ -73,6 +73,16 @@ pub struct Diverged {
     pub ranks: Vec<usize>,
 }
 
+/// What the checks so far say of one group's committed states (one incarnation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ParityMark {
+    /// The newest step decided with this group's digest and no disagreement: it agreed with
+    /// every other group compared, or it was the only one (nothing to compare). 0: none.
+    pub ok: i64,
+    /// The newest step at which its digest differed from the others' (0: never).
+    pub diverged: i64,
+}
+
 /// A group marked to heal: presented behind the others until it commits past the heal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealMark {
@@ -96,6 +106,8 @@ pub struct Parity {
     decided: Option<i64>,
     heal: IdMap<HealMark>,
     stopped: IdMap<String>,
+    /// Per group: the newest agreeing and differing steps (see [`Parity::mark`]).
+    marks: IdMap<ParityMark>,
     new_verdicts: Vec<Diverged>,
     /// Steps compared with at least two groups.
     pub checks: u64,
@@ -147,14 +159,15 @@ impl Parity {
         Ok(step)
     }
 
-    /// Decides the steps that are ready: every one of `expected` groups sent its digests, a
-    /// later step was decided, or [`DECIDE_AFTER`] passed since the first digest.
+    /// Decides the steps that are ready: every one of `expected` groups (the last quorum's
+    /// members; 0 before any quorum) sent its digests, a later step was decided, or
+    /// [`DECIDE_AFTER`] passed since the first digest.
     pub fn evaluate(&mut self, expected: usize, now: Instant) {
         let ready: Vec<i64> = self
             .pending
             .iter()
             .filter(|(_, p)| {
-                (expected >= 2 && p.groups.len() >= expected)
+                (expected >= 1 && p.groups.len() >= expected)
                     || now.saturating_duration_since(p.first) >= DECIDE_AFTER
             })
             .map(|(s, _)| *s)
@@ -173,6 +186,11 @@ impl Parity {
             return;
         };
         self.decided = Some(self.decided.map_or(step, |d| d.max(step)));
+        // Every group of the step agrees until a differing set says otherwise below.
+        for id in p.groups.keys() {
+            let mark = self.marks.entry(id.clone()).or_default();
+            mark.ok = mark.ok.max(step);
+        }
         if p.groups.len() < 2 {
             return;
         }
@@ -196,6 +214,7 @@ impl Parity {
             for (digest, ids) in &sets[1..] {
                 let ranks = differing_ranks(digest, major_digest);
                 for id in ids {
+                    self.mark_diverged(id, step);
                     self.heal.insert(
                         id.clone(),
                         HealMark {
@@ -227,6 +246,7 @@ impl Parity {
                 .collect::<Vec<_>>()
                 .join(", ");
             for id in ids {
+                self.mark_diverged(id, step);
                 self.diverged_total += 1;
                 self.stopped.insert(
                     id.clone(),
@@ -247,6 +267,28 @@ impl Parity {
                 });
             }
         }
+    }
+
+    fn mark_diverged(&mut self, replica_id: &str, step: i64) {
+        let mark = self.marks.entry(replica_id.to_string()).or_default();
+        mark.diverged = mark.diverged.max(step);
+        if mark.ok == step {
+            // Set above for every group of the step; this one disagreed. The previous
+            // agreement is not known any more: none is claimed.
+            mark.ok = 0;
+        }
+    }
+
+    /// What the checks so far say of `replica_id`'s committed states: the newest step it
+    /// agreed at and the newest it differed at. A durable snapshot of a step is trusted once
+    /// a check at that step or later agreed and none since the step differed.
+    pub fn mark(&self, replica_id: &str) -> ParityMark {
+        self.marks.get(replica_id).copied().unwrap_or_default()
+    }
+
+    /// Forgets `replica_id`'s marks (the engine no longer keeps a record of it).
+    pub fn forget(&mut self, replica_id: &str) {
+        self.marks.remove(replica_id);
     }
 
     /// The verdicts since the last call.
@@ -286,6 +328,7 @@ impl Parity {
     pub fn lost(&mut self, replica_id: &str) {
         self.heal.remove(replica_id);
         self.stopped.remove(replica_id);
+        self.marks.remove(replica_id);
         for p in self.pending.values_mut() {
             p.groups.remove(replica_id);
         }
@@ -432,5 +475,74 @@ mod tests {
             p.offer("a", digest(s, d(1, 1)), t).unwrap();
         }
         assert!(p.pending.len() <= MAX_PENDING_STEPS);
+    }
+
+    #[test]
+    fn marks_say_which_steps_each_group_agreed_and_differed_at() {
+        let mut bad = d(1, 2);
+        bad[1][3] ^= 1;
+        // Step 10: all agree. Step 20: c differs from the majority (heals).
+        let (mut p, t) = evaluated(3, 10, vec![("a", d(1, 2)), ("b", d(1, 2)), ("c", d(1, 2))]);
+        for id in ["a", "b", "c"] {
+            assert_eq!(
+                p.mark(id),
+                ParityMark {
+                    ok: 10,
+                    diverged: 0
+                },
+                "{id}"
+            );
+        }
+        for (id, ranks) in [("a", d(1, 2)), ("b", d(1, 2)), ("c", bad)] {
+            p.offer(id, digest(20, ranks), t).unwrap();
+        }
+        p.evaluate(3, t);
+        assert_eq!(
+            p.mark("a"),
+            ParityMark {
+                ok: 20,
+                diverged: 0
+            }
+        );
+        assert_eq!(p.mark("c").diverged, 20);
+        assert!(p.mark("c").ok < 20, "{:?}", p.mark("c"));
+        // Healed, c agrees at 30: its snapshot of 20 stays untrusted (diverged at 20).
+        for id in ["a", "b", "c"] {
+            p.offer(id, digest(30, d(3, 2)), t).unwrap();
+        }
+        p.evaluate(3, t);
+        assert_eq!(
+            p.mark("c"),
+            ParityMark {
+                ok: 30,
+                diverged: 20
+            }
+        );
+        // A group alone in its quorum has nothing to compare against: its step is decided at
+        // once, and nothing says otherwise. Before any quorum (a restarted lighthouse) the
+        // others may still send theirs: undecided.
+        let (mut p1, _) = evaluated(0, 40, vec![("solo", d(1, 1))]);
+        assert_eq!(
+            p1.mark("solo"),
+            ParityMark::default(),
+            "no quorum yet: undecided"
+        );
+        p1.evaluate(1, t);
+        assert_eq!(
+            p1.mark("solo"),
+            ParityMark {
+                ok: 40,
+                diverged: 0
+            }
+        );
+        // Two that differ are both marked; unknown, lost and forgotten groups have none.
+        let (mut p2, _) = evaluated(2, 5, vec![("x", d(1, 1)), ("y", d(2, 1))]);
+        assert_eq!(p2.mark("x").diverged, 5);
+        assert_eq!(p2.mark("y").diverged, 5);
+        assert_eq!(p2.mark("nobody"), ParityMark::default());
+        p2.lost("x");
+        p2.forget("y");
+        assert_eq!(p2.mark("x"), ParityMark::default());
+        assert_eq!(p2.mark("y"), ParityMark::default());
     }
 }

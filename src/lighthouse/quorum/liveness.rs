@@ -420,6 +420,7 @@ impl QuorumEngine {
         let parked = &self.parked;
         let previous = &self.previous_ids;
         let hang = &mut self.hang;
+        let parity = &mut self.parity;
         let mut healthy = 0;
         self.heartbeats.retain(|id, rec| {
             let waiting = participants.contains_key(id) || parked.contains_key(id);
@@ -446,6 +447,7 @@ impl QuorumEngine {
                 || rec.restored_until.is_some_and(|until| now < until);
             if !keep {
                 hang.forget(id);
+                parity.forget(id);
             }
             keep
         });

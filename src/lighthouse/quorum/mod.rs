@@ -530,6 +530,11 @@ impl QuorumEngine {
         self.parity.stopped(replica_id)
     }
 
+    /// What the parity checks say of `replica_id`'s committed states.
+    pub fn parity_mark(&self, replica_id: &str) -> crate::lighthouse::health::parity::ParityMark {
+        self.parity.mark(replica_id)
+    }
+
     /// The parity check's counters and marks.
     pub fn parity(&self) -> &Parity {
         &self.parity

@@ -59,6 +59,8 @@ pub(crate) struct HeartbeatReply {
     pub(crate) parity_step: i64,
     /// When the parity check stopped the group: why.
     pub(crate) diverged: Option<String>,
+    /// What the parity checks say of the group's committed states.
+    pub(crate) parity_mark: crate::lighthouse::health::parity::ParityMark,
 }
 
 /// A replica group declared lost, as shown on the status pages.
@@ -558,6 +560,7 @@ impl Shared {
             hung,
             parity_step,
             diverged: state.engine.parity_stopped(replica_id).map(str::to_string),
+            parity_mark: state.engine.parity_mark(replica_id),
         })
     }
 

@@ -111,6 +111,7 @@ pub(super) async fn heartbeat_loop(inner: Arc<Inner>) {
         }
         match result {
             Ok(ack) => {
+                inner.note_parity(&ack);
                 inner
                     .lease
                     .lock()

@@ -112,6 +112,22 @@ struct Inner {
     /// Why the parity check stopped this group (its state differs from the others' with no
     /// majority): set once, for the life of the server; quorums and commits are refused.
     diverged: Mutex<Option<String>>,
+    /// What the lighthouse's parity checks said of this group's states, as the newest
+    /// heartbeat replies told it (see [`ParityVerdicts`]).
+    parity: Mutex<ParityVerdicts>,
+}
+
+/// What the lighthouse's parity checks said of this group's committed states, over this
+/// server's life (a restarted lighthouse starts its checks afresh: the newest of each is kept).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ParityVerdicts {
+    /// Whether the lighthouse says (it answers heartbeats with its timeout: upstream and
+    /// unreachable lighthouses do not, and check nothing).
+    pub checked: bool,
+    /// The newest step decided with this group's digest and no disagreement (0 = none).
+    pub ok_step: i64,
+    /// The newest step at which this group's digest differed from the others' (0 = never).
+    pub diverged_step: i64,
 }
 
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
@@ -198,6 +214,7 @@ impl ManagerServer {
             hung: Mutex::new(None),
             digests: Mutex::new(DigestCollector::new(opts.world_size)),
             diverged: Mutex::new(None),
+            parity: Mutex::new(ParityVerdicts::default()),
             opts,
         });
 
@@ -261,6 +278,11 @@ impl ManagerServer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// What the lighthouse's parity checks said of this group's committed states.
+    pub fn parity_verdicts(&self) -> ParityVerdicts {
+        *self.inner.parity.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The server's view of the group now, in one line, for a hang report: its committed
@@ -429,6 +451,17 @@ impl Inner {
             _ => {}
         }
         *slot = hung;
+    }
+
+    /// Takes a heartbeat reply's parity verdicts (see [`ParityVerdicts`]).
+    fn note_parity(&self, ack: &crate::client::lighthouse::HeartbeatAck) {
+        if ack.timeout.is_none() {
+            return; // a lighthouse that does not say (upstream)
+        }
+        let mut v = self.parity.lock().unwrap_or_else(|p| p.into_inner());
+        v.checked = true;
+        v.ok_step = v.ok_step.max(ack.parity_ok_step);
+        v.diverged_step = v.diverged_step.max(ack.parity_diverged_step);
     }
 
     /// Records that the parity check stopped this group (once; it is never lifted).
