@@ -46,8 +46,9 @@ pub enum EventKind {
     ReplicaHealed,
     /// A replica group's step did not commit (`replica_id`, `step`, `error`).
     CommitFailed,
-    /// A replica group became a straggler (`replica_id`, `skew_pct`, `busy_s`,
-    /// `median_busy_s`).
+    /// A replica group became a straggler, or its named cause changed (`replica_id`,
+    /// `skew_pct`, `busy_s`, `median_busy_s`, `cause`, `previous_cause`, `evidence`: its
+    /// step phases against the job's median).
     StragglerFlagged,
     /// A replica group stopped being a straggler (same fields).
     StragglerCleared,
@@ -225,12 +226,23 @@ pub fn validate_report(r: &TelemetryReport) -> Result<()> {
         ("heal_s", r.heal_s),
         ("snapshot_stage_s", r.snapshot_stage_s),
         ("snapshot_write_s", r.snapshot_write_s),
+        ("input_s", r.input_s),
+        ("forward_s", r.forward_s),
+        ("backward_s", r.backward_s),
+        ("optimizer_s", r.optimizer_s),
+        ("cpu_s", r.cpu_s),
     ] {
         if !v.is_finite() || !(0.0..=MAX_SECONDS).contains(&v) {
             return bad(format!(
                 "{name} must be a finite number of seconds >= 0, got {v}"
             ));
         }
+    }
+    if !r.host_load.is_finite() || !(0.0..=1e6).contains(&r.host_load) {
+        return bad(format!(
+            "host_load must be a finite load average per CPU >= 0, got {}",
+            r.host_load
+        ));
     }
     if !r.unix_s.is_finite() || r.unix_s < 0.0 {
         return bad(format!("unix_s must be finite and >= 0, got {}", r.unix_s));
@@ -347,6 +359,11 @@ mod tests {
             Box::new(|r| r.snapshot_stage_s = -0.5),
             Box::new(|r| r.snapshot_write_s = f64::NAN),
             Box::new(|r| r.snapshot_write_s = f64::INFINITY),
+            Box::new(|r| r.input_s = -0.1),
+            Box::new(|r| r.backward_s = f64::NAN),
+            Box::new(|r| r.cpu_s = f64::INFINITY),
+            Box::new(|r| r.host_load = -1.0),
+            Box::new(|r| r.host_load = f64::NAN),
         ];
         for (i, break_it) in cases.iter().enumerate() {
             let mut r = good.clone();

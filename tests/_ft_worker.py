@@ -175,6 +175,11 @@ def main() -> int:
     parser.add_argument(
         "--sleep-file", default="", help="while this file exists, sleep its seconds per step"
     )
+    parser.add_argument(
+        "--backward-sleep-file",
+        default="",
+        help="while this file exists, the backward pass sleeps its seconds (a slow backward)",
+    )
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--quorum-timeout", type=float, default=30.0)
@@ -288,7 +293,13 @@ def main() -> int:
                 x = torch.randn(32, 16, generator=data_gen)
                 y = torch.randint(0, 4, (32,), generator=data_gen)
             x, y = x.to(args.device), y.to(args.device)
-            loss = nn.functional.cross_entropy(ddp(x), y)
+            out = ddp(x)
+            if args.backward_sleep_file:
+                slow_s = read_seconds(args.backward_sleep_file)
+                if slow_s:
+                    # Runs inside the backward pass, as a slow kernel would.
+                    out.register_hook(lambda g, s=slow_s: (time.sleep(s), g)[1])
+            loss = nn.functional.cross_entropy(out, y)
             loss.backward()
             # The quorum finished inside backward (allreduce waits for it): healed counters
             # are in place, so this is the step being voted on.

@@ -573,6 +573,16 @@ def test_straggler_rows_highlighted(mock: MockLighthouse, driver: Any) -> None:
         ),
         what="straggler classes to follow the status",
     )
+    # The named cause is the straggler's verdict, its phases in the tooltip.
+    timings = {"input_s": 0.21, "forward_s": 0.003, "backward_s": 0.004, "host_load": 0.4}
+    mock.update("a", straggler_cause="input-bound", timings=timings)
+    wait_until(
+        lambda: row_map(driver)["a"]["cells"]["verdict"] == "input-bound",
+        what="the straggler's cause in the verdict column",
+    )
+    title = row_map(driver)["a"]["verdict_title"]
+    assert "input 210 ms" in title and "host load 0.40" in title, title
+    assert row_map(driver)["c"]["cells"]["verdict"] == ""
     assert_no_console_errors(driver)
 
 

@@ -114,10 +114,18 @@ def transitions(events: list[dict[str, Any]], replica: str) -> list[tuple[str, s
 
 
 @pytest.mark.timeout(180)
-def test_straggler_is_flagged_within_30_steps_and_cleared(job: Job, tmp_path: Path) -> None:
+def test_straggler_is_flagged_named_by_its_cause_and_cleared(job: Job, tmp_path: Path) -> None:
+    """g2's input slowed (a sleep before its forward): flagged a straggler named input-bound;
+    cleared when it recovers; then its backward slowed three times: named compute-bound
+    within 16 steps. The others are never flagged, and the state stays identical."""
     sleep_file = tmp_path / "g2.sleep"
+    backward_file = tmp_path / "g2.backward"
     for i, name in enumerate(["g0", "g1", "g2"]):
-        extra = ["--sleep-file", str(sleep_file)] if name == "g2" else []
+        extra = (
+            ["--sleep-file", str(sleep_file), "--backward-sleep-file", str(backward_file)]
+            if name == "g2"
+            else []
+        )
         job.cluster.start(name, seed=i, extra=extra + LONG)
     healthy = {"g0": "healthy", "g1": "healthy", "g2": "healthy"}
     job.wait_states(healthy, 90, "three healthy groups")
@@ -143,6 +151,9 @@ def test_straggler_is_flagged_within_30_steps_and_cleared(job: Job, tmp_path: Pa
     print(f"straggler flagged after {flagged_at - started} steps")
     reps = replicas(job.addr)
     assert flagged_at - started <= 30, f"flagged after {flagged_at - started} steps"
+    # Named by where its time went: before the forward (its input).
+    assert reps["g2"]["straggler_cause"] == "input-bound", reps["g2"]
+    assert reps["g2"]["timings"]["input_s"] > 3 * reps["g0"]["timings"]["input_s"], reps
     assert reps["g2"]["straggler"] and not reps["g0"]["straggler"]
     busy = {n: reps[n]["timings"]["busy_s"] for n in healthy}
     assert busy["g2"] > 2 * max(busy["g0"], busy["g1"]), busy
@@ -171,6 +182,42 @@ def test_straggler_is_flagged_within_30_steps_and_cleared(job: Job, tmp_path: Pa
     cleared = kinds.index(("straggler_cleared", "g2"))
     assert ("straggler_flagged", "g0") not in kinds[:cleared], kinds
     assert ("straggler_flagged", "g1") not in kinds[:cleared], kinds
+    flags = [e for e in events[:cleared] if e["kind"] == "straggler_flagged"]
+    assert flags[0]["cause"] == "input-bound", flags
+    evidence = flags[0]["evidence"]
+    assert evidence["input_s"] > 3 * evidence["job_input_s"], evidence
+
+    # A slow backward (three times the step's busy time, inside the backward pass): named
+    # compute-bound within 16 steps, in /status, the event and /metrics.
+    busy_before = replicas(job.addr)["g2"]["timings"]["busy_s"]
+    slow_from = job.events()[-1]["seq"]
+    backward_file.write_text(str(max(3 * busy_before, 0.1)))
+    started = max(slow.steps())
+    job.cluster.wait_until(
+        lambda: replicas(job.addr)["g2"].get("straggler_cause") == "compute-bound",
+        60,
+        "g2 named compute-bound",
+    )
+    named_at = max(slow.steps())
+    print(f"compute-bound named after {named_at - started} steps")
+    assert named_at - started <= 16, f"named after {named_at - started} steps"
+    reps = replicas(job.addr)
+    assert not reps["g0"]["straggler"] and not reps["g1"]["straggler"], reps
+    assert reps["g2"]["timings"]["backward_s"] > 2 * reps["g0"]["timings"]["backward_s"], reps
+    code, body = http(job.addr, "/metrics")
+    assert code == 200
+    assert 'torchft_straggler{replica_id="g2",cause="compute-bound"} 1' in body.decode(), body
+    backward_file.unlink()
+    job.wait_states(healthy, 60, "g2 healthy again after its slow backward")
+    job.cluster.wait_until(
+        lambda: any(
+            e["kind"] == "straggler_flagged" and e.get("cause") == "compute-bound"
+            for e in job.events()
+            if e["seq"] > slow_from
+        ),
+        30,
+        "the compute-bound verdict logged",
+    )
 
     # Telemetry did not disturb training: same step => identical state.
     target = max(max(g.steps()) for g in job.cluster.groups) + 5

@@ -92,6 +92,45 @@ def test_busy_time_is_step_time_minus_the_waits() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_phases_split_the_busy_time_and_leave_out_the_waits() -> None:
+    """input (before the first forward, less the quorum wait and the previous optimizer
+    step), forward, backward (less a collective in flight), optimizer (carried to the next
+    report), and the process's CPU, memory and load."""
+    rec = Recorder()
+    t = _tel(rec)
+    _end(t)  # a first step without phases: all 0
+    first = rec.reports[-1]
+    assert first["input_s"] == first["forward_s"] == first["backward_s"] == 0.0
+    assert first["rss_bytes"] > 0 and first["host_load"] >= 0.0 and first["cpu_s"] >= 0.0
+    # The previous step's optimizer step runs after its report.
+    o0 = time.perf_counter()
+    time.sleep(0.02)
+    telemetry.optimizer_done(o0)
+    with t.quorum_wait():
+        time.sleep(0.05)
+    time.sleep(0.03)  # input
+    f0 = time.perf_counter()
+    time.sleep(0.02)  # forward
+    telemetry.forward_done(f0)
+    time.sleep(0.04)  # backward compute
+    tok = t.collective_started()
+    time.sleep(0.05)  # backward waiting on the allreduce
+    t.collective_finished(tok)
+    telemetry.backward_ended()
+    telemetry.backward_ended()  # only the first mark counts
+    _end(t)
+    r = rec.reports[-1]
+    assert 0.02 <= r["optimizer_s"] < 0.05, r
+    assert 0.03 <= r["input_s"] < 0.06, r  # not the 0.05 quorum wait, not the optimizer
+    assert 0.02 <= r["forward_s"] < 0.05, r
+    assert 0.04 <= r["backward_s"] < 0.08, r  # not the 0.05 with a collective in flight
+    assert r["cpu_s"] < r["step_s"], r  # sleeping is not CPU time
+    # The marks are per thread and per step: the next report starts from zero.
+    _end(t)
+    assert rec.reports[-1]["forward_s"] == 0.0 and rec.reports[-1]["optimizer_s"] == 0.0
+
+
+@pytest.mark.timeout(30)
 def test_unfinished_collective_is_closed_at_step_end() -> None:
     rec = Recorder()
     t = _tel(rec)

@@ -353,6 +353,13 @@ class TelemetryReport:
         snapshot_stage_s: float = ...,
         snapshot_write_s: float = ...,
         snapshot_bytes: int = ...,
+        input_s: float = ...,
+        forward_s: float = ...,
+        backward_s: float = ...,
+        optimizer_s: float = ...,
+        cpu_s: float = ...,
+        rss_bytes: int = ...,
+        host_load: float = ...,
     ) -> TelemetryReport: ...
 
 @final

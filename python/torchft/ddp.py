@@ -9,6 +9,7 @@ the Manager, which also swallows communication errors so backward never raises.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from torch.futures import Future
 from torch.nn import parallel
 
 from torchft.process_group import ProcessGroupDummy
+from torchft.telemetry import forward_done
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -85,6 +87,14 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             reducer._push_all_rebuilt_params()
             reducer._rebuild_buckets()
         self.register_comm_hook(manager, _manager_comm_hook)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped DDP forward, timed as the step's forward phase (telemetry)."""
+        t0 = time.perf_counter()
+        try:
+            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            forward_done(t0)
 
     def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The reducer's parameters, last-defined first (roughly gradient-ready order)."""
@@ -165,5 +175,9 @@ class PureDistributedDataParallel(nn.Module):
                 grad.copy_(averaged)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the wrapped module."""
-        return self.module(*args, **kwargs)
+        """Runs the wrapped module, timed as the step's forward phase (telemetry)."""
+        t0 = time.perf_counter()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            forward_done(t0)

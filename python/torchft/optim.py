@@ -8,10 +8,13 @@ that saw an error never diverge.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
+
+from torchft.telemetry import backward_ended, optimizer_done
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -112,10 +115,13 @@ class OptimizerWrapper(Optimizer):
         """
         if closure is not None:
             raise ValueError("OptimizerWrapper.step does not support closures")
+        backward_ended()
         if self.manager.should_commit():
             self.manager.disallow_state_dict_read()
             try:
+                t0 = time.perf_counter()
                 self.optim.step()
+                optimizer_done(t0)
             finally:
                 self.manager.allow_state_dict_read()
         else:

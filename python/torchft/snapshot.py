@@ -660,9 +660,7 @@ class SnapshotWriter:
                     if not self._must_wait(step) or self._closing.is_set():
                         return self._confirm_and_complete(*args)
                     try:
-                        self._confirming = self._confirmer.submit(
-                            self._confirm_and_complete, *args
-                        )
+                        self._confirming = self._confirmer.submit(self._confirm_and_complete, *args)
                     except RuntimeError:  # shut down meanwhile: complete it here
                         return self._confirm_and_complete(*args)
                     return None

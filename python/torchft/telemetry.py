@@ -7,6 +7,14 @@ stragglers. One report per step goes to the native client's bounded queue (a cal
 waits for the network); the manager server forwards the reports to the lighthouse in batches.
 A full queue drops reports and counts them; nothing here raises into training.
 
+Where the busy time went is measured from the hooks torchft owns, on the training thread
+(:func:`forward_done` in the DDP wrapper, :func:`backward_ended` and
+:func:`optimizer_done` in the optimizer wrapper): the input time before the first forward
+(data loading and user code outside torchft), the forward passes, the backward (from the
+last forward to the optimizer step) and the optimizer's own step, beside the process's CPU
+seconds, resident memory and the host's load. The lighthouse names a straggler's cause from
+them (docs/telemetry.md). A script that uses neither wrapper reports the phases as 0.
+
 Turn it off per process with ``TORCHFT_TELEMETRY=0`` or ``Manager(telemetry=False)``. The
 lighthouse serves the result at ``/status``, ``/metrics``, ``/events`` and ``/`` (see
 docs/telemetry.md).
@@ -81,6 +89,98 @@ def _truncate_utf8(text: str, limit: int) -> str:
     return data[:limit].decode("utf-8", errors="ignore")
 
 
+class _StepClock(threading.local):
+    """The training thread's phase marks of the current step (one per thread: groups that
+    train in threads of one process keep theirs apart)."""
+
+    def __init__(self) -> None:
+        self.first_forward: float | None = None
+        self.last_forward_end = 0.0
+        self.forward_s = 0.0
+        self.backward_end: float | None = None
+        # The optimizer's step runs after the vote, so after the step's report: the next
+        # report carries it.
+        self.optimizer_s = 0.0
+
+    def take(self) -> tuple[float | None, float, float, float | None, float]:
+        out = (
+            self.first_forward,
+            self.last_forward_end,
+            self.forward_s,
+            self.backward_end,
+            self.optimizer_s,
+        )
+        self.first_forward, self.backward_end = None, None
+        self.last_forward_end = self.forward_s = self.optimizer_s = 0.0
+        return out
+
+
+_clock = _StepClock()
+
+
+def forward_done(t0: float) -> None:
+    """Counts the time since ``t0`` (``time.perf_counter()``) as a forward pass of the current
+    step (the DDP wrapper's forward)."""
+    t1 = time.perf_counter()
+    c = _clock
+    if c.first_forward is None:
+        c.first_forward = t0
+    c.last_forward_end = t1
+    c.forward_s += t1 - t0
+
+
+def backward_ended() -> None:
+    """Marks the end of the step's backward: the optimizer wrapper's step was entered."""
+    c = _clock
+    if c.backward_end is None:
+        c.backward_end = time.perf_counter()
+
+
+def optimizer_done(t0: float) -> None:
+    """Counts the time since ``t0`` as the wrapped optimizer's own step."""
+    _clock.optimizer_s += time.perf_counter() - t0
+
+
+def _overlap(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of ``spans`` inside ``[lo, hi]``."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+
+
+class _Process:
+    """This process's CPU seconds, resident memory and host load (cheap: read per step)."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._cpus = os.cpu_count() or 1
+        self._statm: int | None = None
+        try:
+            self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            pass  # not Linux: resident memory is reported as 0
+        self._cpu = time.process_time()
+
+    def sample(self) -> tuple[float, int, float]:
+        """CPU seconds since the previous sample, resident bytes now, load per CPU."""
+        cpu = time.process_time()
+        cpu_s, self._cpu = max(0.0, cpu - self._cpu), cpu
+        rss = 0
+        if self._statm is not None:
+            try:
+                rss = int(os.pread(self._statm, 128, 0).split()[1]) * self._page
+            except (OSError, ValueError, IndexError):
+                rss = 0
+        try:
+            load = os.getloadavg()[0] / self._cpus
+        except OSError:
+            load = 0.0
+        return cpu_s, rss, load
+
+    def close(self) -> None:
+        fd, self._statm = self._statm, None
+        if fd is not None:
+            os.close(fd)
+
+
 _live: weakref.WeakSet[RankTelemetry] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 _hook_installed = False
@@ -147,6 +247,12 @@ class RankTelemetry:
         self._lock = threading.Lock()
         self._last_end = time.perf_counter()
         self._quorum_wait = 0.0
+        # The step's quorum waits as (start, end), to take them out of the phases they fall in.
+        self._quorum_spans: list[tuple[float, float]] = []
+        # ... and its spans with a collective in flight (a backward waiting on them is
+        # communication, not compute).
+        self._coll_spans: list[tuple[float, float]] = []
+        self._process = _Process()
         self._heal_s = 0.0
         self._heal_bytes = 0
         self._heal_source = ""
@@ -170,9 +276,11 @@ class RankTelemetry:
         try:
             yield
         finally:
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
             with self._lock:
-                self._quorum_wait += dt
+                self._quorum_wait += t1 - t0
+                if len(self._quorum_spans) < 64:
+                    self._quorum_spans.append((t0, t1))
 
     def collective_started(self) -> int | None:
         """Marks a collective in flight; pass the token to :meth:`collective_finished`."""
@@ -196,6 +304,8 @@ class RankTelemetry:
             self._outstanding -= 1
             if self._outstanding == 0:
                 self._coll_total += now - self._coll_since
+                if len(self._coll_spans) < 64:
+                    self._coll_spans.append((self._coll_since, now))
 
     def heal_started(self, step: int, quorum_id: int) -> None:
         """Reports that this rank starts fetching live state (the group shows ``healing``)."""
@@ -242,13 +352,18 @@ class RankTelemetry:
             rank: this rank's rank in the whole job (-1 if unknown).
         """
         now = time.perf_counter()
+        first_fwd, last_fwd_end, forward_s, backward_end, optimizer_s = _clock.take()
         with self._lock:
             if self._outstanding:
                 self._coll_total += now - self._coll_since
+                self._coll_spans.append((self._coll_since, now))
                 self._outstanding = 0
             self._gen += 1
-            step_s = now - self._last_end
+            started = self._last_end
+            step_s = now - started
             quorum_wait, collective = self._quorum_wait, self._coll_total
+            spans, self._quorum_spans = self._quorum_spans, []
+            coll_spans, self._coll_spans = self._coll_spans, []
             heal_s, heal_bytes = self._heal_s, self._heal_bytes
             heal_source, heal_addr = self._heal_source, self._heal_addr
             self._last_end = now
@@ -258,6 +373,20 @@ class RankTelemetry:
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)
+        input_s = backward_s = 0.0
+        if first_fwd is not None:
+            # Before the first forward: the previous step's optimizer step, the quorum wait
+            # (zero_grad starts the quorum) and the rest (input, user code).
+            input_s = max(
+                0.0, first_fwd - started - _overlap(spans, started, first_fwd) - optimizer_s
+            )
+            if backward_end is not None and backward_end >= last_fwd_end:
+                # Less the quorum wait (async quorum) and the time with a collective in
+                # flight: DDP's backward ends waiting for the gradients' allreduce, which
+                # waits for the slowest group.
+                waits = _overlap(spans + coll_spans, last_fwd_end, backward_end)
+                backward_s = max(0.0, backward_end - last_fwd_end - waits)
+        cpu_s, rss, load = self._process.sample()
         self._send(
             phase="step",
             step=step,
@@ -276,6 +405,13 @@ class RankTelemetry:
             heal_addr=heal_addr,
             error=error[:MAX_ERROR_CHARS] if error else "",
             rank=rank,
+            input_s=input_s,
+            forward_s=forward_s if first_fwd is not None else 0.0,
+            backward_s=backward_s,
+            optimizer_s=optimizer_s if first_fwd is not None else 0.0,
+            cpu_s=cpu_s,
+            rss_bytes=rss,
+            host_load=load,
         )
 
     # ------------------------------------------------------------------ snapshots
@@ -332,6 +468,7 @@ class RankTelemetry:
             return
         self._finished = True
         _live.discard(self)
+        self._process.close()
         if not self.enabled:
             return
         if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):

@@ -143,6 +143,13 @@ record! {
             snapshot_stage_s: f64 = 0.0,
             snapshot_write_s: f64 = 0.0,
             snapshot_bytes: u64 = 0,
+            input_s: f64 = 0.0,
+            forward_s: f64 = 0.0,
+            backward_s: f64 = 0.0,
+            optimizer_s: f64 = 0.0,
+            cpu_s: f64 = 0.0,
+            rss_bytes: u64 = 0,
+            host_load: f64 = 0.0,
         }
         with {
             phase: &str = "step" => parse_phase(phase)? as i32,

@@ -297,6 +297,14 @@
     return lines.join('\n');
   }
 
+  // Why a straggler was named its cause: its step phases (window medians).
+  function stragglerWhy(r) {
+    const t = r.timings && typeof r.timings === 'object' ? r.timings : {};
+    const parts = ['input_s', 'forward_s', 'backward_s', 'optimizer_s', 'collective_s']
+      .map((k) => `${k.replace(/_s$/, '')} ${fmtMs(t[k])} ms`);
+    return `straggler, ${r.straggler_cause}: ${parts.join(', ')}; host load ${fmtFixed(t.host_load, 2)}`;
+  }
+
   // The lighthouse's verdicts on replica group processes (ids `name:uuid`, as `incarnation`).
   function verdicts(status) {
     const out = new Map();
@@ -355,7 +363,8 @@
     const t = r.timings && typeof r.timings === 'object' ? r.timings : {};
     setText(c.busy, fmtMs(t.busy_s));
     setText(c.stepTime, fmtMs(t.step_s));
-    const timingTitle = ['step_s', 'busy_s', 'quorum_wait_s', 'collective_s', 'should_commit_s', 'heal_s']
+    const timingTitle = ['step_s', 'busy_s', 'input_s', 'forward_s', 'backward_s', 'optimizer_s',
+      'quorum_wait_s', 'collective_s', 'should_commit_s', 'heal_s', 'cpu_s']
       .map((k) => `${k.replace(/_s$/, '')}: ${fmtMs(t[k])} ms`).join('\n');
     setAttr(c.busy, 'title', timingTitle);
     setAttr(c.stepTime, 'title', timingTitle);
@@ -400,7 +409,10 @@
         row = makeRow(id);
         rows.set(id, row);
       }
-      const verdict = byProcess.get(String(r.incarnation)) || byProcess.get(id) || null;
+      let verdict = byProcess.get(String(r.incarnation)) || byProcess.get(id) || null;
+      if (!verdict && typeof r.straggler_cause === 'string' && r.straggler_cause) {
+        verdict = { text: r.straggler_cause, why: stragglerWhy(r) };
+      }
       updateRow(row, r, allowKill, status.heartbeat_timeout_s, verdict);
     }
     for (const [id, row] of rows) {

@@ -349,8 +349,24 @@ fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
             );
         }
     }
+    w.family(
+        "torchft_straggler",
+        "gauge",
+        "1 for each replica group flagged a straggler, labelled with the cause named from its \
+         step phases (input-bound, compute-bound, communication-bound, host-contended, \
+         memory-growing, unattributed).",
+    );
+    for r in replicas {
+        if let Some(cause) = r.straggler_cause {
+            w.sample(
+                "torchft_straggler",
+                &[("replica_id", &r.replica_id), ("cause", cause)],
+                1.0,
+            );
+        }
+    }
     type Get = fn(&ReplicaStatus) -> Option<f64>;
-    let per_replica: [(&str, &str, &str, Get); 14] = [
+    let per_replica: [(&str, &str, &str, Get); 21] = [
         (
             "torchft_replica_step",
             "gauge",
@@ -392,6 +408,48 @@ fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
             "gauge",
             "Median time per step in the commit vote.",
             |r| r.timings.should_commit_s,
+        ),
+        (
+            "torchft_replica_input_seconds",
+            "gauge",
+            "Median time per step before the first forward (input and user code).",
+            |r| r.timings.input_s,
+        ),
+        (
+            "torchft_replica_forward_seconds",
+            "gauge",
+            "Median time per step in forward passes.",
+            |r| r.timings.forward_s,
+        ),
+        (
+            "torchft_replica_backward_seconds",
+            "gauge",
+            "Median time per step from the last forward to the optimizer step.",
+            |r| r.timings.backward_s,
+        ),
+        (
+            "torchft_replica_optimizer_seconds",
+            "gauge",
+            "Median time per step in the wrapped optimizer's own step.",
+            |r| r.timings.optimizer_s,
+        ),
+        (
+            "torchft_replica_cpu_seconds",
+            "gauge",
+            "Median CPU seconds per step of the group's reporting processes.",
+            |r| r.timings.cpu_s,
+        ),
+        (
+            "torchft_replica_resident_memory_bytes",
+            "gauge",
+            "Resident memory of the group's last reporting process.",
+            |r| r.timings.rss_bytes.map(|b| b as f64),
+        ),
+        (
+            "torchft_replica_host_load_ratio",
+            "gauge",
+            "Median 1-minute load average per CPU of the group's hosts.",
+            |r| r.timings.host_load,
         ),
         (
             "torchft_replica_skew_ratio",

@@ -14,6 +14,13 @@ pub(super) struct Sample {
     pub(super) quorum_wait_s: f64,
     pub(super) collective_s: f64,
     pub(super) should_commit_s: f64,
+    pub(super) input_s: f64,
+    pub(super) forward_s: f64,
+    pub(super) backward_s: f64,
+    pub(super) optimizer_s: f64,
+    pub(super) cpu_s: f64,
+    pub(super) rss_bytes: u64,
+    pub(super) host_load: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -77,6 +84,8 @@ pub(super) struct Group {
     /// drop window counts from here.
     pub(super) straggler_since: Option<Instant>,
     pub(super) skew_pct: f64,
+    /// Why it is a straggler (see `stragglers::cause`), while it is one.
+    pub(super) straggler_cause: Option<&'static str>,
     pub(super) state: GroupState,
     pub(super) state_since: Instant,
     pub(super) last_seen: Instant,
@@ -110,6 +119,7 @@ impl Group {
             straggler: false,
             straggler_since: None,
             skew_pct: 0.0,
+            straggler_cause: None,
             state: GroupState::Joining,
             state_since: now,
             last_seen: now,

@@ -472,6 +472,13 @@ impl Telemetry {
                             quorum_wait_s: r.quorum_wait_s,
                             collective_s: r.collective_s,
                             should_commit_s: r.should_commit_s,
+                            input_s: r.input_s,
+                            forward_s: r.forward_s,
+                            backward_s: r.backward_s,
+                            optimizer_s: r.optimizer_s,
+                            cpu_s: r.cpu_s,
+                            rss_bytes: r.rss_bytes,
+                            host_load: r.host_load,
                         });
                         while g.samples.len() > WINDOW {
                             g.samples.pop_front();
@@ -604,6 +611,7 @@ impl Telemetry {
                 last_commit: g.last_commit,
                 last_error: g.last_error.clone(),
                 straggler: g.straggler,
+                straggler_cause: g.straggler_cause,
                 skew_pct: round3(g.skew_pct),
                 steps_per_s: g.steps_per_s(),
                 timings: Timings {
@@ -613,6 +621,13 @@ impl Telemetry {
                     collective_s: g.timing(|s| s.collective_s),
                     should_commit_s: g.timing(|s| s.should_commit_s),
                     heal_s: (g.counters.heals > 0).then_some(g.last_heal_s),
+                    input_s: g.timing(|s| s.input_s),
+                    forward_s: g.timing(|s| s.forward_s),
+                    backward_s: g.timing(|s| s.backward_s),
+                    optimizer_s: g.timing(|s| s.optimizer_s),
+                    cpu_s: g.timing(|s| s.cpu_s),
+                    rss_bytes: g.samples.back().map(|s| s.rss_bytes),
+                    host_load: g.timing(|s| s.host_load),
                 },
                 counters: g.counters.clone(),
                 last_heal: g.last_heal.clone(),

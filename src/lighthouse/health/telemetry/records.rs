@@ -103,6 +103,9 @@ pub struct ReplicaStatus {
     pub last_commit: Option<bool>,
     pub last_error: Option<String>,
     pub straggler: bool,
+    /// Why it is a straggler: input-bound, compute-bound, communication-bound,
+    /// host-contended, memory-growing or unattributed (docs/telemetry.md); None otherwise.
+    pub straggler_cause: Option<&'static str>,
     pub skew_pct: f64,
     pub steps_per_s: Option<f64>,
     pub timings: Timings,
@@ -120,6 +123,17 @@ pub struct Timings {
     pub collective_s: Option<f64>,
     pub should_commit_s: Option<f64>,
     pub heal_s: Option<f64>,
+    /// The busy time's phases (see `TelemetryReport`): input, forward, backward, optimizer.
+    pub input_s: Option<f64>,
+    pub forward_s: Option<f64>,
+    pub backward_s: Option<f64>,
+    pub optimizer_s: Option<f64>,
+    /// CPU seconds per step of the reporting processes.
+    pub cpu_s: Option<f64>,
+    /// Resident memory of the last report's process (bytes).
+    pub rss_bytes: Option<u64>,
+    /// The host's 1-minute load average per CPU.
+    pub host_load: Option<f64>,
 }
 
 /// Job-wide counters.

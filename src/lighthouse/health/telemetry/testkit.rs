@@ -65,10 +65,17 @@ impl Job {
     }
 
     pub(super) fn step_all(&mut self, busy: &[f64]) {
+        self.step_with(busy, |_, _| {});
+    }
+
+    /// Like `step_all`, with `shape(group index, report)` filling in each report's phases.
+    pub(super) fn step_with(&mut self, busy: &[f64], shape: impl Fn(usize, &mut TelemetryReport)) {
         self.now += Duration::from_millis(200);
-        for (id, b) in self.ids.clone().iter().zip(busy) {
+        for (i, (id, b)) in self.ids.clone().iter().zip(busy).enumerate() {
             let step = self.t.groups[base_id(id)].step;
-            self.t.on_report(&report(id, step, *b), self.now);
+            let mut r = report(id, step, *b);
+            shape(i, &mut r);
+            self.t.on_report(&r, self.now);
         }
         let ages = self.ages();
         self.t.evaluate(self.now, &ages);
