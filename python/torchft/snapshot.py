@@ -25,8 +25,8 @@ or a later one and found it agreeing, and none since differing: a state that par
 diverged (a flipped bit, a bad kernel) never becomes a snapshot every group would later
 resume from. A snapshot parity did not confirm within :data:`PARITY_CONFIRM_TIMEOUT_S` stays
 incomplete; one still waiting when the group shuts down cleanly is made complete and its
-manifest says ``"parity": "unconfirmed ..."``. Rank 0 then deletes snapshots beyond the newest ``keep`` and
-tells the lighthouse (telemetry), which records the newest complete snapshot in ``/status``,
+manifest says ``"parity": "unconfirmed ..."``. Rank 0 then deletes snapshots beyond the
+newest ``keep`` and tells the lighthouse (telemetry), which records the newest complete snapshot in ``/status``,
 ``/metrics`` and its state file. A failure (full disk, unwritable directory) is logged and
 reported as a ``snapshot_failed`` event; training goes on.
 
@@ -717,7 +717,11 @@ class SnapshotWriter:
             now = time.monotonic()
             if note is None and self._closing.is_set():
                 note = "unconfirmed: the group shut down before the parity check of this step"
-                logger.warning("snapshot of step %d made complete %s", step, note[11:])
+                logger.warning(
+                    "snapshot of step %d made complete unconfirmed: the group shut down "
+                    "before the parity check of its step",
+                    step,
+                )
             if note is not None:
                 break
             if now >= deadline:
