@@ -235,3 +235,25 @@ def test_digests_follow_the_bits_and_bad_settings_are_refused() -> None:
     p.at_step_start(20)
     assert p.every == 0 and p.take() is None
     p.shutdown()
+
+
+def test_snapshot_steps_are_digested_besides_the_parity_steps() -> None:
+    """With snapshots on, every group digests every snapshot step too, so a snapshot's own
+    step is checked (not only the next parity step, up to an interval later)."""
+    state = {"model": {"w": torch.arange(4.0)}}
+    p = StateParity(10, lambda: state)
+    p.at_step_start(4)
+    assert p.take() is None, "step 4 is no parity step"
+    p.also_digest(lambda s: s % 4 == 0)
+    for step, digested in [(4, True), (5, False), (8, True), (10, True), (12, True), (13, False)]:
+        p.at_step_start(step)
+        p.settle()
+        got = p.take()
+        assert (got is not None) == digested, (step, got)
+        if got is not None:
+            assert got[0] == step
+    p.disable("Local SGD")
+    p.at_step_start(16)
+    p.settle()
+    assert p.take() is None, "off is off, snapshot steps included"
+    p.shutdown()

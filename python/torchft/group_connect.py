@@ -126,8 +126,9 @@ def start_services(
         on_lost: called with ``(replica_id, quorum_id)`` for every lost member.
         step: the current step.
         log_info: the Manager's prefixed info logger (snapshot progress).
-        parity: the ranks' state digests (runtime state parity): while on, group rank 0
-            makes a snapshot complete only once the parity check confirmed its state.
+        parity: the ranks' state digests (runtime state parity): while on, every snapshot
+            step is digested too, and group rank 0 makes a snapshot complete only once the
+            parity check confirmed its state.
     """
     name = cfg.replica_id or conn.replica_id
     telemetry = RankTelemetry(
@@ -152,6 +153,10 @@ def start_services(
             snapshots = GroupSnapshots(
                 cfg, name, conn.replica_id, conn.store, telemetry, log_info, confirm
             )
+            if parity is not None:
+                # Every group digests every snapshot step too, so a snapshot's own step is
+                # compared at once (not at the next parity step, up to an interval later).
+                parity.also_digest(snapshots.writer.due)
         hang = None
         if conn.server is not None:
             server = conn.server

@@ -29,6 +29,8 @@ state, plain numbers in an optimizer's ``param_groups``, a data loader's positio
 out, since groups may legitimately hold different ones. A model with other floating-point
 buffers that differ between groups by design must set ``parity_every=0``.
 Local SGD and DiLoCo turn parity off: their groups differ between synchronisations by design.
+With durable snapshots on, every snapshot step is digested as well: a snapshot is made
+complete only once its own step's check agreed (see :mod:`torchft.snapshot`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ class StateParity:
         self._ready: tuple[int, bytes] | None = None
         self._last_step = 0
         self._off_reason: str | None = None if every else "parity_every=0"
+        # Further steps to digest (durable snapshot steps: a snapshot waits for its check).
+        self._also: Callable[[int], bool] | None = None
 
     @property
     def every(self) -> int:
@@ -123,10 +127,18 @@ class StateParity:
             logger.info("state parity off: %s", why)
         self._off_reason = why
 
+    def also_digest(self, due: Callable[[int], bool]) -> None:
+        """Digests the steps ``due`` names as well (every group must name the same ones):
+        durable snapshot steps, so a snapshot's own state is checked before it is complete."""
+        self._also = due
+
     def at_step_start(self, step: int) -> None:
         """Called at the top of every step with the committed step count: starts hashing the
-        state when ``step`` is a parity step not yet digested."""
-        if self._off_reason is not None or step <= 0 or step % self._every:
+        state when ``step`` is a parity step (or one :meth:`also_digest` names) not yet
+        digested."""
+        if self._off_reason is not None or step <= 0:
+            return
+        if step % self._every and not (self._also is not None and self._also(step)):
             return
         if step <= self._last_step:
             return
