@@ -133,6 +133,9 @@ class FakeNative:
             def hung(self) -> str | None:
                 return None
 
+            def parity_verdicts(self) -> tuple[bool, int, int]:
+                return (False, 0, 0)  # as from an upstream lighthouse: nothing checked
+
             def set_loop_busy(self, busy: bool) -> None:
                 native.busy_calls.append(busy)
 

@@ -182,9 +182,12 @@ def _kill_and_restart(job: Job, ranks: int, steps: int) -> dict[tuple[int, int],
     results = job.finish(180)
     assert sorted(results) == sorted((g, r) for g in (0, 1) for r in range(ranks))
     assert {r["step"] for r in results.values()} == {steps}
-    # The restarted group started from scratch and healed to its peer's step.
+    # The restarted group started from scratch and healed to its peer's step: it never trains
+    # up from step 0. (Its first step may fail on a loaded machine, a vote that times out; it
+    # then heals in the next quorum.)
     restarted = [int(s) for s in _STEP.findall("\n".join(job.lines(1)))]
-    assert restarted[0] == 0 and restarted[1] >= max(stalled, 3), restarted[:5]
+    first = next((s for s in restarted[1:] if s > 0), None)
+    assert restarted[0] == 0 and first is not None and first >= max(stalled, 3), restarted[:8]
     return results
 
 
