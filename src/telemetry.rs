@@ -80,11 +80,15 @@ pub enum EventKind {
     SnapshotComplete,
     /// A durable snapshot attempt failed (`replica_id`, `step`, `error`, `path`).
     SnapshotFailed,
+    /// The job's goodput accounts, every few seconds while it trains and once more
+    /// (`final`: true) when every group finished (`window_start_unix_s`, `step`, the job's
+    /// accounts and `ratio`, and per group in `groups`; see docs/telemetry.md).
+    Goodput,
 }
 
 impl EventKind {
     /// Every kind, in documentation order.
-    pub const ALL: [EventKind; 19] = [
+    pub const ALL: [EventKind; 20] = [
         EventKind::LighthouseStarted,
         EventKind::QuorumChanged,
         EventKind::ReplicaJoined,
@@ -104,6 +108,7 @@ impl EventKind {
         EventKind::StragglerDropped,
         EventKind::SnapshotComplete,
         EventKind::SnapshotFailed,
+        EventKind::Goodput,
     ];
 
     /// The name events carry in `kind`.
@@ -128,6 +133,7 @@ impl EventKind {
             EventKind::StragglerDropped => "straggler_dropped",
             EventKind::SnapshotComplete => "snapshot_complete",
             EventKind::SnapshotFailed => "snapshot_failed",
+            EventKind::Goodput => "goodput",
         }
     }
 
@@ -135,7 +141,10 @@ impl EventKind {
     pub fn names_a_replica(self) -> bool {
         !matches!(
             self,
-            EventKind::LighthouseStarted | EventKind::QuorumChanged | EventKind::ProgressRegressed
+            EventKind::LighthouseStarted
+                | EventKind::QuorumChanged
+                | EventKind::ProgressRegressed
+                | EventKind::Goodput
         )
     }
 

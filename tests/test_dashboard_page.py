@@ -2,7 +2,8 @@
 dashboard.js).
 
 The page is served by a small mock HTTP server in this module that follows docs/telemetry.md:
-``/status`` (JSON the tests change between polls), ``/events`` (server-sent events) and
+``/status`` (JSON the tests change between polls), ``/history`` (the job's series),
+``/events`` (server-sent events) and
 ``POST /replicas/<id>/kill`` (recorded). Headless Chromium loads it (tests/_browser.py);
 the tests skip when chromium or chromedriver is not installed.
 """
@@ -27,8 +28,18 @@ DASH = "\u2013"
 EVIL_ID = "<img src=x onerror=alert(1)>"
 
 
+def make_goodput(ratio: float, wall_s: float = 400.0) -> dict:
+    """A goodput account (of ``/status`` or of a replica) with the given ratio."""
+    g = dict(ratio=ratio, wall_s=wall_s, productive_s=ratio * wall_s, quorum_s=12.5, heal_s=7.25)
+    g.update(discarded_s=3.0, recovery_s=20.0, regressed_s=1.5, regressed_steps=2, step=240)
+    return {**g, "steps_committed": 240, "window_start_unix_s": time.time() - wall_s}
+
+
 def make_replica(replica_id: str, state: str = "healthy", step: int = 0, **fields: Any) -> dict:
     """One ``replicas`` entry of ``/status`` as documented; ``fields`` override defaults."""
+    timings = dict(step_s=0.25, busy_s=0.0123, quorum_wait_s=0.001, collective_s=0.05, heal_s=None)
+    counters = dict(steps_committed=step, commit_failures=0, heals=1, heal_bytes=1024, lost=0)
+    counters.update(incarnations=1, reports=10, reports_dropped=0)
     replica = {
         "replica_id": replica_id,
         "incarnation": f"{replica_id}:6f1c0a2b",
@@ -48,24 +59,8 @@ def make_replica(replica_id: str, state: str = "healthy", step: int = 0, **field
         "straggler": state == "straggler",
         "skew_pct": 3.1,
         "steps_per_s": 4.2,
-        "timings": {
-            "step_s": 0.25,
-            "busy_s": 0.0123,
-            "quorum_wait_s": 0.001,
-            "collective_s": 0.05,
-            "should_commit_s": 0.002,
-            "heal_s": None,
-        },
-        "counters": {
-            "steps_committed": step,
-            "commit_failures": 0,
-            "heals": 1,
-            "heal_bytes": 1024,
-            "incarnations": 1,
-            "lost": 0,
-            "reports": 10,
-            "reports_dropped": 0,
-        },
+        "timings": {**timings, "should_commit_s": 0.002},
+        "counters": counters,
     }
     replica.update(fields)
     return replica
@@ -82,21 +77,17 @@ class MockLighthouse:
         self.members: list[str] | None = None  # None: the healthy and straggler replicas
         self.hung: list[dict] = []
         self.dropped: list[dict] = []
-        self.parity: dict = {
-            "checks": 0,
-            "diverged_total": 0,
-            "last_checked_step": None,
-            "healing": [],
-            "stopped": [],
-        }
+        self.parity: dict = dict(checks=0, diverged_total=0, last_checked_step=None)
+        self.parity.update(healing=[], stopped=[])
         self.snapshot: dict | None = None
         self.snapshot_failures = 0
+        self.goodput: dict | None = None  # of /status; None: before the first committed step
+        #: ``points`` of ``/history``; ``history_reply`` (code, content type, body) replaces it.
+        self.history: list[dict] = []
+        self.history_reply: tuple[int, str, str] | None = None
         self.fail_status = False
-        self.kill_reply: tuple[int, str, str] = (
-            200,
-            "application/json",
-            json.dumps({"ok": True, "message": "manager process ended"}),
-        )
+        ended = json.dumps({"ok": True, "message": "manager process ended"})
+        self.kill_reply: tuple[int, str, str] = (200, "application/json", ended)
         self.started_unix_s = time.time() - 90.0
         self.status_events: list[dict] = []
         self.sse_events: list[dict] = []
@@ -147,13 +138,12 @@ class MockLighthouse:
     def status(self) -> dict:
         with self.cond:
             replicas = [copy.deepcopy(self.replicas[k]) for k in sorted(self.replicas)]
-            if self.members is None:
-                members = [
-                    r["replica_id"] for r in replicas if r["state"] in ("healthy", "straggler")
-                ]
-            else:
-                members = list(self.members)
+            live = [r["replica_id"] for r in replicas if r["state"] in ("healthy", "straggler")]
+            members = live if self.members is None else list(self.members)
             by_id = {r["replica_id"]: r for r in replicas}
+            addr = {"address": "http://node-3:29510", "store_address": "node-3:29500"}
+            counters = dict(quorum_changes=3, reports=100, reports_rejected=0, events=self._seq)
+            counters.update(snapshots=int(self.snapshot is not None))
             return {
                 "quorum_id": self.quorum_id,
                 "min_replicas": 2,
@@ -163,21 +153,13 @@ class MockLighthouse:
                 "reason": "waiting for 1 more participant",
                 "started_unix_s": self.started_unix_s,
                 "members": [
-                    {
-                        "replica_id": f"{m}:6f1c0a2b",
-                        "step": by_id.get(m, {}).get("step", 0),
-                        "address": "http://node-3:29510",
-                        "store_address": "node-3:29500",
-                        "world_size": 2,
-                    }
+                    {"replica_id": f"{m}:6f1c0a2b", "step": by_id.get(m, {}).get("step", 0)}
+                    | {**addr, "world_size": 2}
                     for m in members
                 ],
                 "heartbeats": [
-                    {
-                        "replica_id": r["incarnation"],
-                        "age_s": r["last_heartbeat_age_s"],
-                        "healthy": r["state"] not in ("lost", "failed", "finished"),
-                    }
+                    {"replica_id": r["incarnation"], "age_s": r["last_heartbeat_age_s"]}
+                    | {"healthy": r["state"] not in ("lost", "failed", "finished")}
                     for r in replicas
                 ],
                 "participants": [],
@@ -187,15 +169,9 @@ class MockLighthouse:
                 "parity": copy.deepcopy(self.parity),
                 "replicas": replicas,
                 "stragglers": [r["replica_id"] for r in replicas if r["straggler"]],
-                "counters": {
-                    "quorum_changes": 3,
-                    "reports": 100,
-                    "reports_rejected": 0,
-                    "events": self._seq,
-                    "snapshots": 0 if self.snapshot is None else 1,
-                    "snapshot_failures": self.snapshot_failures,
-                },
+                "counters": {**counters, "snapshot_failures": self.snapshot_failures},
                 "snapshot": copy.deepcopy(self.snapshot),
+                "goodput": copy.deepcopy(self.goodput),
                 "events": copy.deepcopy(self.status_events[-100:]),
                 "rooms": copy.deepcopy(self.rooms),
             }
@@ -237,6 +213,14 @@ class MockLighthouse:
                         self._send(500, "text/plain", "boom")
                     else:
                         self._send(200, "application/json", json.dumps(mock.status()))
+                elif path == "/history":
+                    with mock.cond:
+                        reply = mock.history_reply
+                        points = copy.deepcopy(mock.history)
+                    if reply is None:
+                        body = json.dumps({"interval_s": 1.0, "points": points})
+                        reply = (200, "application/json", body)
+                    self._send(*reply)
                 elif path == "/events":
                     self._events()
                 else:
@@ -360,7 +344,7 @@ return Array.from(document.querySelectorAll('#replicas tr.replica')).map((tr) =>
       id: cell('replica-id'), state: cell('state'), step: cell('step'), hb: cell('hb-age'),
       rate: cell('rate'), busy: cell('busy'), step_time: cell('step-time'), skew: cell('skew'),
       parts: cell('participants'), heals: cell('heals'), error: cell('last-error'),
-      verdict: cell('verdict'),
+      verdict: cell('verdict'), goodput: cell('goodput'),
     },
     verdict_title: tr.querySelector('td.verdict').getAttribute('title'),
     error_title: tr.querySelector('td.last-error').getAttribute('title'),
@@ -405,6 +389,25 @@ def open_page(driver: Any, mock: MockLighthouse, rows_expected: int | None = Non
     wait_until(lambda: text_of(driver, "updated") == "live", what="the first /status poll")
     if rows_expected is not None:
         wait_until(lambda: len(rows(driver)) == rows_expected, what=f"{rows_expected} rows")
+
+
+CHARTS = ("rate-chart", "parts-chart", "goodput-chart")
+CHARTS_JS = """
+return arguments[0].map((id) => {
+  const c = document.getElementById(id);
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++;
+  return [Number(c.getAttribute('data-points') || 0), n]; });
+"""
+
+
+def charts(driver: Any) -> dict[str, list[int]]:
+    """Per chart: the points it drew (``data-points``) and its painted pixels."""
+    return dict(zip(CHARTS, driver.execute_script(CHARTS_JS, list(CHARTS)), strict=True))
+
+
+def drawn_points(driver: Any) -> dict[str, int]:
+    return {k: v[0] for k, v in charts(driver).items()}
 
 
 def assert_no_console_errors(driver: Any) -> None:
@@ -547,7 +550,7 @@ def test_malicious_replica_id_is_text(mock: MockLighthouse, driver: Any) -> None
         fetched = [
             r
             for r in mock.requests
-            if r.split(" ", 1)[1] not in ("/", "/dashboard.js", "/status", "/events")
+            if r.split(" ", 1)[1] not in ("/", "/dashboard.js", "/status", "/history", "/events")
         ]
     assert fetched == []  # the <img src=x> was never loaded
     assert_no_console_errors(driver)
@@ -879,13 +882,7 @@ def test_charts_show_rate_and_participants(mock: MockLighthouse, driver: Any) ->
     mock.remove("r2")
     wait_until(lambda: text_of(driver, "parts-now") == "2", what="2 participants")
     assert text_of(driver, "parts-max") == "3"
-    painted = driver.execute_script(
-        "return ['rate-chart', 'parts-chart'].map((id) => {"
-        "  const c = document.getElementById(id);"
-        "  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        "  let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++;"
-        "  return n; });"
-    )
+    painted = [v[1] for v in charts(driver).values()]
     assert all(n > 100 for n in painted), painted
     assert_no_console_errors(driver)
 
@@ -909,3 +906,95 @@ def test_no_console_errors(mock: MockLighthouse, driver: Any) -> None:
     driver.set_window_size(900, 700)  # redraw on resize
     time.sleep(1.5)
     assert_no_console_errors(driver)
+
+
+def history_points(n: int, end: float) -> list[dict]:
+    """``n`` points of ``/history``, a second apart up to ``end``: 2 steps/s, 3 members, the
+    ratio 0.3 for the first 25 points, then 0.6."""
+    keys = ("t", "step", "members", "ratio", "steps_committed", "productive_s", "wall_s")
+    rows = [
+        (end - n + 1 + i, 2 * i, 3, 0.3 if i < 25 else 0.6, 2 * i, None, None) for i in range(n)
+    ]
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+@pytest.mark.timeout(60)
+def test_history_seeds_the_charts_and_goodput_shows(mock: MockLighthouse, driver: Any) -> None:
+    """A page opened late draws the job's history at once (step rate, participants, goodput),
+    then live points follow; the header and each row show goodput, the accounts in titles;
+    a lighthouse restart loads the history again."""
+    mock.set_replicas(
+        make_replica("a", step=240, goodput_ratio=0.9, goodput=make_goodput(0.9)),
+        make_replica("b", step=240, goodput_ratio=None, goodput=None),
+    )
+    mock.goodput = make_goodput(0.834)
+    mock.history = history_points(150, time.time() - 1)
+    started = time.monotonic()
+    open_page(driver, mock, rows_expected=2)
+    got = wait_until(
+        lambda: (p := drawn_points(driver))["goodput-chart"] >= 119 and p,
+        timeout=max(0.5, 2.5 - (time.monotonic() - started)),
+        what="the history drawn",
+    )
+    assert got["rate-chart"] >= 118 and got["parts-chart"] >= 119, got
+    assert max(got.values()) <= 120, got  # the cap keeps the latest points
+    assert text_of(driver, "rate-max") == "2.00"
+    assert text_of(driver, "parts-max") == "3"
+    # the 30 oldest of 150 points (ratio 0.3 among them) are dropped; the live point is 83.4
+    assert text_of(driver, "goodput-min") == "60.0"
+    wait_until(lambda: text_of(driver, "goodput-now") == "83.4", what="the live goodput point")
+    assert all(v[1] > 100 for v in charts(driver).values()), charts(driver)
+
+    assert text_of(driver, "goodput") == "83.4%"
+    title = driver.execute_script(
+        "return document.getElementById('goodput-field').getAttribute('title');"
+    )
+    for want in ("wall: 400.0 s", "productive: 333.6 s", "heal: 7.3 s", "recovery: 20.0 s"):
+        assert want in title, title
+    assert [r["cells"]["goodput"] for r in rows(driver)] == ["90.0%", DASH]
+    row_title = driver.execute_script("return document.querySelector('td.goodput').title;")
+    assert "productive: 360.0 s" in row_title, row_title
+    with mock.cond:
+        assert mock.requests.count("GET /history") == 1
+
+    mock.goodput = None
+    wait_until(lambda: text_of(driver, "goodput") == DASH, what="no goodput")
+    mock.history = history_points(5, time.time() - 1)
+    mock.started_unix_s += 1000  # a restarted lighthouse: a new history
+    wait_until(lambda: mock.requests.count("GET /history") == 2, what="the history loaded again")
+    wait_until(
+        lambda: drawn_points(driver)["parts-chart"] in range(5, 10),
+        what="the new lighthouse's history only",
+    )
+    assert_no_console_errors(driver)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "reply",
+    [
+        (404, "text/plain", "not found\n"),
+        (200, "application/json", "{not json"),
+        (200, "application/json", '[{"t": 1}]'),
+        (200, "application/json", '{"points": [null, 3, {"t": "x"}]}'),
+    ],
+)
+def test_bad_history_keeps_live_charts(mock: MockLighthouse, driver: Any, reply: tuple) -> None:
+    """A lighthouse without /history, or a malformed answer, leaves the page working: the
+    charts fill from live points and the script logs nothing."""
+    mock.history_reply = reply
+    mock.goodput = make_goodput(0.75)
+    mock.set_replicas(make_replica("a", step=1), make_replica("b", step=1))
+    open_page(driver, mock, rows_expected=2)
+    wait_until(lambda: "GET /history" in mock.requests, what="the history request")
+    for step in range(2, 6):
+        mock.update("a", step=step)
+        time.sleep(0.5)
+    wait_until(lambda: drawn_points(driver)["goodput-chart"] >= 3, what="live points in the charts")
+    assert drawn_points(driver)["parts-chart"] >= 3
+    assert text_of(driver, "goodput-now") == "75.0" and text_of(driver, "goodput") == "75.0%"
+    assert text_of(driver, "parts-now") == "2"
+    assert not driver.find_element("id", "conn").is_displayed()
+    # The browser itself logs a 404 answer as a failed resource; the script logs nothing.
+    errors = [e for e in console_errors(driver) if "status of 404" not in e["message"]]
+    assert errors == [], errors

@@ -351,7 +351,7 @@ def test_metrics_dashboard_and_garbage(job: Job) -> None:
     for name, fam in families.items():
         assert name.startswith("torchft_"), name
         for sample in fam.samples:
-            assert set(sample.labels) <= {"replica_id", "state"}, sample
+            assert set(sample.labels) <= {"replica_id", "state", "account"}, sample
     # The parser strips _total from counter family names.
     assert families["torchft_replica_steps_committed"].type == "counter"
     state = {

@@ -106,6 +106,18 @@
     return DASH;
   }
 
+  const fmtPct = (ratio) => (isNum(ratio) ? (ratio * 100).toFixed(1) + '%' : DASH);
+  const GOODPUT_KEYS = ['wall_s', 'productive_s', 'quorum_s', 'discarded_s', 'heal_s', 'recovery_s', 'regressed_s'];
+
+  // A goodput account (productive / wall time and where the rest went), one line per field.
+  function goodputTitle(g, what) {
+    if (!g || typeof g !== 'object') return `${what}: no committed step yet`;
+    return [`${what}: ${fmtPct(g.ratio)} productive / wall time`]
+      .concat(GOODPUT_KEYS.map((k) => `${k.replace(/_s$/, '')}: ${fmtFixed(g[k], 1)} s`))
+      .concat([`regressed steps: ${fmtValue(g.regressed_steps)}`, `steps committed: ${fmtValue(g.steps_committed)}`,
+        `step: ${fmtValue(g.step)}`]).join('\n');
+  }
+
   function truncate(s, n) {
     s = String(s);
     return s.length > n ? s.slice(0, n - 1) + '…' : s;
@@ -173,6 +185,11 @@
     } else {
       setText($('uptime'), DASH);
     }
+
+    const g = status.goodput && typeof status.goodput === 'object' ? status.goodput : null;
+    setText($('goodput'), fmtPct(g ? g.ratio : null));
+    setAttr($('goodput-field'), 'title', goodputTitle(g, 'job goodput') +
+      (g && isNum(g.window_start_unix_s) ? '\nsince ' + new Date(g.window_start_unix_s * 1000).toLocaleString() : ''));
 
     renderSnapshot(status);
     renderRooms(status);
@@ -250,6 +267,7 @@
     ['skew', 'skew'],
     ['parts', 'participants'],
     ['heals', 'heals'],
+    ['goodput', 'goodput'],
     ['error', 'last-error'],
     ['actions', 'actions'],
   ];
@@ -381,6 +399,9 @@
       ? `last heal: from ${h.source || '?'}${h.addr ? ' at ' + h.addr : ''} to step ${fmtInt(h.step)}, ${fmtValue(h.bytes)} bytes in ` +
         `${fmtFixed(h.seconds, 3)} s (${isNum(h.gbps) ? h.gbps.toFixed(3) : DASH} GB/s)`
       : 'heals / commit failures');
+
+    setText(c.goodput, fmtPct(r.goodput_ratio));
+    setAttr(c.goodput, 'title', goodputTitle(r.goodput, 'goodput of ' + r.replica_id));
 
     const err = r.last_error;
     if (err === null || err === undefined || err === '') {
@@ -516,43 +537,85 @@
 
   // ---------- charts ----------
 
-  const series = { rate: [], parts: [] };
+  // One entry per point: t (unix seconds), step rate, quorum participants, goodput (%).
+  const series = { t: [], rate: [], parts: [], goodput: [] };
+  const SERIES = ['t', 'rate', 'parts', 'goodput'];
   let prevStep = null; // { step, t }
+  let historyGen = 0; // bumped per history load: a late answer for an earlier one is dropped
 
-  function pushPoint(rate, parts) {
+  function trimSeries() {
+    const extra = series.t.length - HISTORY;
+    if (extra > 0) for (const k of SERIES) series[k].splice(0, extra);
+  }
+
+  function pushPoint(t, rate, parts, goodput) {
+    series.t.push(t);
     series.rate.push(rate);
     series.parts.push(parts);
-    while (series.rate.length > HISTORY) series.rate.shift();
-    while (series.parts.length > HISTORY) series.parts.shift();
+    series.goodput.push(goodput);
+    trimSeries();
+  }
+
+  function stepRate(step, t) {
+    let rate = null;
+    if (isNum(step) && prevStep !== null) {
+      const dt = t - prevStep.t;
+      if (dt > 0) rate = Math.max(0, step - prevStep.step) / dt;
+    }
+    prevStep = isNum(step) ? { step, t } : null;
+    return rate;
   }
 
   function recordPoint(status, replicas) {
-    const now = performance.now();
     let maxStep = null;
     for (const r of replicas) {
       if (isNum(r.step)) maxStep = maxStep === null ? r.step : Math.max(maxStep, r.step);
     }
-    let rate = null;
-    if (maxStep !== null && prevStep !== null) {
-      const dt = (now - prevStep.t) / 1000;
-      if (dt > 0) rate = Math.max(0, maxStep - prevStep.step) / dt;
-    }
-    prevStep = maxStep === null ? null : { step: maxStep, t: now };
+    const t = Date.now() / 1000;
     const members = Array.isArray(status.members) ? status.members.length : 0;
-    pushPoint(rate, members);
+    const g = status.goodput && typeof status.goodput === 'object' ? status.goodput : null;
+    pushPoint(t, stepRate(maxStep, t), members, g && isNum(g.ratio) ? g.ratio * 100 : null);
+  }
+
+  // Seeds the charts with the job's history (GET /history): the live points collected meanwhile
+  // follow it. A failed or malformed answer leaves the live points alone.
+  async function loadHistory() {
+    const gen = ++historyGen;
+    let body;
+    try {
+      body = await fetchJson('history');
+    } catch (_) {
+      return;
+    }
+    const points = Array.isArray(body.points) ? body.points.filter((p) => p && typeof p === 'object' && isNum(p.t)) : [];
+    if (gen !== historyGen || !points.length) return;
+    const live = series.t.map((t, i) => SERIES.map((k) => series[k][i]));
+    const lastT = points[points.length - 1].t;
+    for (const k of SERIES) series[k].length = 0;
+    const livePrev = prevStep;
+    prevStep = null;
+    for (const p of points) {
+      const step = isNum(p.step) ? p.step : null;
+      pushPoint(p.t, stepRate(step, p.t), isNum(p.members) ? p.members : null, isNum(p.ratio) ? p.ratio * 100 : null);
+    }
+    for (const point of live) if (point[0] > lastT) pushPoint(...point);
+    if (livePrev !== null && livePrev.t > lastT) prevStep = livePrev;
+    renderCharts();
   }
 
   function seriesStats(data) {
     let max = null;
+    let min = null;
     let current = null;
     for (const v of data) {
       if (v === null) continue;
       max = max === null ? v : Math.max(max, v);
+      min = min === null ? v : Math.min(min, v);
     }
     for (let i = data.length - 1; i >= 0; i--) {
       if (data[i] !== null) { current = data[i]; break; }
     }
-    return { max, current };
+    return { max, min, current };
   }
 
   function niceTop(v, integer) {
@@ -580,9 +643,15 @@
     const left = 38, right = 8, top = 8, bottom = 16;
     const w = cssW - left - right;
     const h = cssH - top - bottom;
-    const { max, current } = seriesStats(data);
-    const yTop = niceTop(max === null ? 0 : max, opts.integer);
-    const x = (i) => left + (HISTORY <= 1 ? w : ((i + HISTORY - data.length) / (HISTORY - 1)) * w);
+    const stats = seriesStats(data);
+    const { max, current } = stats;
+    const yTop = opts.top || niceTop(max === null ? 0 : max, opts.integer);
+    // x by time: the window spans the points (at least HISTORY seconds), the latest at the right edge
+    const times = series.t;
+    const tEnd = times.length ? times[times.length - 1] : 0;
+    const span = Math.max(HISTORY, times.length ? tEnd - times[0] : 0);
+    const x = (i) => left + w - ((tEnd - times[i]) / span) * w;
+    canvas.setAttribute('data-points', String(data.filter((v) => v !== null).length));
     const y = (v) => top + h - (v / yTop) * h;
 
     ctx.font = '10px system-ui, sans-serif';
@@ -604,13 +673,15 @@
     ctx.fillText('0', left - 4, top + h);
     ctx.textBaseline = 'alphabetic';
     ctx.textAlign = 'left';
-    ctx.fillText(`−${HISTORY} s`, left, cssH - 3);
+    ctx.fillText(`−${fmtDuration(span)}`, left, cssH - 3);
     ctx.textAlign = 'right';
     ctx.fillText('now', left + w, cssH - 3);
 
-    // max line
-    if (max !== null && max > 0) {
-      const my = Math.round(y(max)) + 0.5;
+    // max (or min) line
+    const mark = opts.mark || 'max';
+    const mv = stats[mark];
+    if (mv !== null && mv > 0) {
+      const my = Math.round(y(mv)) + 0.5;
       ctx.strokeStyle = '#d0d7de';
       ctx.setLineDash([3, 3]);
       ctx.beginPath();
@@ -621,7 +692,7 @@
       ctx.fillStyle = '#656d76';
       ctx.textAlign = 'left';
       ctx.textBaseline = 'bottom';
-      ctx.fillText('max ' + opts.fmt(max), left + 3, my - 1);
+      ctx.fillText(mark + ' ' + opts.fmt(mv), left + 3, my - 1);
     }
 
     // the series, broken where a poll failed
@@ -669,8 +740,12 @@
     setText($('rate-max'), r.max === null ? DASH : fmtRate(r.max));
     setText($('parts-now'), p.current === null ? DASH : String(p.current));
     setText($('parts-max'), p.max === null ? DASH : String(p.max));
+    const g = seriesStats(series.goodput);
+    setText($('goodput-now'), fmtFixed(g.current, 1));
+    setText($('goodput-min'), fmtFixed(g.min, 1));
     drawChart($('rate-chart'), series.rate, { color: '#0969da', integer: false, steps: false, fmt: fmtRate });
     drawChart($('parts-chart'), series.parts, { color: '#8250df', integer: true, steps: true, fmt: (v) => String(Math.round(v)) });
+    drawChart($('goodput-chart'), series.goodput, { color: '#1a7f37', top: 100, mark: 'min', steps: false, fmt: (v) => v.toFixed(1) });
   }
 
   // ---------- events ----------
@@ -793,9 +868,9 @@
 
   function resetForNewLighthouse() {
     clearEvents();
-    series.rate.length = 0;
-    series.parts.length = 0;
+    for (const k of SERIES) series[k].length = 0;
     prevStep = null;
+    loadHistory();
   }
 
   function render(status) {
@@ -806,6 +881,7 @@
     const first = lastStatus === null;
     lastStatus = status;
     if (restarted) resetForNewLighthouse();
+    if (first) loadHistory();
 
     renderHeader(status, replicas);
     renderReplicas(status, replicas);
@@ -816,19 +892,19 @@
     if (first || restarted) connectEvents();
   }
 
-  async function fetchStatus() {
+  async function fetchJson(path) {
     const ctrl = typeof AbortController === 'function' ? new AbortController() : null;
     const timer = ctrl ? setTimeout(() => ctrl.abort(), FETCH_TIMEOUT_MS) : null;
     try {
-      const resp = await fetch('status' + JOB_QUERY, {
+      const resp = await fetch(path + JOB_QUERY, {
         cache: 'no-store',
         headers: { Accept: 'application/json' },
         signal: ctrl ? ctrl.signal : undefined,
       });
       if (!resp.ok) throw new Error('HTTP ' + resp.status);
-      const status = await resp.json();
-      if (!status || typeof status !== 'object' || Array.isArray(status)) throw new Error('unexpected response');
-      return status;
+      const body = await resp.json();
+      if (!body || typeof body !== 'object' || Array.isArray(body)) throw new Error('unexpected response');
+      return body;
     } catch (e) {
       if (e && e.name === 'AbortError') throw new Error('timeout');
       throw e;
@@ -841,10 +917,10 @@
     const started = performance.now();
     let status = null;
     try {
-      status = await fetchStatus();
+      status = await fetchJson('status');
     } catch (e) {
       setConnection(false, e);
-      pushPoint(null, null);
+      pushPoint(Date.now() / 1000, null, null, null);
       renderCharts();
     }
     if (status !== null) {

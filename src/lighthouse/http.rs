@@ -32,6 +32,7 @@ use super::quorum::{ParitySnapshot, Snapshot};
 use super::rooms::Rooms;
 use super::state::Shared;
 use crate::client::ManagerClient;
+use crate::error::Error;
 use crate::security::server::Caller;
 use crate::telemetry::EventKind;
 
@@ -186,6 +187,9 @@ pub struct StatusBody {
     pub snapshot: Option<SnapshotStatus>,
     /// The most recent events, oldest first.
     pub events: Vec<Value>,
+    /// The job's goodput (see docs/telemetry.md): `window_start_unix_s`, `step`, the
+    /// accounts and `ratio`; null before its first committed step.
+    pub goodput: Option<serde_json::Map<String, Value>>,
 }
 
 impl StatusBody {
@@ -257,6 +261,7 @@ impl StatusBody {
             counters: GlobalCounters::default(),
             snapshot: None,
             events: Vec::new(),
+            goodput: None,
         }
     }
 }
@@ -270,6 +275,9 @@ pub(crate) fn router(rooms: Arc<Rooms>, max_request_bytes: usize) -> Router {
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .route("/events", get(events))
+        .route("/history", get(history))
+        .route("/summary", get(summary).post(write_summary))
+        .route("/summary.html", get(summary_html))
         .route("/replicas/{replica_id}/kill", post(kill))
         .route("/", get(index))
         .route("/dashboard.js", get(dashboard_script))
@@ -349,6 +357,7 @@ fn status_body(shared: &Shared) -> StatusBody {
         body.counters = t.counters().clone();
         body.snapshot = t.snapshot_status(now);
         body.events = t.recent_events().map(|e| e.to_json()).collect();
+        body.goodput = t.goodput_json(now);
     });
     body.allow_kill = shared.hub.opts.allow_kill;
     body.stragglers = body
@@ -393,6 +402,88 @@ async fn status(
         })
         .collect();
     Json(body).into_response()
+}
+
+/// `GET /history`: the job's step, quorum members and goodput over the whole run (a point
+/// a second, compacted as it grows), for a dashboard opened late.
+async fn history(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
+) -> Response {
+    let shared = match room_of(&rooms, &query, caller.as_ref()) {
+        Ok(shared) => shared,
+        Err(missing) => return *missing,
+    };
+    let body = shared.hub.read(|t| {
+        let (points, every) = t.history();
+        serde_json::json!({"interval_s": every, "points": points})
+    });
+    ([(header::CACHE_CONTROL, "no-store")], Json(body)).into_response()
+}
+
+/// `GET /summary`: the end-of-run report (so far) as JSON.
+async fn summary(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
+) -> Response {
+    match room_of(&rooms, &query, caller.as_ref()) {
+        Ok(shared) => Json(shared.hub.summary()).into_response(),
+        Err(missing) => *missing,
+    }
+}
+
+/// `GET /summary.html`: the end-of-run report (so far) as a self-contained page.
+async fn summary_html(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
+) -> Response {
+    let shared = match room_of(&rooms, &query, caller.as_ref()) {
+        Ok(shared) => shared,
+        Err(missing) => return *missing,
+    };
+    let page = super::health::telemetry::render_html(&shared.hub.summary());
+    (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            // The report is one file: its own inline script and style, nothing fetched.
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 img-src data:",
+            ),
+        ],
+        Html(page),
+    )
+        .into_response()
+}
+
+/// `POST /summary`: writes the end-of-run report next to the event log now.
+async fn write_summary(
+    State(rooms): State<Arc<Rooms>>,
+    Query(query): Query<JobQuery>,
+    caller: Option<Extension<Caller>>,
+) -> Response {
+    let shared = match room_of(&rooms, &query, caller.as_ref()) {
+        Ok(shared) => shared,
+        Err(missing) => return *missing,
+    };
+    let written = tokio::task::spawn_blocking(move || shared.hub.write_summary()).await;
+    match written {
+        Ok(Ok((json_path, html_path))) => Json(serde_json::json!({
+            "ok": true,
+            "json": json_path.display().to_string(),
+            "html": html_path.display().to_string(),
+        }))
+        .into_response(),
+        Ok(Err(e @ Error::FailedPrecondition(_))) => {
+            reply(StatusCode::CONFLICT, false, e.message())
+        }
+        Ok(Err(e)) => reply(StatusCode::INTERNAL_SERVER_ERROR, false, e.message()),
+        Err(e) => reply(StatusCode::INTERNAL_SERVER_ERROR, false, e.to_string()),
+    }
 }
 
 /// The live dashboard: one page (inline style) and its script, both served from here (no
@@ -463,11 +554,12 @@ async fn metrics(State(rooms): State<Arc<Rooms>>, caller: Option<Extension<Calle
 fn room_metrics(shared: &Shared) -> (JobMetrics, Vec<ReplicaStatus>) {
     let snapshot = shared.snapshot();
     let now = Instant::now();
-    let (replicas, counters, latest_snapshot) = shared.hub.read(|t| {
+    let (replicas, counters, latest_snapshot, goodput) = shared.hub.read(|t| {
         (
             t.replicas(now),
             t.counters().clone(),
             t.snapshot_status(now),
+            t.goodput(now),
         )
     });
     let job = JobMetrics {
@@ -483,6 +575,7 @@ fn room_metrics(shared: &Shared) -> (JobMetrics, Vec<ReplicaStatus>) {
         replicas_stopped: snapshot.parity.stopped.len(),
         replicas_dropped: snapshot.dropped.len(),
         snapshot: latest_snapshot,
+        goodput,
     };
     (job, replicas)
 }

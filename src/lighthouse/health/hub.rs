@@ -16,7 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 use tokio::sync::broadcast;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::telemetry::{Event, Telemetry, TelemetryOptions};
 use crate::error::{ensure, Error, Result};
@@ -134,7 +134,19 @@ pub(crate) struct Hub {
     /// The job (room) this hub belongs to; empty for the default room. Other rooms' events
     /// carry it as `job`.
     job: String,
+    /// Where the end-of-run report is written: the event log's directory (None without an
+    /// event log).
+    summary_dir: Option<PathBuf>,
     pub(crate) opts: ObservabilityOptions,
+}
+
+/// The directory of the event log (the end-of-run report goes next to it).
+fn log_dir(opts: &ObservabilityOptions) -> Option<PathBuf> {
+    let path = opts.event_log.as_ref()?;
+    Some(match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    })
 }
 
 /// Opens (creating, appending) the event log; a clear error if it cannot be written.
@@ -146,6 +158,23 @@ fn open_log(path: &Path) -> Result<File> {
         .map_err(|e| {
             Error::InvalidArgument(format!("cannot open event log {}: {e}", path.display()))
         })
+}
+
+/// Writes `bytes` to `path` through a temporary file next to it and a rename: a reader
+/// never sees a partial file, and nothing is left behind on error.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let r = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::Unavailable(format!(
+            "cannot write {}: {e}",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 fn unix_now() -> f64 {
@@ -176,7 +205,15 @@ impl Hub {
             }
             None => None,
         };
-        Self::build(opts, heartbeat_timeout, min_replicas, String::new(), log)
+        let dir = log_dir(&opts);
+        Self::build(
+            opts,
+            heartbeat_timeout,
+            min_replicas,
+            String::new(),
+            log,
+            dir,
+        )
     }
 
     /// The hub of room `job` (not the default room): its own telemetry and feed, its events
@@ -189,12 +226,20 @@ impl Hub {
         log: Option<LogSink>,
     ) -> Result<Self> {
         opts.validate()?;
+        let dir = log_dir(&opts);
         let opts = ObservabilityOptions {
             event_log: None,
             ..opts
         };
         let log = log.map(EventLog::Shared);
-        Self::build(opts, heartbeat_timeout, min_replicas, job.to_string(), log)
+        Self::build(
+            opts,
+            heartbeat_timeout,
+            min_replicas,
+            job.to_string(),
+            log,
+            dir,
+        )
     }
 
     /// The sender into this hub's event log (None without one, or once closed).
@@ -212,6 +257,7 @@ impl Hub {
         min_replicas: u64,
         job: String,
         log: Option<EventLog>,
+        summary_dir: Option<PathBuf>,
     ) -> Result<Self> {
         let topts = TelemetryOptions {
             heartbeat_timeout,
@@ -224,6 +270,7 @@ impl Hub {
             log: Mutex::new(log),
             log_dropped: AtomicU64::new(0),
             job,
+            summary_dir,
             opts,
         };
         hub.emit(
@@ -284,6 +331,49 @@ impl Hub {
                 let _ = feed.send(Arc::new((e.seq, line)));
             }
         }
+    }
+
+    /// Whether the end-of-run report has a place (an event log).
+    pub(crate) fn has_summary_dir(&self) -> bool {
+        self.summary_dir.is_some()
+    }
+
+    /// The end-of-run report now (`job` filled in).
+    pub(crate) fn summary(&self) -> serde_json::Value {
+        let mut v = self.read(|t| t.summary(Instant::now()));
+        v["job"] = serde_json::Value::String(self.job.clone());
+        v
+    }
+
+    /// Writes the end-of-run report next to the event log (`summary.json` and
+    /// `summary.html`, or `summary-JOB.*` for a job's room), each atomically. Returns the
+    /// two paths; an error without an event log or when they cannot be written.
+    pub(crate) fn write_summary(&self) -> Result<(PathBuf, PathBuf)> {
+        let dir = self.summary_dir.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition(
+                "the lighthouse runs without --event_log: the end-of-run report is written \
+                 next to the event log"
+                    .into(),
+            )
+        })?;
+        let summary = self.summary();
+        let stem = if self.job.is_empty() {
+            "summary".to_string()
+        } else {
+            format!("summary-{}", self.job)
+        };
+        let json_path = dir.join(format!("{stem}.json"));
+        let html_path = dir.join(format!("{stem}.html"));
+        let text = serde_json::to_string_pretty(&summary)
+            .map_err(|e| Error::Remote(format!("cannot encode the report: {e}")))?;
+        write_atomic(&json_path, text.as_bytes())?;
+        write_atomic(
+            &html_path,
+            super::telemetry::render_html(&summary).as_bytes(),
+        )?;
+        info!(json = %json_path.display(), html = %html_path.display(),
+            "end-of-run report written");
+        Ok((json_path, html_path))
     }
 
     /// A live feed of the events published from now on (None once shut down).

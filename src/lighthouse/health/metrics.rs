@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use super::telemetry::{GlobalCounters, GroupState, ReplicaStatus, SnapshotStatus};
+use super::telemetry::{Figures, GlobalCounters, GroupState, ReplicaStatus, SnapshotStatus};
 
 /// Escapes a label value (backslash, double quote, newline).
 fn label(v: &str) -> String {
@@ -148,6 +148,8 @@ pub struct JobMetrics {
     pub replicas_dropped: usize,
     /// The latest complete durable snapshot, with its age (None before the first).
     pub snapshot: Option<SnapshotStatus>,
+    /// The job's goodput figures (None before its first committed step).
+    pub goodput: Option<Figures>,
 }
 
 /// Renders the exposition text of a lighthouse with one room.
@@ -334,6 +336,41 @@ fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
         }
     }
 
+    if let Some(g) = &job.goodput {
+        if let Some(ratio) = g.ratio() {
+            w.single(
+                "torchft_goodput_ratio",
+                "gauge",
+                "Productive time over wall time of the job's replica groups since its first \
+                 committed step (docs/telemetry.md, Goodput).",
+                ratio,
+            );
+        }
+        w.family(
+            "torchft_goodput_seconds_total",
+            "counter",
+            "The job's replica-group seconds since its first committed step, by account: \
+             productive, quorum, discarded, heal, recovery, regressed (they sum to wall).",
+        );
+        let a = &g.accounts;
+        for (account, v) in [
+            ("wall", g.wall_s),
+            ("productive", a.productive_s),
+            ("quorum", a.quorum_s),
+            ("discarded", a.discarded_s),
+            ("heal", a.heal_s),
+            ("recovery", g.recovery_s),
+            ("regressed", a.regressed_s),
+        ] {
+            w.sample("torchft_goodput_seconds_total", &[("account", account)], v);
+        }
+        w.single(
+            "torchft_goodput_regressed_steps_total",
+            "counter",
+            "Committed steps the job's progress later lost (progress_regressed), per group.",
+            a.regressed_steps as f64,
+        );
+    }
     w.family(
         "torchft_replica_state",
         "gauge",
@@ -366,12 +403,19 @@ fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
         }
     }
     type Get = fn(&ReplicaStatus) -> Option<f64>;
-    let per_replica: [(&str, &str, &str, Get); 21] = [
+    let per_replica: [(&str, &str, &str, Get); 22] = [
         (
             "torchft_replica_step",
             "gauge",
             "Last committed step.",
             |r| Some(r.step as f64),
+        ),
+        (
+            "torchft_replica_goodput_ratio",
+            "gauge",
+            "The replica group's productive time over its wall time since the job's first \
+             committed step.",
+            |r| r.goodput_ratio,
         ),
         (
             "torchft_replica_heartbeat_age_seconds",
@@ -526,6 +570,7 @@ mod tests {
             replicas_stopped: 0,
             replicas_dropped: 0,
             snapshot: None,
+            goodput: None,
         };
         let text = render(&job, &[]);
         let mut families = 0;
@@ -558,6 +603,7 @@ mod tests {
             replicas_stopped: 0,
             replicas_dropped: 0,
             snapshot: None,
+            goodput: None,
         };
         let text = render(&job, &[]);
         assert!(!text.contains("torchft_snapshot_latest_step"), "{text}");

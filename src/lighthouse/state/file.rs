@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use tracing::warn;
 
 use crate::error::{Error, Result};
-use crate::lighthouse::health::telemetry::SnapshotRecord;
+use crate::lighthouse::health::telemetry::{SavedGoodput, SnapshotRecord};
 use crate::lighthouse::quorum::Durable;
 
 /// What the state file holds: the engine's durable state and, next to its fields, the
@@ -29,6 +29,36 @@ pub(super) struct StateFile {
     /// damaged quorum state refuses the whole file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     snapshot: Option<serde_json::Value>,
+    /// The goodput accounts (absent in older files; a damaged value is dropped alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    goodput: Option<serde_json::Value>,
+}
+
+/// [`StateFile`] as written (borrowing the encoded goodput accounts).
+#[derive(serde::Serialize)]
+struct StateFileOut<'a> {
+    #[serde(flatten)]
+    durable: Durable,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    goodput: Option<&'a serde_json::Value>,
+}
+
+/// The goodput accounts a state file keeps, or None (with a warning when they are
+/// unusable: they only inform, so the rest of the file still counts).
+pub(super) fn load_goodput(path: &Path) -> Option<SavedGoodput> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let file: StateFile = serde_json::from_str(&text).ok()?;
+    let value = file.goodput?;
+    match serde_json::from_value::<SavedGoodput>(value) {
+        Ok(saved) => Some(saved),
+        Err(e) => {
+            warn!(path = %path.display(), problem = %e,
+                "the state file's goodput accounts are unusable; they start over");
+            None
+        }
+    }
 }
 
 /// The snapshot record of a state file, or None (with a warning) when it is unusable.
@@ -74,13 +104,18 @@ pub(super) fn save_state(
     path: &Path,
     durable: Durable,
     snapshot: Option<&SnapshotRecord>,
+    goodput: Option<Arc<serde_json::Value>>,
 ) -> Result<()> {
     let snapshot = snapshot
         .map(serde_json::to_value)
         .transpose()
         .map_err(|e| Error::Remote(format!("cannot encode the latest snapshot: {e}")))?;
-    let text = serde_json::to_vec(&StateFile { durable, snapshot })
-        .map_err(|e| Error::Remote(format!("cannot encode the lighthouse state: {e}")))?;
+    let text = serde_json::to_vec(&StateFileOut {
+        durable,
+        snapshot,
+        goodput: goodput.as_deref(),
+    })
+    .map_err(|e| Error::Remote(format!("cannot encode the lighthouse state: {e}")))?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -101,6 +136,8 @@ pub(super) struct Contents {
     pub(super) durable: Durable,
     /// The latest complete durable snapshot, if any.
     pub(super) snapshot: Option<SnapshotRecord>,
+    /// The goodput accounts, encoded.
+    pub(super) goodput: Option<Arc<serde_json::Value>>,
 }
 
 /// How far the writer got: the last submission written (with every earlier one, which it
@@ -268,7 +305,12 @@ async fn run(inner: Arc<Inner>) {
         };
         let path = inner.path.clone();
         let result = tokio::task::spawn_blocking(move || {
-            save_state(&path, contents.durable, contents.snapshot.as_ref())
+            save_state(
+                &path,
+                contents.durable,
+                contents.snapshot.as_ref(),
+                contents.goodput,
+            )
         })
         .await
         .unwrap_or_else(|e| {
@@ -308,7 +350,7 @@ mod tests {
             holders: vec!["a".into()],
             others: vec![("b".into(), 1)],
         };
-        save_state(&file.0, durable.clone(), Some(&record(3))).unwrap();
+        save_state(&file.0, durable.clone(), Some(&record(3)), None).unwrap();
         let (d, snap) = load_state(&file.0).unwrap().unwrap();
         assert_eq!((d, snap), (durable.clone(), Some(record(3))));
         // Flat: the engine's fields as before, the record next to them.
@@ -325,7 +367,7 @@ mod tests {
         let (d, snap) = load_state(&file.0).unwrap().unwrap();
         assert_eq!(d.best_step, Some(3));
         assert_eq!(snap, None);
-        save_state(&file.0, durable, None).unwrap();
+        save_state(&file.0, durable, None, None).unwrap();
         assert!(!std::fs::read_to_string(&file.0)
             .unwrap()
             .contains("snapshot"));
@@ -371,7 +413,7 @@ mod tests {
     #[tokio::test]
     async fn a_restarted_lighthouse_shows_and_keeps_the_remembered_snapshot() {
         let file = TempFile::new();
-        save_state(&file.0, Durable::default(), Some(&record(9))).unwrap();
+        save_state(&file.0, Durable::default(), Some(&record(9)), None).unwrap();
         let o = LighthouseOptions {
             state_file: Some(file.0.clone()),
             ..opts()
@@ -400,6 +442,7 @@ mod tests {
                 ..Durable::default()
             },
             snapshot: None,
+            goodput: None,
         }
     }
 

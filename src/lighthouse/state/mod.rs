@@ -33,6 +33,9 @@ mod file;
 mod sessions;
 
 use file::{load_state, Contents, StateWriter};
+
+/// How often the goodput accounts are re-encoded for the state file at most.
+const GOODPUT_SAVE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 use sessions::Session;
 pub(crate) use sessions::SessionStream;
 
@@ -85,6 +88,9 @@ struct State {
     saved_revision: u64,
     /// The telemetry's snapshot revision last handed to the state file's writer.
     saved_snapshot_revision: u64,
+    /// The goodput accounts last encoded for the state file: their revision, when, and the
+    /// encoding.
+    saved_goodput: Option<(u64, std::time::Instant, Arc<serde_json::Value>)>,
     /// The startup hold was announced in the log and its end is still to be logged.
     hold_announced: bool,
     /// The last long wait explained in the log: the round (its start) and when.
@@ -227,6 +233,13 @@ impl Shared {
                 "the state file remembers the latest complete snapshot");
             hub.with(|t| t.restore_snapshot(record));
         }
+        if let Some(saved) = opts.state_file.as_deref().and_then(file::load_goodput) {
+            let dropped = hub.with(|t| t.restore_goodput(saved));
+            info!("the state file's goodput accounts continue");
+            if !dropped.is_empty() {
+                warn!(groups = ?dropped, "damaged goodput accounts in the state file are dropped");
+            }
+        }
         let writer = opts
             .state_file
             .clone()
@@ -254,6 +267,7 @@ impl Shared {
             last: None,
             saved_revision: 0,
             saved_snapshot_revision: 0,
+            saved_goodput: None,
             hold_announced: false,
             explained: None,
             wait_reason: None,
@@ -276,12 +290,34 @@ impl Shared {
     fn persist(&self, state: &mut State) -> Option<u64> {
         let writer = self.writer.as_ref()?;
         let revision = state.engine.durable_revision();
-        let snapshot_revision = self.hub.read(|t| t.snapshot_revision());
+        let now = now_instant();
+        let (snapshot_revision, goodput_revision, groups) = self
+            .hub
+            .read(|t| (t.snapshot_revision(), t.goodput_revision(), t.num_groups()));
+        // The goodput accounts change with every report: they are encoded at most every
+        // GOODPUT_SAVE_EVERY (longer for big jobs), and alone they trigger no write sooner.
+        let every = if groups <= 256 {
+            GOODPUT_SAVE_EVERY
+        } else {
+            GOODPUT_SAVE_EVERY * 20
+        };
+        let goodput_due = match &state.saved_goodput {
+            None => goodput_revision > 0,
+            Some((rev, at, _)) => *rev != goodput_revision && now.duration_since(*at) >= every,
+        };
         if revision == state.saved_revision
             && snapshot_revision == state.saved_snapshot_revision
+            && !goodput_due
             && !writer.failed()
         {
             return Some(writer.submitted());
+        }
+        if goodput_due {
+            let (rev, saved) = self.hub.read(|t| (t.goodput_revision(), t.saved_goodput()));
+            match serde_json::to_value(&saved) {
+                Ok(v) => state.saved_goodput = Some((rev, now, Arc::new(v))),
+                Err(e) => warn!("cannot encode the goodput accounts for the state file: {e}"),
+            }
         }
         let (snapshot_revision, snapshot) = self
             .hub
@@ -289,6 +325,7 @@ impl Shared {
         let seq = writer.submit(Contents {
             durable: state.engine.durable(),
             snapshot,
+            goodput: state.saved_goodput.as_ref().map(|(_, _, v)| v.clone()),
         });
         state.saved_revision = revision;
         state.saved_snapshot_revision = snapshot_revision;
@@ -311,7 +348,10 @@ impl Shared {
                 return Err(Error::Shutdown);
             }
             match state.engine.commit(replica_id, quorum_id, step, now)? {
-                CommitVerdict::Accepted => self.persist(state),
+                CommitVerdict::Accepted => {
+                    self.hub.with(|t| t.on_commit(replica_id, step, now));
+                    self.persist(state)
+                }
                 CommitVerdict::Refused(reason) => {
                     warn!(replica_id = %replica_id, quorum_id, step, reason = %reason,
                         "commit refused");
@@ -626,6 +666,12 @@ impl Shared {
             }
             t.evaluate(now, &ages);
         });
+        if self.hub.with(|t| t.take_ended()) && self.hub.has_summary_dir() {
+            // Every group finished: the end-of-run report goes next to the event log.
+            if let Err(e) = self.hub.write_summary() {
+                warn!("cannot write the end-of-run report: {e}");
+            }
+        }
     }
 
     /// Recent losses of quorum members, oldest first.

@@ -21,12 +21,18 @@ use crate::proto::telemetry_report::Phase;
 use crate::proto::TelemetryReport;
 use crate::telemetry::{base_id, EventKind};
 
+mod goodput;
 mod group;
+mod history;
 mod records;
+mod report;
 mod snapshots;
 mod stragglers;
 
+pub use goodput::{Figures, SavedGoodput};
+pub use history::Point;
 pub use records::{GlobalCounters, GroupState, HealRecord, ReplicaStatus, SnapshotStatus, Timings};
+pub use report::{render_html, timeline_detail};
 pub use snapshots::SnapshotRecord;
 
 use group::{median, Counters, Group, Lifecycle, RankInfo, Sample};
@@ -48,6 +54,17 @@ const RETIRED: usize = 8;
 const RATE_POINTS: usize = 16;
 /// Samples needed before a group takes part in the straggler verdict.
 const MIN_SAMPLES: usize = 3;
+/// How often a `goodput` event is emitted while the job trains.
+pub const GOODPUT_EVERY: Duration = Duration::from_secs(5);
+/// How often the history (`/history`) takes a point, before it is compacted.
+pub const HISTORY_EVERY: Duration = Duration::from_secs(1);
+/// Groups listed in a periodic `goodput` event at most (the final one lists up to
+/// [`FINAL_GROUPS`]).
+const PERIODIC_GROUPS: usize = 64;
+/// Groups listed in the final `goodput` event and the end-of-run report at most.
+pub const FINAL_GROUPS: usize = 1000;
+/// Entries of the end-of-run report's timeline kept (the latest).
+pub const TIMELINE: usize = 5000;
 
 /// Tunables of the derivation.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,6 +133,21 @@ pub struct Telemetry {
     snapshot: Option<SnapshotRecord>,
     /// Changes whenever `snapshot` does (the state file is rewritten then).
     snapshot_revision: u64,
+    /// The goodput accounts.
+    goodput: goodput::Goodput,
+    /// When the next periodic `goodput` event is due.
+    goodput_due: Option<Instant>,
+    /// Whether the final `goodput` event of the job was emitted (every group finished).
+    final_emitted: bool,
+    /// The job's step, members and goodput every second (compacted: the whole run).
+    history: history::History,
+    /// The samples of the `goodput` events (the end-of-run report's series).
+    series: history::History,
+    /// Failures and recoveries, for the end-of-run report.
+    timeline: VecDeque<Value>,
+    timeline_dropped: u64,
+    /// When the job ended, until the end-of-run report is written.
+    ended_at: Option<Instant>,
 }
 
 impl Telemetry {
@@ -134,6 +166,14 @@ impl Telemetry {
             counters: GlobalCounters::default(),
             snapshot: None,
             snapshot_revision: 0,
+            goodput: goodput::Goodput::default(),
+            goodput_due: None,
+            final_emitted: false,
+            history: history::History::new(HISTORY_EVERY),
+            series: history::History::new(GOODPUT_EVERY),
+            timeline: VecDeque::new(),
+            timeline_dropped: 0,
+            ended_at: None,
         }
     }
 
@@ -165,6 +205,7 @@ impl Telemetry {
         };
         self.next_seq += 1;
         self.counters.events += 1;
+        self.note_timeline(&event);
         self.recent.push_back(event.clone());
         while self.recent.len() > RECENT_EVENTS {
             self.recent.pop_front();
@@ -252,6 +293,8 @@ impl Telemetry {
             g.last_seen = now;
         } else {
             self.make_room();
+            let unix = self.unix(now);
+            self.goodput.seen(&name, unix);
             let mut g = Group::new(incarnation, now);
             g.in_quorum = self.quorum_members.contains(incarnation);
             self.groups.insert(name.clone(), g);
@@ -282,6 +325,7 @@ impl Telemetry {
                 })
                 .map(|(k, _)| k.clone());
             let Some(victim) = victim else { return };
+            self.goodput.forget(&victim);
             if let Some(g) = self.groups.remove(&victim) {
                 self.by_incarnation.remove(&g.incarnation);
                 for r in g.retired {
@@ -322,6 +366,9 @@ impl Telemetry {
         } else if let Some(name) = self.current(incarnation) {
             if let Some(g) = self.groups.get_mut(&name) {
                 g.session_closed = true;
+                if g.lifecycle != Lifecycle::Finished {
+                    self.goodput.ended(&name, incarnation);
+                }
             }
             self.refresh(&name, now);
         }
@@ -380,6 +427,7 @@ impl Telemetry {
             return;
         };
         let mut events: Vec<(EventKind, Value)> = Vec::new();
+        let unix = self.unix(now);
         let Some(g) = self.groups.get_mut(&name) else {
             return;
         };
@@ -403,6 +451,10 @@ impl Telemetry {
             Phase::Snapshot | Phase::SnapshotFailed => {}
             Phase::HealStarted => g.healing = true,
             Phase::Finished => {
+                if lead {
+                    let at = if r.unix_s > 0.0 { r.unix_s } else { unix };
+                    self.goodput.finished(&name, at);
+                }
                 if g.lifecycle == Lifecycle::Running {
                     g.lifecycle = Lifecycle::Finished;
                     events.push((
@@ -427,6 +479,9 @@ impl Telemetry {
                 }
             }
             Phase::Step => {
+                if lead {
+                    self.goodput.on_step(&name, r, unix);
+                }
                 g.counters.heal_bytes = g.counters.heal_bytes.saturating_add(r.heal_bytes);
                 if r.healed {
                     g.last_heal_s = r.heal_s;
@@ -532,6 +587,7 @@ impl Telemetry {
         for name in names {
             self.refresh(&name, now);
         }
+        self.goodput_tick(now);
     }
 
     /// Re-derives one group's state and emits the transition (and a loss) if it changed.
@@ -583,6 +639,7 @@ impl Telemetry {
 
     /// Every group's status, sorted by replica id.
     pub fn replicas(&self, now: Instant) -> Vec<ReplicaStatus> {
+        let unix = self.unix(now);
         let mut out: Vec<ReplicaStatus> = self
             .groups
             .iter()
@@ -631,6 +688,11 @@ impl Telemetry {
                 },
                 counters: g.counters.clone(),
                 last_heal: g.last_heal.clone(),
+                goodput: self.goodput.group_figures(name, unix).map(|f| f.to_json()),
+                goodput_ratio: self
+                    .goodput
+                    .group_figures(name, unix)
+                    .and_then(|f| f.ratio()),
             })
             .collect();
         out.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));

@@ -112,6 +112,11 @@ pub struct ReplicaStatus {
     pub counters: Counters,
     /// The group's last heal: source, bytes, seconds and GB/s.
     pub last_heal: Option<HealRecord>,
+    /// The group's goodput accounts (see docs/telemetry.md), null before the job's first
+    /// committed step.
+    pub goodput: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Its goodput ratio (productive / wall time).
+    pub goodput_ratio: Option<f64>,
 }
 
 /// Median timings over the window (seconds); `heal_s` is the last heal.

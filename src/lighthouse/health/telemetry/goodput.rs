@@ -1,0 +1,573 @@
+//! Goodput: how much of the job's wall time trained the model, and where the rest went.
+//!
+//! Accounted per replica group (its stable name, across incarnations) from the steps its
+//! group rank 0 reports, in unix seconds:
+//!
+//! - the window opens at the job's first committed step (the first accepted write-ahead
+//!   commit, or the first committed report for managers that announce none); a group's wall
+//!   time runs from the window's start (or from when the group was first seen, if later) to
+//!   its clean finish (or now);
+//! - a committed step is `productive` (its time less its quorum wait, which is `quorum`), or
+//!   `heal` when the group healed in it (all of it); a step that did not commit is
+//!   `discarded` (its quorum wait is `quorum`);
+//! - the first step of each incarnation is start-up (its time counts before the step was
+//!   known to be one), so it falls in `recovery`, with everything the group's steps do not
+//!   cover: restarts, joining, time lost or hung;
+//! - a committed step the group commits again later was lost (the job's progress went
+//!   back, e.g. to a durable snapshot after every group died): its productive time moves to
+//!   `regressed`;
+//! - reports lost with a process that was killed are made up from the group's write-ahead
+//!   commit announcements (the time between two consecutive ones is productive).
+//!
+//! `wall = productive + quorum + discarded + heal + recovery + regressed`; the goodput
+//! ratio is `productive / wall`. Bounded: a group keeps its last [`RECENT`] committed steps
+//! (for regressions) and [`ANNOUNCED`] unreported commit announcements.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::ids::IdMap;
+use crate::proto::TelemetryReport;
+
+/// Committed steps a group remembers, for the time a regression takes back.
+pub const RECENT: usize = 1024;
+/// Unreported commit announcements kept per incarnation.
+pub const ANNOUNCED: usize = 256;
+/// Committed steps a state file keeps per group.
+const RECENT_SAVED: usize = 64;
+
+/// A group's time accounts (seconds, cumulative over the window).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Accounts {
+    /// Committed steps, less their quorum wait.
+    pub productive_s: f64,
+    /// Waiting for the quorum in steps that did not heal.
+    pub quorum_s: f64,
+    /// Steps that did not commit, less their quorum wait.
+    pub discarded_s: f64,
+    /// Committed steps in which the group healed.
+    pub heal_s: f64,
+    /// Productive time of committed steps the job's progress later lost.
+    pub regressed_s: f64,
+    /// How many such steps.
+    pub regressed_steps: u64,
+    /// Committed steps accounted (healing ones included).
+    pub steps_committed: u64,
+}
+
+impl Accounts {
+    fn explained(&self) -> f64 {
+        self.productive_s + self.quorum_s + self.discarded_s + self.heal_s + self.regressed_s
+    }
+
+    fn add(&mut self, o: &Accounts) {
+        self.productive_s += o.productive_s;
+        self.quorum_s += o.quorum_s;
+        self.discarded_s += o.discarded_s;
+        self.heal_s += o.heal_s;
+        self.regressed_s += o.regressed_s;
+        self.regressed_steps += o.regressed_steps;
+        self.steps_committed += o.steps_committed;
+    }
+
+    fn valid(&self) -> bool {
+        [
+            self.productive_s,
+            self.quorum_s,
+            self.discarded_s,
+            self.heal_s,
+            self.regressed_s,
+        ]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0)
+    }
+}
+
+/// Where a group's step time went, summed over its reported steps (seconds).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseSums {
+    pub input_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub optimizer_s: f64,
+    pub collective_s: f64,
+    pub quorum_wait_s: f64,
+    pub should_commit_s: f64,
+}
+
+impl PhaseSums {
+    fn add(&mut self, r: &TelemetryReport) {
+        self.input_s += r.input_s;
+        self.forward_s += r.forward_s;
+        self.backward_s += r.backward_s;
+        self.optimizer_s += r.optimizer_s;
+        self.collective_s += r.collective_s;
+        self.quorum_wait_s += r.quorum_wait_s;
+        self.should_commit_s += r.should_commit_s;
+    }
+}
+
+/// The current incarnation's marks (not kept across lighthouse restarts).
+#[derive(Debug, Clone, Default)]
+struct Life {
+    incarnation: String,
+    /// Step reports of group rank 0 seen.
+    steps: u64,
+    /// Accepted commit announcements not yet matched by a report: (step, unix time).
+    announced: VecDeque<(i64, f64)>,
+    /// When the last accounted commit was announced.
+    last_at: Option<f64>,
+    /// Steps up to this one were made up from announcements (their late reports are
+    /// ignored).
+    filled_upto: i64,
+}
+
+/// One group's goodput.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct GroupGoodput {
+    /// When the group was first seen (unix seconds).
+    pub first_seen: f64,
+    /// When it finished cleanly (None while it runs).
+    pub finished_at: Option<f64>,
+    pub accounts: Accounts,
+    pub phases: PhaseSums,
+    /// Its last committed steps and their productive time.
+    #[serde(default)]
+    recent: VecDeque<(i64, f64)>,
+    #[serde(skip)]
+    life: Life,
+}
+
+impl GroupGoodput {
+    fn life(&mut self, incarnation: &str) -> &mut Life {
+        if self.life.incarnation != incarnation {
+            self.fill_in();
+            self.life = Life {
+                incarnation: incarnation.to_string(),
+                filled_upto: -1,
+                ..Life::default()
+            };
+        }
+        &mut self.life
+    }
+
+    fn committed(&mut self, step: i64, productive: f64) {
+        if self.recent.iter().any(|(s, _)| *s >= step) {
+            // The group commits a step again: its earlier commits of it were lost (the job's
+            // progress went back, e.g. to a durable snapshot after a total loss).
+            let (mut lost, mut n) = (0.0, 0);
+            self.recent.retain(|(s, p)| {
+                let again = *s == step;
+                if again {
+                    lost += p;
+                    n += 1;
+                }
+                !again
+            });
+            self.accounts.productive_s = (self.accounts.productive_s - lost).max(0.0);
+            self.accounts.regressed_s += lost;
+            self.accounts.regressed_steps += n;
+        }
+        self.accounts.productive_s += productive;
+        self.accounts.steps_committed += 1;
+        self.recent.push_back((step, productive));
+        while self.recent.len() > RECENT {
+            self.recent.pop_front();
+        }
+    }
+
+    /// Accounts the announced commits no report will come for (their process is gone).
+    fn fill_in(&mut self) {
+        let announced = std::mem::take(&mut self.life.announced);
+        for (step, at) in announced {
+            if let Some(prev) = self.life.last_at {
+                self.committed(step, (at - prev).max(0.0));
+            }
+            self.life.last_at = Some(at);
+            self.life.filled_upto = self.life.filled_upto.max(step);
+        }
+    }
+
+    fn wall(&self, start: f64, now: f64) -> f64 {
+        let from = start.max(self.first_seen);
+        (self.finished_at.unwrap_or(now) - from).max(0.0)
+    }
+}
+
+/// The job's goodput accounts.
+#[derive(Debug, Default)]
+pub struct Goodput {
+    /// The job's first committed step (unix seconds): the window's start.
+    start: Option<f64>,
+    groups: IdMap<GroupGoodput>,
+    /// Bumped on every change (the state file is rewritten then).
+    revision: u64,
+}
+
+/// What a state file keeps of the goodput accounts.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SavedGoodput {
+    pub start: Option<f64>,
+    pub groups: Vec<(String, GroupGoodput)>,
+}
+
+/// The figures of one group or of the job.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Figures {
+    pub wall_s: f64,
+    pub recovery_s: f64,
+    pub accounts: Accounts,
+}
+
+impl Figures {
+    /// `productive / wall`, None while the wall time is 0.
+    pub fn ratio(&self) -> Option<f64> {
+        (self.wall_s > 0.0).then(|| (self.accounts.productive_s / self.wall_s).clamp(0.0, 1.0))
+    }
+
+    /// The figures as JSON fields (seconds rounded to the millisecond).
+    pub fn to_json(&self) -> serde_json::Map<String, Value> {
+        let a = &self.accounts;
+        let r = |v: f64| (v * 1e3).round() / 1e3;
+        let v = json!({
+            "wall_s": r(self.wall_s), "productive_s": r(a.productive_s),
+            "quorum_s": r(a.quorum_s), "discarded_s": r(a.discarded_s), "heal_s": r(a.heal_s),
+            "recovery_s": r(self.recovery_s), "regressed_s": r(a.regressed_s),
+            "regressed_steps": a.regressed_steps, "steps_committed": a.steps_committed,
+            "ratio": self.ratio().map(|x| (x * 1e6).round() / 1e6),
+        });
+        match v {
+            Value::Object(m) => m,
+            _ => unreachable!("a JSON object"),
+        }
+    }
+}
+
+impl Goodput {
+    /// Changes so far (for the state file).
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// The window's start (unix seconds), None before the job's first committed step.
+    pub fn start(&self) -> Option<f64> {
+        self.start
+    }
+
+    /// A group was seen for the first time (or again).
+    pub fn seen(&mut self, name: &str, unix: f64) {
+        if !self.groups.contains_key(name) {
+            self.groups.insert(
+                name.to_string(),
+                GroupGoodput {
+                    first_seen: unix,
+                    ..GroupGoodput::default()
+                },
+            );
+            self.revision += 1;
+        }
+    }
+
+    /// Forgets a group (the telemetry forgot it).
+    pub fn forget(&mut self, name: &str) {
+        if self.groups.remove(name).is_some() {
+            self.revision += 1;
+        }
+    }
+
+    fn group(&mut self, name: &str, unix: f64) -> &mut GroupGoodput {
+        self.seen(name, unix);
+        self.groups.get_mut(name).expect("inserted above")
+    }
+
+    /// An accepted write-ahead commit of `step` by `incarnation` of group `name`.
+    pub fn on_commit(&mut self, name: &str, incarnation: &str, step: i64, unix: f64) {
+        self.start.get_or_insert(unix);
+        let g = self.group(name, unix);
+        g.finished_at = None;
+        let life = g.life(incarnation);
+        if step <= life.filled_upto {
+            return;
+        }
+        life.announced.push_back((step, unix));
+        while life.announced.len() > ANNOUNCED {
+            // Reports stopped coming for this long: the oldest is only a mark now.
+            if let Some((_, at)) = life.announced.pop_front() {
+                life.last_at = Some(at);
+            }
+        }
+    }
+
+    /// A step report of group rank 0 (`unix`: when the lighthouse got it).
+    pub fn on_step(&mut self, name: &str, r: &TelemetryReport, unix: f64) {
+        if r.committed {
+            let at = if r.unix_s > 0.0 { r.unix_s } else { unix };
+            self.start.get_or_insert(at);
+        }
+        let incarnation = if r.incarnation.is_empty() {
+            name
+        } else {
+            &r.incarnation
+        };
+        self.revision += 1;
+        let g = self.group(name, unix);
+        g.finished_at = None;
+        let done = r.step + 1;
+        let life = g.life(incarnation);
+        if r.committed && done <= life.filled_upto {
+            return;
+        }
+        life.steps += 1;
+        let first = life.steps == 1;
+        while let Some(&(step, at)) = life.announced.front() {
+            if step > done {
+                break;
+            }
+            life.announced.pop_front();
+            if step == done {
+                life.last_at = Some(at);
+            }
+        }
+        if first {
+            // Start-up: recovery.
+            return;
+        }
+        let step_s = r.step_s.max(0.0);
+        let wait = r.quorum_wait_s.clamp(0.0, step_s);
+        g.phases.add(r);
+        if r.healed {
+            g.accounts.heal_s += step_s;
+            if r.committed {
+                g.accounts.steps_committed += 1;
+            }
+        } else if r.committed {
+            g.accounts.quorum_s += wait;
+            g.committed(done, step_s - wait);
+        } else {
+            g.accounts.quorum_s += wait;
+            g.accounts.discarded_s += step_s - wait;
+        }
+    }
+
+    /// The group finished cleanly.
+    pub fn finished(&mut self, name: &str, unix: f64) {
+        let g = self.group(name, unix);
+        g.finished_at = Some(unix);
+        self.revision += 1;
+    }
+
+    /// The incarnation's process is gone (its session ended without a clean finish): the
+    /// commits it announced but never reported are accounted now.
+    pub fn ended(&mut self, name: &str, incarnation: &str) {
+        if let Some(g) = self.groups.get_mut(name) {
+            if g.life.incarnation == incarnation && !g.life.announced.is_empty() {
+                g.fill_in();
+                self.revision += 1;
+            }
+        }
+    }
+
+    /// One group's figures at `now` (None before the window opened or for an unknown
+    /// group).
+    pub fn group_figures(&self, name: &str, now: f64) -> Option<Figures> {
+        let start = self.start?;
+        let g = self.groups.get(name)?;
+        let wall = g.wall(start, now);
+        Some(Figures {
+            wall_s: wall,
+            recovery_s: (wall - g.accounts.explained()).max(0.0),
+            accounts: g.accounts.clone(),
+        })
+    }
+
+    /// The phase sums of a group.
+    pub fn phases(&self, name: &str) -> Option<&PhaseSums> {
+        self.groups.get(name).map(|g| &g.phases)
+    }
+
+    /// The job's figures (sums over its groups) at `now`.
+    pub fn job_figures(&self, now: f64) -> Option<Figures> {
+        self.start?;
+        let mut job = Figures::default();
+        for name in self.groups.keys() {
+            if let Some(f) = self.group_figures(name, now) {
+                job.wall_s += f.wall_s;
+                job.recovery_s += f.recovery_s;
+                job.accounts.add(&f.accounts);
+            }
+        }
+        Some(job)
+    }
+
+    /// What the state file keeps (each group's last [`RECENT_SAVED`] committed steps).
+    pub fn saved(&self) -> SavedGoodput {
+        let mut groups: Vec<(String, GroupGoodput)> = self
+            .groups
+            .iter()
+            .map(|(k, g)| {
+                let mut g = g.clone();
+                let skip = g.recent.len().saturating_sub(RECENT_SAVED);
+                g.recent.drain(..skip);
+                g.life = Life::default();
+                (k.clone(), g)
+            })
+            .collect();
+        groups.sort_by(|a, b| a.0.cmp(&b.0));
+        SavedGoodput {
+            start: self.start,
+            groups,
+        }
+    }
+
+    /// Continues from what a state file kept; a damaged entry is dropped alone.
+    pub fn restore(&mut self, saved: SavedGoodput) -> Vec<String> {
+        let mut problems = Vec::new();
+        self.start = saved.start.filter(|s| s.is_finite() && *s > 0.0);
+        for (name, g) in saved.groups {
+            let ok = g.accounts.valid()
+                && g.first_seen.is_finite()
+                && g.finished_at.is_none_or(f64::is_finite)
+                && name.len() <= crate::telemetry::MAX_ID_BYTES
+                && g.recent.iter().all(|(_, p)| p.is_finite() && *p >= 0.0);
+            if ok {
+                self.groups.insert(name, g);
+            } else {
+                problems.push(name);
+            }
+        }
+        self.revision += 1;
+        problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(inc: &str, step: i64, committed: bool, step_s: f64, wait: f64) -> TelemetryReport {
+        TelemetryReport {
+            replica_id: "g".into(),
+            incarnation: inc.into(),
+            step,
+            committed,
+            step_s,
+            quorum_wait_s: wait,
+            forward_s: 0.01,
+            ..TelemetryReport::default()
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn steps_are_split_into_productive_quorum_discarded_heal_and_recovery() {
+        let mut g = Goodput::default();
+        g.seen("g", 100.0);
+        g.on_commit("g", "g:1", 1, 100.5);
+        g.on_step("g", &step("g:1", 0, true, 5.0, 1.0), 100.5); // start-up
+        g.on_step("g", &step("g:1", 1, true, 1.0, 0.25), 101.5);
+        g.on_step("g", &step("g:1", 2, false, 1.0, 0.5), 102.5);
+        let mut healed = step("g:1", 2, true, 2.0, 1.5);
+        healed.healed = true;
+        g.on_step("g", &healed, 104.5);
+        let f = g.group_figures("g", 110.5).unwrap();
+        assert!(close(f.wall_s, 10.0), "{f:?}");
+        assert!(close(f.accounts.productive_s, 0.75));
+        assert!(close(f.accounts.quorum_s, 0.75));
+        assert!(close(f.accounts.discarded_s, 0.5));
+        assert!(close(f.accounts.heal_s, 2.0));
+        assert!(close(f.recovery_s, 10.0 - 4.0));
+        assert_eq!(f.accounts.steps_committed, 2);
+        assert!(close(f.ratio().unwrap(), 0.075));
+        assert!(close(g.phases("g").unwrap().forward_s, 0.03));
+    }
+
+    #[test]
+    fn commits_announced_by_a_killed_process_are_made_up_from_the_announcements() {
+        let mut g = Goodput::default();
+        g.on_commit("g", "g:1", 1, 10.0);
+        g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 10.0);
+        g.on_commit("g", "g:1", 2, 11.0);
+        g.on_step("g", &step("g:1", 1, true, 1.0, 0.0), 11.0);
+        // Two more commits whose reports died with the process.
+        g.on_commit("g", "g:1", 3, 12.0);
+        g.on_commit("g", "g:1", 4, 13.5);
+        g.ended("g", "g:1");
+        let f = g.group_figures("g", 20.0).unwrap();
+        assert!(close(f.accounts.productive_s, 1.0 + 1.0 + 1.5), "{f:?}");
+        assert_eq!(f.accounts.steps_committed, 3);
+        // A late report of a made-up step is not counted twice.
+        g.on_step("g", &step("g:1", 3, true, 1.5, 0.0), 20.0);
+        assert!(close(
+            g.group_figures("g", 20.0).unwrap().accounts.productive_s,
+            3.5
+        ));
+    }
+
+    #[test]
+    fn a_step_committed_again_was_lost_to_a_regression() {
+        let mut g = Goodput::default();
+        g.on_commit("g", "g:1", 1, 1.0);
+        for s in 0..10 {
+            g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 1.0 + s as f64);
+        }
+        // Every process died; the next one resumed from a snapshot of step 6.
+        g.on_step("g", &step("g:2", 5, true, 9.0, 0.0), 20.0); // start-up: recovery
+        for s in 6..12 {
+            g.on_step("g", &step("g:2", s, true, 0.5, 0.0), 21.0 + s as f64);
+        }
+        let f = g.group_figures("g", 40.0).unwrap();
+        assert_eq!(
+            f.accounts.regressed_steps, 4,
+            "steps 7 to 10 committed again"
+        );
+        assert!(close(f.accounts.regressed_s, 4.0));
+        assert!(close(f.accounts.productive_s, 9.0 - 4.0 + 3.0), "{f:?}");
+    }
+
+    #[test]
+    fn the_window_opens_at_the_first_commit_and_a_finished_group_stops_its_clock() {
+        let mut g = Goodput::default();
+        g.seen("a", 0.0);
+        g.seen("b", 8.0);
+        assert!(g.job_figures(5.0).is_none());
+        g.on_commit("a", "a:1", 1, 5.0);
+        g.finished("a", 9.0);
+        let job = g.job_figures(10.0).unwrap();
+        assert!(close(job.wall_s, 4.0 + 2.0), "{job:?}");
+    }
+
+    #[test]
+    fn saved_accounts_survive_a_restart_and_damaged_ones_are_dropped() {
+        let mut g = Goodput::default();
+        g.on_commit("g", "g:1", 1, 1.0);
+        g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 1.0);
+        g.on_step("g", &step("g:1", 1, true, 1.0, 0.0), 2.0);
+        let mut saved = g.saved();
+        let mut bad = saved.groups[0].clone();
+        bad.0 = "bad".into();
+        bad.1.accounts.productive_s = f64::NAN;
+        saved.groups.push(bad);
+        let text = serde_json::to_string(&SavedGoodput {
+            start: saved.start,
+            groups: saved.groups.clone(),
+        })
+        .unwrap_or_default();
+        let back: SavedGoodput = serde_json::from_str(&text).unwrap_or(saved);
+        let mut h = Goodput::default();
+        let problems = h.restore(back);
+        assert_eq!(problems, ["bad"]);
+        assert_eq!(h.group_figures("g", 3.0), g.group_figures("g", 3.0));
+        h.on_step("g", &step("g:2", 0, true, 1.0, 0.0), 4.0);
+        h.on_step("g", &step("g:2", 1, true, 1.0, 0.0), 5.0);
+        assert_eq!(
+            h.group_figures("g", 5.0).unwrap().accounts.regressed_steps,
+            1,
+            "the saved steps still tell a step committed again"
+        );
+    }
+}
