@@ -9,6 +9,10 @@ group its state transitions, how long it was down, what it healed and the first 
 Run it as::
 
     python -m torchft.eventlog PATH [--json] [--replica ID]
+    python -m torchft.eventlog PATH --html [OUT_DIR] [--job NAME]
+
+The second form writes the end-of-run report, ``summary.json`` and ``summary.html``, as the
+lighthouse does when the job ends (built by :mod:`torchft.run_summary`).
 
 The module itself only needs the standard library (the ``torchft`` package it lives in
 imports torch, so ``python -m`` does too; the file can also be loaded on its own).
@@ -74,7 +78,37 @@ KINDS: frozenset[str] = REPLICA_KINDS | {
     "lighthouse_started",
     "quorum_changed",
     "progress_regressed",
+    "goodput",
 }
+
+#: A ``goodput`` event's time accounts (seconds, cumulative since the job's first committed
+#: step), at the job level and per group; ``wall_s`` is the sum of the others.
+GOODPUT_ACCOUNTS: tuple[str, ...] = (
+    "wall_s",
+    "productive_s",
+    "quorum_s",
+    "discarded_s",
+    "heal_s",
+    "recovery_s",
+    "regressed_s",
+)
+
+#: A ``goodput`` event's counters, at the job level and per group.
+GOODPUT_COUNTS: tuple[str, ...] = ("step", "regressed_steps", "steps_committed")
+
+#: Of those, the ones that may be null (the job's best step, before any group reported one).
+_NULLABLE: frozenset[str] = frozenset({"step"})
+
+#: The step phases a ``goodput`` event sums per group (``phases``), in step order.
+GOODPUT_PHASES: tuple[str, ...] = (
+    "input_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "collective_s",
+    "quorum_wait_s",
+    "should_commit_s",
+)
 
 #: States in which a replica group is not contributing to training.
 DOWN_STATES: frozenset[str] = frozenset({"lost", "joining", "healing"})
@@ -111,6 +145,71 @@ def _is_number(value: Any) -> TypeGuard[int | float]:
     return math.isfinite(value)
 
 
+def _check_goodput_fields(obj: dict[str, Any]) -> str | None:
+    """Validates the accounts, counters and ratio a ``goodput`` event and each of its groups
+    carry.
+
+    Args:
+        obj: The event, or one entry of its ``groups``.
+
+    Returns:
+        ``None`` when they are usable, else why not.
+    """
+    for name in (*GOODPUT_ACCOUNTS, *GOODPUT_COUNTS):
+        if name not in obj:
+            return f"missing '{name}'"
+        if not _is_number(obj[name]) and not (name in _NULLABLE and obj[name] is None):
+            return f"'{name}' is not a number"
+    for name in ("ratio", "window_start_unix_s"):
+        if obj.get(name) is not None and not _is_number(obj[name]):
+            return f"'{name}' is not a number or null"
+    return None
+
+
+def _check_goodput(obj: dict[str, Any]) -> str | None:
+    """Validates a ``goodput`` event beyond the fields every event has.
+
+    Args:
+        obj: The decoded event.
+
+    Returns:
+        ``None`` when the event is usable, else why it is skipped.
+    """
+    reason = _check_goodput_fields(obj)
+    if reason is not None:
+        return reason
+    if not isinstance(obj.get("final", False), bool):
+        return "'final' is not a boolean"
+    if not isinstance(obj.get("job", ""), str):
+        return "'job' is not a string"
+    omitted = obj.get("groups_omitted", 0)
+    if isinstance(omitted, bool) or not isinstance(omitted, int) or omitted < 0:
+        return "'groups_omitted' is not a non-negative integer"
+    groups = obj.get("groups")
+    if groups is None:
+        return None
+    if not isinstance(groups, list):
+        return "'groups' is not a list"
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            return f"groups[{i}] is not an object"
+        replica_id = group.get("replica_id")
+        if not isinstance(replica_id, str) or not replica_id:
+            return f"groups[{i}]: 'replica_id' is not a non-empty string"
+        if group.get("state") is not None and not isinstance(group["state"], str):
+            return f"groups[{i}]: 'state' is not a string"
+        reason = _check_goodput_fields(group)
+        if reason is not None:
+            return f"groups[{i}]: {reason}"
+        phases = group.get("phases", {})
+        if not isinstance(phases, dict):
+            return f"groups[{i}]: 'phases' is not an object"
+        for name in GOODPUT_PHASES:
+            if name in phases and not _is_number(phases[name]):
+                return f"groups[{i}]: phase '{name}' is not a number"
+    return None
+
+
 def _check_event(obj: Any) -> str | None:
     """Validates one decoded line.
 
@@ -139,6 +238,10 @@ def _check_event(obj: Any) -> str | None:
             return f"missing 'replica_id' ({obj['kind']})"
         if not isinstance(obj["replica_id"], str) or not obj["replica_id"]:
             return f"'replica_id' is not a non-empty string ({obj['kind']})"
+    if obj["kind"] == "goodput":
+        reason = _check_goodput(obj)
+        if reason is not None:
+            return f"{reason} (goodput)"
     return None
 
 
@@ -146,7 +249,8 @@ def read_events(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], lis
     """Reads a lighthouse event log.
 
     Every non-blank line must be a JSON object with an integer ``seq``, a numeric ``ts`` and a
-    string ``kind``; events about a replica group must also carry a string ``replica_id``.
+    string ``kind``; events about a replica group must also carry a string ``replica_id``, and
+    a ``goodput`` event numbers for its accounts and counters (also in each of its ``groups``).
     Lines that do not are skipped and reported. A last line that has no trailing newline and
     does not parse is reported as truncated (the lighthouse died while writing it).
 
@@ -681,15 +785,84 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _main_html(
+    path: str, events: list[dict[str, Any]], problems: list[str], out_dir: str, job: str | None
+) -> int:
+    """Writes the end-of-run report of ``--html``: ``summary.json`` and ``summary.html``
+    (``summary-JOB.*`` for a named job's room, as the lighthouse names them).
+
+    Args:
+        path: The event log (for messages, and the default output directory).
+        events: Its events.
+        problems: The lines :func:`read_events` skipped.
+        out_dir: The directory to write to; empty for the log's own directory.
+        job: The room to report (``--job``), or ``None`` to let the log decide.
+
+    Returns:
+        0 when both files were written, 2 when there is nothing to report or the report cannot
+        be written (nothing is left behind then).
+    """
+    # Imported here: the report needs the torchft package (its template ships in it), while
+    # the rest of this module also runs on its own.
+    from torchft.run_summary import jobs_in, render_html, run_summary, write_report
+
+    if not events:
+        what = (
+            f"no valid events ({_plural(len(problems), 'line')} skipped)"
+            if problems
+            else "empty log (no events)"
+        )
+        print(f"error: {path}: {what}, nothing to report", file=sys.stderr)
+        return 2
+    jobs = jobs_in(events)
+    if job is not None and job not in jobs:
+        known = ", ".join(repr(j) for j in jobs) or "none"
+        print(f"error: unknown job {job!r}; jobs in the log: {known}", file=sys.stderr)
+        return 2
+    directory = out_dir or os.path.dirname(path) or "."
+    summary = run_summary(events, job=job)
+    if job is None and len(jobs) > 1:
+        others = ", ".join(repr(j) for j in jobs)
+        print(
+            f"note: {path} holds the jobs {others}; reporting {summary['job']!r} (pick one"
+            " with --job)",
+            file=sys.stderr,
+        )
+    try:
+        written = write_report(summary, render_html(summary), directory)
+    except ValueError as e:  # a job name no file can carry
+        print(f"error: {path}: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError:
+        print(f"error: {directory}: no such directory", file=sys.stderr)
+        return 2
+    except NotADirectoryError:
+        print(f"error: {directory}: not a directory", file=sys.stderr)
+        return 2
+    except PermissionError:
+        print(f"error: {directory}: permission denied, cannot write the report", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {directory}: cannot write the report: {e.strerror or e}", file=sys.stderr)
+        return 2
+    for written_path in written:
+        print(written_path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point: ``python -m torchft.eventlog PATH [--json] [--replica ID]``.
+    """Command line entry point::
+
+        python -m torchft.eventlog PATH [--json] [--replica ID]
+        python -m torchft.eventlog PATH --html [OUT_DIR] [--job NAME]
 
     Args:
         argv: Arguments without the program name; ``sys.argv[1:]`` when ``None``.
 
     Returns:
-        0 on success (also for an empty log), 2 when the log cannot be read or ``--replica``
-        names an unknown replica group.
+        0 on success (also for an empty log, except with ``--html``), 2 when the log cannot be
+        read, ``--replica`` names an unknown replica group, or ``--html`` has nothing to
+        report or cannot write it.
     """
     parser = argparse.ArgumentParser(
         prog="python -m torchft.eventlog",
@@ -698,7 +871,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("path", metavar="PATH", help="event log written by the lighthouse")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--replica", metavar="ID", help="only report this replica group")
+    parser.add_argument(
+        "--html",
+        metavar="OUT_DIR",
+        nargs="?",
+        const="",
+        help="write the end-of-run report (summary.json and summary.html; summary-JOB.* for"
+        " a named job) to OUT_DIR (default: the event log's directory) and print the two paths",
+    )
+    parser.add_argument(
+        "--job",
+        metavar="NAME",
+        help="with --html: the job (room) to report, for a log of several rooms"
+        " (default: the job of the last goodput event)",
+    )
     args = parser.parse_args(argv)
+    if args.html is not None and (args.json or args.replica is not None):
+        parser.error("--html cannot be combined with --json or --replica")
+    if args.job is not None and args.html is None:
+        parser.error("--job only applies to --html")
 
     path: str = args.path
     try:
@@ -721,6 +912,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(problems) > _MAX_WARNINGS:
         more = len(problems) - _MAX_WARNINGS
         print(f"warning: {path}: ... and {_plural(more, 'more problem')}", file=sys.stderr)
+
+    if args.html is not None:
+        return _main_html(path, events, problems, args.html, args.job)
 
     summary = summarize(events)
     if args.replica is not None:
