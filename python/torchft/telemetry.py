@@ -263,6 +263,8 @@ class RankTelemetry:
         self._gen = 0
         self._finished = False
         self.failed_sends = 0
+        #: The last step's ``(step, committed, step_s, quorum_wait_s)``, None before one.
+        self.last_step: tuple[int, bool, float, float] | None = None
         if enabled:
             _live.add(self)
             _install_excepthook()
@@ -370,6 +372,7 @@ class RankTelemetry:
             self._quorum_wait = self._coll_total = self._heal_s = 0.0
             self._heal_bytes = 0
             self._heal_source = self._heal_addr = ""
+        self.last_step = (step, committed, step_s, quorum_wait)
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)

@@ -746,6 +746,11 @@ class Chaos:
                 lambda: not self.procs and not self._restarting, 300, "every group to finish"
             )
             self.log(f"[{time.monotonic() - t0:6.1f}s] all groups finished at step {target}")
+            # The checker judges the lighthouse's goodput: give it time to log its final
+            # figure (a missing one is a violation, not an aborted run).
+            end = time.monotonic() + 30
+            while not self._final_goodput() and time.monotonic() < end:
+                self._sleep_reaping(0.2)
         finally:
             self.close()
         return check(self.dir, target, cfg.min_replicas, self.names)
@@ -777,6 +782,14 @@ class Chaos:
             f"floors under load: import torch {floors['import_s']:.2f}s, with torch._dynamo "
             f"{floors['torch_s']:.2f}s"
         )
+
+    def _final_goodput(self) -> bool:
+        """Whether the lighthouse logged its final goodput event (every group finished)."""
+        path = self.dir / "events.jsonl"
+        if not path.exists():
+            return False
+        with open(path) as f:
+            return any('"kind":"goodput"' in line and '"final":true' in line for line in f)
 
     def _records_of(self, kind: str) -> list[dict[str, Any]]:
         """Every process's history records of ``kind``."""

@@ -6,7 +6,8 @@ Three kinds of files in a run directory, written by three independent parties:
   is set up (``imported``: wall time after the imports, ``t``: after the Manager, model, DDP
   and optimizer are built), a ``commit`` line per committed step (``step``, ``quorum_id``,
   ``participants``, ``state`` hash, ``healed``: the process took a heal since its previous
-  commit, wall time ``t``) and a ``finish`` line at the target. Injected faults that act
+  commit, wall time ``t``; for goodput ``step_healed`` and ``quorum_wait``), a ``discard``
+  line per step that did not commit, and a ``finish`` line at the target. Injected faults that act
   inside the process add their own lines: ``hang`` (``seconds``, ``step``), ``slow``
   (``seconds``, ``step``) and ``bitflip`` (``step``: the step the flipped state trains from,
   ``param``, ``index``, ``bit``, and the ``parity_every`` the process's Manager runs with).
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from torchft.chaos.goodput import compare, harness_goodput, lighthouse_goodput
 from torchft.chaos.report import DIVERGED_EXIT, HUNG_EXIT, RESTART_EXIT, Recovery, Report
 
 __all__ = [
@@ -107,11 +109,19 @@ class HistoryWriter:
         self._write({"kind": "ready", "imported": imported})
 
     def commit(
-        self, step: int, quorum_id: int, participants: int, state: str, healed: bool = False
+        self,
+        step: int,
+        quorum_id: int,
+        participants: int,
+        state: str,
+        healed: bool = False,
+        quorum_wait: float | None = None,
+        step_healed: bool = False,
     ) -> None:
         """Records that ``step`` committed in ``quorum_id`` with ``participants`` groups;
         ``healed``: the process took a heal since its previous commit (its state came from
-        another group)."""
+        another group); ``step_healed``: it healed in this step; ``quorum_wait``: the
+        seconds the step waited for its quorum, as the rank measured them (goodput)."""
         self._write(
             {
                 "kind": "commit",
@@ -120,6 +130,19 @@ class HistoryWriter:
                 "participants": participants,
                 "state": state,
                 "healed": healed,
+                "step_healed": step_healed,
+                "quorum_wait": quorum_wait,
+            }
+        )
+
+    def discard(self, step: int, quorum_wait: float | None, step_healed: bool) -> None:
+        """Records that the step from committed step ``step`` did not commit (goodput)."""
+        self._write(
+            {
+                "kind": "discard",
+                "step": step,
+                "quorum_wait": quorum_wait,
+                "step_healed": step_healed,
             }
         )
 
@@ -476,8 +499,32 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
 
     _judge_total_losses(rep, run)
     _judge_verdicts(rep, run_dir, run)
+    _judge_goodput(rep, run_dir)
     _timings(rep, run)
     return rep
+
+
+def _judge_goodput(rep: Report, run_dir: Path) -> None:
+    """The lighthouse's goodput (its final ``goodput`` event) against the figure the
+    harness computes from the history over the same window (:mod:`torchft.chaos.goodput`):
+    more than 1% apart is a violation. A run without an event log has nothing to judge."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return
+    reported = lighthouse_goodput(read_jsonl(path))
+    if reported is None:
+        rep.violations.append("goodput: the lighthouse's event log has no goodput event")
+        return
+    if not reported.get("final"):
+        rep.violations.append(
+            "goodput: the lighthouse wrote no final goodput event though every group finished"
+        )
+    records = [r for p in sorted(run_dir.glob("*.history.jsonl")) for r in read_jsonl(p)]
+    computed = harness_goodput(records, float(reported["window_start_unix_s"]))
+    rep.goodput = {"lighthouse": reported.get("ratio"), "harness": computed["ratio"]}
+    why = compare(reported, computed)
+    if why is not None:
+        rep.violations.append(why)
 
 
 def _judge_participants(

@@ -84,6 +84,8 @@ class Report:
     #: lost, and seconds from the kill to the first commit after it.
     total_losses: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, Any] = field(default_factory=dict)
+    #: The goodput ratio the lighthouse reported and the one the harness computed.
+    goodput: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
         """The human-readable report."""
@@ -145,6 +147,14 @@ class Report:
                     + (" (with the lighthouse" if t["lighthouse"] else "")
                     + (", state file deleted)" if t["wiped"] else ")" if t["lighthouse"] else "")
                 )
+        if self.goodput:
+            lh, hs = self.goodput.get("lighthouse"), self.goodput.get("harness")
+            lines.append(
+                "goodput (productive / wall time): lighthouse "
+                + (f"{lh:.4f}" if lh is not None else "-")
+                + ", harness (from the history) "
+                + (f"{hs:.4f}" if hs is not None else "-")
+            )
         lines.append(f"final: {self.final}")
         lines.append(f"violations: {len(self.violations)}")
         for v in self.violations[:50]:

@@ -254,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             optim.step()
             # Out of the vote: a kill from here on is no kill in the commit phase.
             os.pwrite(phase, b"d", 0)
-            healed = healed or manager._healer.healed
+            step_healed = manager._healer.healed
+            healed = healed or step_healed
+            tel = manager._telemetry
+            last = tel.last_step if tel is not None else None
+            # The rank's own measure of the step's quorum wait (for goodput).
+            quorum_wait = last[3] if last is not None and last[0] == before else None
             if manager.current_step() > before + 1:
                 # A durable snapshot was restored (every group had died): the state the
                 # group trains on from here, for the checker to compare with the history.
@@ -268,8 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                     participants=manager.num_participants(),
                     state=state_hash(model.state_dict(), optim.state_dict()),
                     healed=healed,
+                    quorum_wait=quorum_wait,
+                    step_healed=step_healed,
                 )
                 healed = False
+            else:
+                history.discard(before, quorum_wait, step_healed)
             pace.sleep(time.monotonic() - t0)
         history.finish(manager.current_step(), state_hash(model.state_dict(), optim.state_dict()))
     except TornStateError as e:

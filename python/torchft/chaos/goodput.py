@@ -1,0 +1,154 @@
+"""Goodput of a chaos run computed from its own history, to check the lighthouse's figure.
+
+The lighthouse accounts goodput from the step reports of every group's rank 0, its own
+clock and its write-ahead commit announcements (docs/telemetry.md, "Goodput"). The harness
+computes the same quantity independently from the history the workers wrote
+(``*.history.jsonl``: a line per committed step, per step that did not commit, per restore
+from a snapshot, and when a process was ready and finished, each with its wall time ``t``):
+
+* the window is the lighthouse's (``window_start_unix_s`` of its final ``goodput`` event:
+  the job's first committed step it knows of) up to each group's last ``finish`` line;
+* a group's wall time runs from the window's start (or its first process's ``ready``, if
+  later) to its ``finish``;
+* each step of a process spans the time since its previous line (commit, discard, restore
+  or ready); its first step is start-up, a step that restored a snapshot or healed is
+  recovery; a committed step is productive, less the quorum wait the worker recorded
+  for it; a step that did not commit is discarded;
+* a committed step is lost to a regression when the same group commits the same step again
+  later: its productive time moves to regressed.
+
+Only the quorum wait inside a step is the rank's own measurement in both computations;
+which steps count, how long each took, wall time, restarts and losses are each side's own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["TOLERANCE", "compare", "harness_goodput", "lighthouse_goodput"]
+
+#: Relative difference allowed between the two figures.
+TOLERANCE = 0.01
+
+
+def lighthouse_goodput(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The lighthouse's final ``goodput`` event in an event log (the last one when the run
+    has no final one), or None when there is none."""
+    goodput = [e for e in events if e.get("kind") == "goodput" and not e.get("job")]
+    finals = [e for e in goodput if e.get("final")]
+    if finals:
+        return finals[-1]
+    return goodput[-1] if goodput else None
+
+
+def harness_goodput(records: list[dict[str, Any]], window_start: float) -> dict[str, Any]:
+    """Goodput from the workers' history lines (every process's, any order) over the window
+    that starts at ``window_start`` (see the module documentation)."""
+    by_pid: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] in ("ready", "commit", "discard", "restore", "finish"):
+            by_pid[r["pid"]].append(r)
+    groups: dict[str, dict[str, Any]] = {}
+    # (group, step) -> committed entries, to find steps committed again later.
+    committed: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+
+    def group(name: str) -> dict[str, Any]:
+        return groups.setdefault(
+            name,
+            {
+                "start": None,
+                "end": None,
+                "productive_s": 0.0,
+                "quorum_s": 0.0,
+                "discarded_s": 0.0,
+                "recovery_steps_s": 0.0,
+                "regressed_s": 0.0,
+                "regressed_steps": 0,
+                "steps_committed": 0,
+            },
+        )
+
+    for lines in by_pid.values():
+        lines.sort(key=lambda r: r["t"])
+        prev: dict[str, Any] | None = None
+        first = True
+        for r in lines:
+            g = group(r["group"])
+            if r["kind"] == "ready":
+                g["start"] = r["t"] if g["start"] is None else min(g["start"], r["t"])
+                prev, first = r, True
+                continue
+            if r["kind"] == "finish":
+                g["end"] = r["t"] if g["end"] is None else max(g["end"], r["t"])
+                continue
+            if prev is None:
+                prev = r
+                continue
+            span = max(0.0, r["t"] - prev["t"])
+            prev = r
+            if r["t"] < window_start:
+                first = False
+                continue
+            wait = min(span, max(0.0, float(r.get("quorum_wait") or 0.0)))
+            if first or r["kind"] == "restore":
+                first = False
+                continue
+            if r["kind"] == "discard":
+                g["quorum_s"] += wait
+                g["discarded_s"] += span - wait
+            elif r.get("step_healed", r.get("healed")):
+                g["recovery_steps_s"] += span
+                g["steps_committed"] += 1
+            else:
+                g["quorum_s"] += wait
+                g["productive_s"] += span - wait
+                g["steps_committed"] += 1
+                committed[(r["group"], r["step"])].append({"t": r["t"], "p": span - wait})
+    for (name, _step), entries in committed.items():
+        entries.sort(key=lambda e: e["t"])
+        for e in entries[:-1]:  # every commit of the step but the last was lost
+            g = groups[name]
+            g["productive_s"] -= e["p"]
+            g["regressed_s"] += e["p"]
+            g["regressed_steps"] += 1
+    wall = productive = 0.0
+    out_groups = {}
+    for name, g in sorted(groups.items()):
+        if g["end"] is None:
+            continue
+        start = max(window_start, g["start"] if g["start"] is not None else window_start)
+        g_wall = max(0.0, g["end"] - start)
+        wall += g_wall
+        productive += g["productive_s"]
+        out_groups[name] = {
+            "wall_s": g_wall,
+            "productive_s": g["productive_s"],
+            "quorum_s": g["quorum_s"],
+            "discarded_s": g["discarded_s"],
+            "regressed_s": g["regressed_s"],
+            "regressed_steps": g["regressed_steps"],
+            "steps_committed": g["steps_committed"],
+            "ratio": g["productive_s"] / g_wall if g_wall > 0 else None,
+        }
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "ratio": productive / wall if wall > 0 else None,
+        "groups": out_groups,
+    }
+
+
+def compare(lighthouse: dict[str, Any], harness: dict[str, Any]) -> str | None:
+    """Why the two figures disagree by more than :data:`TOLERANCE` (relative), or None."""
+    lr, hr = lighthouse.get("ratio"), harness.get("ratio")
+    if lr is None or hr is None:
+        return f"no goodput ratio to compare (lighthouse {lr}, harness {hr})"
+    if abs(lr - hr) > TOLERANCE * max(hr, 1e-9):
+        return (
+            f"goodput: the lighthouse reports {lr:.4f}, the harness computes {hr:.4f} from "
+            f"its history (more than {TOLERANCE:.0%} apart; lighthouse productive "
+            f"{lighthouse.get('productive_s')}s of {lighthouse.get('wall_s')}s, harness "
+            f"{harness['productive_s']:.3f}s of {harness['wall_s']:.3f}s)"
+        )
+    return None
