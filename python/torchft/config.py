@@ -556,6 +556,25 @@ _OTHER_VARS = (
         "NCCL's interfaces (=exact names, ^excluded ones, else name prefixes); the first is "
         "the default of TORCHFT_HEAL_IFNAME when GLOO_SOCKET_IFNAME is unset (^ lists: none)",
     ),
+    EnvVar(
+        "TORCHFT_USE_OTEL",
+        SWITCH,
+        "export the records of the loggers given to torchft.otel.setup_logger (upstream "
+        "torchft's switch) over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT (off)",
+    ),
+    EnvVar(
+        "TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON",
+        TEXT,
+        "JSON file mapping a logger name to the OTLP resource attributes of its records "
+        "(read with TORCHFT_USE_OTEL)",
+    ),
+    EnvVar(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        TEXT,
+        "base URL of the OTLP/HTTP collector (e.g. http://otel-collector:4318): where "
+        "python -m torchft.otel sends when --endpoint is not given (the OpenTelemetry SDK "
+        "reads it too)",
+    ),
 )
 
 #: Every variable the package reads, by name.
