@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate torchdata opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate torchdata opentelemetry-sdk opentelemetry-exporter-otlp-proto-http nvidia-ml-py
 # Only `make test-integrations` needs these (large): installed there, not by the bootstrap.
 INTEGRATION_DEPS := ray[train]
 # Upstream torchft's published wheel, kept apart from the venv's own packages (it is put first

@@ -256,6 +256,44 @@ pub fn validate_report(r: &TelemetryReport) -> Result<()> {
     if !r.unix_s.is_finite() || r.unix_s < 0.0 {
         return bad(format!("unix_s must be finite and >= 0, got {}", r.unix_s));
     }
+    for (name, v) in [
+        ("net_rx_bytes_per_s", r.net_rx_bytes_per_s),
+        ("net_tx_bytes_per_s", r.net_tx_bytes_per_s),
+    ] {
+        if !v.is_finite() || !(0.0..=1e13).contains(&v) {
+            return bad(format!(
+                "{name} must be a finite number of bytes per second >= 0, got {v}"
+            ));
+        }
+    }
+    if !r.host_steal.is_finite() || !(0.0..=1.0).contains(&r.host_steal) {
+        return bad(format!(
+            "host_steal must be a share of CPU time in [0, 1], got {}",
+            r.host_steal
+        ));
+    }
+    if r.host_mem_available_bytes > r.host_mem_total_bytes {
+        return bad(format!(
+            "host_mem_available_bytes ({}) exceeds host_mem_total_bytes ({})",
+            r.host_mem_available_bytes, r.host_mem_total_bytes
+        ));
+    }
+    if !r.gpu_util_pct.is_finite() || !(0.0..=100.0).contains(&r.gpu_util_pct) {
+        return bad(format!(
+            "gpu_util_pct must be a percentage in [0, 100], got {}",
+            r.gpu_util_pct
+        ));
+    }
+    if r.gpu_mem_used_bytes > r.gpu_mem_total_bytes {
+        return bad(format!(
+            "gpu_mem_used_bytes ({}) exceeds gpu_mem_total_bytes ({})",
+            r.gpu_mem_used_bytes, r.gpu_mem_total_bytes
+        ));
+    }
+    if !r.gpu && (r.gpu_util_pct != 0.0 || r.gpu_mem_used_bytes != 0 || r.gpu_mem_total_bytes != 0)
+    {
+        return bad("gpu metrics without gpu = true".to_string());
+    }
     Ok(())
 }
 
@@ -350,6 +388,19 @@ mod tests {
             validate_report(&snapshot).is_ok(),
             "a snapshot at the limits"
         );
+        let system = TelemetryReport {
+            host_mem_total_bytes: 64 << 30,
+            host_mem_available_bytes: 8 << 30,
+            net_rx_bytes_per_s: 1.25e9,
+            net_tx_bytes_per_s: 0.0,
+            host_steal: 0.25,
+            gpu: true,
+            gpu_util_pct: 100.0,
+            gpu_mem_used_bytes: 70 << 30,
+            gpu_mem_total_bytes: 80 << 30,
+            ..good.clone()
+        };
+        assert!(validate_report(&system).is_ok(), "system metrics in range");
         type Breaker = Box<dyn Fn(&mut TelemetryReport)>;
         let cases: Vec<Breaker> = vec![
             Box::new(|r| r.replica_id.clear()),
@@ -373,6 +424,20 @@ mod tests {
             Box::new(|r| r.cpu_s = f64::INFINITY),
             Box::new(|r| r.host_load = -1.0),
             Box::new(|r| r.host_load = f64::NAN),
+            Box::new(|r| r.net_rx_bytes_per_s = -1.0),
+            Box::new(|r| r.net_tx_bytes_per_s = f64::INFINITY),
+            Box::new(|r| r.host_steal = 1.5),
+            Box::new(|r| r.host_mem_available_bytes = 2),
+            Box::new(|r| {
+                r.gpu = true;
+                r.gpu_util_pct = 101.0;
+            }),
+            Box::new(|r| {
+                r.gpu = true;
+                r.gpu_mem_used_bytes = 2;
+                r.gpu_mem_total_bytes = 1;
+            }),
+            Box::new(|r| r.gpu_util_pct = 50.0),
         ];
         for (i, break_it) in cases.iter().enumerate() {
             let mut r = good.clone();

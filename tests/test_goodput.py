@@ -85,9 +85,17 @@ def test_goodput_accounts_a_kill_and_the_report_is_written_when_the_job_ends(
     assert body["goodput"]["ratio"] == pytest.approx(event["ratio"], abs=1e-6)
     by_id = {r["replica_id"]: r for r in body["replicas"]}
     assert by_id["g1"]["goodput_ratio"] == pytest.approx(groups["g1"]["ratio"], abs=1e-6)
+    # The system side of the reports reached it too (sampled once a second by each rank).
+    t = by_id["g0"]["timings"]
+    assert t["host_mem_total_bytes"] > 0, t
+    assert 0 < t["host_mem_available_bytes"] <= t["host_mem_total_bytes"], t
+    assert t["net_rx_bytes_per_s"] >= 0 and 0 <= t["host_steal"] <= 1, t
+    assert t["gpu_util_pct"] is None and t["gpu_mem_used_bytes"] is None, "no GPU here"
     code, metrics = http(job.addr, "/metrics")
     assert code == 200
     text = metrics.decode()
+    assert 'torchft_replica_host_memory_available_bytes{replica_id="g0"}' in text
+    assert 'torchft_replica_gpu_utilization_ratio{replica_id="g0"}' not in text, "no GPU here"
     assert f"torchft_goodput_ratio {event['ratio']}" in text or "torchft_goodput_ratio 0." in text
     assert 'torchft_goodput_seconds_total{account="recovery"}' in text
     assert 'torchft_replica_goodput_ratio{replica_id="g1"}' in text

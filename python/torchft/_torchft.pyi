@@ -360,6 +360,15 @@ class TelemetryReport:
         cpu_s: float = ...,
         rss_bytes: int = ...,
         host_load: float = ...,
+        host_mem_total_bytes: int = ...,
+        host_mem_available_bytes: int = ...,
+        net_rx_bytes_per_s: float = ...,
+        net_tx_bytes_per_s: float = ...,
+        host_steal: float = ...,
+        gpu: bool = ...,
+        gpu_util_pct: float = ...,
+        gpu_mem_used_bytes: int = ...,
+        gpu_mem_total_bytes: int = ...,
     ) -> TelemetryReport: ...
 
 @final

@@ -12,7 +12,9 @@ Where the busy time went is measured from the hooks torchft owns, on the trainin
 :func:`optimizer_done` in the optimizer wrapper): the input time before the first forward
 (data loading and user code outside torchft), the forward passes, the backward (from the
 last forward to the optimizer step) and the optimizer's own step, beside the process's CPU
-seconds, resident memory and the host's load. The lighthouse names a straggler's cause from
+seconds, resident memory and the host's load (and, sampled once a second by
+:mod:`torchft.system_metrics`, the host's memory, network throughput and CPU steal and the
+GPU's utilisation and memory). The lighthouse names a straggler's cause from
 them (docs/telemetry.md). A script that uses neither wrapper reports the phases as 0.
 
 Turn it off per process with ``TORCHFT_TELEMETRY=0`` or ``Manager(telemetry=False)``. The
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchft.config import env_flag
+from torchft.system_metrics import HostSampler
 
 if TYPE_CHECKING:
     from torchft.coordination import NativeManagerClient
@@ -253,6 +256,7 @@ class RankTelemetry:
         # communication, not compute).
         self._coll_spans: list[tuple[float, float]] = []
         self._process = _Process()
+        self._host = HostSampler()
         self._heal_s = 0.0
         self._heal_bytes = 0
         self._heal_source = ""
@@ -415,6 +419,7 @@ class RankTelemetry:
             cpu_s=cpu_s,
             rss_bytes=rss,
             host_load=load,
+            **self._host.sample(),
         )
 
     # ------------------------------------------------------------------ snapshots

@@ -150,6 +150,15 @@ record! {
             cpu_s: f64 = 0.0,
             rss_bytes: u64 = 0,
             host_load: f64 = 0.0,
+            host_mem_total_bytes: u64 = 0,
+            host_mem_available_bytes: u64 = 0,
+            net_rx_bytes_per_s: f64 = 0.0,
+            net_tx_bytes_per_s: f64 = 0.0,
+            host_steal: f64 = 0.0,
+            gpu: bool = false,
+            gpu_util_pct: f64 = 0.0,
+            gpu_mem_used_bytes: u64 = 0,
+            gpu_mem_total_bytes: u64 = 0,
         }
         with {
             phase: &str = "step" => parse_phase(phase)? as i32,

@@ -403,7 +403,7 @@ fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
         }
     }
     type Get = fn(&ReplicaStatus) -> Option<f64>;
-    let per_replica: [(&str, &str, &str, Get); 22] = [
+    let per_replica: [(&str, &str, &str, Get); 29] = [
         (
             "torchft_replica_step",
             "gauge",
@@ -494,6 +494,48 @@ fn render_room(w: &mut Writer, job: &JobMetrics, replicas: &[ReplicaStatus]) {
             "gauge",
             "Median 1-minute load average per CPU of the group's hosts.",
             |r| r.timings.host_load,
+        ),
+        (
+            "torchft_replica_host_steal_ratio",
+            "gauge",
+            "Median share of the group's hosts' CPU time stolen by the hypervisor.",
+            |r| r.timings.host_steal,
+        ),
+        (
+            "torchft_replica_host_memory_available_bytes",
+            "gauge",
+            "Available memory of the host of the group's last reporting process.",
+            |r| r.timings.host_mem_available_bytes.map(|b| b as f64),
+        ),
+        (
+            "torchft_replica_host_memory_total_bytes",
+            "gauge",
+            "Total memory of the host of the group's last reporting process.",
+            |r| r.timings.host_mem_total_bytes.map(|b| b as f64),
+        ),
+        (
+            "torchft_replica_network_receive_bytes_per_second",
+            "gauge",
+            "Median network bytes per second received by the group's hosts (not loopback).",
+            |r| r.timings.net_rx_bytes_per_s,
+        ),
+        (
+            "torchft_replica_network_transmit_bytes_per_second",
+            "gauge",
+            "Median network bytes per second sent by the group's hosts (not loopback).",
+            |r| r.timings.net_tx_bytes_per_s,
+        ),
+        (
+            "torchft_replica_gpu_utilization_ratio",
+            "gauge",
+            "Median GPU utilisation of the group's reporting rank (NVML; absent without a GPU).",
+            |r| r.timings.gpu_util_pct.map(|p| p / 100.0),
+        ),
+        (
+            "torchft_replica_gpu_memory_used_bytes",
+            "gauge",
+            "GPU memory used on the device of the group's reporting rank (NVML).",
+            |r| r.timings.gpu_mem_used_bytes.map(|b| b as f64),
         ),
         (
             "torchft_replica_skew_ratio",

@@ -21,6 +21,13 @@ pub(super) struct Sample {
     pub(super) cpu_s: f64,
     pub(super) rss_bytes: u64,
     pub(super) host_load: f64,
+    pub(super) host_steal: f64,
+    pub(super) host_mem_total: u64,
+    pub(super) host_mem_available: u64,
+    pub(super) net_rx: f64,
+    pub(super) net_tx: f64,
+    /// (utilisation percent, memory used, memory total) when the rank has a GPU.
+    pub(super) gpu: Option<(f64, u64, u64)>,
 }
 
 #[derive(Debug, Clone)]

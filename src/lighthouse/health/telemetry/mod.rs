@@ -534,6 +534,16 @@ impl Telemetry {
                             cpu_s: r.cpu_s,
                             rss_bytes: r.rss_bytes,
                             host_load: r.host_load,
+                            host_steal: r.host_steal,
+                            host_mem_total: r.host_mem_total_bytes,
+                            host_mem_available: r.host_mem_available_bytes,
+                            net_rx: r.net_rx_bytes_per_s,
+                            net_tx: r.net_tx_bytes_per_s,
+                            gpu: r.gpu.then_some((
+                                r.gpu_util_pct,
+                                r.gpu_mem_used_bytes,
+                                r.gpu_mem_total_bytes,
+                            )),
                         });
                         while g.samples.len() > WINDOW {
                             g.samples.pop_front();
@@ -685,6 +695,26 @@ impl Telemetry {
                     cpu_s: g.timing(|s| s.cpu_s),
                     rss_bytes: g.samples.back().map(|s| s.rss_bytes),
                     host_load: g.timing(|s| s.host_load),
+                    host_steal: g.timing(|s| s.host_steal),
+                    host_mem_total_bytes: g
+                        .samples
+                        .back()
+                        .map(|s| s.host_mem_total)
+                        .filter(|b| *b > 0),
+                    host_mem_available_bytes: g
+                        .samples
+                        .back()
+                        .filter(|s| s.host_mem_total > 0)
+                        .map(|s| s.host_mem_available),
+                    net_rx_bytes_per_s: g.timing(|s| s.net_rx),
+                    net_tx_bytes_per_s: g.timing(|s| s.net_tx),
+                    gpu_util_pct: g
+                        .samples
+                        .back()
+                        .and_then(|s| s.gpu)
+                        .map(|_| median(g.samples.iter().filter_map(|s| s.gpu.map(|x| x.0)))),
+                    gpu_mem_used_bytes: g.samples.back().and_then(|s| s.gpu).map(|x| x.1),
+                    gpu_mem_total_bytes: g.samples.back().and_then(|s| s.gpu).map(|x| x.2),
                 },
                 counters: g.counters.clone(),
                 last_heal: g.last_heal.clone(),

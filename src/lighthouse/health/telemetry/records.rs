@@ -139,6 +139,20 @@ pub struct Timings {
     pub rss_bytes: Option<u64>,
     /// The host's 1-minute load average per CPU.
     pub host_load: Option<f64>,
+    /// The share of the host's CPU time stolen by the hypervisor.
+    pub host_steal: Option<f64>,
+    /// The host's memory, total and available, at the last report (bytes; null where not
+    /// reported).
+    pub host_mem_total_bytes: Option<u64>,
+    pub host_mem_available_bytes: Option<u64>,
+    /// The host's network throughput, other than loopback (bytes per second).
+    pub net_rx_bytes_per_s: Option<f64>,
+    pub net_tx_bytes_per_s: Option<f64>,
+    /// The rank's GPU through NVML (null without one): median utilisation percent, and
+    /// memory used and total at the last report.
+    pub gpu_util_pct: Option<f64>,
+    pub gpu_mem_used_bytes: Option<u64>,
+    pub gpu_mem_total_bytes: Option<u64>,
 }
 
 /// Job-wide counters.

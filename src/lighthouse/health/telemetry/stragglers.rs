@@ -29,6 +29,9 @@ pub const MEMORY_GROWTH_MIN: u64 = 64 << 20;
 /// A group's host load per CPU must be this many times the job's median (and above 1) to
 /// name it host-contended.
 pub const HOST_LOAD_FACTOR: f64 = 1.5;
+/// A group's hosts must lose at least this share of their CPU time to the hypervisor (and
+/// twice the job's median) to name it host-contended.
+pub const HOST_STEAL_MIN: f64 = 0.1;
 
 /// Window medians of one group's phases (seconds per step) and host load.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -37,6 +40,7 @@ pub(super) struct Profile {
     pub(super) compute: f64,
     pub(super) communication: f64,
     pub(super) host_load: f64,
+    pub(super) steal: f64,
     /// Whether its ranks report phases at all.
     pub(super) measured: bool,
 }
@@ -49,6 +53,7 @@ impl Profile {
             compute: m(|s| s.forward_s + s.backward_s + s.optimizer_s),
             communication: m(|s| s.collective_s),
             host_load: m(|s| s.host_load),
+            steal: m(|s| s.host_steal),
             measured: g.samples.iter().any(|s| s.forward_s > 0.0),
         }
     }
@@ -61,6 +66,7 @@ impl Profile {
             compute: m(|p| p.compute),
             communication: m(|p| p.communication),
             host_load: m(|p| p.host_load),
+            steal: m(|p| p.steal),
             measured: profiles.iter().any(|p| p.measured),
         }
     }
@@ -88,7 +94,8 @@ pub(super) fn cause(g: &Profile, job: &Profile, growth: u64, rss: u64) -> &'stat
     if growth >= MEMORY_GROWTH_MIN && growth.saturating_mul(10) >= rss.saturating_sub(growth) {
         return "memory-growing";
     }
-    let contended = g.host_load > 1.0 && g.host_load > HOST_LOAD_FACTOR * job.host_load;
+    let contended = (g.host_load > 1.0 && g.host_load > HOST_LOAD_FACTOR * job.host_load)
+        || (g.steal >= HOST_STEAL_MIN && g.steal > 2.0 * job.steal);
     if !g.measured {
         return if contended {
             "host-contended"
@@ -127,6 +134,7 @@ fn evidence(g: &Profile, job: &Profile, growth: u64) -> Value {
         "communication_s": round6(g.communication),
         "job_communication_s": round6(job.communication),
         "host_load": round3(g.host_load), "job_host_load": round3(job.host_load),
+        "host_steal": round3(g.steal), "job_host_steal": round3(job.steal),
         "memory_growth_bytes": growth,
     })
 }
@@ -394,6 +402,15 @@ mod tests {
             r.host_load = 2.5;
         });
         assert_eq!(contended.0, Some("host-contended"));
+        // ... or on a host whose CPU time the hypervisor steals.
+        let stolen = named(|r| {
+            r.forward_s = 0.2;
+            r.host_steal = 0.3;
+        });
+        assert_eq!(stolen.0, Some("host-contended"));
+        let steal = stolen.1["evidence"]["host_steal"].as_f64().unwrap_or(0.0);
+        assert!((super::HOST_STEAL_MIN..=0.3).contains(&steal), "{steal}");
+        assert_eq!(stolen.1["evidence"]["job_host_steal"], 0.0);
         // Memory growing through the window (40 MiB a step).
         let grows = |r: &mut crate::proto::TelemetryReport| {
             let step = r.step.max(0) as u64;
