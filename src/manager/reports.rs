@@ -2,8 +2,10 @@
 //! blocks the caller (a full queue drops the report and counts it) and a forwarder task that
 //! sends what is queued in batches, every interval or sooner when the queue fills up.
 //!
-//! A failed send drops its batch (counted): telemetry is fail-open and never retried at the
-//! expense of training.
+//! A batch the receiver could not be reached for (it restarts, the network blips) goes back
+//! to the front of the queue and is sent again at the next interval, as far as the queue's
+//! bound allows (what does not fit is dropped and counted); one the receiver refused as
+//! malformed is dropped. Telemetry stays fail-open: nothing on the training path waits.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -148,8 +150,30 @@ impl ReportQueue {
         }
     }
 
+    /// Puts a batch that could not be delivered back at the front of the queue, keeping its
+    /// newest reports as far as the capacity allows (the rest are dropped and counted).
+    fn requeue(&self, batch: TelemetryBatch) {
+        let mut reports = batch.reports;
+        let lost = {
+            let mut q = self.inner.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let room = self.inner.capacity.saturating_sub(q.len());
+            let lost = reports.len().saturating_sub(room);
+            for r in reports.drain(lost..).rev() {
+                q.push_front(r);
+            }
+            lost
+        };
+        self.inner
+            .dropped
+            .fetch_add(batch.dropped, Ordering::Relaxed);
+        if lost > 0 {
+            self.count_dropped(lost as u64);
+        }
+    }
+
     /// Sends everything queued now, batch by batch, with `send`; stops at the first failure
-    /// (that batch is dropped and counted).
+    /// (a batch the receiver could not be reached for goes back to the queue; one it refused
+    /// is dropped and counted).
     pub async fn send_pending<S, F>(&self, send: &S)
     where
         S: Fn(TelemetryBatch) -> F,
@@ -162,11 +186,17 @@ impl ReportQueue {
             }
             let n = batch.reports.len() as u64;
             let dropped = batch.dropped;
+            let kept = batch.clone();
             if let Err(e) = send(batch).await {
-                debug!(error = %e, reports = n, "telemetry batch not delivered; dropped");
-                // The batch's own drop count is lost with it: carry it to the next one.
-                self.inner.dropped.fetch_add(dropped, Ordering::Relaxed);
-                self.count_dropped(n);
+                if matches!(e, crate::error::Error::InvalidArgument(_)) {
+                    debug!(error = %e, reports = n, "telemetry batch refused; dropped");
+                    // The batch's own drop count is lost with it: carry it to the next one.
+                    self.inner.dropped.fetch_add(dropped, Ordering::Relaxed);
+                    self.count_dropped(n);
+                } else {
+                    debug!(error = %e, reports = n, "telemetry batch not delivered; kept");
+                    self.requeue(kept);
+                }
                 return;
             }
         }
@@ -238,12 +268,40 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn failed_send_drops_the_batch_and_carries_the_count() {
-        let q = ReportQueue::new(10);
-        q.push(report(0));
+    async fn an_undelivered_batch_is_kept_for_the_next_send_within_the_bound() {
+        let q = ReportQueue::new(3);
+        for i in 0..3 {
+            q.push(report(i));
+        }
         q.count_dropped(2);
         q.send_pending(&|_b: TelemetryBatch| async { Err(Error::Unavailable("down".into())) })
             .await;
+        assert_eq!(q.len(), 3, "kept, in order");
+        assert_eq!(q.dropped_total(), 2);
+        // A report queued meanwhile fills the bound: the oldest kept one gives way.
+        let b = q.take_batch();
+        assert!(q.push(report(3)));
+        q.requeue(b);
+        assert_eq!(q.dropped_total(), 3);
+        let seen = Mutex::new(Vec::new());
+        q.send_pending(&|b: TelemetryBatch| {
+            let steps: Vec<i64> = b.reports.iter().map(|r| r.step).collect();
+            seen.lock().unwrap().push((steps, b.dropped));
+            async { Ok(()) }
+        })
+        .await;
+        assert_eq!(*seen.lock().unwrap(), vec![(vec![1, 2, 3], 3)]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_batch_is_dropped_and_its_count_carried() {
+        let q = ReportQueue::new(10);
+        q.push(report(0));
+        q.count_dropped(2);
+        q.send_pending(&|_b: TelemetryBatch| async {
+            Err(Error::InvalidArgument("malformed".into()))
+        })
+        .await;
         assert!(q.is_empty());
         assert_eq!(q.dropped_total(), 3);
         q.push(report(1));

@@ -8,8 +8,7 @@ from a snapshot, and when a process was ready and finished, each with its wall t
 
 * the window is the lighthouse's (``window_start_unix_s`` of its final ``goodput`` event:
   the job's first committed step it knows of) up to each group's last ``finish`` line;
-* a group's wall time runs from the window's start (or its first process's ``ready``, if
-  later) to its ``finish``;
+* a group's wall time runs from the window's start to its ``finish``;
 * each step of a process spans the time since its previous line (commit, discard, restore
   or ready); its first step is start-up, a step that restored a snapshot or healed is
   recovery; a committed step is productive, less the quorum wait the worker recorded
@@ -57,7 +56,6 @@ def harness_goodput(records: list[dict[str, Any]], window_start: float) -> dict[
         return groups.setdefault(
             name,
             {
-                "start": None,
                 "end": None,
                 "productive_s": 0.0,
                 "quorum_s": 0.0,
@@ -76,7 +74,6 @@ def harness_goodput(records: list[dict[str, Any]], window_start: float) -> dict[
         for r in lines:
             g = group(r["group"])
             if r["kind"] == "ready":
-                g["start"] = r["t"] if g["start"] is None else min(g["start"], r["t"])
                 prev, first = r, True
                 continue
             if r["kind"] == "finish":
@@ -117,8 +114,7 @@ def harness_goodput(records: list[dict[str, Any]], window_start: float) -> dict[
     for name, g in sorted(groups.items()):
         if g["end"] is None:
             continue
-        start = max(window_start, g["start"] if g["start"] is not None else window_start)
-        g_wall = max(0.0, g["end"] - start)
+        g_wall = max(0.0, g["end"] - window_start)
         wall += g_wall
         productive += g["productive_s"]
         out_groups[name] = {

@@ -137,7 +137,6 @@ class ChaosConfig:
 
 
 # How much of a history file `_committed` reads, and what marks a commit record there.
-_HISTORY_HEAD = 4096
 _COMMIT_RECORD = b'"kind": "commit"'
 
 
@@ -175,6 +174,8 @@ class Chaos:
         self.lighthouse: subprocess.Popen[str] | None = None
         self.address = ""
         self._restarts: list[threading.Timer] = []
+        # Per history file: whether it holds a commit record, and how far it was scanned.
+        self._scanned: dict[Path, tuple[bool, int]] = {}
         #: Groups whose process ended and whose restart is scheduled but not started yet.
         self._restarting: set[str] = set()
         #: Per group, until when (wall time) an injected hang may still block its loop.
@@ -369,13 +370,20 @@ class Chaos:
         if p is None or p.killed or p.proc.poll() is not None:
             return False
         n = self.dir / f"{group}.{self._incarnation(group)}.history.jsonl"
+        # Records are appended in order: the file is scanned once, from where the last look
+        # ended (steps that did not commit may come before the first commit).
+        seen, offset = self._scanned.get(n, (False, 0))
+        if seen:
+            return True
         try:
             with open(n, "rb") as f:
-                # Records are appended in order; the first commit follows the ready record.
-                head = f.read(_HISTORY_HEAD)
+                f.seek(max(0, offset - len(_COMMIT_RECORD)))
+                tail = f.read()
         except FileNotFoundError:
             return False
-        return _COMMIT_RECORD in head
+        seen = _COMMIT_RECORD in tail
+        self._scanned[n] = (seen, offset + len(tail) - min(offset, len(_COMMIT_RECORD)))
+        return seen
 
     def _last_step(self, group: str) -> int:
         """The last step the group's current process recorded as committed (0: none)."""

@@ -34,8 +34,8 @@ mod sessions;
 
 use file::{load_state, Contents, StateWriter};
 
-/// How often the goodput accounts are re-encoded for the state file at most.
-const GOODPUT_SAVE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+/// How often the goodput accounts of a job of more than 256 groups are saved at most.
+const GOODPUT_SAVE_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 use sessions::Session;
 pub(crate) use sessions::SessionStream;
 
@@ -294,12 +294,13 @@ impl Shared {
         let (snapshot_revision, goodput_revision, groups) = self
             .hub
             .read(|t| (t.snapshot_revision(), t.goodput_revision(), t.num_groups()));
-        // The goodput accounts change with every report: they are encoded at most every
-        // GOODPUT_SAVE_EVERY (longer for big jobs), and alone they trigger no write sooner.
+        // The goodput accounts change with every report and commit: saved with every write
+        // for a job of up to 256 groups (a commit is durable with its announcement), at most
+        // every GOODPUT_SAVE_EVERY above.
         let every = if groups <= 256 {
-            GOODPUT_SAVE_EVERY
+            std::time::Duration::ZERO
         } else {
-            GOODPUT_SAVE_EVERY * 20
+            GOODPUT_SAVE_EVERY
         };
         let goodput_due = match &state.saved_goodput {
             None => goodput_revision > 0,

@@ -5,8 +5,8 @@
 //!
 //! - the window opens at the job's first committed step (the first accepted write-ahead
 //!   commit, or the first committed report for managers that announce none); a group's wall
-//!   time runs from the window's start (or from when the group was first seen, if later) to
-//!   its clean finish (or now);
+//!   time runs from the window's start to its clean finish (or now): a group that starts
+//!   late counts the time before it as recovery (the job's capacity was not training);
 //! - a committed step is `productive` (its time less its quorum wait, which is `quorum`), or
 //!   `heal` when the group healed in it (all of it); a step that did not commit is
 //!   `discarded` (its quorum wait is `quorum`);
@@ -17,7 +17,8 @@
 //!   back, e.g. to a durable snapshot after every group died): its productive time moves to
 //!   `regressed`;
 //! - reports lost with a process that was killed are made up from the group's write-ahead
-//!   commit announcements (the time between two consecutive ones is productive).
+//!   commit announcements: the time between two consecutive ones, less the median quorum
+//!   wait of the incarnation's last reported steps (quorum), is productive.
 //!
 //! `wall = productive + quorum + discarded + heal + recovery + regressed`; the goodput
 //! ratio is `productive / wall`. Bounded: a group keeps its last [`RECENT`] committed steps
@@ -35,6 +36,8 @@ use crate::proto::TelemetryReport;
 pub const RECENT: usize = 1024;
 /// Unreported commit announcements kept per incarnation.
 pub const ANNOUNCED: usize = 256;
+/// Reported quorum waits a group keeps for the estimate of made-up steps.
+const WAITS: usize = 8;
 /// Committed steps a state file keeps per group.
 const RECENT_SAVED: usize = 64;
 
@@ -109,8 +112,11 @@ impl PhaseSums {
     }
 }
 
-/// The current incarnation's marks (not kept across lighthouse restarts).
-#[derive(Debug, Clone, Default)]
+/// The current incarnation's marks (kept in the state file with the accounts: the commits
+/// a process announced before it and the lighthouse were killed together are still made
+/// up after the restart).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 struct Life {
     incarnation: String,
     /// Step reports of group rank 0 seen.
@@ -122,6 +128,9 @@ struct Life {
     /// Steps up to this one were made up from announcements (their late reports are
     /// ignored).
     filled_upto: i64,
+    /// The quorum waits of its last reported committed steps (the estimate for the steps
+    /// made up from announcements).
+    waits: VecDeque<f64>,
 }
 
 /// One group's goodput.
@@ -136,7 +145,10 @@ pub struct GroupGoodput {
     /// Its last committed steps and their productive time.
     #[serde(default)]
     recent: VecDeque<(i64, f64)>,
+    /// The highest step in `recent` (None: not known yet, e.g. after a restore).
     #[serde(skip)]
+    high: Option<i64>,
+    #[serde(default)]
     life: Life,
 }
 
@@ -154,7 +166,12 @@ impl GroupGoodput {
     }
 
     fn committed(&mut self, step: i64, productive: f64) {
-        if self.recent.iter().any(|(s, _)| *s >= step) {
+        let recent = &self.recent;
+        let high = *self
+            .high
+            .get_or_insert_with(|| recent.iter().map(|e| e.0).max().unwrap_or(-1));
+        self.high = Some(high.max(step));
+        if step <= high {
             // The group commits a step again: its earlier commits of it were lost (the job's
             // progress went back, e.g. to a durable snapshot after a total loss).
             let (mut lost, mut n) = (0.0, 0);
@@ -178,12 +195,24 @@ impl GroupGoodput {
         }
     }
 
-    /// Accounts the announced commits no report will come for (their process is gone).
+    /// Accounts the announced commits no report will come for (their process is gone): the
+    /// time between two announcements, its quorum wait estimated by the median of the
+    /// incarnation's last reported steps.
     fn fill_in(&mut self) {
         let announced = std::mem::take(&mut self.life.announced);
+        let wait = if self.life.waits.is_empty() {
+            0.0
+        } else {
+            let mut w: Vec<f64> = self.life.waits.iter().copied().collect();
+            w.sort_by(f64::total_cmp);
+            w[w.len() / 2]
+        };
         for (step, at) in announced {
             if let Some(prev) = self.life.last_at {
-                self.committed(step, (at - prev).max(0.0));
+                let span = (at - prev).max(0.0);
+                let w = wait.min(span);
+                self.accounts.quorum_s += w;
+                self.committed(step, span - w);
             }
             self.life.last_at = Some(at);
             self.life.filled_upto = self.life.filled_upto.max(step);
@@ -191,8 +220,7 @@ impl GroupGoodput {
     }
 
     fn wall(&self, start: f64, now: f64) -> f64 {
-        let from = start.max(self.first_seen);
-        (self.finished_at.unwrap_or(now) - from).max(0.0)
+        (self.finished_at.unwrap_or(now) - start).max(0.0)
     }
 }
 
@@ -345,6 +373,10 @@ impl Goodput {
         } else if r.committed {
             g.accounts.quorum_s += wait;
             g.committed(done, step_s - wait);
+            g.life.waits.push_back(wait);
+            while g.life.waits.len() > WAITS {
+                g.life.waits.pop_front();
+            }
         } else {
             g.accounts.quorum_s += wait;
             g.accounts.discarded_s += step_s - wait;
@@ -410,7 +442,6 @@ impl Goodput {
                 let mut g = g.clone();
                 let skip = g.recent.len().saturating_sub(RECENT_SAVED);
                 g.recent.drain(..skip);
-                g.life = Life::default();
                 (k.clone(), g)
             })
             .collect();
@@ -430,7 +461,10 @@ impl Goodput {
                 && g.first_seen.is_finite()
                 && g.finished_at.is_none_or(f64::is_finite)
                 && name.len() <= crate::telemetry::MAX_ID_BYTES
-                && g.recent.iter().all(|(_, p)| p.is_finite() && *p >= 0.0);
+                && g.recent.iter().all(|(_, p)| p.is_finite() && *p >= 0.0)
+                && g.life.announced.len() <= ANNOUNCED
+                && g.life.announced.iter().all(|(_, t)| t.is_finite())
+                && g.life.last_at.is_none_or(f64::is_finite);
             if ok {
                 self.groups.insert(name, g);
             } else {
@@ -492,19 +526,21 @@ mod tests {
         g.on_commit("g", "g:1", 1, 10.0);
         g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 10.0);
         g.on_commit("g", "g:1", 2, 11.0);
-        g.on_step("g", &step("g:1", 1, true, 1.0, 0.0), 11.0);
+        g.on_step("g", &step("g:1", 1, true, 1.0, 0.25), 11.0);
         // Two more commits whose reports died with the process.
         g.on_commit("g", "g:1", 3, 12.0);
         g.on_commit("g", "g:1", 4, 13.5);
         g.ended("g", "g:1");
         let f = g.group_figures("g", 20.0).unwrap();
-        assert!(close(f.accounts.productive_s, 1.0 + 1.0 + 1.5), "{f:?}");
+        // Their quorum wait is estimated by the last reported step's (0.25 s).
+        assert!(close(f.accounts.productive_s, 0.75 + 0.75 + 1.25), "{f:?}");
+        assert!(close(f.accounts.quorum_s, 0.25 * 3.0), "{f:?}");
         assert_eq!(f.accounts.steps_committed, 3);
         // A late report of a made-up step is not counted twice.
         g.on_step("g", &step("g:1", 3, true, 1.5, 0.0), 20.0);
         assert!(close(
             g.group_figures("g", 20.0).unwrap().accounts.productive_s,
-            3.5
+            2.75
         ));
     }
 
@@ -530,6 +566,23 @@ mod tests {
     }
 
     #[test]
+    fn announcements_kept_in_the_state_file_are_made_up_after_a_restart() {
+        let mut g = Goodput::default();
+        g.on_commit("g", "g:1", 1, 10.0);
+        g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 10.0);
+        g.on_commit("g", "g:1", 2, 11.0);
+        g.on_commit("g", "g:1", 3, 12.5);
+        // The process and the lighthouse die together; the state file kept the commits.
+        let text = serde_json::to_string(&g.saved()).unwrap_or_default();
+        let mut h = Goodput::default();
+        h.restore(serde_json::from_str(&text).unwrap_or_default());
+        h.on_step("g", &step("g:2", 3, true, 5.0, 0.0), 30.0);
+        let f = h.group_figures("g", 30.0).unwrap();
+        assert!(close(f.accounts.productive_s, 1.0 + 1.5), "{f:?}");
+        assert_eq!(f.accounts.steps_committed, 2);
+    }
+
+    #[test]
     fn the_window_opens_at_the_first_commit_and_a_finished_group_stops_its_clock() {
         let mut g = Goodput::default();
         g.seen("a", 0.0);
@@ -538,7 +591,7 @@ mod tests {
         g.on_commit("a", "a:1", 1, 5.0);
         g.finished("a", 9.0);
         let job = g.job_figures(10.0).unwrap();
-        assert!(close(job.wall_s, 4.0 + 2.0), "{job:?}");
+        assert!(close(job.wall_s, 4.0 + 5.0), "{job:?}");
     }
 
     #[test]

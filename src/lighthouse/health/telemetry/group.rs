@@ -34,6 +34,9 @@ pub(super) struct Sample {
 pub(super) struct RankInfo {
     pub(super) pid: u32,
     pub(super) last_report: Instant,
+    /// The newest report's own time (a batch sent again after a lost answer repeats older
+    /// ones, which are ignored).
+    pub(super) last_unix: f64,
 }
 
 /// Counters of one replica group (over all its incarnations).

@@ -422,6 +422,16 @@ impl Telemetry {
         };
         let phase = Phase::try_from(r.phase).unwrap_or(Phase::Step);
         let name = self.group_for(&incarnation, now);
+        let seen = name
+            .as_ref()
+            .and_then(|n| self.groups.get(n))
+            .and_then(|g| g.ranks.get(&r.group_rank))
+            .is_some_and(|k| phase == Phase::Step && r.unix_s > 0.0 && r.unix_s <= k.last_unix);
+        if seen {
+            // A report seen already: its batch was sent again (the first answer was lost).
+            self.counters.reports_repeated += 1;
+            return;
+        }
         self.on_snapshot(r, phase, now);
         let Some(name) = name else {
             return;
@@ -431,6 +441,7 @@ impl Telemetry {
         let Some(g) = self.groups.get_mut(&name) else {
             return;
         };
+        let last_unix = g.ranks.get(&r.group_rank).map_or(0.0, |k| k.last_unix);
         g.counters.reports += 1;
         g.last_seen = now;
         g.last_report = Some(now);
@@ -443,6 +454,11 @@ impl Telemetry {
             RankInfo {
                 pid: r.pid,
                 last_report: now,
+                last_unix: if phase == Phase::Step {
+                    r.unix_s.max(last_unix)
+                } else {
+                    last_unix
+                },
             },
         );
         let lead = r.group_rank == 0;
@@ -885,6 +901,21 @@ mod tests {
         j.t.on_report(&r, j.now);
         assert_eq!(j.state("g1"), GroupState::Failed);
         assert_eq!(j.t.groups["g1"].last_error.as_deref(), Some("boom"));
+    }
+
+    #[test]
+    fn a_step_report_received_again_is_ignored() {
+        let mut j = Job::new(2);
+        let before = j.t.groups["g0"].counters.steps_committed;
+        let r = report(&j.ids[0], 5, 0.1);
+        j.t.on_report(&r, j.now);
+        // Its batch was sent again after the answer was lost.
+        j.t.on_report(&r, j.now);
+        assert_eq!(j.t.groups["g0"].counters.steps_committed, before + 1);
+        assert_eq!(j.t.counters().reports_repeated, 1);
+        let later = report(&j.ids[0], 6, 0.1);
+        j.t.on_report(&later, j.now);
+        assert_eq!(j.t.groups["g0"].counters.steps_committed, before + 2);
     }
 
     #[test]

@@ -174,6 +174,8 @@ pub struct GlobalCounters {
     pub snapshots: u64,
     /// Durable snapshot attempts reported failed (`snapshot_failed`).
     pub snapshot_failures: u64,
+    /// Reports received again (a batch resent after its answer was lost), ignored.
+    pub reports_repeated: u64,
 }
 
 /// The latest complete snapshot as `/status` shows it: the record and its age.
