@@ -488,6 +488,16 @@ def main(argv: list[str] | None = None) -> int:
         victim = summary["replicas"].get(f"train_ddp_{args.kill_group}") or {}
         walk = " -> ".join(t["to"] for t in victim.get("transitions", []))
         print(f"event log               : {len(events)} events; group {args.kill_group}: {walk}")
+        goodput = [e for e in events if e["kind"] == "goodput"]
+        if goodput and goodput[-1].get("ratio") is not None:
+            g = goodput[-1]
+            print(
+                f"goodput                 : {g['ratio'] * 100:.1f}% of the groups' wall time "
+                f"trained ({g['productive_s']:.1f}s of {g['wall_s']:.1f}s; recovery "
+                f"{g['recovery_s']:.1f}s, quorum {g['quorum_s']:.1f}s, heal {g['heal_s']:.1f}s, "
+                f"{g['regressed_steps']} committed steps redone)"
+                + ("" if g.get("final") else " so far")
+            )
     ok = bool(killed) and restarts >= 1 and healed is not None and identical
     if total_at:
         # The job resumed from the newest complete snapshot, losing at most the interval.
