@@ -258,13 +258,13 @@ impl Figures {
     /// The figures as JSON fields (seconds rounded to the millisecond).
     pub fn to_json(&self) -> serde_json::Map<String, Value> {
         let a = &self.accounts;
-        let r = |v: f64| (v * 1e3).round() / 1e3;
+        let r = super::round3;
         let v = json!({
             "wall_s": r(self.wall_s), "productive_s": r(a.productive_s),
             "quorum_s": r(a.quorum_s), "discarded_s": r(a.discarded_s), "heal_s": r(a.heal_s),
             "recovery_s": r(self.recovery_s), "regressed_s": r(a.regressed_s),
             "regressed_steps": a.regressed_steps, "steps_committed": a.steps_committed,
-            "ratio": self.ratio().map(|x| (x * 1e6).round() / 1e6),
+            "ratio": self.ratio().map(super::round6),
         });
         match v {
             Value::Object(m) => m,

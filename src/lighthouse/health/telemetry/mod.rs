@@ -666,81 +666,79 @@ impl Telemetry {
     /// Every group's status, sorted by replica id.
     pub fn replicas(&self, now: Instant) -> Vec<ReplicaStatus> {
         let unix = self.unix(now);
-        let mut out: Vec<ReplicaStatus> = self
-            .groups
-            .iter()
-            .map(|(name, g)| ReplicaStatus {
-                replica_id: name.clone(),
-                incarnation: g.incarnation.clone(),
-                state: g.state,
-                state_since_s: now.saturating_duration_since(g.state_since).as_secs_f64(),
-                step: g.step,
-                hostname: g.hostname.clone(),
-                pids: g.ranks.values().map(|r| r.pid).collect(),
-                ranks_reporting: g.ranks.len(),
-                world_size: g.world_size,
-                last_heartbeat_age_s: g
-                    .hb_at
-                    .map(|t| now.saturating_duration_since(t).as_secs_f64()),
-                last_report_age_s: g
-                    .ranks
-                    .values()
-                    .map(|r| r.last_report)
-                    .max()
-                    .or(g.last_report)
-                    .map(|t| now.saturating_duration_since(t).as_secs_f64()),
-                in_quorum: g.in_quorum,
-                participants: g.participants,
-                last_commit: g.last_commit,
-                last_error: g.last_error.clone(),
-                straggler: g.straggler,
-                straggler_cause: g.straggler_cause,
-                skew_pct: round3(g.skew_pct),
-                steps_per_s: g.steps_per_s(),
-                timings: Timings {
-                    step_s: g.timing(|s| s.step_s),
-                    busy_s: g.timing(|s| s.busy_s),
-                    quorum_wait_s: g.timing(|s| s.quorum_wait_s),
-                    collective_s: g.timing(|s| s.collective_s),
-                    should_commit_s: g.timing(|s| s.should_commit_s),
-                    heal_s: (g.counters.heals > 0).then_some(g.last_heal_s),
-                    input_s: g.timing(|s| s.input_s),
-                    forward_s: g.timing(|s| s.forward_s),
-                    backward_s: g.timing(|s| s.backward_s),
-                    optimizer_s: g.timing(|s| s.optimizer_s),
-                    cpu_s: g.timing(|s| s.cpu_s),
-                    rss_bytes: g.samples.back().map(|s| s.rss_bytes),
-                    host_load: g.timing(|s| s.host_load),
-                    host_steal: g.timing(|s| s.host_steal),
-                    host_mem_total_bytes: g
-                        .samples
-                        .back()
-                        .map(|s| s.host_mem_total)
-                        .filter(|b| *b > 0),
-                    host_mem_available_bytes: g
-                        .samples
-                        .back()
-                        .filter(|s| s.host_mem_total > 0)
-                        .map(|s| s.host_mem_available),
-                    net_rx_bytes_per_s: g.timing(|s| s.net_rx),
-                    net_tx_bytes_per_s: g.timing(|s| s.net_tx),
-                    gpu_util_pct: g
-                        .samples
-                        .back()
-                        .and_then(|s| s.gpu)
-                        .map(|_| median(g.samples.iter().filter_map(|s| s.gpu.map(|x| x.0)))),
-                    gpu_mem_used_bytes: g.samples.back().and_then(|s| s.gpu).map(|x| x.1),
-                    gpu_mem_total_bytes: g.samples.back().and_then(|s| s.gpu).map(|x| x.2),
-                },
-                counters: g.counters.clone(),
-                last_heal: g.last_heal.clone(),
-                goodput: self.goodput.group_figures(name, unix).map(|f| f.to_json()),
-                goodput_ratio: self
-                    .goodput
-                    .group_figures(name, unix)
-                    .and_then(|f| f.ratio()),
-            })
-            .collect();
+        let mut out: Vec<ReplicaStatus> =
+            self.groups
+                .iter()
+                .map(|(name, g)| {
+                    let figures = self.goodput.group_figures(name, unix);
+                    ReplicaStatus {
+                        replica_id: name.clone(),
+                        incarnation: g.incarnation.clone(),
+                        state: g.state,
+                        state_since_s: now.saturating_duration_since(g.state_since).as_secs_f64(),
+                        step: g.step,
+                        hostname: g.hostname.clone(),
+                        pids: g.ranks.values().map(|r| r.pid).collect(),
+                        ranks_reporting: g.ranks.len(),
+                        world_size: g.world_size,
+                        last_heartbeat_age_s: g
+                            .hb_at
+                            .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+                        last_report_age_s: g
+                            .ranks
+                            .values()
+                            .map(|r| r.last_report)
+                            .max()
+                            .or(g.last_report)
+                            .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+                        in_quorum: g.in_quorum,
+                        participants: g.participants,
+                        last_commit: g.last_commit,
+                        last_error: g.last_error.clone(),
+                        straggler: g.straggler,
+                        straggler_cause: g.straggler_cause,
+                        skew_pct: round3(g.skew_pct),
+                        steps_per_s: g.steps_per_s(),
+                        timings: Timings {
+                            step_s: g.timing(|s| s.step_s),
+                            busy_s: g.timing(|s| s.busy_s),
+                            quorum_wait_s: g.timing(|s| s.quorum_wait_s),
+                            collective_s: g.timing(|s| s.collective_s),
+                            should_commit_s: g.timing(|s| s.should_commit_s),
+                            heal_s: (g.counters.heals > 0).then_some(g.last_heal_s),
+                            input_s: g.timing(|s| s.input_s),
+                            forward_s: g.timing(|s| s.forward_s),
+                            backward_s: g.timing(|s| s.backward_s),
+                            optimizer_s: g.timing(|s| s.optimizer_s),
+                            cpu_s: g.timing(|s| s.cpu_s),
+                            rss_bytes: g.samples.back().map(|s| s.rss_bytes),
+                            host_load: g.timing(|s| s.host_load),
+                            host_steal: g.timing(|s| s.host_steal),
+                            host_mem_total_bytes: g
+                                .samples
+                                .back()
+                                .map(|s| s.host_mem_total)
+                                .filter(|b| *b > 0),
+                            host_mem_available_bytes: g
+                                .samples
+                                .back()
+                                .filter(|s| s.host_mem_total > 0)
+                                .map(|s| s.host_mem_available),
+                            net_rx_bytes_per_s: g.timing(|s| s.net_rx),
+                            net_tx_bytes_per_s: g.timing(|s| s.net_tx),
+                            gpu_util_pct: g.samples.back().and_then(|s| s.gpu).map(|_| {
+                                median(g.samples.iter().filter_map(|s| s.gpu.map(|x| x.0)))
+                            }),
+                            gpu_mem_used_bytes: g.samples.back().and_then(|s| s.gpu).map(|x| x.1),
+                            gpu_mem_total_bytes: g.samples.back().and_then(|s| s.gpu).map(|x| x.2),
+                        },
+                        counters: g.counters.clone(),
+                        last_heal: g.last_heal.clone(),
+                        goodput: figures.as_ref().map(Figures::to_json),
+                        goodput_ratio: figures.as_ref().and_then(Figures::ratio),
+                    }
+                })
+                .collect();
         out.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
         out
     }

@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value};
 
 use super::group::Lifecycle;
 use super::history::Point;
-use super::{Event, Figures, Telemetry, FINAL_GROUPS, PERIODIC_GROUPS, TIMELINE};
+use super::{round3, round6, Event, Figures, Telemetry, FINAL_GROUPS, PERIODIC_GROUPS, TIMELINE};
 use crate::telemetry::{base_id, EventKind};
 
 /// Event kinds the end-of-run report's timeline shows.
@@ -180,15 +180,13 @@ impl Telemetry {
         let unix = self.unix(now);
         let job = self.goodput.job_figures(unix);
         Point {
-            t: (unix * 1e3).round() / 1e3,
+            t: round3(unix),
             step: self.best_step(),
             members: self.quorum_members.len(),
             ratio: job.as_ref().and_then(Figures::ratio),
             steps_committed: job.as_ref().map_or(0, |j| j.accounts.steps_committed),
-            productive_s: job
-                .as_ref()
-                .map(|j| (j.accounts.productive_s * 1e3).round() / 1e3),
-            wall_s: job.as_ref().map(|j| (j.wall_s * 1e3).round() / 1e3),
+            productive_s: job.as_ref().map(|j| round3(j.accounts.productive_s)),
+            wall_s: job.as_ref().map(|j| round3(j.wall_s)),
         }
     }
 
@@ -241,7 +239,7 @@ impl Telemetry {
                 m.insert("replica_id".into(), json!(name));
                 m.insert("state".into(), json!(g.state.as_str()));
                 m.insert("step".into(), json!(g.step));
-                let r = |v: f64| (v * 1e6).round() / 1e6;
+                let r = round6;
                 if let Some(p) = self.goodput.phases(name) {
                     m.insert(
                         "phases".into(),
@@ -265,7 +263,7 @@ impl Telemetry {
         let mut m = job.to_json();
         m.insert(
             "window_start_unix_s".into(),
-            json!(self.goodput.start().map(|s| (s * 1e3).round() / 1e3)),
+            json!(self.goodput.start().map(round3)),
         );
         m.insert("step".into(), json!(self.best_step()));
         Some(m)
@@ -300,7 +298,7 @@ impl Telemetry {
             .then(|| e.fields.get("to").cloned())
             .flatten();
         self.timeline.push_back(json!({
-            "t": (e.ts * 1e3).round() / 1e3,
+            "t": round3(e.ts),
             "kind": kind,
             "replica_id": replica,
             "state": state,
@@ -338,9 +336,9 @@ impl Telemetry {
             "schema": 1,
             "source": "lighthouse",
             "job": "",
-            "generated_unix_s": (unix * 1e3).round() / 1e3,
-            "started_unix_s": (self.epoch.1 * 1e3).round() / 1e3,
-            "ended_unix_s": (unix * 1e3).round() / 1e3,
+            "generated_unix_s": round3(unix),
+            "started_unix_s": round3(self.epoch.1),
+            "ended_unix_s": round3(unix),
             "finished": self.job_finished(),
             "goodput": self.goodput_json(now),
             "groups": groups,
