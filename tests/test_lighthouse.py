@@ -121,12 +121,15 @@ def test_gil_released_during_quorum() -> None:
 
 
 class _Heartbeater:
-    """Heartbeats ``replica_id`` with ``step`` every 50 ms on a thread until stopped."""
+    """Heartbeats ``replica_id`` with ``step`` every 50 ms on a thread until stopped. The
+    first heartbeat is sent before the constructor returns, so the lighthouse knows the
+    group before the test goes on (a loaded machine may otherwise start the thread late)."""
 
     def __init__(self, address: str, replica_id: str, step: int) -> None:
         self.client = LighthouseClient(address, connect_timeout=CONNECT)
         self.replica_id = replica_id
         self.step = step
+        self.client.heartbeat(replica_id, step=step)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
