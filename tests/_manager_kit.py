@@ -94,6 +94,7 @@ class FakeNative:
     quorum_calls: list[dict[str, Any]] = field(default_factory=list)
     commit_calls: list[tuple[int, int, bool]] = field(default_factory=list)
     digests: list[tuple[int, int, bytes]] = field(default_factory=list)
+    quorum_waits: list[tuple[int, float]] = field(default_factory=list)
     commit_result: bool | None = None  # None: echo the local vote
     metadata_by_addr: dict[str, str] = field(default_factory=dict)
     servers: list[Any] = field(default_factory=list)
@@ -126,6 +127,9 @@ class FakeNative:
 
             def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
                 native.digests.append((group_rank, step, digest))
+
+            def _note_quorum_wait(self, step: int, seconds: float) -> None:
+                native.quorum_waits.append((step, seconds))
 
             def describe(self) -> str:
                 return "fake manager server"

@@ -122,7 +122,7 @@ async fn jobs_with_the_same_group_names_get_their_own_quorums() {
         // b's quorum id never moves.
         let qa2 = round(&a, &["rg0", "rg2", "rg3"], 4).await;
         assert_ne!(qa2[0].quorum_id, ida);
-        let refused = a.commit("rg1", ida, 5, ASK).await.expect("an answer");
+        let refused = a.commit("rg1", ida, 5, 0.0, ASK).await.expect("an answer");
         assert!(
             refused.is_some(),
             "a commit under a replaced quorum is refused"
@@ -131,7 +131,7 @@ async fn jobs_with_the_same_group_names_get_their_own_quorums() {
             let qb = round(&b, &["rg0", "rg1"], step).await;
             assert_eq!(qb[0].quorum_id, idb, "step {step}");
             assert_eq!(ids(&qb[0]), ["rg0", "rg1"]);
-            let accepted = b.commit("rg0", idb, step + 1, ASK).await.unwrap();
+            let accepted = b.commit("rg0", idb, step + 1, 0.0, ASK).await.unwrap();
             assert_eq!(accepted, None, "job b commits as before");
         }
         server.shutdown().await;
@@ -156,7 +156,7 @@ async fn a_lost_group_and_bad_input_in_one_job_leave_the_other_alone() {
         // Job a's "y" is declared lost: its commit under qa is refused.
         let deadline = tokio::time::Instant::now() + ASK;
         loop {
-            if a.commit("y", qa[0].quorum_id, 2, ASK)
+            if a.commit("y", qa[0].quorum_id, 2, 0.0, ASK)
                 .await
                 .unwrap()
                 .is_some()
@@ -182,8 +182,14 @@ async fn a_lost_group_and_bad_input_in_one_job_leave_the_other_alone() {
                 .is_err(),
             "job b's session heard nothing"
         );
-        assert_eq!(b.commit("y", qb[0].quorum_id, 2, ASK).await.unwrap(), None);
-        assert_eq!(b.commit("x", qb[0].quorum_id, 2, ASK).await.unwrap(), None);
+        assert_eq!(
+            b.commit("y", qb[0].quorum_id, 2, 0.0, ASK).await.unwrap(),
+            None
+        );
+        assert_eq!(
+            b.commit("x", qb[0].quorum_id, 2, 0.0, ASK).await.unwrap(),
+            None
+        );
         let qb2 = round(&b, &["x", "y"], 2).await;
         assert_eq!(qb2[0].quorum_id, qb[0].quorum_id);
         server.shutdown().await;
@@ -275,7 +281,7 @@ async fn idle_rooms_close_and_each_room_keeps_its_part_of_the_state_file() {
         let addr = server.address();
         let a = client(&addr, "a").await;
         let q1 = round(&a, &["x", "y"], 4).await[0].quorum_id;
-        assert_eq!(a.commit("x", q1, 5, ASK).await.unwrap(), None);
+        assert_eq!(a.commit("x", q1, 5, 0.0, ASK).await.unwrap(), None);
         server.flush_state().await.unwrap();
         let part = dir.0.join("lighthouse.state.room-a");
         assert!(part.exists(), "room a's part of the state file");
@@ -297,7 +303,7 @@ async fn idle_rooms_close_and_each_room_keeps_its_part_of_the_state_file() {
         let a = client(&server.address(), "a").await;
         let q2 = round(&a, &["x", "z"], 5).await[0].quorum_id;
         assert!(q2 > q1, "{q2} after {q1}");
-        assert!(a.commit("y", q1, 6, ASK).await.unwrap().is_some());
+        assert!(a.commit("y", q1, 6, 0.0, ASK).await.unwrap().is_some());
         server.shutdown().await;
     })
     .await;

@@ -568,7 +568,7 @@ async fn heartbeats_carry_state_digests_and_two_groups_that_differ_are_stopped()
         let err = ca.quorum(member("a"), CONNECT).await.unwrap_err();
         assert!(matches!(err, torchft::error::Error::Diverged(_)), "{err:?}");
         assert!(cb
-            .commit("b", q.quorum_id, 11, CONNECT)
+            .commit("b", q.quorum_id, 11, 0.0, CONNECT)
             .await
             .unwrap()
             .is_some());

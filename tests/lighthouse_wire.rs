@@ -437,25 +437,35 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
         // a alone at step 3.
         let q = ask(&c, member("a"), 5_000).await.unwrap();
         assert_eq!(
-            c.commit("a", q.quorum_id, 4, TEST_TIMEOUT).await.unwrap(),
+            c.commit("a", q.quorum_id, 4, 0.0, TEST_TIMEOUT)
+                .await
+                .unwrap(),
             None
         );
         // A commit under another quorum, or by a non-member, is refused with a reason.
         let why = c
-            .commit("a", q.quorum_id - 1, 4, TEST_TIMEOUT)
+            .commit("a", q.quorum_id - 1, 4, 0.0, TEST_TIMEOUT)
             .await
             .unwrap();
         assert!(why.is_some_and(|w| w.contains("replaced")));
         assert!(c
-            .commit("z", q.quorum_id, 4, TEST_TIMEOUT)
+            .commit("z", q.quorum_id, 4, 0.0, TEST_TIMEOUT)
             .await
             .unwrap()
             .is_some());
         let bad = c
-            .commit("a", q.quorum_id, -1, TEST_TIMEOUT)
+            .commit("a", q.quorum_id, -1, 0.0, TEST_TIMEOUT)
             .await
             .unwrap_err();
         assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        for wait in [-0.5, f64::NAN, f64::INFINITY] {
+            let bad = c
+                .commit("a", q.quorum_id, 4, wait, TEST_TIMEOUT)
+                .await
+                .unwrap_err();
+            assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+            assert!(bad.message().contains("quorum_wait_s"), "{}", bad.message());
+        }
         let saved: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
         assert_eq!(saved["quorum_id"], q.quorum_id);
@@ -481,7 +491,9 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
         assert!(err.is_timeout(), "{err}");
         // ... the old quorum is still current for a ...
         assert_eq!(
-            c.commit("a", q.quorum_id, 5, TEST_TIMEOUT).await.unwrap(),
+            c.commit("a", q.quorum_id, 5, 0.0, TEST_TIMEOUT)
+                .await
+                .unwrap(),
             None
         );
         // ... and once a is back and asks at step 5, both go on from there.
@@ -510,7 +522,7 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
         assert_eq!(ids(&qa), ["a", "b"]);
         // The quorum before the restart is replaced now.
         assert!(c
-            .commit("a", q.quorum_id, 6, TEST_TIMEOUT)
+            .commit("a", q.quorum_id, 6, 0.0, TEST_TIMEOUT)
             .await
             .unwrap()
             .is_some());

@@ -115,7 +115,7 @@ async fn every_lighthouse_rpc(addr: &str, security: &Security, id: &str) -> Resu
     c.report(TelemetryBatch::default(), CALL).await?;
     c.session(id, CALL).await.map_err(Error::from)?;
     // Refused (no quorum holds `id`) but answered: the call itself got through.
-    c.commit(id, 1, 2, CALL).await.map_err(Error::from)?;
+    c.commit(id, 1, 2, 0.0, CALL).await.map_err(Error::from)?;
     Ok(())
 }
 
@@ -159,7 +159,12 @@ async fn lighthouse_rpcs_need_the_token_and_refusals_change_nothing() {
             assert!(is_unauthenticated(&e, why), "report: {e}");
             let e = Error::from(client.session("intruder", CALL).await.unwrap_err());
             assert!(is_unauthenticated(&e, why), "session: {e}");
-            let e = Error::from(client.commit("intruder", 1, 2, CALL).await.unwrap_err());
+            let e = Error::from(
+                client
+                    .commit("intruder", 1, 2, 0.0, CALL)
+                    .await
+                    .unwrap_err(),
+            );
             assert!(is_unauthenticated(&e, why), "commit: {e}");
         }
         // Nothing the refused calls said reached the engine.

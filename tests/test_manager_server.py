@@ -307,6 +307,11 @@ def test_bad_arguments_raise_value_error(
             g.server._offer_digest(0, step, digest)
     with pytest.raises(ValueError, match="group rank 2"):
         g.server._offer_digest(2, 3, b"12345678")
+    # The hosting rank's quorum wait, sent with the commit announcement (goodput).
+    for step, seconds in ((-1, 0.5), (3, -0.5), (3, float("nan")), (3, float("inf"))):
+        with pytest.raises(ValueError):
+            g.server._note_quorum_wait(step, seconds)
+    g.server._note_quorum_wait(3, 0.25)
     with pytest.raises(ValueError):
         ManagerServer("b", lighthouse.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 0)
     with pytest.raises(ValueError):

@@ -228,6 +228,11 @@ class ManagerServer:
         """Takes the hosting rank's digest of its committed state after ``step`` (runtime
         state parity). Raises ValueError for a step below 1, a rank outside the group, or a
         digest that is empty or longer than 64 bytes."""
+    def _note_quorum_wait(self, step: int, seconds: float) -> None:
+        """Notes this (hosting) rank's quorum wait in ``step`` (its committed step count before
+        the step), in seconds, before it votes: the step's commit announcement carries it to
+        the lighthouse. Raises ValueError for a negative step or a wait that is negative or not
+        finite."""
     def note_committed_step(self, step: int) -> None:
         """Notes the group's committed step (after each commit); heartbeats carry it to the
         lighthouse. Raises ValueError if negative."""

@@ -83,6 +83,11 @@ class NativeManagerServer(Protocol):
         """Takes the hosting rank's digest of its committed state after ``step``."""
         ...
 
+    def _note_quorum_wait(self, step: int, seconds: float) -> None:
+        """Notes the hosting rank's quorum wait in ``step``; its commit announcement carries
+        it to the lighthouse (goodput)."""
+        ...
+
     def note_committed_step(self, step: int) -> None:
         """Records the group's committed step; heartbeats carry it to the lighthouse."""
         ...

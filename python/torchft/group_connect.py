@@ -191,15 +191,21 @@ def vote(
     local_vote: bool,
     timeout: timedelta,
     digest: tuple[int, bytes] | None,
+    quorum_wait: float | None = None,
 ) -> bool:
     """The group's commit vote on ``step``: every rank's ``local_vote`` ANDed by the manager
-    server (with the step's parity digest, if one was taken).
+    server (with the step's parity digest, if one was taken). The hosting rank's
+    ``quorum_wait`` in the step (seconds, when measured) goes with the group's commit
+    announcement to the lighthouse, which accounts the step with it if its telemetry report
+    is lost (goodput).
 
     With a single rank the vote is the local one, so the round trip is skipped (the hot path
     of plain DDP); the manager server still gates a yes: the group's lease must hold (a group
     frozen past it may have been declared lost) and the lighthouse must accept the
     write-ahead commit (refused when the others went on without this group).
     """
+    if server is not None and quorum_wait is not None:
+        server._note_quorum_wait(step, quorum_wait)
     if world_size == 1:
         if server is not None and digest is not None:
             server._offer_digest(group_rank, *digest)

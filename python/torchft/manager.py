@@ -836,7 +836,6 @@ class Manager:
             self._report_step(False, 0.0, str(quorum_timed_out))
             raise quorum_timed_out
         vote_t0 = time.perf_counter()
-
         should_commit = vote(
             self._manager,
             self._rpc(),
@@ -846,6 +845,7 @@ class Manager:
             local_vote=local_vote,
             timeout=vote_timeout,
             digest=self._parity.take(),
+            quorum_wait=self._telemetry.step_quorum_wait() if self._telemetry else None,
         )
         vote_s = time.perf_counter() - vote_t0
         self._checkpoint_transport.disallow_checkpoint()

@@ -288,6 +288,13 @@ class RankTelemetry:
                 if len(self._quorum_spans) < 64:
                     self._quorum_spans.append((t0, t1))
 
+    def step_quorum_wait(self) -> float | None:
+        """The time blocked on the quorum in the step so far (None when disabled)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            return self._quorum_wait
+
     def collective_started(self) -> int | None:
         """Marks a collective in flight; pass the token to :meth:`collective_finished`."""
         if not self.enabled:

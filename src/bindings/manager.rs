@@ -171,6 +171,14 @@ impl PyManagerServer {
         Ok(self.server.offer_digest(group_rank, step, digest)?)
     }
 
+    /// Notes this (hosting) rank's quorum wait in `step` (its committed step count before the
+    /// step), in seconds, before it votes: the step's commit announcement carries it to the
+    /// lighthouse. Raises ValueError for a negative step or a wait that is negative or not
+    /// finite.
+    fn _note_quorum_wait(&self, step: i64, seconds: f64) -> PyResult<()> {
+        Ok(self.server.note_step_wait(step, seconds)?)
+    }
+
     /// Notes the group's committed step (after each commit): heartbeats carry it to the
     /// lighthouse, which then knows this group's progress between quorum requests.
     fn note_committed_step(&self, step: i64) -> PyResult<()> {

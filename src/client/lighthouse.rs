@@ -97,11 +97,13 @@ impl LighthouseClient {
     /// A write-ahead commit: `replica_id` is about to commit `step` (its committed step count
     /// after the commit) under quorum `quorum_id`. `Ok(None)`: accepted; `Ok(Some(reason))`:
     /// refused, the group must not commit. An upstream lighthouse answers UNIMPLEMENTED.
+    /// `quorum_wait_s`: group rank 0's quorum wait in the step (0: not known).
     pub async fn commit(
         &self,
         replica_id: &str,
         quorum_id: i64,
         step: i64,
+        quorum_wait_s: f64,
         timeout: Duration,
     ) -> std::result::Result<Option<String>, Status> {
         let mut client = self.client.clone();
@@ -110,6 +112,7 @@ impl LighthouseClient {
                 replica_id: replica_id.to_string(),
                 quorum_id,
                 step,
+                quorum_wait_s,
                 job: self.job.to_string(),
             },
             timeout,

@@ -90,7 +90,7 @@ impl LighthouseService for Grpc {
         let refused = self
             .rooms
             .room_for(&req.job, &who)?
-            .commit(&req.replica_id, req.quorum_id, req.step)
+            .commit(&req.replica_id, req.quorum_id, req.step, req.quorum_wait_s)
             .await?;
         Ok(Response::new(LighthouseCommitResponse {
             accepted: refused.is_none(),

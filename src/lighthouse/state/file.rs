@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use tracing::warn;
 
 use crate::error::{Error, Result};
-use crate::lighthouse::health::telemetry::{SavedGoodput, SnapshotRecord};
+use crate::lighthouse::health::telemetry::{EncodedGoodput, SavedGoodput, SnapshotRecord};
 use crate::lighthouse::quorum::Durable;
 
 /// What the state file holds: the engine's durable state and, next to its fields, the
@@ -42,7 +42,7 @@ struct StateFileOut<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     snapshot: Option<serde_json::Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    goodput: Option<&'a serde_json::Value>,
+    goodput: Option<&'a EncodedGoodput>,
 }
 
 /// The goodput accounts a state file keeps, or None (with a warning when they are
@@ -104,7 +104,7 @@ pub(super) fn save_state(
     path: &Path,
     durable: Durable,
     snapshot: Option<&SnapshotRecord>,
-    goodput: Option<Arc<serde_json::Value>>,
+    goodput: Option<Arc<EncodedGoodput>>,
 ) -> Result<()> {
     let snapshot = snapshot
         .map(serde_json::to_value)
@@ -137,7 +137,7 @@ pub(super) struct Contents {
     /// The latest complete durable snapshot, if any.
     pub(super) snapshot: Option<SnapshotRecord>,
     /// The goodput accounts, encoded.
-    pub(super) goodput: Option<Arc<serde_json::Value>>,
+    pub(super) goodput: Option<Arc<EncodedGoodput>>,
 }
 
 /// How far the writer got: the last submission written (with every earlier one, which it

@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::health::hub::Hub;
+use super::health::telemetry::EncodedGoodput;
 use super::quorum::{CommitVerdict, QuorumEngine, Snapshot};
 use super::reply::{Issued, Known};
 use super::LighthouseOptions;
@@ -90,7 +91,7 @@ struct State {
     saved_snapshot_revision: u64,
     /// The goodput accounts last encoded for the state file: their revision, when, and the
     /// encoding.
-    saved_goodput: Option<(u64, std::time::Instant, Arc<serde_json::Value>)>,
+    saved_goodput: Option<(u64, std::time::Instant, Arc<EncodedGoodput>)>,
     /// The startup hold was announced in the log and its end is still to be logged.
     hold_announced: bool,
     /// The last long wait explained in the log: the round (its start) and when.
@@ -314,8 +315,10 @@ impl Shared {
             return Some(writer.submitted());
         }
         if goodput_due {
-            let (rev, saved) = self.hub.read(|t| (t.goodput_revision(), t.saved_goodput()));
-            match serde_json::to_value(&saved) {
+            let (rev, saved) = self
+                .hub
+                .with(|t| (t.goodput_revision(), t.encode_goodput()));
+            match saved {
                 Ok(v) => state.saved_goodput = Some((rev, now, Arc::new(v))),
                 Err(e) => warn!("cannot encode the goodput accounts for the state file: {e}"),
             }
@@ -335,12 +338,19 @@ impl Shared {
 
     /// A write-ahead commit announcement (see [`QuorumEngine::commit`]): `Ok(None)` when
     /// accepted (and saved to the state file, if any), `Ok(Some(reason))` when refused.
+    /// `quorum_wait_s`: group rank 0's quorum wait in the step (0: not known).
     pub(crate) async fn commit(
         &self,
         replica_id: &str,
         quorum_id: i64,
         step: i64,
+        quorum_wait_s: f64,
     ) -> Result<Option<String>> {
+        ensure!(
+            quorum_wait_s.is_finite() && quorum_wait_s >= 0.0,
+            "quorum_wait_s must be a finite number of seconds, not negative, got {quorum_wait_s}"
+        );
+        let wait = (quorum_wait_s > 0.0).then_some(quorum_wait_s);
         let saved = {
             let now = now_instant();
             let mut guard = self.lock();
@@ -350,7 +360,7 @@ impl Shared {
             }
             match state.engine.commit(replica_id, quorum_id, step, now)? {
                 CommitVerdict::Accepted => {
-                    self.hub.with(|t| t.on_commit(replica_id, step, now));
+                    self.hub.with(|t| t.on_commit(replica_id, step, wait, now));
                     self.persist(state)
                 }
                 CommitVerdict::Refused(reason) => {

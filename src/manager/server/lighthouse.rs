@@ -36,6 +36,10 @@ impl Inner {
             return true;
         }
         let quorum_id = self.quorum_id.load(Ordering::Relaxed);
+        let wait = match *self.step_wait.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((noted, seconds)) if noted == step => seconds,
+            _ => 0.0,
+        };
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         loop {
@@ -47,7 +51,7 @@ impl Inner {
             }
             let answer = self
                 .lighthouse
-                .commit(&self.opts.replica_id, quorum_id, step + 1, remaining)
+                .commit(&self.opts.replica_id, quorum_id, step + 1, wait, remaining)
                 .await;
             let status = match answer {
                 Ok(None) => return true,

@@ -88,6 +88,9 @@ struct Inner {
     /// hosting rank); -1 before either. Heartbeats carry it to the lighthouse, which then
     /// knows this group's progress while it is not asking for a quorum.
     committed_step: AtomicI64,
+    /// The hosting rank's quorum wait in the step it is about to vote on: `(step, seconds)`,
+    /// sent with that step's commit announcement.
+    step_wait: Mutex<Option<(i64, f64)>>,
     /// Id of the last quorum received (-1 before any): a loss reported for it ends the commit
     /// vote in progress, and commits are announced under it.
     quorum_id: AtomicI64,
@@ -205,6 +208,7 @@ impl ManagerServer {
             shutdown: shutdown_rx.clone(),
             reports: ReportQueue::default(),
             committed_step: AtomicI64::new(-1),
+            step_wait: Mutex::new(None),
             quorum_id: AtomicI64::new(-1),
             commit_unsupported: AtomicBool::new(false),
             topology_unused: AtomicBool::new(false),
@@ -368,6 +372,23 @@ impl ManagerServer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .offer(group_rank, step, digest)
+    }
+
+    /// Notes the hosting rank's quorum wait in `step` (its committed step count before the
+    /// step), sent with that step's commit announcement: the lighthouse accounts a step whose
+    /// telemetry report is lost with a killed process with it (goodput).
+    pub fn note_step_wait(&self, step: i64, seconds: f64) -> Result<()> {
+        ensure!(step >= 0, "step must not be negative, got {step}");
+        ensure!(
+            seconds.is_finite() && seconds >= 0.0,
+            "the quorum wait must be a finite number of seconds, not negative, got {seconds}"
+        );
+        *self
+            .inner
+            .step_wait
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((step, seconds));
+        Ok(())
     }
 
     /// Notes that the group has committed `step` (called by the hosting rank after each

@@ -24,9 +24,12 @@
 //! ratio is `productive / wall`. Bounded: a group keeps its last [`RECENT`] committed steps
 //! (for regressions) and [`ANNOUNCED`] unreported commit announcements.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+use serde::ser::SerializeStruct;
+use serde::{Deserialize, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::ids::IdMap;
@@ -112,6 +115,50 @@ impl PhaseSums {
     }
 }
 
+/// An accepted commit announcement not yet matched by a report: the step, when (unix
+/// seconds), and group rank 0's quorum wait in it when the announcement said (kept in the
+/// state file as `[step, at]` or `[step, at, wait]`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(from = "MarkRepr", into = "MarkRepr")]
+struct Mark {
+    step: i64,
+    at: f64,
+    wait: Option<f64>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum MarkRepr {
+    Timed(i64, f64),
+    Waited(i64, f64, f64),
+}
+
+impl From<MarkRepr> for Mark {
+    fn from(r: MarkRepr) -> Self {
+        match r {
+            MarkRepr::Timed(step, at) => Mark {
+                step,
+                at,
+                wait: None,
+            },
+            MarkRepr::Waited(step, at, wait) => Mark {
+                step,
+                at,
+                wait: Some(wait),
+            },
+        }
+    }
+}
+
+impl From<Mark> for MarkRepr {
+    fn from(m: Mark) -> Self {
+        match m.wait {
+            None => MarkRepr::Timed(m.step, m.at),
+            Some(w) => MarkRepr::Waited(m.step, m.at, w),
+        }
+    }
+}
+
 /// The current incarnation's marks (kept in the state file with the accounts: the commits
 /// a process announced before it and the lighthouse were killed together are still made
 /// up after the restart).
@@ -122,7 +169,7 @@ struct Life {
     /// Step reports of group rank 0 seen.
     steps: u64,
     /// Accepted commit announcements not yet matched by a report: (step, unix time).
-    announced: VecDeque<(i64, f64)>,
+    announced: VecDeque<Mark>,
     /// When the last accounted commit was announced.
     last_at: Option<f64>,
     /// Steps up to this one were made up from announcements (their late reports are
@@ -207,16 +254,29 @@ impl GroupGoodput {
             w.sort_by(f64::total_cmp);
             w[w.len() / 2]
         };
-        for (step, at) in announced {
+        for Mark {
+            step,
+            at,
+            wait: told,
+        } in announced
+        {
             if let Some(prev) = self.life.last_at {
                 let span = (at - prev).max(0.0);
-                let w = wait.min(span);
+                let w = told.unwrap_or(wait).min(span);
                 self.accounts.quorum_s += w;
                 self.committed(step, span - w);
             }
             self.life.last_at = Some(at);
             self.life.filled_upto = self.life.filled_upto.max(step);
         }
+    }
+
+    /// A copy as the state file keeps it: only the last [`RECENT_SAVED`] committed steps.
+    fn for_saving(&self) -> GroupGoodput {
+        let mut g = self.clone();
+        let skip = g.recent.len().saturating_sub(RECENT_SAVED);
+        g.recent.drain(..skip);
+        g
     }
 
     fn wall(&self, start: f64, now: f64) -> f64 {
@@ -232,6 +292,29 @@ pub struct Goodput {
     groups: IdMap<GroupGoodput>,
     /// Bumped on every change (the state file is rewritten then).
     revision: u64,
+    /// Groups changed since their last encoding for the state file.
+    dirty: HashSet<String>,
+    /// Each group's last encoding for the state file (`[name, accounts]`), by name: a write
+    /// re-encodes only the groups that changed since the previous one.
+    encoded: BTreeMap<String, Arc<RawValue>>,
+}
+
+/// The goodput accounts as a state file keeps them, already encoded (the shape of
+/// [`SavedGoodput`]).
+#[derive(Debug, Default)]
+pub struct EncodedGoodput {
+    start: Option<f64>,
+    groups: Vec<Arc<RawValue>>,
+}
+
+impl Serialize for EncodedGoodput {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let groups: Vec<&RawValue> = self.groups.iter().map(|g| &**g).collect();
+        let mut out = s.serialize_struct("SavedGoodput", 2)?;
+        out.serialize_field("start", &self.start)?;
+        out.serialize_field("groups", &groups)?;
+        out.end()
+    }
 }
 
 /// What a state file keeps of the goodput accounts.
@@ -295,6 +378,7 @@ impl Goodput {
                 },
             );
             self.revision += 1;
+            self.dirty.insert(name.to_string());
         }
     }
 
@@ -302,27 +386,48 @@ impl Goodput {
     pub fn forget(&mut self, name: &str) {
         if self.groups.remove(name).is_some() {
             self.revision += 1;
+            self.dirty.remove(name);
+            self.encoded.remove(name);
         }
     }
 
+    /// The group `name` (created if new), marked changed.
     fn group(&mut self, name: &str, unix: f64) -> &mut GroupGoodput {
         self.seen(name, unix);
+        if !self.dirty.contains(name) {
+            self.dirty.insert(name.to_string());
+        }
         self.groups.get_mut(name).expect("inserted above")
     }
 
-    /// An accepted write-ahead commit of `step` by `incarnation` of group `name`.
-    pub fn on_commit(&mut self, name: &str, incarnation: &str, step: i64, unix: f64) {
+    /// An accepted write-ahead commit of `step` by `incarnation` of group `name`, with group
+    /// rank 0's quorum wait in the step when the announcement said.
+    pub fn on_commit(
+        &mut self,
+        name: &str,
+        incarnation: &str,
+        step: i64,
+        unix: f64,
+        wait: Option<f64>,
+    ) {
         self.start.get_or_insert(unix);
+        // Saved with the commit itself: an announcement must survive a lighthouse killed
+        // together with the group that made it.
+        self.revision += 1;
         let g = self.group(name, unix);
         g.finished_at = None;
         let life = g.life(incarnation);
         if step <= life.filled_upto {
             return;
         }
-        life.announced.push_back((step, unix));
+        life.announced.push_back(Mark {
+            step,
+            at: unix,
+            wait,
+        });
         while life.announced.len() > ANNOUNCED {
             // Reports stopped coming for this long: the oldest is only a mark now.
-            if let Some((_, at)) = life.announced.pop_front() {
+            if let Some(Mark { at, .. }) = life.announced.pop_front() {
                 life.last_at = Some(at);
             }
         }
@@ -349,7 +454,7 @@ impl Goodput {
         }
         life.steps += 1;
         let first = life.steps == 1;
-        while let Some(&(step, at)) = life.announced.front() {
+        while let Some(&Mark { step, at, .. }) = life.announced.front() {
             if step > done {
                 break;
             }
@@ -397,6 +502,7 @@ impl Goodput {
             if g.life.incarnation == incarnation && !g.life.announced.is_empty() {
                 g.fill_in();
                 self.revision += 1;
+                self.dirty.insert(name.to_string());
             }
         }
     }
@@ -434,22 +540,42 @@ impl Goodput {
     }
 
     /// What the state file keeps (each group's last [`RECENT_SAVED`] committed steps).
+    #[cfg(test)]
     pub fn saved(&self) -> SavedGoodput {
         let mut groups: Vec<(String, GroupGoodput)> = self
             .groups
             .iter()
-            .map(|(k, g)| {
-                let mut g = g.clone();
-                let skip = g.recent.len().saturating_sub(RECENT_SAVED);
-                g.recent.drain(..skip);
-                (k.clone(), g)
-            })
+            .map(|(k, g)| (k.clone(), g.for_saving()))
             .collect();
         groups.sort_by(|a, b| a.0.cmp(&b.0));
         SavedGoodput {
             start: self.start,
             groups,
         }
+    }
+
+    /// [`Goodput::saved`], encoded: only the groups changed since the previous call are
+    /// encoded again (O(changed groups) encoding, O(groups) pointer copies).
+    pub fn encode_saved(&mut self) -> serde_json::Result<EncodedGoodput> {
+        for name in std::mem::take(&mut self.dirty) {
+            let Some(g) = self.groups.get(&name) else {
+                self.encoded.remove(&name);
+                continue;
+            };
+            match serde_json::value::to_raw_value(&(&name, g.for_saving())) {
+                Ok(raw) => {
+                    self.encoded.insert(name, Arc::from(raw));
+                }
+                Err(e) => {
+                    self.dirty.insert(name);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(EncodedGoodput {
+            start: self.start,
+            groups: self.encoded.values().cloned().collect(),
+        })
     }
 
     /// Continues from what a state file kept; a damaged entry is dropped alone.
@@ -463,9 +589,13 @@ impl Goodput {
                 && name.len() <= crate::telemetry::MAX_ID_BYTES
                 && g.recent.iter().all(|(_, p)| p.is_finite() && *p >= 0.0)
                 && g.life.announced.len() <= ANNOUNCED
-                && g.life.announced.iter().all(|(_, t)| t.is_finite())
+                && g.life
+                    .announced
+                    .iter()
+                    .all(|m| m.at.is_finite() && m.wait.is_none_or(|w| w.is_finite() && w >= 0.0))
                 && g.life.last_at.is_none_or(f64::is_finite);
             if ok {
+                self.dirty.insert(name.clone());
                 self.groups.insert(name, g);
             } else {
                 problems.push(name);
@@ -501,7 +631,7 @@ mod tests {
     fn steps_are_split_into_productive_quorum_discarded_heal_and_recovery() {
         let mut g = Goodput::default();
         g.seen("g", 100.0);
-        g.on_commit("g", "g:1", 1, 100.5);
+        g.on_commit("g", "g:1", 1, 100.5, None);
         g.on_step("g", &step("g:1", 0, true, 5.0, 1.0), 100.5); // start-up
         g.on_step("g", &step("g:1", 1, true, 1.0, 0.25), 101.5);
         g.on_step("g", &step("g:1", 2, false, 1.0, 0.5), 102.5);
@@ -523,13 +653,13 @@ mod tests {
     #[test]
     fn commits_announced_by_a_killed_process_are_made_up_from_the_announcements() {
         let mut g = Goodput::default();
-        g.on_commit("g", "g:1", 1, 10.0);
+        g.on_commit("g", "g:1", 1, 10.0, None);
         g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 10.0);
-        g.on_commit("g", "g:1", 2, 11.0);
+        g.on_commit("g", "g:1", 2, 11.0, None);
         g.on_step("g", &step("g:1", 1, true, 1.0, 0.25), 11.0);
         // Two more commits whose reports died with the process.
-        g.on_commit("g", "g:1", 3, 12.0);
-        g.on_commit("g", "g:1", 4, 13.5);
+        g.on_commit("g", "g:1", 3, 12.0, None);
+        g.on_commit("g", "g:1", 4, 13.5, None);
         g.ended("g", "g:1");
         let f = g.group_figures("g", 20.0).unwrap();
         // Their quorum wait is estimated by the last reported step's (0.25 s).
@@ -545,9 +675,34 @@ mod tests {
     }
 
     #[test]
+    fn a_made_up_step_takes_the_quorum_wait_its_announcement_told() {
+        let mut g = Goodput::default();
+        g.on_commit("g", "g:1", 1, 10.0, Some(0.5));
+        g.on_step("g", &step("g:1", 0, true, 1.0, 0.5), 10.0);
+        g.on_commit("g", "g:1", 2, 11.0, Some(0.25));
+        g.on_step("g", &step("g:1", 1, true, 1.0, 0.25), 11.0);
+        // Lost with the process: one told its wait, one (an older manager) did not.
+        g.on_commit("g", "g:1", 3, 12.0, Some(0.625));
+        g.on_commit("g", "g:1", 4, 13.5, None);
+        // Saved and restored on the way (the lighthouse died with the process), in the
+        // state file's shape; a mark without a wait (an older file) reads back too.
+        let text = serde_json::to_string(&g.encode_saved().unwrap()).unwrap();
+        assert!(
+            text.contains("[3,12.0,0.625]") && text.contains("[4,13.5]"),
+            "{text}"
+        );
+        let mut h = Goodput::default();
+        assert!(h.restore(serde_json::from_str(&text).unwrap()).is_empty());
+        h.ended("g", "g:1");
+        let f = h.group_figures("g", 20.0).unwrap();
+        assert!(close(f.accounts.productive_s, 0.75 + 0.375 + 1.25), "{f:?}");
+        assert!(close(f.accounts.quorum_s, 0.25 + 0.625 + 0.25), "{f:?}");
+    }
+
+    #[test]
     fn a_step_committed_again_was_lost_to_a_regression() {
         let mut g = Goodput::default();
-        g.on_commit("g", "g:1", 1, 1.0);
+        g.on_commit("g", "g:1", 1, 1.0, None);
         for s in 0..10 {
             g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 1.0 + s as f64);
         }
@@ -568,12 +723,12 @@ mod tests {
     #[test]
     fn announcements_kept_in_the_state_file_are_made_up_after_a_restart() {
         let mut g = Goodput::default();
-        g.on_commit("g", "g:1", 1, 10.0);
+        g.on_commit("g", "g:1", 1, 10.0, None);
         g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 10.0);
-        g.on_commit("g", "g:1", 2, 11.0);
-        g.on_commit("g", "g:1", 3, 12.5);
+        g.on_commit("g", "g:1", 2, 11.0, None);
+        g.on_commit("g", "g:1", 3, 12.5, None);
         // The process and the lighthouse die together; the state file kept the commits.
-        let text = serde_json::to_string(&g.saved()).unwrap_or_default();
+        let text = serde_json::to_string(&g.encode_saved().unwrap()).unwrap_or_default();
         let mut h = Goodput::default();
         h.restore(serde_json::from_str(&text).unwrap_or_default());
         h.on_step("g", &step("g:2", 3, true, 5.0, 0.0), 30.0);
@@ -588,7 +743,7 @@ mod tests {
         g.seen("a", 0.0);
         g.seen("b", 8.0);
         assert!(g.job_figures(5.0).is_none());
-        g.on_commit("a", "a:1", 1, 5.0);
+        g.on_commit("a", "a:1", 1, 5.0, None);
         g.finished("a", 9.0);
         let job = g.job_figures(10.0).unwrap();
         assert!(close(job.wall_s, 4.0 + 5.0), "{job:?}");
@@ -597,7 +752,7 @@ mod tests {
     #[test]
     fn saved_accounts_survive_a_restart_and_damaged_ones_are_dropped() {
         let mut g = Goodput::default();
-        g.on_commit("g", "g:1", 1, 1.0);
+        g.on_commit("g", "g:1", 1, 1.0, None);
         g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 1.0);
         g.on_step("g", &step("g:1", 1, true, 1.0, 0.0), 2.0);
         let mut saved = g.saved();
@@ -622,5 +777,31 @@ mod tests {
             1,
             "the saved steps still tell a step committed again"
         );
+    }
+
+    #[test]
+    fn the_state_file_encoding_is_incremental_and_matches_a_full_one() {
+        let mut g = Goodput::default();
+        g.on_commit("a", "a:1", 1, 1.0, None);
+        g.on_step("a", &step("a:1", 0, true, 1.0, 0.0), 1.0);
+        g.seen("b", 1.5);
+        let full = |g: &Goodput| serde_json::to_string(&g.saved()).unwrap();
+        let first = serde_json::to_string(&g.encode_saved().unwrap()).unwrap();
+        assert_eq!(first, full(&g));
+        // Every announcement changes what is saved (it must survive the lighthouse).
+        let before = g.revision();
+        g.on_commit("b", "b:1", 1, 2.0, None);
+        assert!(g.revision() > before);
+        assert_eq!(g.dirty.len(), 1);
+        let second = serde_json::to_string(&g.encode_saved().unwrap()).unwrap();
+        assert_eq!(second, full(&g));
+        assert_ne!(second, first);
+        g.forget("a");
+        g.ended("b", "b:1");
+        let third = serde_json::to_string(&g.encode_saved().unwrap()).unwrap();
+        assert_eq!(third, full(&g));
+        let back: SavedGoodput = serde_json::from_str(&third).unwrap();
+        assert_eq!(back.groups.len(), 1);
+        assert!(g.dirty.is_empty());
     }
 }

@@ -29,7 +29,7 @@ mod report;
 mod snapshots;
 mod stragglers;
 
-pub use goodput::{Figures, SavedGoodput};
+pub use goodput::{EncodedGoodput, Figures, SavedGoodput};
 pub use history::Point;
 pub use records::{GlobalCounters, GroupState, HealRecord, ReplicaStatus, SnapshotStatus, Timings};
 pub use report::{render_html, timeline_detail};

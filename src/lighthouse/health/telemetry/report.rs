@@ -109,8 +109,9 @@ pub fn render_html(summary: &Value) -> String {
 }
 
 impl Telemetry {
-    /// An accepted write-ahead commit of `step` by the incarnation (a lighthouse id).
-    pub fn on_commit(&mut self, incarnation: &str, step: i64, now: Instant) {
+    /// An accepted write-ahead commit of `step` by the incarnation (a lighthouse id), with
+    /// group rank 0's quorum wait in the step when the announcement said.
+    pub fn on_commit(&mut self, incarnation: &str, step: i64, wait: Option<f64>, now: Instant) {
         let unix = self.unix(now);
         let name = match self.current(incarnation) {
             Some(name) => name,
@@ -119,7 +120,7 @@ impl Telemetry {
                 None => return,
             },
         };
-        self.goodput.on_commit(&name, incarnation, step, unix);
+        self.goodput.on_commit(&name, incarnation, step, unix, wait);
     }
 
     /// Groups known.
@@ -132,9 +133,10 @@ impl Telemetry {
         self.goodput.revision()
     }
 
-    /// What the state file keeps of the goodput accounts.
-    pub fn saved_goodput(&self) -> super::SavedGoodput {
-        self.goodput.saved()
+    /// What the state file keeps of the goodput accounts, encoded (only the groups changed
+    /// since the previous call are encoded again).
+    pub fn encode_goodput(&mut self) -> serde_json::Result<super::EncodedGoodput> {
+        self.goodput.encode_saved()
     }
 
     /// Continues the goodput accounts a state file kept; returns the groups whose entry was
