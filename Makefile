@@ -87,10 +87,11 @@ browser:
 	else echo "note: chromium/chromedriver missing; the dashboard tests will skip"; fi
 
 # Each run gets its own temporary root: pytest prunes old numbered directories under the shared
-# default one, which breaks a second test run on the same machine mid-way.
+# default one, which breaks a second test run on the same machine mid-way. The slowest tests
+# are listed at the end (the whole run should stay well under half an hour).
 test-python: develop browser upstream
 	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
-	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
+	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --durations=25 --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
 # Runs torchft under the engines users launch it with (Ray Train), installing them first
 # (part of `make test`; a Ray cluster starts, so it is the slowest part).

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from torchft.chaos.goodput import compare, harness_goodput, lighthouse_goodput
+from torchft.chaos.goodput import compare, harness_goodput, lighthouse_goodput, read_voted
 from torchft.chaos.report import DIVERGED_EXIT, HUNG_EXIT, RESTART_EXIT, Recovery, Report
 
 __all__ = [
@@ -507,7 +507,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
 def _judge_goodput(rep: Report, run_dir: Path) -> None:
     """The lighthouse's goodput (its final ``goodput`` event) against the figure the
     harness computes from the history over the same window (:mod:`torchft.chaos.goodput`):
-    more than 1% apart is a violation. A run without an event log has nothing to judge."""
+    more than 1% outside its figure (or range) is a violation. A run without an event log
+    has nothing to judge."""
     path = run_dir / "events.jsonl"
     if not path.exists():
         return
@@ -524,11 +525,74 @@ def _judge_goodput(rep: Report, run_dir: Path) -> None:
             "goodput: the lighthouse wrote no final goodput event though every group finished"
         )
     records = [r for p in sorted(run_dir.glob("*.history.jsonl")) for r in read_jsonl(p)]
-    computed = harness_goodput(records, float(reported["window_start_unix_s"]))
-    rep.goodput = {"lighthouse": reported.get("ratio"), "harness": computed["ratio"]}
+    unseen, in_vote = _unseen_steps(run_dir)
+    computed = harness_goodput(records + unseen, float(reported["window_start_unix_s"]), in_vote)
+    rep.goodput = {
+        "lighthouse": reported.get("ratio"),
+        "harness": computed["ratio"],
+        "harness_high": computed["ratio_high"],
+    }
     why = compare(reported, computed)
     if why is not None:
         rep.violations.append(why)
+
+
+def _unseen_steps(run_dir: Path) -> tuple[list[dict[str, Any]], dict[int, float]]:
+    """What the history lines miss of processes that died before writing their last step's
+    line, from their phase files: the step's record when the vote had returned (phase ``d``
+    tells its outcome, see :func:`torchft.chaos.goodput.voted`), and when a process was
+    killed inside the vote (phase ``c``: the step may or may not have committed), by pid,
+    the time it was killed (the last kill fault naming its group before its exit was seen,
+    else that exit)."""
+    faults = read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else []
+    procs = (
+        read_jsonl(run_dir / "processes.jsonl") if (run_dir / "processes.jsonl").exists() else []
+    )
+    exits = {r["pid"]: r for r in procs if r.get("kind") == "exit" and r.get("killed")}
+    records: list[dict[str, Any]] = []
+    in_vote: dict[int, float] = {}
+    for phase in run_dir.glob("*.phase"):
+        history = phase.with_name(phase.name[: -len(".phase")] + ".history.jsonl")
+        try:
+            data = phase.read_bytes()
+        except OSError:
+            continue
+        lines = read_jsonl(history) if history.exists() else []
+        ident = next((r for r in lines if "pid" in r and "group" in r), None)
+        if ident is None or data[:1] not in (b"c", b"d"):
+            continue
+        pid, group, last_t = ident["pid"], ident["group"], max(r["t"] for r in lines)
+        outcome = read_voted(data)
+        if outcome is not None:
+            if outcome["t"] > last_t:  # its line was never written
+                before, after = outcome["before"], outcome["after"]
+                kind = (
+                    "discard" if after == before else "commit" if after == before + 1 else "restore"
+                )
+                records.append(
+                    {
+                        "kind": kind,
+                        "step": after if kind != "discard" else before,
+                        "t": outcome["t"],
+                        "quorum_wait": outcome["quorum_wait"],
+                        "step_healed": outcome["step_healed"],
+                        "group": group,
+                        "pid": pid,
+                    }
+                )
+            continue
+        end = exits.get(pid)
+        if data[:1] != b"c" or end is None:
+            continue
+        kills = [
+            f["t"]
+            for f in faults
+            if str(f.get("fault", "")).startswith("kill")
+            and group in f.get("groups", [])
+            and f["t"] <= end["t"]
+        ]
+        in_vote[pid] = max(kills, default=end["t"])
+    return records, in_vote
 
 
 def _judge_participants(

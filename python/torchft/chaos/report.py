@@ -149,11 +149,17 @@ class Report:
                 )
         if self.goodput:
             lh, hs = self.goodput.get("lighthouse"), self.goodput.get("harness")
+            high = self.goodput.get("harness_high")
             lines.append(
                 "goodput (productive / wall time): lighthouse "
                 + (f"{lh:.4f}" if lh is not None else "-")
                 + ", harness (from the history) "
                 + (f"{hs:.4f}" if hs is not None else "-")
+                + (
+                    f" to {high:.4f} (a kill inside a vote: its step may have committed)"
+                    if hs is not None and high is not None and high > hs
+                    else ""
+                )
             )
         lines.append(f"final: {self.final}")
         lines.append(f"violations: {len(self.violations)}")

@@ -9,9 +9,11 @@ quorum id, participants, a hash of the parameters and optimizer state, whether a
 before it, and the wall time; a ``restore`` line when the Manager resumed from a durable
 snapshot (``TORCHFT_SNAPSHOT_DIR``, set by the harness) with the step and state hash it
 resumed from; a ``finish`` line at the target step (written to ``--target-file`` by the
-harness). ``--phase`` is a one-byte file the worker overwrites with
+harness). ``--phase`` is a file whose first byte the worker overwrites with
 its phase (``q`` quorum/compute, ``c`` commit vote, ``d`` the vote returned: recording the
-step and the pause until the next one) so faults can aim at a phase.
+step and the pause until the next one) so faults can aim at a phase. ``d`` is followed by
+the vote's outcome (see :func:`voted`): a process killed before it wrote the step's line
+still tells the goodput check what the step was (:func:`torchft.chaos.goodput.voted`).
 
 Faults that act inside the process arrive as files the harness writes, looked at on the top
 of every step and removed when taken: ``--hang-file`` (block the loop), ``--slow-file`` (run
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft.chaos.goodput import voted
 from torchft.chaos.history import DIVERGED_EXIT, RESTART_EXIT, HistoryWriter, state_hash
 from torchft.manager import StateDivergedError, TornStateError
 
@@ -252,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             os.pwrite(phase, b"c", 0)
             before = manager.current_step()
             optim.step()
-            # Out of the vote: a kill from here on is no kill in the commit phase.
-            os.pwrite(phase, b"d", 0)
             step_healed = manager._healer.healed
-            healed = healed or step_healed
             tel = manager._telemetry
             last = tel.last_step if tel is not None else None
             # The rank's own measure of the step's quorum wait (for goodput).
             quorum_wait = last[3] if last is not None and last[0] == before else None
+            # Out of the vote: a kill from here on is no kill in the commit phase.
+            os.pwrite(phase, voted(before, manager.current_step(), step_healed, quorum_wait), 0)
+            healed = healed or step_healed
             if manager.current_step() > before + 1:
                 # A durable snapshot was restored (every group had died): the state the
                 # group trains on from here, for the checker to compare with the history.
