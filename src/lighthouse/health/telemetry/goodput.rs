@@ -17,8 +17,10 @@
 //!   back, e.g. to a durable snapshot after every group died): its productive time moves to
 //!   `regressed`;
 //! - reports lost with a process that was killed are made up from the group's write-ahead
-//!   commit announcements: the time between two consecutive ones, less the median quorum
-//!   wait of the incarnation's last reported steps (quorum), is productive.
+//!   commit announcements: the time between two consecutive ones, less the step's quorum
+//!   wait (quorum: the one the announcement carried, else the median of the incarnation's
+//!   last reported steps), is productive; a step that is not the one after the last step
+//!   accounted (the group healed in between) is `heal`.
 //!
 //! `wall = productive + quorum + discarded + heal + recovery + regressed`; the goodput
 //! ratio is `productive / wall`. Bounded: a group keeps its last [`RECENT`] committed steps
@@ -172,6 +174,8 @@ struct Life {
     announced: VecDeque<Mark>,
     /// When the last accounted commit was announced.
     last_at: Option<f64>,
+    /// The step of that commit (None: not known, e.g. from an older state file).
+    last_step: Option<i64>,
     /// Steps up to this one were made up from announcements (their late reports are
     /// ignored).
     filled_upto: i64,
@@ -262,11 +266,20 @@ impl GroupGoodput {
         {
             if let Some(prev) = self.life.last_at {
                 let span = (at - prev).max(0.0);
-                let w = told.unwrap_or(wait).min(span);
-                self.accounts.quorum_s += w;
-                self.committed(step, span - w);
+                if self.life.last_step.is_some_and(|last| step != last + 1) {
+                    // Not the step after the last one accounted: the group healed in
+                    // between (it jumped), and the span may hold steps that did not commit
+                    // and time it was stopped: none of it is known to be productive.
+                    self.accounts.heal_s += span;
+                    self.accounts.steps_committed += 1;
+                } else {
+                    let w = told.unwrap_or(wait).min(span);
+                    self.accounts.quorum_s += w;
+                    self.committed(step, span - w);
+                }
             }
             self.life.last_at = Some(at);
+            self.life.last_step = Some(step);
             self.life.filled_upto = self.life.filled_upto.max(step);
         }
     }
@@ -427,8 +440,9 @@ impl Goodput {
         });
         while life.announced.len() > ANNOUNCED {
             // Reports stopped coming for this long: the oldest is only a mark now.
-            if let Some(Mark { at, .. }) = life.announced.pop_front() {
+            if let Some(Mark { step, at, .. }) = life.announced.pop_front() {
                 life.last_at = Some(at);
+                life.last_step = Some(step);
             }
         }
     }
@@ -461,6 +475,7 @@ impl Goodput {
             life.announced.pop_front();
             if step == done {
                 life.last_at = Some(at);
+                life.last_step = Some(step);
             }
         }
         if first {
@@ -697,6 +712,29 @@ mod tests {
         let f = h.group_figures("g", 20.0).unwrap();
         assert!(close(f.accounts.productive_s, 0.75 + 0.375 + 1.25), "{f:?}");
         assert!(close(f.accounts.quorum_s, 0.25 + 0.625 + 0.25), "{f:?}");
+    }
+
+    #[test]
+    fn a_made_up_step_after_a_jump_is_not_productive() {
+        // Reported up to step 4; then stopped for 5 s, a step that did not commit, a heal
+        // to step 5 and the commit of step 6, and killed before any of it was reported.
+        let mut g = Goodput::default();
+        for s in 0..4 {
+            g.on_commit("g", "g:1", s + 1, 10.0 + s as f64, Some(0.0));
+            g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 10.0 + s as f64);
+        }
+        let before = g.group_figures("g", 30.0).unwrap().accounts;
+        g.on_commit("g", "g:1", 6, 18.5, Some(0.0));
+        g.on_commit("g", "g:1", 7, 19.0, Some(0.0));
+        g.ended("g", "g:1");
+        let f = g.group_figures("g", 30.0).unwrap();
+        // Step 6's span (5.5 s) is the heal's; step 7 follows it and is productive.
+        assert!(close(f.accounts.heal_s - before.heal_s, 5.5), "{f:?}");
+        assert!(
+            close(f.accounts.productive_s - before.productive_s, 0.5),
+            "{f:?}"
+        );
+        assert_eq!(f.accounts.steps_committed, before.steps_committed + 2);
     }
 
     #[test]
