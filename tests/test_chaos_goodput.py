@@ -111,3 +111,21 @@ def test_a_kill_inside_the_vote_makes_the_harness_figure_a_range(tmp_path: Path)
     # Without a kill in the vote the figure is a point.
     point = harness_goodput([*_history(), _finish(10.0)], T0)
     assert compare({"ratio": 0.23}, point) is not None
+
+
+def test_a_goodput_violation_names_each_groups_accounts(tmp_path: Path) -> None:
+    """The violation carries both sides' accounts per group, so a failed run says where the
+    figures part even after its run directory is gone."""
+    from torchft.chaos.history import _judge_goodput
+    from torchft.chaos.report import Report
+
+    (tmp_path / "g0.0.history.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [*_history(), _finish(10.0)])
+    )
+    group = {"replica_id": "g0", "productive_s": 1.0, "heal_s": 0.0, "quorum_s": 0.5}
+    event = {"kind": "goodput", "final": True, "ratio": 0.1, "window_start_unix_s": T0}
+    (tmp_path / "events.jsonl").write_text(json.dumps({**event, "groups": [group]}) + "\n")
+    rep = Report()
+    _judge_goodput(rep, tmp_path)
+    assert len(rep.violations) == 1
+    assert "g0: productive 1.0 / 2.250s" in rep.violations[0], rep.violations[0]

@@ -534,7 +534,20 @@ def _judge_goodput(rep: Report, run_dir: Path) -> None:
     }
     why = compare(reported, computed)
     if why is not None:
-        rep.violations.append(why)
+        # Per group, both sides' accounts: where the two figures part (the run directory of
+        # a test may be gone by the time anyone looks).
+        per_group = []
+        for g in reported.get("groups") or []:
+            mine = computed["groups"].get(g.get("replica_id"), {})
+            per_group.append(
+                f"{g.get('replica_id')}: productive {g.get('productive_s')} / "
+                f"{mine.get('productive_s', 0.0):.3f}s, heal {g.get('heal_s')}s, quorum "
+                f"{g.get('quorum_s')} / {mine.get('quorum_s', 0.0):.3f}s, discarded "
+                f"{g.get('discarded_s')} / {mine.get('discarded_s', 0.0):.3f}s, steps "
+                f"{g.get('steps_committed')} / {mine.get('steps_committed')}, regressed "
+                f"{g.get('regressed_steps')} / {mine.get('regressed_steps')}"
+            )
+        rep.violations.append(why + "; per group, lighthouse / harness: " + "; ".join(per_group))
 
 
 def _unseen_steps(run_dir: Path) -> tuple[list[dict[str, Any]], dict[int, float]]:
