@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from torchft.chaos.goodput import compare, harness_goodput, read_voted, voted
-from torchft.chaos.history import _unseen_steps
+from torchft.chaos.history import _unseen_steps, read_jsonl
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,6 +65,14 @@ def test_the_vote_record_round_trips_and_survives_a_shorter_overwrite() -> None:
     assert read_voted(b"d garbage") is None and read_voted(b"") is None
 
 
+def _records(
+    run: Path,
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """What the checker has read of a run: histories by file name, processes and faults."""
+    histories = {p.name: read_jsonl(p) for p in run.glob("*.history.jsonl")}
+    return histories, read_jsonl(run / "processes.jsonl"), read_jsonl(run / "faults.jsonl")
+
+
 def _run(tmp_path: Path, phase: bytes, lines: list[dict[str, Any]], exit_t: float) -> Path:
     (tmp_path / "g0.0.history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (tmp_path / "g0.0.phase").write_bytes(phase)
@@ -83,7 +91,7 @@ def test_a_step_voted_but_not_written_is_taken_from_the_phase_file(tmp_path: Pat
     # As voted(4, 5, False, 0.5) writes it, 1 s after the last line.
     rec = f"d4 5 0 {T0 + 6.0:.6f} 0.500000".ljust(64).encode()
     run = _run(tmp_path, rec, _history(), 7.0)
-    unseen, in_vote = _unseen_steps(run)
+    unseen, in_vote = _unseen_steps(run, *_records(run))
     assert in_vote == {}
     assert [(r["kind"], r["step"]) for r in unseen] == [("commit", 5)]
     g = harness_goodput([*_history(), *unseen, _finish(9.0)], T0)
@@ -96,7 +104,7 @@ def test_a_kill_inside_the_vote_makes_the_harness_figure_a_range(tmp_path: Path)
     cannot): up to the time from the last line to the kill is added to the high end only,
     and the lighthouse's figure is checked against the range."""
     run = _run(tmp_path, b"c", _history(), 7.0)
-    unseen, in_vote = _unseen_steps(run)
+    unseen, in_vote = _unseen_steps(run, *_records(run))
     assert unseen == [] and in_vote == {7: pytest.approx(T0 + 6.5)}
     g = harness_goodput([*_history(), _finish(10.0)], T0, in_vote)
     assert g["unsure_s"] == pytest.approx(1.5)
@@ -126,6 +134,6 @@ def test_a_goodput_violation_names_each_groups_accounts(tmp_path: Path) -> None:
     event = {"kind": "goodput", "final": True, "ratio": 0.1, "window_start_unix_s": T0}
     (tmp_path / "events.jsonl").write_text(json.dumps({**event, "groups": [group]}) + "\n")
     rep = Report()
-    _judge_goodput(rep, tmp_path)
+    _judge_goodput(rep, tmp_path, [], [])
     assert len(rep.violations) == 1
     assert "g0: productive 1.0 / 2.250s" in rep.violations[0], rep.violations[0]

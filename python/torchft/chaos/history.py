@@ -499,12 +499,14 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
 
     _judge_total_losses(rep, run)
     _judge_verdicts(rep, run_dir, run)
-    _judge_goodput(rep, run_dir)
+    _judge_goodput(rep, run_dir, run.procs, run.faults)
     _timings(rep, run)
     return rep
 
 
-def _judge_goodput(rep: Report, run_dir: Path) -> None:
+def _judge_goodput(
+    rep: Report, run_dir: Path, procs: list[dict[str, Any]], faults: list[dict[str, Any]]
+) -> None:
     """The lighthouse's goodput (its final ``goodput`` event) against the figure the
     harness computes from the history over the same window (:mod:`torchft.chaos.goodput`):
     more than 1% outside its figure (or range) is a violation. A run without an event log
@@ -524,8 +526,9 @@ def _judge_goodput(rep: Report, run_dir: Path) -> None:
         rep.violations.append(
             "goodput: the lighthouse wrote no final goodput event though every group finished"
         )
-    records = [r for p in sorted(run_dir.glob("*.history.jsonl")) for r in read_jsonl(p)]
-    unseen, in_vote = _unseen_steps(run_dir)
+    histories = {p.name: read_jsonl(p) for p in sorted(run_dir.glob("*.history.jsonl"))}
+    records = [r for lines in histories.values() for r in lines]
+    unseen, in_vote = _unseen_steps(run_dir, histories, procs, faults)
     computed = harness_goodput(records + unseen, float(reported["window_start_unix_s"]), in_vote)
     rep.goodput = {
         "lighthouse": reported.get("ratio"),
@@ -550,27 +553,28 @@ def _judge_goodput(rep: Report, run_dir: Path) -> None:
         rep.violations.append(why + "; per group, lighthouse / harness: " + "; ".join(per_group))
 
 
-def _unseen_steps(run_dir: Path) -> tuple[list[dict[str, Any]], dict[int, float]]:
+def _unseen_steps(
+    run_dir: Path,
+    histories: dict[str, list[dict[str, Any]]],
+    procs: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[int, float]]:
     """What the history lines miss of processes that died before writing their last step's
     line, from their phase files: the step's record when the vote had returned (phase ``d``
     tells its outcome, see :func:`torchft.chaos.goodput.voted`), and when a process was
     killed inside the vote (phase ``c``: the step may or may not have committed), by pid,
     the time it was killed (the last kill fault naming its group before its exit was seen,
-    else that exit)."""
-    faults = read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else []
-    procs = (
-        read_jsonl(run_dir / "processes.jsonl") if (run_dir / "processes.jsonl").exists() else []
-    )
+    else that exit). ``histories``: each history file's lines, by file name; ``procs`` and
+    ``faults``: the supervisor's and the injector's records."""
     exits = {r["pid"]: r for r in procs if r.get("kind") == "exit" and r.get("killed")}
     records: list[dict[str, Any]] = []
     in_vote: dict[int, float] = {}
     for phase in run_dir.glob("*.phase"):
-        history = phase.with_name(phase.name[: -len(".phase")] + ".history.jsonl")
         try:
             data = phase.read_bytes()
         except OSError:
             continue
-        lines = read_jsonl(history) if history.exists() else []
+        lines = histories.get(phase.name[: -len(".phase")] + ".history.jsonl", [])
         ident = next((r for r in lines if "pid" in r and "group" in r), None)
         if ident is None or data[:1] not in (b"c", b"d"):
             continue
