@@ -99,6 +99,27 @@ def test_a_step_voted_but_not_written_is_taken_from_the_phase_file(tmp_path: Pat
     assert g["unsure_s"] == 0.0
 
 
+def test_a_written_step_is_not_counted_again_from_its_phase_record(tmp_path: Path) -> None:
+    """The worker gives the phase record and the step's line the same instant (the step's
+    end as its report measured it, rounded to the microsecond): a step whose line was
+    written is not also taken from the phase file, whatever the rounding."""
+    from torchft.chaos.history import HistoryWriter
+
+    for frac in (0.1234564, 0.1234565, 0.9999996):
+        path = tmp_path / "g0.0.history.jsonl"
+        path.unlink(missing_ok=True)
+        writer = HistoryWriter(str(path), "g0", 7)
+        ended = round(T0 + 6.0 + frac, 6)
+        writer.commit(step=5, quorum_id=1, participants=1, state="s", quorum_wait=0.5, t=ended)
+        lines = read_jsonl(path)
+        assert lines[-1]["t"] == ended
+        run = _run(tmp_path, voted(4, 5, False, 0.5, ended), lines, 7.5)
+        back = read_voted(voted(4, 5, False, 0.5, ended))
+        assert back is not None and back["t"] == ended
+        unseen, in_vote = _unseen_steps(run, *_records(run))
+        assert unseen == [] and in_vote == {}
+
+
 def test_a_kill_inside_the_vote_makes_the_harness_figure_a_range(tmp_path: Path) -> None:
     """Killed in phase c, the step may have committed (the lighthouse knows, the history
     cannot): up to the time from the last line to the kill is added to the high end only,

@@ -267,8 +267,10 @@ class RankTelemetry:
         self._gen = 0
         self._finished = False
         self.failed_sends = 0
-        #: The last step's ``(step, committed, step_s, quorum_wait_s)``, None before one.
-        self.last_step: tuple[int, bool, float, float] | None = None
+        #: The last step's ``(step, committed, step_s, quorum_wait_s, ended_unix_s)``, None
+        #: before one: ``ended_unix_s`` is when it ended (the boundary its ``step_s`` and the
+        #: next step's are measured from, as wall-clock time).
+        self.last_step: tuple[int, bool, float, float, float] | None = None
         if enabled:
             _live.add(self)
             _install_excepthook()
@@ -364,7 +366,7 @@ class RankTelemetry:
             error: the step's error, if any.
             rank: this rank's rank in the whole job (-1 if unknown).
         """
-        now = time.perf_counter()
+        now, ended_unix = time.perf_counter(), time.time()
         first_fwd, last_fwd_end, forward_s, backward_end, optimizer_s = _clock.take()
         with self._lock:
             if self._outstanding:
@@ -383,7 +385,7 @@ class RankTelemetry:
             self._quorum_wait = self._coll_total = self._heal_s = 0.0
             self._heal_bytes = 0
             self._heal_source = self._heal_addr = ""
-        self.last_step = (step, committed, step_s, quorum_wait)
+        self.last_step = (step, committed, step_s, quorum_wait, ended_unix)
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)

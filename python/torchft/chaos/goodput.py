@@ -10,7 +10,9 @@ from a snapshot, and when a process was ready and finished, each with its wall t
   the job's first committed step it knows of) up to each group's last ``finish`` line;
 * a group's wall time runs from the window's start to its ``finish``;
 * each step of a process spans the time since its previous line (commit, discard, restore
-  or ready); its first step is start-up, a step that restored a snapshot or healed is
+  or ready; a step's line carries the instant the step ended as the rank measured it for its
+  report, not when it was written); its first step is start-up, a step that restored a
+  snapshot or healed is
   recovery; a committed step is productive, less the quorum wait the worker recorded
   for it; a step that did not commit is discarded;
 * a committed step is lost to a regression when the same group commits the same step again
@@ -21,8 +23,10 @@ from a snapshot, and when a process was ready and finished, each with its wall t
   up to the time from the process's last line to its kill is added to the high end, and the
   lighthouse's figure must fall within 1% of the range (the range is a point otherwise).
 
-Only the quorum wait inside a step is the rank's own measurement in both computations;
-which steps count, how long each took, wall time, restarts and losses are each side's own.
+The rank's own measurements in both computations are the quorum wait inside a step and
+the instants steps end (the lighthouse gets step times measured between them, the harness
+the wall times of the same instants); which steps count, wall time, restarts and losses are
+each side's own.
 """
 
 from __future__ import annotations
@@ -44,12 +48,16 @@ __all__ = [
 TOLERANCE = 0.01
 
 
-def voted(before: int, after: int, step_healed: bool, quorum_wait: float | None) -> bytes:
+def voted(
+    before: int, after: int, step_healed: bool, quorum_wait: float | None, t: float | None = None
+) -> bytes:
     """The phase record once the vote returned: ``d``, then the committed step before and
-    after the vote, whether the step healed, when (unix seconds) and its quorum wait, space
-    separated and padded to a fixed width (a later ``q``/``c`` overwrites the first byte
-    only). Read back by :func:`read_voted`."""
-    text = f"d{before} {after} {int(step_healed)} {time.time():.6f} {quorum_wait or 0.0:.6f}"
+    after the vote, whether the step healed, when the step ended (``t``, unix seconds, now
+    by default; give the time its history line will carry, rounded to the microsecond, so
+    the two compare equal) and its quorum wait, space separated and padded to a fixed width
+    (a later ``q``/``c`` overwrites the first byte only). Read back by :func:`read_voted`."""
+    t = time.time() if t is None else t
+    text = f"d{before} {after} {int(step_healed)} {t:.6f} {quorum_wait or 0.0:.6f}"
     return text.ljust(64).encode()
 
 

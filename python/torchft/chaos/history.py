@@ -100,8 +100,8 @@ class HistoryWriter:
         self._group = group
         self._pid = pid
 
-    def _write(self, rec: dict[str, Any]) -> None:
-        rec.update(group=self._group, pid=self._pid, t=_now())
+    def _write(self, rec: dict[str, Any], t: float | None = None) -> None:
+        rec.update(group=self._group, pid=self._pid, t=_now() if t is None else t)
         self._f.write(json.dumps(rec) + "\n")
 
     def ready(self, imported: float) -> None:
@@ -117,11 +117,13 @@ class HistoryWriter:
         healed: bool = False,
         quorum_wait: float | None = None,
         step_healed: bool = False,
+        t: float | None = None,
     ) -> None:
         """Records that ``step`` committed in ``quorum_id`` with ``participants`` groups;
         ``healed``: the process took a heal since its previous commit (its state came from
         another group); ``step_healed``: it healed in this step; ``quorum_wait``: the
-        seconds the step waited for its quorum, as the rank measured them (goodput)."""
+        seconds the step waited for its quorum, as the rank measured them (goodput); ``t``:
+        when the step ended (now by default)."""
         self._write(
             {
                 "kind": "commit",
@@ -132,24 +134,30 @@ class HistoryWriter:
                 "healed": healed,
                 "step_healed": step_healed,
                 "quorum_wait": quorum_wait,
-            }
+            },
+            t,
         )
 
-    def discard(self, step: int, quorum_wait: float | None, step_healed: bool) -> None:
-        """Records that the step from committed step ``step`` did not commit (goodput)."""
+    def discard(
+        self, step: int, quorum_wait: float | None, step_healed: bool, t: float | None = None
+    ) -> None:
+        """Records that the step from committed step ``step`` did not commit (goodput); ``t``:
+        when it ended (now by default)."""
         self._write(
             {
                 "kind": "discard",
                 "step": step,
                 "quorum_wait": quorum_wait,
                 "step_healed": step_healed,
-            }
+            },
+            t,
         )
 
-    def restore(self, step: int, state: str) -> None:
+    def restore(self, step: int, state: str, t: float | None = None) -> None:
         """Records that the process resumed from the durable snapshot of ``step`` (every group
-        had died), holding the state ``state`` before training on."""
-        self._write({"kind": "restore", "step": step, "state": state})
+        had died), holding the state ``state`` before training on; ``t``: when the step that
+        restored it ended (now by default)."""
+        self._write({"kind": "restore", "step": step, "state": state}, t)
 
     def hang(self, seconds: float, step: int) -> None:
         """Records that the training loop blocks for ``seconds`` (an injected hang)."""

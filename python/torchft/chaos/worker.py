@@ -258,16 +258,25 @@ def main(argv: list[str] | None = None) -> int:
             step_healed = manager._healer.healed
             tel = manager._telemetry
             last = tel.last_step if tel is not None else None
-            # The rank's own measure of the step's quorum wait (for goodput).
-            quorum_wait = last[3] if last is not None and last[0] == before else None
+            # The rank's own measure of the step's quorum wait, and the instant its step
+            # ended (for goodput: the history's step boundaries are the ones the reports'
+            # step times are measured between, so a SIGSTOP between the vote and the line
+            # below falls in the same step on both sides).
+            ours = last if last is not None and last[0] == before else None
+            quorum_wait = ours[3] if ours is not None else None
+            ended = round(ours[4] if ours is not None else time.time(), 6)
             # Out of the vote: a kill from here on is no kill in the commit phase.
-            os.pwrite(phase, voted(before, manager.current_step(), step_healed, quorum_wait), 0)
+            os.pwrite(
+                phase, voted(before, manager.current_step(), step_healed, quorum_wait, ended), 0
+            )
             healed = healed or step_healed
             if manager.current_step() > before + 1:
                 # A durable snapshot was restored (every group had died): the state the
                 # group trains on from here, for the checker to compare with the history.
                 history.restore(
-                    manager.current_step(), state_hash(model.state_dict(), optim.state_dict())
+                    manager.current_step(),
+                    state_hash(model.state_dict(), optim.state_dict()),
+                    t=ended,
                 )
             elif manager.current_step() == before + 1:
                 history.commit(
@@ -278,10 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                     healed=healed,
                     quorum_wait=quorum_wait,
                     step_healed=step_healed,
+                    t=ended,
                 )
                 healed = False
             else:
-                history.discard(before, quorum_wait, step_healed)
+                history.discard(before, quorum_wait, step_healed, t=ended)
             pace.sleep(time.monotonic() - t0)
         history.finish(manager.current_step(), state_hash(model.state_dict(), optim.state_dict()))
     except TornStateError as e:
