@@ -357,6 +357,27 @@ def test_snapshot_settings_resolve_and_bad_ones_are_refused() -> None:
         resolve(snapshot_dir=5)
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"every": 0}, "every and keep"),
+        ({"keep": 0}, "every and keep"),
+        ({"timeout": 0.0}, "timeout must be"),
+        ({"timeout": float("nan")}, "timeout must be"),
+        ({"confirm_timeout": -1.0}, "confirm_timeout must be"),
+        ({"confirm_timeout": float("inf")}, "confirm_timeout must be"),
+        ({"group_rank": 2, "group_world_size": 2}, "outside a group of 2"),
+    ],
+)
+def test_a_writer_refuses_bad_settings_before_touching_the_directory(
+    tmp_path: Path, bad: dict[str, Any], match: str
+) -> None:
+    """Every setting is checked up front with a message naming it; nothing is created."""
+    with pytest.raises(ValueError, match=match):
+        writer(tmp_path / "snaps", [], **bad)
+    assert not (tmp_path / "snaps").exists()
+
+
 def test_rank_0_makes_a_snapshot_complete_only_once_parity_confirms_its_state(
     tmp_path: Path,
 ) -> None:

@@ -49,6 +49,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -461,6 +462,10 @@ class SnapshotWriter:
             None while the check is pending; it raises when the state must not become a
             snapshot. None: complete at once.
         confirm_timeout: how long rank 0 waits for ``confirm``.
+
+    Raises:
+        ValueError: ``every`` or ``keep`` below 1, a timeout that is not a positive finite
+            number of seconds, or ``group_rank`` outside ``[0, group_world_size)``.
     """
 
     def __init__(
@@ -477,6 +482,15 @@ class SnapshotWriter:
         confirm: Callable[[int], str | None] | None = None,
         confirm_timeout: float = PARITY_CONFIRM_TIMEOUT_S,
     ) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError(f"every and keep must be at least 1, got every={every} keep={keep}")
+        for what, seconds in (("timeout", timeout), ("confirm_timeout", confirm_timeout)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{what} must be a positive number of seconds, got {seconds}")
+        if not 0 <= group_rank < group_world_size:
+            raise ValueError(
+                f"group_rank {group_rank} is outside a group of {group_world_size} ranks"
+            )
         self.directory = Path(directory)
         self._confirm = confirm
         self._confirm_timeout = confirm_timeout
