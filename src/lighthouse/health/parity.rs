@@ -76,8 +76,9 @@ pub struct Diverged {
 /// What the checks so far say of one group's committed states (one incarnation).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ParityMark {
-    /// The newest step decided with this group's digest and no disagreement: it agreed with
-    /// every other group compared, or it was the only one (nothing to compare). 0: none.
+    /// The newest step decided with this group's digest on the winning side: it agreed with
+    /// every other group compared or with a strict majority of them, or it was the only one
+    /// (nothing to compare). 0: none.
     pub ok: i64,
     /// The newest step at which its digest differed from the others' (0: never).
     pub diverged: i64,
@@ -186,12 +187,9 @@ impl Parity {
             return;
         };
         self.decided = Some(self.decided.map_or(step, |d| d.max(step)));
-        // Every group of the step agrees until a differing set says otherwise below.
-        for id in p.groups.keys() {
-            let mark = self.marks.entry(id.clone()).or_default();
-            mark.ok = mark.ok.max(step);
-        }
         if p.groups.len() < 2 {
+            // Nothing to compare with: a lone group agrees with itself.
+            self.agreed(p.groups.keys(), step);
             return;
         }
         self.checks += 1;
@@ -205,12 +203,14 @@ impl Parity {
             }
         }
         if sets.len() == 1 {
+            self.agreed(p.groups.keys(), step);
             return;
         }
         sets.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then_with(|| a.1.cmp(&b.1)));
         let compared = p.groups.len();
         let (major_digest, major_ids) = (&sets[0].0, &sets[0].1);
         if major_ids.len() * 2 > compared {
+            self.agreed(major_ids.iter(), step);
             for (digest, ids) in &sets[1..] {
                 let ranks = differing_ranks(digest, major_digest);
                 for id in ids {
@@ -269,14 +269,19 @@ impl Parity {
         }
     }
 
+    /// `ids` agreed with the majority (or had no one to differ from) at `step`.
+    fn agreed<'a>(&mut self, ids: impl Iterator<Item = &'a String>, step: i64) {
+        for id in ids {
+            let mark = self.marks.entry(id.clone()).or_default();
+            mark.ok = mark.ok.max(step);
+        }
+    }
+
+    /// `replica_id` differed at `step`. Its earlier agreement stays as it was: a newer
+    /// difference outranks it for every step up to this one.
     fn mark_diverged(&mut self, replica_id: &str, step: i64) {
         let mark = self.marks.entry(replica_id.to_string()).or_default();
         mark.diverged = mark.diverged.max(step);
-        if mark.ok == step {
-            // Set above for every group of the step; this one disagreed. The previous
-            // agreement is not known any more: none is claimed.
-            mark.ok = 0;
-        }
     }
 
     /// What the checks so far say of `replica_id`'s committed states: the newest step it
