@@ -651,7 +651,6 @@ class SnapshotWriter:
                 "copy_s": copy_s,
             }
             _atomic_json(rank_file, part)
-            complete = False
             if self._rank == 0:
                 ranks = self._gather_parts(path)
                 total = sum(int(p.get("tensor_bytes", 0)) for p in ranks.values())
@@ -678,10 +677,7 @@ class SnapshotWriter:
                     except RuntimeError:  # shut down meanwhile: complete it here
                         return self._confirm_and_complete(*args)
                     return None
-                _atomic_json(path / MANIFEST, manifest)
-                complete = True
-                tensor_bytes = total
-                self._retain()
+                return self._complete(step, path, manifest, time.perf_counter() - t0, copy_s)
         except BaseException as e:  # noqa: BLE001 - reported, never raised into training
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -690,20 +686,40 @@ class SnapshotWriter:
                 pass
             return self._fail(step, path, self._blocked_s, f"{type(e).__name__}: {e}")
         write_s = time.perf_counter() - t0
-        blocked = self._blocked_s
-        if complete:
-            logger.info(
-                "snapshot of step %d complete at %s: %d bytes, copied in %.3fs (the training "
-                "thread waited %.3fs of it), written in %.3fs",
-                step,
-                path,
-                tensor_bytes,
-                copy_s,
-                blocked,
-                write_s,
-            )
         return self._report(
-            SnapshotResult(step, path, blocked, write_s, tensor_bytes, complete, copy_s=copy_s)
+            SnapshotResult(step, path, self._blocked_s, write_s, tensor_bytes, False, copy_s=copy_s)
+        )
+
+    def _complete(
+        self,
+        step: int,
+        path: Path,
+        manifest: dict[str, Any],
+        write_s: float,
+        copy_s: float,
+        parity: tuple[str, float] | None = None,
+    ) -> SnapshotResult:
+        """Makes the snapshot of ``step`` complete: writes its manifest (with the parity
+        check's note, when ``parity`` gives it and how long the wait for it took), prunes
+        the old ones, logs and reports it. Raises what writing the manifest raises."""
+        if parity is not None:
+            manifest["parity"] = parity[0]
+        _atomic_json(path / MANIFEST, manifest)
+        self._retain()
+        tensor_bytes = int(manifest["tensor_bytes"])
+        logger.info(
+            "snapshot of step %d complete at %s: %d bytes, copied in %.3fs (the training "
+            "thread waited %.3fs of it), written in %.3fs%s",
+            step,
+            path,
+            tensor_bytes,
+            copy_s,
+            self._blocked_s,
+            write_s,
+            "" if parity is None else f", then {parity[1]:.3f}s for the parity check ({parity[0]})",
+        )
+        return self._report(
+            SnapshotResult(step, path, self._blocked_s, write_s, tensor_bytes, True, copy_s=copy_s)
         )
 
     def _must_wait(self, step: int) -> bool:
@@ -756,34 +772,12 @@ class SnapshotWriter:
                 )
                 next_log = now + 5.0
             self._closing.wait(0.02)
-        manifest["parity"] = note
         try:
-            _atomic_json(path / MANIFEST, manifest)
-            self._retain()
+            return self._complete(
+                step, path, manifest, write_s, copy_s, (note, time.monotonic() - t0)
+            )
         except Exception as e:  # noqa: BLE001 - reported, never raised into training
             return self._fail(step, path, self._blocked_s, f"{type(e).__name__}: {e}")
-        waited = time.monotonic() - t0
-        logger.info(
-            "snapshot of step %d complete at %s: %d bytes, written in %.3fs, then %.3fs for "
-            "the parity check (%s)",
-            step,
-            path,
-            manifest["tensor_bytes"],
-            write_s,
-            waited,
-            note,
-        )
-        return self._report(
-            SnapshotResult(
-                step,
-                path,
-                self._blocked_s,
-                write_s,
-                int(manifest["tensor_bytes"]),
-                True,
-                copy_s=copy_s,
-            )
-        )
 
     def _gather_parts(self, path: Path) -> dict[str, Any]:
         """Rank 0 waits for every rank's part of the snapshot (or a rank's failure)."""
