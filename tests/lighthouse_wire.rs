@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use torchft::error::Error;
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
-use torchft::proto::{Quorum, QuorumMember};
+use torchft::proto::{Quorum, QuorumMember, TelemetryBatch, TelemetryReport};
 
 /// Runs a test body with an overall timeout so a hang fails instead of blocking CI.
 fn opts(min_replicas: u64, join_timeout_ms: u64) -> LighthouseOptions {
@@ -537,6 +537,60 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
             .err()
             .expect("refused");
         assert!(err.to_string().contains("lighthouse.state"), "{err}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acknowledged_report_batch_is_already_in_the_state_file() {
+    // A batch acknowledged and then lost with a SIGKILLed lighthouse is never sent again:
+    // what it changed in the goodput accounts must be on disk before the acknowledgement.
+    bounded(async {
+        let dir = TempDir::new("reports");
+        let file = dir.0.join("lighthouse.state");
+        let o = LighthouseOptions {
+            state_file: Some(file.clone()),
+            ..opts(1, 0)
+        };
+        let (server, c) = start(o).await;
+        let beats = heartbeats(&c, "a");
+        let q = ask(&c, member("a"), 5_000).await.unwrap();
+        for step in 3..6 {
+            assert_eq!(
+                c.commit("a", q.quorum_id, step + 1, 0.0, TEST_TIMEOUT)
+                    .await
+                    .unwrap(),
+                None
+            );
+            let report = TelemetryReport {
+                replica_id: "a".into(),
+                step,
+                committed: true,
+                step_s: 0.5,
+                quorum_wait_s: 0.125,
+                group_world_size: 1,
+                unix_s: 1_000.0 + step as f64,
+                ..Default::default()
+            };
+            let batch = TelemetryBatch {
+                reports: vec![report],
+                ..Default::default()
+            };
+            assert_eq!(c.report(batch, TEST_TIMEOUT).await.unwrap(), 1);
+            // Read at once, as a lighthouse restarted right after the acknowledgement would.
+            let saved: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+            let groups = saved["goodput"]["groups"].as_array().cloned().unwrap();
+            let a = groups
+                .iter()
+                .find(|g| g[0] == "a")
+                .expect("a's accounts saved");
+            assert_eq!(a[1]["life"]["reported_unix"], 1_000.0 + step as f64, "{a}");
+            // The first report is start-up; each later one is a productive step.
+            assert_eq!(a[1]["accounts"]["steps_committed"], step - 3, "{a}");
+        }
+        beats.abort();
+        server.shutdown().await;
     })
     .await;
 }

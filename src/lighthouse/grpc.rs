@@ -77,7 +77,9 @@ impl LighthouseService for Grpc {
     ) -> std::result::Result<Response<TelemetryAck>, Status> {
         let who = caller(request.extensions());
         let batch = request.get_ref();
-        let accepted = self.rooms.room_for(&batch.job, &who)?.report(batch)?;
+        let room = self.rooms.room_for(&batch.job, &who)?;
+        let accepted = room.report(batch)?;
+        room.save_reports().await?;
         Ok(Response::new(TelemetryAck { accepted }))
     }
 

@@ -660,6 +660,24 @@ impl Shared {
         Ok(u32::try_from(batch.reports.len()).unwrap_or(u32::MAX))
     }
 
+    /// Waits until the goodput accounts as they are now are in the state file (at once
+    /// without one): a report batch is acknowledged only once what it changed is durable,
+    /// so a batch a killed lighthouse had accepted is not lost with it (an unacknowledged
+    /// batch is sent again; a copy of one already counted is ignored by the accounts).
+    pub(crate) async fn save_reports(&self) -> Result<()> {
+        let saved = {
+            let mut guard = self.lock();
+            if guard.shutting_down {
+                return Err(Error::Shutdown);
+            }
+            self.persist(&mut guard)
+        };
+        if let (Some(writer), Some(seq)) = (&self.writer, saved) {
+            writer.wait(seq).await?;
+        }
+        Ok(())
+    }
+
     /// Re-derives replica health from the heartbeat ages (periodic).
     pub(crate) fn telemetry_tick(&self) {
         let now = now_instant();

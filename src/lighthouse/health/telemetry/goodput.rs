@@ -182,6 +182,9 @@ struct Life {
     /// The quorum waits of its last reported committed steps (the estimate for the steps
     /// made up from announcements).
     waits: VecDeque<f64>,
+    /// The send time (the rank's unix seconds) of the last step report counted: a report
+    /// sent again (its acknowledgement was lost) is not counted twice.
+    reported_unix: f64,
 }
 
 /// One group's goodput.
@@ -460,9 +463,18 @@ impl Goodput {
         };
         self.revision += 1;
         let g = self.group(name, unix);
+        let life = g.life(incarnation);
+        if r.unix_s > 0.0 {
+            // A rank stamps its reports in order: one no newer than the last counted is a
+            // copy (a batch sent again after its acknowledgement was lost).
+            if r.unix_s <= life.reported_unix {
+                return;
+            }
+            life.reported_unix = r.unix_s;
+        }
         g.finished_at = None;
         let done = r.step + 1;
-        let life = g.life(incarnation);
+        let life = &mut g.life;
         if r.committed && done <= life.filled_upto {
             return;
         }
@@ -773,6 +785,39 @@ mod tests {
         let f = h.group_figures("g", 30.0).unwrap();
         assert!(close(f.accounts.productive_s, 1.0 + 1.5), "{f:?}");
         assert_eq!(f.accounts.steps_committed, 2);
+    }
+
+    #[test]
+    fn a_report_sent_again_is_counted_once_even_across_a_restart() {
+        let sent = |s: i64, at: f64| TelemetryReport {
+            unix_s: at,
+            ..step("g:1", s, true, 1.0, 0.25)
+        };
+        let mut g = Goodput::default();
+        for s in 0..3 {
+            g.on_commit("g", "g:1", s + 1, 10.0 + s as f64, None);
+            g.on_step("g", &sent(s, 10.0 + s as f64), 10.0 + s as f64);
+        }
+        // The batch of steps 1 and 2 comes again (its acknowledgement was lost): no change,
+        // and in particular no step taken for one committed again (a regression).
+        let before = g.group_figures("g", 13.0).unwrap();
+        g.on_step("g", &sent(1, 11.0), 13.0);
+        g.on_step("g", &sent(2, 12.0), 13.0);
+        assert_eq!(g.group_figures("g", 13.0).unwrap(), before);
+        assert_eq!(before.accounts.steps_committed, 2);
+        // The same after the lighthouse restarted from its state file.
+        let text = serde_json::to_string(&g.encode_saved().unwrap()).unwrap_or_default();
+        let mut h = Goodput::default();
+        h.restore(serde_json::from_str(&text).unwrap_or_default());
+        h.on_step("g", &sent(2, 12.0), 14.0);
+        h.on_commit("g", "g:1", 4, 13.0, None);
+        h.on_step("g", &sent(3, 13.0), 14.0);
+        let f = h.group_figures("g", 14.0).unwrap();
+        assert_eq!(
+            (f.accounts.steps_committed, f.accounts.regressed_steps),
+            (3, 0)
+        );
+        assert!(close(f.accounts.productive_s, 3.0 * 0.75), "{f:?}");
     }
 
     #[test]
