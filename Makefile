@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
-PY_DEPS := torch numpy pytest pytest-timeout pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate torchdata opentelemetry-sdk opentelemetry-exporter-otlp-proto-http nvidia-ml-py
+PY_DEPS := torch numpy pytest pytest-timeout pytest-xdist pytest-benchmark maturin ruff pyyaml selenium prometheus-client hypothesis mypy kubernetes-validate torchdata opentelemetry-sdk opentelemetry-exporter-otlp-proto-http nvidia-ml-py
 # Only `make test-integrations` needs these (large): installed there, not by the bootstrap.
 INTEGRATION_DEPS := ray[train]
 # Upstream torchft's published wheel, kept apart from the venv's own packages (it is put first
@@ -88,10 +88,13 @@ browser:
 
 # Each run gets its own temporary root: pytest prunes old numbered directories under the shared
 # default one, which breaks a second test run on the same machine mid-way. The slowest tests
-# are listed at the end (the whole run should stay well under half an hour).
+# are listed at the end (the whole run should stay well under half an hour). Most tests wait
+# on real processes, heartbeats and timeouts more than they compute, so they run in
+# PYTEST_WORKERS processes (pytest-xdist; 0 runs them one after another in this process).
+PYTEST_WORKERS ?= 2
 test-python: develop browser upstream
 	@t=$$(mktemp -d "$${TMPDIR:-/tmp}/torchft-pytest.XXXXXX"); \
-	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations --durations=25 --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
+	$(PY) -m pytest tests -q -p no:cacheprovider --ignore=tests/integrations -n $(PYTEST_WORKERS) --durations=25 --basetemp="$$t"; rc=$$?; rm -rf "$$t"; exit $$rc
 
 # Runs torchft under the engines users launch it with (Ray Train), installing them first
 # (part of `make test`; a Ray cluster starts, so it is the slowest part).
