@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from torchft.chaos.goodput import compare, harness_goodput, read_voted, voted
-from torchft.chaos.history import _unseen_steps, read_jsonl
+from torchft.chaos.history import HistoryWriter, _unseen_steps, read_jsonl
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -103,8 +103,6 @@ def test_a_written_step_is_not_counted_again_from_its_phase_record(tmp_path: Pat
     """The worker gives the phase record and the step's line the same instant (the step's
     end as its report measured it, rounded to the microsecond): a step whose line was
     written is not also taken from the phase file, whatever the rounding."""
-    from torchft.chaos.history import HistoryWriter
-
     for frac in (0.1234564, 0.1234565, 0.9999996):
         path = tmp_path / "g0.0.history.jsonl"
         path.unlink(missing_ok=True)

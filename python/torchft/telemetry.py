@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -209,6 +209,21 @@ def _install_excepthook() -> None:
         _hook_installed = True
 
 
+class StepRecord(NamedTuple):
+    """What a rank measured of its last step (:attr:`RankTelemetry.last_step`)."""
+
+    #: The committed step count before the step.
+    step: int
+    committed: bool
+    #: Seconds since the previous step ended.
+    step_s: float
+    #: Seconds of it blocked on the quorum.
+    quorum_wait_s: float
+    #: When it ended, as wall-clock unix seconds: the boundary its ``step_s`` and the next
+    #: step's are measured from.
+    ended_unix_s: float
+
+
 class RankTelemetry:
     """Timings of the current step of one rank, and its reports.
 
@@ -267,10 +282,8 @@ class RankTelemetry:
         self._gen = 0
         self._finished = False
         self.failed_sends = 0
-        #: The last step's ``(step, committed, step_s, quorum_wait_s, ended_unix_s)``, None
-        #: before one: ``ended_unix_s`` is when it ended (the boundary its ``step_s`` and the
-        #: next step's are measured from, as wall-clock time).
-        self.last_step: tuple[int, bool, float, float, float] | None = None
+        #: The last step's record, None before one.
+        self.last_step: StepRecord | None = None
         if enabled:
             _live.add(self)
             _install_excepthook()
@@ -385,7 +398,7 @@ class RankTelemetry:
             self._quorum_wait = self._coll_total = self._heal_s = 0.0
             self._heal_bytes = 0
             self._heal_source = self._heal_addr = ""
-        self.last_step = (step, committed, step_s, quorum_wait, ended_unix)
+        self.last_step = StepRecord(step, committed, step_s, quorum_wait, ended_unix)
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)

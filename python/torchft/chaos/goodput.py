@@ -12,9 +12,8 @@ from a snapshot, and when a process was ready and finished, each with its wall t
 * each step of a process spans the time since its previous line (commit, discard, restore
   or ready; a step's line carries the instant the step ended as the rank measured it for its
   report, not when it was written); its first step is start-up, a step that restored a
-  snapshot or healed is
-  recovery; a committed step is productive, less the quorum wait the worker recorded
-  for it; a step that did not commit is discarded;
+  snapshot or healed is recovery; a committed step is productive, less the quorum wait the
+  worker recorded for it; a step that did not commit is discarded;
 * a committed step is lost to a regression when the same group commits the same step again
   later: its productive time moves to regressed;
 * a process killed in the commit vote or just after it (its phase file says ``c`` or ``d``)

@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             # ended (for goodput: the history's step boundaries are the ones the reports'
             # step times are measured between, so a SIGSTOP between the vote and the line
             # below falls in the same step on both sides).
-            ours = last if last is not None and last[0] == before else None
-            quorum_wait = ours[3] if ours is not None else None
-            ended = round(ours[4] if ours is not None else time.time(), 6)
+            ours = last if last is not None and last.step == before else None
+            quorum_wait = ours.quorum_wait_s if ours is not None else None
+            ended = round(ours.ended_unix_s if ours is not None else time.time(), 6)
             # Out of the vote: a kill from here on is no kill in the commit phase.
             os.pwrite(
                 phase, voted(before, manager.current_step(), step_healed, quorum_wait, ended), 0

@@ -372,10 +372,17 @@ impl Shared {
             }
         };
         // Durable before the group applies the commit, or not accepted at all.
-        if let (Some(writer), Some(seq)) = (&self.writer, saved) {
-            writer.wait(seq).await?;
-        }
+        self.written(saved).await?;
         Ok(None)
+    }
+
+    /// Waits until submission `saved` of the state file's writer (from [`Self::persist`])
+    /// is on disk; at once without a state file.
+    async fn written(&self, saved: Option<u64>) -> Result<()> {
+        match (&self.writer, saved) {
+            (Some(writer), Some(seq)) => writer.wait(seq).await,
+            _ => Ok(()),
+        }
     }
 
     /// Waits until everything handed to the state file's writer so far is on disk (at once
@@ -672,10 +679,7 @@ impl Shared {
             }
             self.persist(&mut guard)
         };
-        if let (Some(writer), Some(seq)) = (&self.writer, saved) {
-            writer.wait(seq).await?;
-        }
-        Ok(())
+        self.written(saved).await
     }
 
     /// Re-derives replica health from the heartbeat ages (periodic).
