@@ -21,3 +21,35 @@ fn quick_load_runs_every_round_kind() {
         started.elapsed()
     );
 }
+
+#[test]
+fn bad_arguments_are_refused_with_a_message() {
+    let parse = |args: &[&str]| {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        load::Options::parse(&args, "daemon".into())
+    };
+    for (args, message) in [
+        (
+            &["--room-trials", "0"][..],
+            "--room-trials must be at least 1",
+        ),
+        (
+            &["--room-groups", "0"][..],
+            "--room-groups must be at least 1",
+        ),
+        (&["--room-trials", "many"][..], "--room-trials"),
+        (&["--frobnicate"][..], "unknown argument"),
+    ] {
+        let err = parse(args).expect_err("refused");
+        assert!(err.to_string().contains(message), "{args:?}: {err}");
+    }
+    // No rooms: the per-room settings are not needed.
+    let opts = parse(&["--rooms", "0", "--room-trials", "0"]).expect("accepted");
+    assert_eq!((opts.rooms, opts.room_trials), (0, 0));
+    assert_eq!(
+        parse(&["--room-trials", "3"])
+            .expect("accepted")
+            .room_trials,
+        3
+    );
+}
