@@ -576,3 +576,64 @@ async fn heartbeats_carry_state_digests_and_two_groups_that_differ_are_stopped()
     })
     .await;
 }
+
+/// A manager server that shuts down while a heartbeat is in flight: the heartbeat must reach
+/// the lighthouse before the session ends, or it would make the group healthy again there
+/// until its heartbeat expires, and the survivors' next quorum would wait for it. Heartbeats
+/// every millisecond keep one in flight at almost every shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_during_a_heartbeat_is_still_a_loss_at_once() {
+    bounded(async {
+        let lh = LighthouseServer::bind("127.0.0.1:0", opts(SLOW_HEARTBEAT))
+            .await
+            .unwrap();
+        let addr = lh.address();
+        let ma = ManagerServer::start(manager_opts("a", &addr))
+            .await
+            .unwrap();
+        let ra = ManagerClient::connect(&ma.address(), CONNECT)
+            .await
+            .unwrap();
+        let mut step = 0;
+        for round in 0..4 {
+            let id = format!("b{round}");
+            let mb = ManagerServer::start(ManagerOptions {
+                heartbeat_interval: Duration::from_millis(1),
+                ..manager_opts(&id, &addr)
+            })
+            .await
+            .unwrap();
+            let rb = ManagerClient::connect(&mb.address(), CONNECT)
+                .await
+                .unwrap();
+            eventually("b's session open", CONNECT, || lh.num_sessions() == 2).await;
+            step += 1;
+            let (qa, qb) = tokio::join!(
+                ra.quorum(rank_request(step), Duration::from_secs(10)),
+                rb.quorum(rank_request(step), Duration::from_secs(10))
+            );
+            assert_eq!(qa.unwrap().replica_world_size, 2);
+            qb.unwrap();
+            // Let a few heartbeats go by, then stop b in the middle of one.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            mb.shutdown().await;
+            drop(mb);
+            step += 1;
+            let started = Instant::now();
+            let q = ra
+                .quorum(rank_request(step), Duration::from_secs(10))
+                .await
+                .unwrap();
+            assert_eq!(q.replica_world_size, 1, "round {round}");
+            assert!(
+                started.elapsed() < BEFORE_EXPIRY,
+                "round {round}: the quorum without {id} took {:?}, as long as a heartbeat \
+                 expiry",
+                started.elapsed()
+            );
+        }
+        ma.shutdown().await;
+        lh.shutdown().await;
+    })
+    .await;
+}

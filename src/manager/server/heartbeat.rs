@@ -6,11 +6,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::oneshot;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{info, warn};
 
 use super::Inner;
 use crate::net::Backoff;
+
+/// How much longer than one heartbeat interval a shutting-down session waits for the
+/// heartbeat loop to end.
+const HEARTBEAT_STOP_SLACK: Duration = Duration::from_secs(1);
 
 /// Whether this group may still count itself a live member of its quorum (a fence against
 /// committing a step the other members abandoned).
@@ -74,7 +79,9 @@ impl Lease {
 
 /// Heartbeats the lighthouse every interval. Each attempt is bounded by the interval, so the
 /// period holds while the lighthouse is down; the lazy channel reconnects when it is back.
-pub(super) async fn heartbeat_loop(inner: Arc<Inner>) {
+/// `_running` is dropped when the loop ends (returned, or its task aborted): the session
+/// waits for that at shutdown.
+pub(super) async fn heartbeat_loop(inner: Arc<Inner>, _running: oneshot::Sender<()>) {
     let period = inner.opts.heartbeat_interval;
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -156,7 +163,12 @@ pub(super) async fn heartbeat_loop(inner: Arc<Inner>) {
 /// Holds the session with the lighthouse open for the server's life, reopening it with
 /// backoff (a lighthouse restart is not a death), and records the lost-member events it
 /// brings. The session ends with the process, which tells the lighthouse at once.
-pub(super) async fn session_loop(inner: Arc<Inner>) {
+///
+/// At shutdown the session ends only after the heartbeat loop has (`heartbeats` resolves
+/// when it ends): a heartbeat still in flight when the session ended would reach the
+/// lighthouse after the loss and make this group healthy there again until that heartbeat
+/// expired, holding the survivors' next quorum for it.
+pub(super) async fn session_loop(inner: Arc<Inner>, mut heartbeats: oneshot::Receiver<()>) {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
     let mut shutdown = inner.shutdown.clone();
     let open_timeout = inner.opts.connect_timeout.min(Duration::from_secs(5));
@@ -173,8 +185,15 @@ pub(super) async fn session_loop(inner: Arc<Inner>) {
                 backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
                 loop {
                     let next = tokio::select! {
-                        m = stream.message() => m,
-                        _ = shutdown.wait_for(|down| *down) => return,
+                        m = stream.message() => Some(m),
+                        _ = shutdown.wait_for(|down| *down) => None,
+                    };
+                    let Some(next) = next else {
+                        // Each heartbeat is bounded by the interval: this wait is too.
+                        let bound = inner.opts.heartbeat_interval + HEARTBEAT_STOP_SLACK;
+                        let _ = tokio::time::timeout(bound, &mut heartbeats).await;
+                        drop(stream);
+                        return;
                     };
                     match next {
                         Ok(Some(event)) => {

@@ -244,8 +244,9 @@ impl ManagerServer {
                 warn!(error = %e, "manager server stopped with an error");
             }
         });
-        let heartbeat = tokio::spawn(heartbeat_loop(inner.clone()));
-        let session = tokio::spawn(session_loop(inner.clone()));
+        let (heartbeat_running, heartbeat_ended) = tokio::sync::oneshot::channel();
+        let heartbeat = tokio::spawn(heartbeat_loop(inner.clone(), heartbeat_running));
+        let session = tokio::spawn(session_loop(inner.clone(), heartbeat_ended));
         let forwarder = inner.reports.spawn_forwarder(
             REPORT_INTERVAL,
             shutdown_rx.clone(),
