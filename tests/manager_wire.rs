@@ -409,7 +409,7 @@ async fn should_commit_across_two_ranks() {
             .await
             .unwrap_err();
         assert!(err.is_timeout(), "{err}");
-        assert!(start.elapsed() < Duration::from_millis(700));
+        assert!(start.elapsed() < LONG / 2, "took {:?}", start.elapsed());
         let (d0, d1) = tokio::join!(
             c0.should_commit(0, 7, true, LONG),
             c1.should_commit(1, 7, true, LONG)
