@@ -317,6 +317,7 @@ impl Fetch {
             fetch: self,
             spec,
             stream: &stream,
+            armed: None,
         };
         let req = Request {
             token: spec.token.clone(),
@@ -408,15 +409,30 @@ struct Io<'a> {
     fetch: &'a Fetch,
     spec: &'a FetchSpec,
     stream: &'a TcpStream,
+    /// When the socket's timeouts were last set to the time left (None: not yet).
+    armed: Option<Instant>,
 }
 
 impl Io<'_> {
+    /// Fails once the deadline has passed; else bounds the socket's blocking calls by the
+    /// time left, set again at most every [`wire::TIMEOUT_REFRESH`] (so a call may end that
+    /// much after the deadline): two system calls per read otherwise cost a tenth of a
+    /// heal's receiving time when reads return small pieces.
     fn set_timeouts(&mut self) -> Result<(), FetchError> {
         let r = remaining(self.spec, "receiving")?;
+        let now = Instant::now();
+        if self
+            .armed
+            .is_some_and(|at| now.saturating_duration_since(at) < wire::TIMEOUT_REFRESH)
+        {
+            return Ok(());
+        }
         self.stream
             .set_read_timeout(Some(r))
             .and_then(|_| self.stream.set_write_timeout(Some(r)))
-            .map_err(|e| FetchError::Broken(e.to_string()))
+            .map_err(|e| FetchError::Broken(e.to_string()))?;
+        self.armed = Some(now);
+        Ok(())
     }
 
     fn read_exact(&mut self, buf: &mut [u8], what: &str) -> Result<(), FetchError> {
@@ -988,6 +1004,52 @@ mod tests {
                 "cut at {cut}: {e:?}"
             );
         }
+        server.shutdown();
+    }
+
+    #[test]
+    fn a_source_going_silent_mid_tensor_fails_the_fetch_at_its_deadline() {
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(30)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![7u8; 4 << 20]];
+        offer(&server, &data, 10);
+        // Forwards the reply, the range prefix and 1 MiB of the tensor, then holds both
+        // connections open without a byte more until the test ends.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = server.local_addr();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let stalling = std::thread::spawn(move || {
+            let (mut client, _) = listener.accept().unwrap();
+            let mut source = TcpStream::connect(target).unwrap();
+            let mut req = vec![0u8; 4096];
+            let n = client.read(&mut req).unwrap();
+            source.write_all(&req[..n]).unwrap();
+            let mut left = 40 + (1 << 20);
+            let mut buf = vec![0u8; 64 << 10];
+            while left > 0 {
+                let n = source.read(&mut buf[..left.min(64 << 10)]).unwrap();
+                assert!(n > 0, "the source closed early");
+                client.write_all(&buf[..n]).unwrap();
+                left -= n;
+            }
+            let _ = done_rx.recv_timeout(Duration::from_secs(30));
+        });
+        let mut out = vec![vec![0u8; 4 << 20], vec![0u8; 10]];
+        let dests = dests_of(&mut out);
+        let budget = Duration::from_millis(800);
+        let s = FetchSpec {
+            deadline: Instant::now() + budget,
+            ..spec_at(addr, None, vec![(0, 2)])
+        };
+        let t0 = Instant::now();
+        let e = unsafe { Fetch::new().run(&s, &dests) };
+        let took = t0.elapsed();
+        assert!(matches!(e, Err(FetchError::Timeout(_))), "{e:?}");
+        // Ended by the deadline (give or take the timeout refresh), not by the source's
+        // 30 s offer timeout or the proxy's release.
+        assert!(took >= budget && took < budget * 5, "failed after {took:?}");
+        let _ = done_tx.send(());
+        stalling.join().unwrap();
         server.shutdown();
     }
 

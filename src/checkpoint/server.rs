@@ -549,15 +549,22 @@ fn stream_range(
     let deadline = Instant::now() + offer.timeout;
     let mut out = stream;
     let mut sent = 0u64;
+    // When the socket's write timeout was last set to the time left: set again at most every
+    // `TIMEOUT_REFRESH`, not per piece.
+    let mut armed: Option<Instant> = None;
     let mut write = |bytes: &[u8]| -> Result<(), StreamError> {
         if offer.revoked.load(Ordering::Relaxed) {
             return Err(StreamError::Revoked);
         }
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        let now = Instant::now();
+        let remaining = deadline.saturating_duration_since(now);
         if remaining.is_zero() {
             return Err(StreamError::Deadline(offer.timeout));
         }
-        out.set_write_timeout(Some(remaining))?;
+        if armed.is_none_or(|at| now.saturating_duration_since(at) >= wire::TIMEOUT_REFRESH) {
+            out.set_write_timeout(Some(remaining))?;
+            armed = Some(now);
+        }
         out.write_all(bytes).map_err(|e| {
             if matches!(
                 e.kind(),

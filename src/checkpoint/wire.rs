@@ -36,6 +36,9 @@ pub const END_MAGIC: &[u8; 8] = b"TFTCKEND";
 pub const MAX_REQUEST_BYTES: usize = 64 << 10;
 /// Largest reply message accepted.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 10;
+/// How often each side of a data stream sets its socket's timeouts again to the time left
+/// before the deadline (a blocking call may end up to this much after the deadline).
+pub const TIMEOUT_REFRESH: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Reply status: the range frame follows.
 pub const STATUS_OK: u32 = 200;
