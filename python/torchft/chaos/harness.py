@@ -293,7 +293,9 @@ class Chaos:
                 str(self.cfg.jitter),
             ]
             (self.dir / f"{tag}.history.jsonl").touch()
-            spare = self.pool.take()
+            # Spares are kept for restarts: a group's first start is cold, so the spares are
+            # still there when the faults begin.
+            spare = self.pool.take() if n > 0 else None
             proc: subprocess.Popen[Any] | None = None
             if spare is not None:
                 try:
