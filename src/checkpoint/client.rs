@@ -317,7 +317,7 @@ impl Fetch {
             fetch: self,
             spec,
             stream: &stream,
-            armed: None,
+            refresh: wire::TimeoutRefresh::default(),
         };
         let req = Request {
             token: spec.token.clone(),
@@ -409,30 +409,21 @@ struct Io<'a> {
     fetch: &'a Fetch,
     spec: &'a FetchSpec,
     stream: &'a TcpStream,
-    /// When the socket's timeouts were last set to the time left (None: not yet).
-    armed: Option<Instant>,
+    refresh: wire::TimeoutRefresh,
 }
 
 impl Io<'_> {
     /// Fails once the deadline has passed; else bounds the socket's blocking calls by the
-    /// time left, set again at most every [`wire::TIMEOUT_REFRESH`] (so a call may end that
-    /// much after the deadline): two system calls per read otherwise cost a tenth of a
-    /// heal's receiving time when reads return small pieces.
+    /// time left (see [`wire::TimeoutRefresh`]).
     fn set_timeouts(&mut self) -> Result<(), FetchError> {
         let r = remaining(self.spec, "receiving")?;
-        let now = Instant::now();
-        if self
-            .armed
-            .is_some_and(|at| now.saturating_duration_since(at) < wire::TIMEOUT_REFRESH)
-        {
+        if !self.refresh.due(Instant::now()) {
             return Ok(());
         }
         self.stream
             .set_read_timeout(Some(r))
             .and_then(|_| self.stream.set_write_timeout(Some(r)))
-            .map_err(|e| FetchError::Broken(e.to_string()))?;
-        self.armed = Some(now);
-        Ok(())
+            .map_err(|e| FetchError::Broken(e.to_string()))
     }
 
     fn read_exact(&mut self, buf: &mut [u8], what: &str) -> Result<(), FetchError> {
@@ -903,17 +894,20 @@ mod tests {
                 } else {
                     (None, None)
                 };
-                std::thread::spawn(move || proxy(client, target, flip_at, cut_at));
+                std::thread::spawn(move || proxy(client, target, flip_at, cut_at, None));
             }
         });
         (addr, accepted)
     }
 
+    /// Forwards the request, then the answer (damaged as [`tamper`] says). At `cut_at`,
+    /// with `hold`, both connections stay open and silent until `hold` is signalled.
     fn proxy(
         mut client: TcpStream,
         target: SocketAddr,
         flip_at: Option<usize>,
         cut_at: Option<usize>,
+        hold: Option<std::sync::mpsc::Receiver<()>>,
     ) {
         let mut server = TcpStream::connect(target).unwrap();
         let mut req = vec![0u8; 4096];
@@ -931,6 +925,9 @@ mod tests {
                 if pos + n >= cut {
                     n = cut - pos;
                     let _ = client.write_all(&buf[..n]);
+                    if let Some(hold) = hold {
+                        let _ = hold.recv_timeout(Duration::from_secs(30));
+                    }
                     break;
                 }
             }
@@ -1019,20 +1016,8 @@ mod tests {
         let target = server.local_addr();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let stalling = std::thread::spawn(move || {
-            let (mut client, _) = listener.accept().unwrap();
-            let mut source = TcpStream::connect(target).unwrap();
-            let mut req = vec![0u8; 4096];
-            let n = client.read(&mut req).unwrap();
-            source.write_all(&req[..n]).unwrap();
-            let mut left = 40 + (1 << 20);
-            let mut buf = vec![0u8; 64 << 10];
-            while left > 0 {
-                let n = source.read(&mut buf[..left.min(64 << 10)]).unwrap();
-                assert!(n > 0, "the source closed early");
-                client.write_all(&buf[..n]).unwrap();
-                left -= n;
-            }
-            let _ = done_rx.recv_timeout(Duration::from_secs(30));
+            let (client, _) = listener.accept().unwrap();
+            proxy(client, target, None, Some(40 + (1 << 20)), Some(done_rx));
         });
         let mut out = vec![vec![0u8; 4 << 20], vec![0u8; 10]];
         let dests = dests_of(&mut out);

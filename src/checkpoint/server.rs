@@ -549,9 +549,7 @@ fn stream_range(
     let deadline = Instant::now() + offer.timeout;
     let mut out = stream;
     let mut sent = 0u64;
-    // When the socket's write timeout was last set to the time left: set again at most every
-    // `TIMEOUT_REFRESH`, not per piece.
-    let mut armed: Option<Instant> = None;
+    let mut refresh = wire::TimeoutRefresh::default();
     let mut write = |bytes: &[u8]| -> Result<(), StreamError> {
         if offer.revoked.load(Ordering::Relaxed) {
             return Err(StreamError::Revoked);
@@ -561,9 +559,8 @@ fn stream_range(
         if remaining.is_zero() {
             return Err(StreamError::Deadline(offer.timeout));
         }
-        if armed.is_none_or(|at| now.saturating_duration_since(at) >= wire::TIMEOUT_REFRESH) {
+        if refresh.due(now) {
             out.set_write_timeout(Some(remaining))?;
-            armed = Some(now);
         }
         out.write_all(bytes).map_err(|e| {
             if matches!(
