@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from torchft.launch import Launcher, _pids_with_marker
+from torchft.launch import main as launch_main
 
 WORKER = textwrap.dedent(
     """
@@ -81,12 +82,24 @@ def test_killed_group_is_restarted_and_nothing_leaks(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_cli_rejects_bad_arguments(tmp_path: Path) -> None:
-    """Bad flags exit non-zero with a clear message and start nothing."""
+def test_cli_rejects_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bad flags exit 2 with a clear message and start nothing: the first case through the
+    real command line, the others through the same entry point in this process (each
+    ``python -m torchft.launch`` spends seconds importing torch before it reads its flags)."""
     script = tmp_path / "w.py"
     script.write_text("pass\n")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "")
+    r = subprocess.run(
+        [sys.executable, "-m", "torchft.launch", "--replicas", "0", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2, r
+    assert "--replicas must be at least 1" in r.stderr
     for args, msg in [
-        (["--replicas", "0", str(script)], "--replicas must be at least 1"),
         (["--replicas", "2", str(tmp_path / "missing.py")], "does not exist"),
         (["--replicas", "2", "--min-replicas", "3", str(script)], "--min-replicas"),
         (["--replicas", "2", "--standby", "-1", str(script)], "--standby must be >= 0"),
@@ -96,15 +109,8 @@ def test_cli_rejects_bad_arguments(tmp_path: Path) -> None:
             "module names",
         ),
     ]:
-        r = subprocess.run(
-            [sys.executable, "-m", "torchft.launch", *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env={**os.environ, "TORCHFT_LIGHTHOUSE": ""},
-        )
-        assert r.returncode == 2, r
-        assert msg in r.stderr
+        assert launch_main(args) == 2, args
+        assert msg in capsys.readouterr().err, args
 
 
 RESTARTED_WORKER = textwrap.dedent(
