@@ -107,6 +107,50 @@ def test_pool_output_file_and_bad_promotion(tmp_path: Path) -> None:
         pool.close()
 
 
+@pytest.mark.timeout(150)
+def test_a_spare_still_warming_can_be_promoted(tmp_path: Path) -> None:
+    """With none ready, ``take(warming=True)`` hands over the spare that has warmed longest.
+    Its promotion waits until it is ready; its output after ``released`` is the script's only
+    (the ``ready`` line stays with the pool), with an output file too; a warming spare that
+    dies after its promotion ends as a failed process, and its owner is not left waiting."""
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "out.log"
+    pool = StandbyPool(2, env=dict(os.environ))
+    pool.start()
+    try:
+        assert pool.take() is None  # nothing is ready this early
+        first = pool.take(warming=True)
+        second = pool.take(warming=True)
+        assert first is not None and second is not None
+        assert not first.ready.is_set() and not second.ready.is_set()
+        assert first.spawned <= second.spawned  # the one that has warmed longest goes first
+        env = dict(os.environ, WHO="warming")
+
+        # Promoted while warming, killed before it was ready: it ends killed, released.
+        doomed = pool.take(warming=True)  # a replacement, spawned just now
+        assert doomed is not None and not doomed.ready.is_set()
+        victim = pool.promote(doomed, [str(script)], env)
+        victim.kill()
+        assert victim.wait(30) == -signal.SIGKILL
+        assert doomed.released.wait(30) and not doomed.ready.is_set()
+
+        proc = pool.promote(first, [str(script), "--w"], env, cwd=str(tmp_path))
+        filed = pool.promote(second, [str(script)], dict(env, WHO="filed"), output=str(log))
+        assert first.released.wait(90)
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        assert proc.wait(60) == 0
+        assert f"argv ['--w'] env warming cwd {tmp_path} warm True" in out
+        assert "ready" not in out.split()
+        assert filed.wait(90) == 0
+        assert second.released.is_set() and filed.stdout is None  # closed once released
+        assert "env filed" in log.read_text()
+    finally:
+        pool.close()
+    assert pool.pids() == []
+
+
 @pytest.mark.timeout(60)
 def test_pool_gives_up_when_spares_keep_dying_before_ready() -> None:
     """Spares that cannot start (here: an interpreter that exits at once) are respawned a
@@ -190,6 +234,7 @@ WORKER = textwrap.dedent(
     dist.all_reduce(t)
     assert t.item() == int(os.environ["WORLD_SIZE"])
     (d / f"started_{g}_{rank}_{restart}_{'warm' if warm else 'cold'}_{os.getpid()}").touch()
+    print(f"worker up {g} {rank} {restart}", flush=True)
     while not (d / "stop").exists():
         time.sleep(0.05)
     dist.destroy_process_group()
@@ -209,11 +254,12 @@ def test_launch_replaces_a_dead_groups_ranks_with_warm_spares(tmp_path: Path) ->
         [str(tmp_path)],
         replicas=2,
         nproc_per_node=2,
-        max_restarts=2,
+        max_restarts=3,
         lighthouse="http://127.0.0.1:9",  # the worker never dials it
-        on_line=lambda g, line: None,
+        on_line=lambda g, line: lines.append((g, line.strip())),
         standby=2,
     )
+    lines: list[tuple[int, str]] = []
     code: list[int] = []
     spare_pids: list[int] = []
     try:
@@ -245,6 +291,23 @@ def test_launch_replaces_a_dead_groups_ranks_with_warm_spares(tmp_path: Path) ->
         os.kill(launcher.group_pids(1)[0], signal.SIGKILL)
         wait_for(lambda: len(started(tmp_path, 1)) == 6, 120, "group 1 second restart")
         assert launcher.groups[1].restarts == 2 and launcher.groups[1].warm == 2
+
+        # At once again, while the spares that replaced those two are still warming: the
+        # restart takes them as they are (ahead of a cold start), and the ranks' output
+        # still reaches the launcher, without the spares' own "ready" lines.
+        assert launcher.pool.ready_count() == 0
+        os.kill(launcher.group_pids(1)[0], signal.SIGKILL)
+        wait_for(lambda: len(started(tmp_path, 1)) == 8, 120, "group 1 third restart")
+        assert launcher.groups[1].restarts == 3 and launcher.groups[1].warm == 2
+        third = sorted(n for n in started(tmp_path, 1) if n.split("_")[3] == "3")
+        assert [n.split("_")[2] for n in third] == ["0", "1"], third
+        assert all("_warm_" in n for n in third), third
+        wait_for(
+            lambda: {(1, "worker up 1 0 3"), (1, "worker up 1 1 3")} <= set(lines),
+            30,
+            "the third incarnation's output",
+        )
+        assert (1, "ready") not in lines
         spare_pids = launcher.pool.pids()
         (tmp_path / "stop").touch()
         runner.join(120)

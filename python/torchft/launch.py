@@ -19,7 +19,8 @@ gives every rank torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`
 ``TORCHELASTIC_RESTART_COUNT``, ...). When a rank dies, the group's other ranks are stopped
 and every rank is replaced by a spare handed that identity, which runs the script from the
 top in a process that has already paid torch's start-up; new spares warm up in the
-background. Without a ready spare a rank starts cold, as before.
+background. Without a ready spare a rank takes the spare that has warmed longest (it runs
+the script once warm); with none at all it starts cold.
 """
 
 from __future__ import annotations
@@ -363,11 +364,14 @@ class Launcher:
         g.exit_code = None
         for rank in range(n):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-            spare = self.pool.take()
+            # A spare still warming is ahead of a cold start by as long as it has warmed.
+            spare = self.pool.take(warming=True)
             proc: subprocess.Popen[str] | None = None
+            released: threading.Event | None = None
             if spare is not None:
                 try:
                     proc = self.pool.promote(spare, [self.script, *self.script_args], env)
+                    released = spare.released
                     g.warm += 1
                 except StandbyError as e:
                     logger.warning("group %d rank %d: %s; starting it cold", g.index, rank, e)
@@ -383,7 +387,7 @@ class Launcher:
             g.ranks.append(proc)
             threading.Thread(
                 target=self._pump,
-                args=(g.index, proc),
+                args=(g.index, proc, released),
                 name=f"group-{g.index}-r{rank}",
                 daemon=True,
             ).start()
@@ -404,9 +408,17 @@ class Launcher:
             return 0
         return None
 
-    def _pump(self, index: int, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+    def _pump(
+        self, index: int, proc: subprocess.Popen[str], after: threading.Event | None = None
+    ) -> None:
+        """Hands a process's output lines to ``on_line``; with ``after`` (a spare promoted
+        while warming), only once the pool has stopped reading the spare's warm-up output."""
+        if after is not None:
+            after.wait()
+        stdout = proc.stdout
+        if stdout is None:
+            return
+        for line in stdout:
             try:
                 self.on_line(index, line)
             except Exception:  # a broken handler must not stop the output pump

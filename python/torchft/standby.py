@@ -216,9 +216,20 @@ class Spare:
     proc: subprocess.Popen[str]
     spawned: float
     ready: threading.Event = field(default_factory=threading.Event)
+    #: Set once the pool stopped reading the spare's output (at ``ready``, or at its end if
+    #: it died first): from then on ``proc.stdout`` carries only what the promoted run
+    #: prints. An owner that promoted a spare still warming reads its output after this.
+    released: threading.Event = field(default_factory=threading.Event)
     #: What it printed before ``ready`` (an import error, typically).
     output: list[str] = field(default_factory=list)
     ready_s: float | None = None
+    #: Promoted with an output file while still warming: the pool's reader closes
+    #: ``proc.stdout`` once it is released (closing it earlier would break the spare's
+    #: ``ready`` line on a closed pipe).
+    close_on_release: bool = False
+    #: Handed an identity by :meth:`StandbyPool.promote`.
+    promoted: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class StandbyPool:
@@ -312,17 +323,28 @@ class StandbyPool:
         with self._lock:
             return [s.proc.pid for s in self._spares]
 
-    def take(self) -> Spare | None:
+    def take(self, warming: bool = False) -> Spare | None:
         """Removes and returns a ready spare (a new one starts warming in its place); None
-        when no spare is ready."""
+        when no spare is ready.
+
+        Args:
+            warming: when none is ready, take the spare that has warmed longest instead (it
+                is ahead of a cold start by that long). Its promotion waits in its input
+                until it is ready; read its output only after ``spare.released`` is set.
+        """
         with self._lock:
-            for s in self._spares:
-                if s.ready.is_set() and s.proc.poll() is None:
-                    self._spares.remove(s)
-                    if not self._closed and self._failed is None:
-                        self._spares.append(self._spawn())
-                    return s
-        return None
+            alive = [s for s in self._spares if s.proc.poll() is None]
+            ready = [s for s in alive if s.ready.is_set()]
+            if ready:
+                chosen = ready[0]
+            elif warming and alive:
+                chosen = min(alive, key=lambda s: s.spawned)
+            else:
+                return None
+            self._spares.remove(chosen)
+            if not self._closed and self._failed is None:
+                self._spares.append(self._spawn())
+            return chosen
 
     def promote(
         self,
@@ -360,9 +382,15 @@ class StandbyPool:
             raise StandbyError(
                 f"standby process {spare.proc.pid} died before promotion: {e}"
             ) from e
-        if output is not None and spare.proc.stdout is not None:
-            spare.proc.stdout.close()  # the promoted process writes to `output`
-            spare.proc.stdout = None
+        if output is not None:
+            # The promoted process writes to `output`; a spare still warming writes `ready`
+            # first, so its pipe is closed once the pool's reader has read that.
+            with spare.lock:
+                if spare.released.is_set():
+                    _close_stdout(spare.proc)
+                else:
+                    spare.close_on_release = True
+        spare.promoted = True
         with self._lock:
             self.promoted += 1
         logger.info("promoted standby process %d (%s)", spare.proc.pid, " ".join(argv)[:200])
@@ -391,9 +419,10 @@ class StandbyPool:
 
     def _await_ready(self, spare: Spare) -> None:
         """Reads the spare's output up to ``ready`` (the rest belongs to the promoted run)."""
-        assert spare.proc.stdout is not None
+        stdout = spare.proc.stdout
+        assert stdout is not None
         try:
-            for line in spare.proc.stdout:
+            for line in stdout:
                 if line.strip() == READY:
                     spare.ready_s = time.monotonic() - spare.spawned
                     spare.ready.set()
@@ -403,6 +432,20 @@ class StandbyPool:
                 del spare.output[:-50]
         except (ValueError, OSError):
             pass  # closed by close(): the spare is being killed
+        finally:
+            with spare.lock:
+                spare.released.set()
+                if spare.close_on_release:
+                    _close_stdout(spare.proc)
+        if spare.promoted:
+            # Promoted while warming and gone before ready: its owner sees the exit, and
+            # what it printed is only here.
+            text = "".join(spare.output).strip()
+            logger.warning(
+                "standby process %d, promoted while warming, ended before it was ready%s",
+                spare.proc.pid,
+                f": {text[-300:]}" if text else "",
+            )
         self._wake.set()  # ended before ready: the monitor looks at it
 
     def _watch(self) -> None:
@@ -459,6 +502,16 @@ def kill_session(proc: subprocess.Popen[str], wait_s: float = 10.0) -> None:
         proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         logger.error("process %d did not exit after SIGKILL", proc.pid)
+
+
+def _close_stdout(proc: subprocess.Popen[str]) -> None:
+    """Closes and forgets the owner's end of a spare's output pipe."""
+    if proc.stdout is not None:
+        try:
+            proc.stdout.close()
+        except OSError:
+            pass
+        proc.stdout = None
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

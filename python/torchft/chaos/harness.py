@@ -294,8 +294,9 @@ class Chaos:
             ]
             (self.dir / f"{tag}.history.jsonl").touch()
             # Spares are kept for restarts: a group's first start is cold, so the spares are
-            # still there when the faults begin.
-            spare = self.pool.take() if n > 0 else None
+            # still there when the faults begin. A restart takes a spare still warming when
+            # none is ready (it is ahead of a cold start), as the launcher does.
+            spare = self.pool.take(warming=True) if n > 0 else None
             proc: subprocess.Popen[Any] | None = None
             if spare is not None:
                 try:
