@@ -3,6 +3,7 @@ bad input fails at once, and nothing is left behind (real processes throughout).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -108,7 +109,9 @@ def test_pool_output_file_and_bad_promotion(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_a_spare_still_warming_can_be_promoted(tmp_path: Path) -> None:
+def test_a_spare_still_warming_can_be_promoted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """With none ready, ``take(warming=True)`` hands over the spare that has warmed longest.
     Its promotion waits until it is ready; its output after ``released`` is the script's only
     (the ``ready`` line stays with the pool), with an output file too; a warming spare that
@@ -116,6 +119,7 @@ def test_a_spare_still_warming_can_be_promoted(tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
     log = tmp_path / "out.log"
+    caplog.set_level(logging.INFO, logger="torchft.standby")
     pool = StandbyPool(2, env=dict(os.environ))
     pool.start()
     try:
@@ -134,6 +138,10 @@ def test_a_spare_still_warming_can_be_promoted(tmp_path: Path) -> None:
         victim.kill()
         assert victim.wait(30) == -signal.SIGKILL
         assert doomed.released.wait(30) and not doomed.ready.is_set()
+        # Killed by a signal: noted, not warned about.
+        said = f"standby process {victim.pid}, promoted while warming, ended (exit -9)"
+        wait_for(lambda: any(said in r.getMessage() for r in caplog.records), 10, "the note")
+        assert all(r.levelno == logging.INFO for r in caplog.records if said in r.getMessage())
 
         proc = pool.promote(first, [str(script), "--w"], env, cwd=str(tmp_path))
         filed = pool.promote(second, [str(script)], dict(env, WHO="filed"), output=str(log))

@@ -439,11 +439,18 @@ class StandbyPool:
                     _close_stdout(spare.proc)
         if spare.promoted:
             # Promoted while warming and gone before ready: its owner sees the exit, and
-            # what it printed is only here.
+            # what it printed is only here. Killed by a signal (its owner stopping it, a
+            # fault) is no news; anything else is.
+            try:
+                code: int | None = spare.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                code = None
             text = "".join(spare.output).strip()
-            logger.warning(
-                "standby process %d, promoted while warming, ended before it was ready%s",
+            logger.log(
+                logging.INFO if code is not None and code < 0 else logging.WARNING,
+                "standby process %d, promoted while warming, ended (exit %s) before it was ready%s",
                 spare.proc.pid,
+                code,
                 f": {text[-300:]}" if text else "",
             )
         self._wake.set()  # ended before ready: the monitor looks at it
