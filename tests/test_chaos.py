@@ -226,6 +226,50 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     assert "ended itself: held hung" in rep.regressions[0]
 
 
+def test_a_holder_stopped_as_diverged_holds_no_progress_from_its_last_commit(
+    tmp_path: Path,
+) -> None:
+    """A re-commit past a live holder is a violation, unless that holder was stopped as
+    diverged (it ends itself with exit 77 and commits nothing after its verdict): from its
+    last commit on, its state is not progress. Then the re-commit is an unavoidable
+    regression named after it, however long the stopped process takes to exit; a holder
+    that kept committing, or that exited otherwise, still makes it a violation."""
+    from torchft.chaos.history import DIVERGED_EXIT
+
+    A, C = 10**6 + 611, 10**6 + 612  # pids surely not running here
+
+    def run(a_rc: int, a_last: float) -> list[str]:
+        _run(
+            tmp_path,
+            {
+                "a": [
+                    _commit("a", A, 1, 10, "s1", 1.0),
+                    _commit("a", A, 2, 11, "a2", 2.0),
+                    _commit("a", A, 3, 11, "a3", a_last),
+                ],
+                "c": [
+                    _commit("c", C, 1, 10, "s1", 1.0),
+                    _commit("c", C, 2, 12, "c2", 5.0),
+                    _commit("c", C, 3, 12, "c3", 6.0),
+                    _finish("c", C, 3, "c3", 7.0),
+                ],
+            },
+            [*_life("a", A, 0.0, 9.0, rc=a_rc), *_life("c", C, 0.0, 8.0)],
+        )
+        rep = check(tmp_path, target=3, min_replicas=1, groups=["c"])
+        return [v for v in rep.violations if "regress" in v] + rep.regressions
+
+    said = run(DIVERGED_EXIT, 3.0)
+    assert len(said) == 1 and "step 2 re-committed by c" in said[0], said
+    assert f"process {A} (a) stopped as diverged with no majority" in said[0]
+    # Still committing after the re-commit: it was not stopped; a live holder was bypassed.
+    said = run(DIVERGED_EXIT, 5.5)
+    assert any(v.startswith("progress regressed: c") for v in said), said
+    # A holder that did not stop as diverged (exit 0 later): a violation, as before.
+    said = run(0, 3.0)
+    assert any(v.startswith("progress regressed: c") for v in said), said
+
+
 def test_checker_flags_a_process_whose_own_progress_goes_back(tmp_path: Path) -> None:
     """A process that commits a step it already committed (same state, so no fork) is a
     violation: its progress went back, though nobody else holds another state."""

@@ -343,6 +343,12 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     rep.bitflips = len(flips)
     carriers = _Carriers(flips, commits)
     death: dict[int, float] = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
+    # A process stopped as diverged (it ended itself with DIVERGED_EXIT) holds no progress
+    # from its last commit on: the lighthouse stopped it because no majority vouched for its
+    # state, and no group heals from or restores a state so judged. Progress it alone held is
+    # not progress a holder may come back with (invariant 7), however long its exit takes.
+    stopped = _diverged_stops(commits, procs)
+    gone = {pid: min(t, stopped.get(pid, t)) for pid, t in death.items()}
 
     # Same quorum, same step: same state; a bit flip adds at most one state, within its
     # window, held only by commits that may carry it.
@@ -391,7 +397,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             ahead = sorted(
                 pid
                 for pid, s in last_step.items()
-                if s >= step and pid != c["pid"] and death.get(pid, float("inf")) > c["t"]
+                if s >= step and pid != c["pid"] and gone.get(pid, float("inf")) > c["t"]
             )
             # A second state in the same quorum that bit flips explain (the quorum rule
             # above) is not a regression of progress.
@@ -414,7 +420,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 # Every holder died; the injector never kills the last one but in a total
                 # loss, so something the run recorded must explain it.
                 held_until = max((x["t"] for x in commits[:i] if x["step"] >= step), default=0.0)
-                why = _regression_cause(held_until, c["t"], run.faults, procs)
+                why = _regression_cause(held_until, c["t"], run.faults, procs, stopped)
                 if why is None:
                     rep.violations.append(
                         f"progress regressed with nothing to explain it: step {step} "
@@ -665,14 +671,33 @@ def _judge_participants(
 KILL_TRAIL_S = 1.0
 
 
+def _diverged_stops(commits: list[dict[str, Any]], procs: list[dict[str, Any]]) -> dict[int, float]:
+    """Processes that ended themselves as diverged (DIVERGED_EXIT, not killed), each with the
+    time of its last commit: it committed nothing after the lighthouse's verdict."""
+    last: dict[int, float] = {}
+    for c in commits:
+        last[c["pid"]] = max(last.get(c["pid"], 0.0), c["t"])
+    return {
+        r["pid"]: last.get(r["pid"], r["t"])
+        for r in procs
+        if r["kind"] == "exit" and r["rc"] == DIVERGED_EXIT and not r["killed"]
+    }
+
+
 def _regression_cause(
-    lo: float, hi: float, faults: list[dict[str, Any]], procs: list[dict[str, Any]]
+    lo: float,
+    hi: float,
+    faults: list[dict[str, Any]],
+    procs: list[dict[str, Any]],
+    stopped: dict[int, float] | None = None,
 ) -> str | None:
     """What, between the last commit of the lost steps (``lo``) and their re-commit (``hi``),
     explains that every holder died: a total loss, a kill that took the last live holders of
     the best step (the injector keeps a running group that has committed, not one at the
     best step), or a process that ended itself (asked for a restart, held hung, stopped as
-    diverged). None when nothing does."""
+    diverged). A process stopped as diverged (``stopped``: pid -> its last commit) counts
+    from the moment it stopped committing, if it was still alive at ``lo``. None when
+    nothing does."""
     for f in faults:
         # A killed process's last lines may trail the kill's record by the moment it takes
         # to die (harnesses before the record moved after the deaths).
@@ -689,6 +714,13 @@ def _regression_cause(
     for r in procs:
         if r["kind"] == "exit" and not r["killed"] and r["rc"] in ended and lo <= r["t"] <= hi:
             return f"process {r['pid']} ({r['group']}) ended itself: {ended[r['rc']]}"
+    for pid, at in (stopped or {}).items():
+        exited = next(r for r in procs if r["kind"] == "exit" and r["pid"] == pid)
+        if at <= hi and exited["t"] >= lo:
+            return (
+                f"process {pid} ({exited['group']}) stopped as diverged with no majority "
+                "(its state is not progress; it exited later)"
+            )
     return None
 
 
