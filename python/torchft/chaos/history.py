@@ -348,7 +348,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     # state, and no group heals from or restores a state so judged. Progress it alone held is
     # not progress a holder may come back with (invariant 7), however long its exit takes.
     stopped = _diverged_stops(commits, procs)
-    gone = {pid: min(t, stopped.get(pid, t)) for pid, t in death.items()}
+    gone = {pid: min(t, stopped[pid][0]) if pid in stopped else t for pid, t in death.items()}
 
     # Same quorum, same step: same state; a bit flip adds at most one state, within its
     # window, held only by commits that may carry it.
@@ -671,14 +671,17 @@ def _judge_participants(
 KILL_TRAIL_S = 1.0
 
 
-def _diverged_stops(commits: list[dict[str, Any]], procs: list[dict[str, Any]]) -> dict[int, float]:
-    """Processes that ended themselves as diverged (DIVERGED_EXIT, not killed), each with the
-    time of its last commit: it committed nothing after the lighthouse's verdict."""
+def _diverged_stops(
+    commits: list[dict[str, Any]], procs: list[dict[str, Any]]
+) -> dict[int, tuple[float, dict[str, Any]]]:
+    """Processes that ended themselves as diverged (DIVERGED_EXIT, not killed): the time of
+    each one's last commit (it committed nothing after the lighthouse's verdict) and its exit
+    record."""
     last: dict[int, float] = {}
     for c in commits:
         last[c["pid"]] = max(last.get(c["pid"], 0.0), c["t"])
     return {
-        r["pid"]: last.get(r["pid"], r["t"])
+        r["pid"]: (last.get(r["pid"], r["t"]), r)
         for r in procs
         if r["kind"] == "exit" and r["rc"] == DIVERGED_EXIT and not r["killed"]
     }
@@ -689,13 +692,13 @@ def _regression_cause(
     hi: float,
     faults: list[dict[str, Any]],
     procs: list[dict[str, Any]],
-    stopped: dict[int, float] | None = None,
+    stopped: dict[int, tuple[float, dict[str, Any]]] | None = None,
 ) -> str | None:
     """What, between the last commit of the lost steps (``lo``) and their re-commit (``hi``),
     explains that every holder died: a total loss, a kill that took the last live holders of
     the best step (the injector keeps a running group that has committed, not one at the
     best step), or a process that ended itself (asked for a restart, held hung, stopped as
-    diverged). A process stopped as diverged (``stopped``: pid -> its last commit) counts
+    diverged). A process stopped as diverged (``stopped``, from :func:`_diverged_stops`) counts
     from the moment it stopped committing, if it was still alive at ``lo``. None when
     nothing does."""
     for f in faults:
@@ -714,8 +717,7 @@ def _regression_cause(
     for r in procs:
         if r["kind"] == "exit" and not r["killed"] and r["rc"] in ended and lo <= r["t"] <= hi:
             return f"process {r['pid']} ({r['group']}) ended itself: {ended[r['rc']]}"
-    for pid, at in (stopped or {}).items():
-        exited = next(r for r in procs if r["kind"] == "exit" and r["pid"] == pid)
+    for pid, (at, exited) in (stopped or {}).items():
         if at <= hi and exited["t"] >= lo:
             return (
                 f"process {pid} ({exited['group']}) stopped as diverged with no majority "
