@@ -107,13 +107,20 @@ def read_seconds(path: str) -> float:
 
 
 def mark(path: str) -> bool:
-    """Creates ``path`` exclusively with the wall time; False if it already exists."""
+    """Creates ``path`` exclusively with the wall time and pid; False if it already exists.
+
+    The content is written to a private file first and then hard-linked into place, so a
+    reader that sees ``path`` always sees it whole (an exclusive create then a write would
+    let a watcher read it empty in between)."""
+    staging = f"{path}.{os.getpid()}.tmp"
+    with open(staging, "w") as f:
+        f.write(f"{time.time()} {os.getpid()}")
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.link(staging, path)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{time.time()} {os.getpid()}")
+    finally:
+        os.unlink(staging)
     return True
 
 
