@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import os, sys
     warm = "torch" in sys.modules and "torch._dynamo" in sys.modules
     print("argv", sys.argv[1:], "env", os.environ.get("WHO"), "cwd", os.getcwd(),
-          "warm", warm, "path0", sys.path[0], flush=True)
+          "warm", warm, "path0", sys.path[0], "big", len(os.environ.get("BIG", "")), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     sys.exit(int(os.environ.get("CODE", "0")))
     """
@@ -113,7 +113,8 @@ def test_a_spare_still_warming_can_be_promoted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With none ready, ``take(warming=True)`` hands over the spare that has warmed longest.
-    Its promotion waits until it is ready; its output after ``released`` is the script's only
+    Its promotion returns at once, even with an identity larger than a pipe holds, and the
+    spare runs it once warm; its output after ``released`` is the script's only
     (the ``ready`` line stays with the pool), with an output file too; a warming spare that
     dies after its promotion ends as a failed process, and its owner is not left waiting."""
     script = tmp_path / "s.py"
@@ -143,13 +144,18 @@ def test_a_spare_still_warming_can_be_promoted(
         wait_for(lambda: any(said in r.getMessage() for r in caplog.records), 10, "the note")
         assert all(r.levelno == logging.INFO for r in caplog.records if said in r.getMessage())
 
-        proc = pool.promote(first, [str(script), "--w"], env, cwd=str(tmp_path))
+        # An identity larger than a pipe holds (a big environment) does not hold the owner
+        # until the spare is warm enough to read it.
+        big = dict(env, BIG="x" * 300_000)
+        proc = pool.promote(first, [str(script), "--w"], big, cwd=str(tmp_path))
+        assert not first.ready.is_set(), "the promotion waited for the spare to warm"
         filed = pool.promote(second, [str(script)], dict(env, WHO="filed"), output=str(log))
         assert first.released.wait(90)
         assert proc.stdout is not None
         out = proc.stdout.read()
         assert proc.wait(60) == 0
         assert f"argv ['--w'] env warming cwd {tmp_path} warm True" in out
+        assert "big 300000" in out
         assert "ready" not in out.split()
         assert filed.wait(90) == 0
         assert second.released.is_set() and filed.stdout is None  # closed once released

@@ -208,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 # ---- the pool ------------------------------------------------------------------------------
 
+#: A promotion this long is written at once: a pipe holds at least one page (4 KiB on Linux)
+#: even when the system limits pipe sizes, so the write never waits for the spare to read.
+_PIPE_SAFE_BYTES = 4096
+
 
 @dataclass
 class Spare:
@@ -358,6 +362,8 @@ class StandbyPool:
         """Gives ``spare`` an identity: it runs ``argv`` (a script path and its arguments, or
         a module name and its arguments with ``module``) with exactly ``env``.
 
+        Returns at once, even for a spare still warming (it reads its identity once warm).
+
         Returns:
             The spare's process, now the promoted one. Its standard output (and error) go to
             ``output`` when given, else they stay on the pipe ``proc.stdout``.
@@ -372,16 +378,30 @@ class StandbyPool:
             "module": module,
             "output": output,
         }
-        assert spare.proc.stdin is not None
-        try:
-            spare.proc.stdin.write(json.dumps(msg) + "\n")
-            spare.proc.stdin.close()
-            spare.proc.stdin = None  # the promoted process reads nothing more from us
-        except (BrokenPipeError, OSError) as e:
-            _kill(spare.proc)
-            raise StandbyError(
-                f"standby process {spare.proc.pid} died before promotion: {e}"
-            ) from e
+        stdin = spare.proc.stdin
+        assert stdin is not None
+        spare.proc.stdin = None  # the promoted process reads nothing more from us
+        line = json.dumps(msg) + "\n"
+        if len(line.encode()) <= _PIPE_SAFE_BYTES or spare.proc.poll() is not None:
+            # Fits in the pipe whether or not the spare reads yet (or the spare is gone,
+            # which the write says at once).
+            try:
+                stdin.write(line)
+                stdin.close()
+            except (BrokenPipeError, OSError) as e:
+                _kill(spare.proc)
+                raise StandbyError(
+                    f"standby process {spare.proc.pid} died before promotion: {e}"
+                ) from e
+        else:
+            # A spare reads its identity only once warm: a write larger than the pipe would
+            # hold the owner until then (for ever, if the spare hangs while warming).
+            threading.Thread(
+                target=_hand_over,
+                args=(spare.proc, stdin, line),
+                name=f"standby-promote-{spare.proc.pid}",
+                daemon=True,
+            ).start()
         if output is not None:
             # The promoted process writes to `output`; a spare still warming writes `ready`
             # first, so its pipe is closed once the pool's reader has read that.
@@ -509,6 +529,22 @@ def kill_session(proc: subprocess.Popen[str], wait_s: float = 10.0) -> None:
         proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         logger.error("process %d did not exit after SIGKILL", proc.pid)
+
+
+def _hand_over(proc: subprocess.Popen[str], stdin: Any, line: str) -> None:
+    """Writes a promotion larger than a pipe holds, as the spare reads it; a spare that ends
+    first ends as the promoted process (its owner sees its exit), and is said to have."""
+    try:
+        stdin.write(line)
+        stdin.close()
+    except (BrokenPipeError, OSError, ValueError) as e:
+        logger.warning(
+            "standby process %d ended before it read its promotion (%d bytes): %s",
+            proc.pid,
+            len(line),
+            e,
+        )
+        kill_session(proc, wait_s=5.0)
 
 
 def _close_stdout(proc: subprocess.Popen[str]) -> None:
