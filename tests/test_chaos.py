@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from torchft.chaos import Chaos, ChaosConfig, check
+from torchft.chaos.report import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,6 +269,59 @@ def test_a_holder_stopped_as_diverged_holds_no_progress_from_its_last_commit(
     # A holder that did not stop as diverged (exit 0 later): a violation, as before.
     said = run(0, 3.0)
     assert any(v.startswith("progress regressed: c") for v in said), said
+
+
+def test_a_holder_the_lighthouse_stopped_as_diverged_holds_nothing_even_if_killed(
+    tmp_path: Path,
+) -> None:
+    """The lighthouse stops a holder as diverged (its event log says so) and a fault kills
+    it before it can end itself: from the verdict on its state is not progress, so a fresh
+    group that restores an older snapshot and re-commits past it is an unavoidable
+    regression named after it, not a bypassed live holder. Without the verdict, or with a
+    verdict that comes only after the restore, both are violations."""
+    A, C = 10**6 + 621, 10**6 + 622  # pids surely not running here
+
+    def run(verdict_t: float | None) -> Report:
+        _run(
+            tmp_path,
+            {
+                "a": [_commit("a", A, s, 10, f"s{s}", float(s)) for s in (1, 2, 3)],
+                "c": [
+                    {"kind": "restore", "group": "c", "pid": C, "step": 1, "state": "s1", "t": 4.5},
+                    _commit("c", C, 2, 12, "c2", 6.0),
+                    _commit("c", C, 3, 12, "c3", 7.0),
+                    _finish("c", C, 3, "c3", 8.0),
+                ],
+            },
+            [_start("a", A, 0.0), _start("c", C, 4.0), _killed("a", A, 9.0), _exit("c", C, 9.0)],
+        )
+        events = tmp_path / "events.jsonl"
+        events.unlink(missing_ok=True)
+        if verdict_t is not None:
+            verdict = {
+                "kind": "replica_diverged",
+                "action": "stop",
+                "replica_id": "a:0f1e2d3c",
+                "step": 3,
+                "ts": verdict_t,
+            }
+            # A bit flip explains the verdict (else it is a false one).
+            flip = {"kind": "bitflip", "group": "a", "pid": A, "step": 2, "parity_every": 1}
+            _write(
+                tmp_path / "a.history.jsonl",
+                [*_read(tmp_path / "a.history.jsonl"), {**flip, "t": 2.5}],
+            )
+            _write(events, [verdict])
+        return check(tmp_path, target=3, min_replicas=1, groups=["c"])
+
+    rep = run(3.5)
+    assert not [v for v in rep.violations if "regress" in v or "bypassed" in v], rep.violations
+    assert len(rep.regressions) == 1, rep.regressions
+    assert f"process {A} (a) stopped as diverged with no majority" in rep.regressions[0]
+    for verdict_t in (None, 6.5):
+        said = run(verdict_t).violations
+        assert any("bypassed" in v for v in said), (verdict_t, said)
+        assert any(v.startswith("progress regressed: c") for v in said), (verdict_t, said)
 
 
 def test_checker_flags_a_process_whose_own_progress_goes_back(tmp_path: Path) -> None:

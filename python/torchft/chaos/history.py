@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from torchft.chaos.goodput import compare, harness_goodput, lighthouse_goodput, read_voted
+from torchft.chaos.regressions import diverged_stops, regression_cause
 from torchft.chaos.report import DIVERGED_EXIT, HUNG_EXIT, RESTART_EXIT, Recovery, Report
 
 __all__ = [
@@ -275,11 +276,13 @@ class _Run:
     flips: list[_Flip]
     procs: list[dict[str, Any]]
     faults: list[dict[str, Any]]
+    #: The lighthouse's event log (empty when the run has none).
+    events: list[dict[str, Any]]
 
     @classmethod
     def read(cls, run_dir: Path) -> _Run:
         """Reads the files of the run in ``run_dir``."""
-        run = cls([], [], {}, [], [], [], [], [])
+        run = cls([], [], {}, [], [], [], [], [], [])
         for p in sorted(run_dir.glob("*.history.jsonl")):
             for rec in read_jsonl(p):
                 if rec["kind"] == "commit":
@@ -300,6 +303,8 @@ class _Run:
         run.procs = read_jsonl(run_dir / "processes.jsonl")
         if (run_dir / "faults.jsonl").exists():
             run.faults = read_jsonl(run_dir / "faults.jsonl")
+        if (run_dir / "events.jsonl").exists():
+            run.events = read_jsonl(run_dir / "events.jsonl")
         return run
 
 
@@ -343,11 +348,11 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     rep.bitflips = len(flips)
     carriers = _Carriers(flips, commits)
     death: dict[int, float] = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
-    # A process stopped as diverged (it ended itself with DIVERGED_EXIT) holds no progress
-    # from its last commit on: the lighthouse stopped it because no majority vouched for its
-    # state, and no group heals from or restores a state so judged. Progress it alone held is
-    # not progress a holder may come back with (invariant 7), however long its exit takes.
-    stopped = _diverged_stops(commits, procs)
+    # A process stopped as diverged holds no progress from its stop on: the lighthouse
+    # stopped it because no majority vouched for its state, and no group heals from or
+    # restores a state so judged. Progress it alone held is not progress a holder may come
+    # back with (invariant 7), however long its exit takes or whatever kills it first.
+    stopped = diverged_stops(commits, procs, run.events)
     gone = {pid: min(t, stopped[pid][0]) if pid in stopped else t for pid, t in death.items()}
 
     # Same quorum, same step: same state; a bit flip adds at most one state, within its
@@ -420,7 +425,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 # Every holder died; the injector never kills the last one but in a total
                 # loss, so something the run recorded must explain it.
                 held_until = max((x["t"] for x in commits[:i] if x["step"] >= step), default=0.0)
-                why = _regression_cause(held_until, c["t"], run.faults, procs, stopped)
+                why = regression_cause(held_until, c["t"], run.faults, procs, stopped)
                 if why is None:
                     rep.violations.append(
                         f"progress regressed with nothing to explain it: step {step} "
@@ -511,8 +516,8 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
         if r["kind"] == "start" and _alive(r["pid"]):
             rep.violations.append(f"process {r['pid']} ({r['group']}) is still running")
 
-    _judge_total_losses(rep, run)
-    _judge_verdicts(rep, run_dir, run)
+    _judge_total_losses(rep, run, stopped)
+    _judge_verdicts(rep, run)
     _judge_goodput(rep, run_dir, run.procs, run.faults)
     _timings(rep, run)
     return rep
@@ -667,77 +672,22 @@ def _judge_participants(
                 )
 
 
-#: How long after a kill's record a killed process's own last history lines may come.
-KILL_TRAIL_S = 1.0
-
-
-def _diverged_stops(
-    commits: list[dict[str, Any]], procs: list[dict[str, Any]]
-) -> dict[int, tuple[float, dict[str, Any]]]:
-    """Processes that ended themselves as diverged (DIVERGED_EXIT, not killed): the time of
-    each one's last commit (it committed nothing after the lighthouse's verdict) and its exit
-    record."""
-    last: dict[int, float] = {}
-    for c in commits:
-        last[c["pid"]] = max(last.get(c["pid"], 0.0), c["t"])
-    return {
-        r["pid"]: (last.get(r["pid"], r["t"]), r)
-        for r in procs
-        if r["kind"] == "exit" and r["rc"] == DIVERGED_EXIT and not r["killed"]
-    }
-
-
-def _regression_cause(
-    lo: float,
-    hi: float,
-    faults: list[dict[str, Any]],
-    procs: list[dict[str, Any]],
-    stopped: dict[int, tuple[float, dict[str, Any]]] | None = None,
-) -> str | None:
-    """What, between the last commit of the lost steps (``lo``) and their re-commit (``hi``),
-    explains that every holder died: a total loss, a kill that took the last live holders of
-    the best step (the injector keeps a running group that has committed, not one at the
-    best step), or a process that ended itself (asked for a restart, held hung, stopped as
-    diverged). A process stopped as diverged (``stopped``, from :func:`_diverged_stops`) counts
-    from the moment it stopped committing, if it was still alive at ``lo``. None when
-    nothing does."""
-    for f in faults:
-        # A killed process's last lines may trail the kill's record by the moment it takes
-        # to die (harnesses before the record moved after the deaths).
-        if not lo - KILL_TRAIL_S <= f["t"] <= hi:
-            continue
-        if f["fault"] == "kill_all":
-            return "a total loss (kill_all)"
-        if f.get("best_left", f.get("best", 0)) < f.get("best", 0):
-            return (
-                f"{f['fault']} of {f['groups']} took the last live holders of step "
-                f"{f['best']} (the others were at {f['best_left']} at most)"
-            )
-    ended = {RESTART_EXIT: "asked for a restart", HUNG_EXIT: "held hung", DIVERGED_EXIT: "diverged"}
-    for r in procs:
-        if r["kind"] == "exit" and not r["killed"] and r["rc"] in ended and lo <= r["t"] <= hi:
-            return f"process {r['pid']} ({r['group']}) ended itself: {ended[r['rc']]}"
-    for pid, (at, exited) in (stopped or {}).items():
-        if at <= hi and exited["t"] >= lo:
-            return (
-                f"process {pid} ({exited['group']}) stopped as diverged with no majority "
-                "(its state is not progress; it exited later)"
-            )
-    return None
-
-
-def _judge_total_losses(rep: Report, run: _Run) -> None:
+def _judge_total_losses(
+    rep: Report, run: _Run, stopped: dict[int, tuple[float, dict[str, Any]]]
+) -> None:
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
     loses no more than the snapshot interval, plus one more interval when the newest
     snapshot step's writer had not finished (a kill during or just before the write). Any
     restore, after a total loss or after the last holders of newer steps died otherwise,
     holds a state committed at its step and never bypasses a live holder of that step or a
-    later one."""
+    later one (a holder stopped as diverged holds nothing from its stop on)."""
     commits, procs = run.commits, run.procs
     kills = [f for f in run.faults if f["fault"] == "kill_all"]
     started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
-    died = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
+    gone = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
+    for pid, (at, _) in stopped.items():
+        gone[pid] = min(gone.get(pid, at), at)
     for r in run.restores:
         # Never past a live holder: no process that had committed the step or a later one
         # before the restoring process started lived on through its restore. (Groups that
@@ -750,7 +700,7 @@ def _judge_total_losses(rep: Report, run: _Run) -> None:
                 for c in commits
                 if c["t"] < born
                 and c["step"] >= r["step"]
-                and died.get(c["pid"], float("inf")) > r["t"]
+                and gone.get(c["pid"], float("inf")) > r["t"]
             }
         )
         if holders:
@@ -825,15 +775,12 @@ def _judge_total_losses(rep: Report, run: _Run) -> None:
 VERDICT_SLACK_S = 5.0
 
 
-def _judge_verdicts(rep: Report, run_dir: Path, run: _Run) -> None:
+def _judge_verdicts(rep: Report, run: _Run) -> None:
     """No false verdicts: every ``replica_hung`` in the lighthouse's event log falls within
     an injected hang of that group, and every ``replica_diverged`` within a bit flip's
     detection window (the flipped state may have spread to a group that healed from it, so
     any group may be named). A run without an event log has nothing to judge."""
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return
-    for ev in read_jsonl(path):
+    for ev in run.events:
         kind = ev.get("kind")
         if kind == "replica_hung":
             group = str(ev.get("replica_id", "")).split(":")[0]
