@@ -38,102 +38,202 @@ pub fn compute_quorum_results(
             "group_rank must not be negative, got {group_rank}"
         )));
     }
-    let mut participants: Vec<&QuorumMember> = quorum.participants.iter().collect();
-    participants.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
-
-    let first = participants.first().ok_or_else(|| {
-        Error::FailedPrecondition(format!("quorum {} has no participants", quorum.quorum_id))
+    let plan = Plan::new(quorum, group_rank as u64, init_sync, topology)?;
+    let replica_rank = plan.rank_of(quorum, replica_id).ok_or_else(|| {
+        Error::FailedPrecondition(format!(
+            "replica {replica_id} is not a participant of quorum {}",
+            quorum.quorum_id
+        ))
     })?;
-    if let Some(other) = participants
-        .iter()
-        .find(|p| p.world_size != first.world_size)
-    {
-        return Err(Error::FailedPrecondition(format!(
-            "quorum {} mixes replica groups of different world sizes ({} has {}, {} has {}); \
-             group ranks cannot be paired for healing",
-            quorum.quorum_id,
-            first.replica_id,
-            first.world_size,
-            other.replica_id,
-            other.world_size
-        )));
+    Ok(plan.answer(quorum, replica_rank))
+}
+
+/// One quorum's answers for one group rank, for every member at once (see
+/// [`compute_quorum_results`] for the rules): O(members) to build (plus the source choice),
+/// then O(1) per member besides the healers a source serves. The lighthouse builds one per
+/// group rank to answer every member in the sparse form; a manager builds one per rank.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Indices into the quorum's `participants`, in replica-rank order (by replica_id).
+    order: Vec<usize>,
+    max_step: i64,
+    /// Per replica rank: its position among the members at `max_step` (None: behind).
+    max_pos: Vec<Option<u32>>,
+    max_world_size: u32,
+    /// Per replica rank: the replica rank it heals from (None: it does not heal).
+    source: Vec<Option<u32>>,
+    /// Per replica rank: the replica ranks healing from it, ascending.
+    serves: Vec<Vec<u32>>,
+    /// Replica rank of the member whose store this group rank rendezvous on.
+    store: u32,
+    commit_failures: i64,
+}
+
+impl Plan {
+    /// The plan of `quorum` for group rank `group_rank`.
+    ///
+    /// Errors (`FailedPrecondition`) when the quorum is empty or its groups do not all have
+    /// the same world size.
+    pub fn new(
+        quorum: &Quorum,
+        group_rank: u64,
+        init_sync: bool,
+        topology: Option<&Topology>,
+    ) -> Result<Plan> {
+        let mut order: Vec<usize> = (0..quorum.participants.len()).collect();
+        order.sort_by(|&a, &b| {
+            quorum.participants[a]
+                .replica_id
+                .cmp(&quorum.participants[b].replica_id)
+        });
+        let participants: Vec<&QuorumMember> =
+            order.iter().map(|&i| &quorum.participants[i]).collect();
+
+        let first = participants.first().ok_or_else(|| {
+            Error::FailedPrecondition(format!("quorum {} has no participants", quorum.quorum_id))
+        })?;
+        if let Some(other) = participants
+            .iter()
+            .find(|p| p.world_size != first.world_size)
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "quorum {} mixes replica groups of different world sizes ({} has {}, {} has {}); \
+                 group ranks cannot be paired for healing",
+                quorum.quorum_id,
+                first.replica_id,
+                first.world_size,
+                other.replica_id,
+                other.world_size
+            )));
+        }
+
+        let n = participants.len();
+        let max_step = participants.iter().map(|p| p.step).max().unwrap_or(0);
+        // Replica ranks of the up-to-date members, in replica-rank order.
+        let max_ranks: Vec<usize> = (0..n)
+            .filter(|&i| participants[i].step == max_step)
+            .collect();
+        let mut max_pos = vec![None; n];
+        for (k, &i) in max_ranks.iter().enumerate() {
+            max_pos[i] = Some(k as u32);
+        }
+        let primary = max_ranks.first().copied().unwrap_or(0);
+
+        // With init_sync at step 0 only the primary serves; otherwise every up-to-date member
+        // does.
+        let sync_from_primary = init_sync && max_step == 0;
+        let sources: Vec<usize> = if sync_from_primary {
+            vec![primary]
+        } else {
+            max_ranks.clone()
+        };
+        let mut is_source = vec![false; n];
+        for &s in &sources {
+            is_source[s] = true;
+        }
+        let destinations: Vec<usize> = (0..n).filter(|&i| !is_source[i]).collect();
+        let assigned = assign_sources(&participants, &sources, &destinations, group_rank, topology);
+
+        let mut source = vec![None; n];
+        let mut serves = vec![Vec::new(); n];
+        for (&dst, &src) in destinations.iter().zip(&assigned) {
+            source[dst] = Some(src as u32);
+            serves[src].push(dst as u32);
+        }
+        let offset = (group_rank % max_ranks.len() as u64) as usize;
+        Ok(Plan {
+            order,
+            max_step,
+            max_pos,
+            max_world_size: max_ranks.len() as u32,
+            source,
+            serves,
+            store: max_ranks[offset] as u32,
+            commit_failures: participants
+                .iter()
+                .map(|p| p.commit_failures)
+                .max()
+                .unwrap_or(0),
+        })
     }
 
-    let replica_rank = participants
-        .iter()
-        .position(|p| p.replica_id == replica_id)
-        .ok_or_else(|| {
-            Error::FailedPrecondition(format!(
-                "replica {replica_id} is not a participant of quorum {}",
-                quorum.quorum_id
-            ))
-        })?;
-    let max_step = participants.iter().map(|p| p.step).max().unwrap_or(0);
-    // Indices (replica ranks) of the up-to-date members, in replica-rank order.
-    let max_ranks: Vec<usize> = (0..participants.len())
-        .filter(|&i| participants[i].step == max_step)
-        .collect();
-    let max_replica_rank = max_ranks.iter().position(|&i| i == replica_rank);
-    let primary = max_ranks.first().copied().unwrap_or(0);
+    /// Number of members.
+    pub fn count(&self) -> usize {
+        self.order.len()
+    }
 
-    // With init_sync at step 0 only the primary serves; otherwise every up-to-date member does.
-    let sync_from_primary = init_sync && max_step == 0;
-    let sources: Vec<usize> = if sync_from_primary {
-        vec![primary]
-    } else {
-        max_ranks.clone()
-    };
-    let destinations: Vec<usize> = (0..participants.len())
-        .filter(|i| !sources.contains(i))
-        .collect();
+    /// The member at replica rank `rank` of `quorum` (the quorum the plan was built from).
+    pub fn member<'q>(&self, quorum: &'q Quorum, rank: usize) -> &'q QuorumMember {
+        &quorum.participants[self.order[rank]]
+    }
 
-    let assigned = assign_sources(
-        &participants,
-        &sources,
-        &destinations,
-        group_rank as u64,
-        topology,
-    );
-    let source_of = |k: usize| assigned[k];
-    let offset = group_rank as usize;
+    /// The replica rank of `replica_id` in `quorum` (the quorum the plan was built from).
+    pub fn rank_of(&self, quorum: &Quorum, replica_id: &str) -> Option<usize> {
+        self.order
+            .binary_search_by(|&i| quorum.participants[i].replica_id.as_str().cmp(replica_id))
+            .ok()
+    }
 
-    let heal = destinations.contains(&replica_rank);
-    let mut recover_src_manager_address = String::new();
-    let mut recover_src_replica_rank = None;
-    let mut recover_dst_replica_ranks = Vec::new();
-    if let Some(k) = destinations.iter().position(|&d| d == replica_rank) {
-        let src = source_of(k);
-        recover_src_manager_address = participants[src].address.clone();
-        recover_src_replica_rank = Some(src as i64);
-    } else {
-        for (k, &dst) in destinations.iter().enumerate() {
-            if source_of(k) == replica_rank {
-                recover_dst_replica_ranks.push(dst as i64);
-            }
+    /// The replica rank member `rank` heals from, if it heals.
+    pub fn source_of(&self, rank: usize) -> Option<u32> {
+        self.source[rank]
+    }
+
+    /// The replica ranks healing from member `rank`, ascending.
+    pub fn served_by(&self, rank: usize) -> &[u32] {
+        &self.serves[rank]
+    }
+
+    /// The replica rank whose store this group rank rendezvous on.
+    pub fn store(&self) -> u32 {
+        self.store
+    }
+
+    pub fn max_step(&self) -> i64 {
+        self.max_step
+    }
+
+    pub fn max_world_size(&self) -> u32 {
+        self.max_world_size
+    }
+
+    /// Member `rank`'s position among the up-to-date members (None: behind).
+    pub fn max_replica_rank(&self, rank: usize) -> Option<u32> {
+        self.max_pos[rank]
+    }
+
+    pub fn commit_failures(&self) -> i64 {
+        self.commit_failures
+    }
+
+    /// The full answer of member `rank` (`quorum`: the quorum the plan was built from).
+    pub fn answer(&self, quorum: &Quorum, rank: usize) -> ManagerQuorumResponse {
+        let src = self.source[rank];
+        ManagerQuorumResponse {
+            quorum_id: quorum.quorum_id,
+            recover_src_manager_address: src
+                .map(|s| self.member(quorum, s as usize).address.clone())
+                .unwrap_or_default(),
+            recover_src_replica_rank: src.map(i64::from),
+            recover_dst_replica_ranks: self.serves[rank].iter().map(|&d| i64::from(d)).collect(),
+            store_address: self
+                .member(quorum, self.store as usize)
+                .store_address
+                .clone(),
+            max_step: self.max_step,
+            max_replica_rank: self.max_pos[rank].map(i64::from),
+            max_world_size: i64::from(self.max_world_size),
+            replica_rank: rank as i64,
+            replica_world_size: self.count() as i64,
+            heal: src.is_some(),
+            commit_failures: self.commit_failures,
+            replica_ids: self
+                .order
+                .iter()
+                .map(|&i| quorum.participants[i].replica_id.clone())
+                .collect(),
         }
     }
-
-    let store_member = participants[max_ranks[offset % max_ranks.len()]];
-
-    Ok(ManagerQuorumResponse {
-        quorum_id: quorum.quorum_id,
-        recover_src_manager_address,
-        recover_src_replica_rank,
-        recover_dst_replica_ranks,
-        store_address: store_member.store_address.clone(),
-        max_step,
-        max_replica_rank: max_replica_rank.map(|r| r as i64),
-        max_world_size: max_ranks.len() as i64,
-        replica_rank: replica_rank as i64,
-        replica_world_size: participants.len() as i64,
-        heal,
-        commit_failures: participants
-            .iter()
-            .map(|p| p.commit_failures)
-            .max()
-            .unwrap_or(0),
-        replica_ids: participants.iter().map(|p| p.replica_id.clone()).collect(),
-    })
 }
 
 #[cfg(test)]
