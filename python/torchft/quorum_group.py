@@ -270,7 +270,12 @@ class QuorumGroup:
         """
         quorum_id = quorum.quorum_id
         with self.lock:
-            lost = self._lost_in.get(quorum_id, set()) & set(quorum.replica_ids)
+            lost = set(self._lost_in.get(quorum_id, ()))
+            known = set(quorum.replica_ids)
+            if "" not in known:
+                # A full list: only its members' losses count. (From a sparse answer, which
+                # names a few members, a loss recorded under this quorum id is a member's.)
+                lost = lost & known
             if lost:
                 # The answer was issued before a member died: its group can never form (the
                 # rendezvous would wait for the dead member until the timeout). The step

@@ -285,7 +285,9 @@ answer_record! {
     ///     max_world_size: number of members at `max_step`.
     ///     heal: whether this rank must heal before the step.
     ///     commit_failures: highest count of consecutive failed commits among the members.
-    ///     replica_ids: replica ids of the quorum, in replica-rank order.
+    ///     replica_ids: replica ids of the quorum, in replica-rank order; from the
+    ///         lighthouse's sparse answer only this group, its heal sources and its stores
+    ///         are named, the other entries are empty strings.
     QuorumResult("QuorumResult") from ManagerQuorumResponse {
         quorum_id: i64 = 0,
         replica_rank: i64 = 0,

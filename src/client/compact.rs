@@ -127,6 +127,7 @@ pub fn delta_form(base: &Quorum, full: &Quorum) -> Quorum {
         created: full.created,
         revision: full.revision,
         compact: Some(compact),
+        sparse: None,
     }
 }
 
@@ -144,6 +145,7 @@ pub fn compact_form(full: &Quorum) -> Quorum {
         created: full.created,
         revision: full.revision,
         compact: Some(compact_steps(full)),
+        sparse: None,
     }
 }
 
@@ -170,11 +172,18 @@ pub fn compact_applies(
 
 /// Rebuilds the full quorum from `reply` and the quorum the requester held when it asked.
 ///
-/// A reply with participants (the full form) is returned unchanged. A compact reply must
+/// A reply with participants (the full form) is returned unchanged; a sparse one is refused
+/// (only [`super::lighthouse::LighthouseClient::quorum_status_sparse`] asks for it, and it
+/// does not expand it). A compact reply must
 /// match `known` (same quorum_id, no older revision, same member count, well-formed
 /// overrides); otherwise this fails with [`Error::FailedPrecondition`] and the caller must
 /// ask again for the full form — it never returns a guessed quorum.
 pub fn expand(known: Option<&Quorum>, reply: Quorum) -> Result<Quorum> {
+    if reply.sparse.is_some() {
+        return Err(Error::FailedPrecondition(
+            "sparse quorum received by a request that did not ask for it".into(),
+        ));
+    }
     let Some(compact) = reply.compact else {
         return Ok(reply);
     };
@@ -221,6 +230,7 @@ pub fn expand(known: Option<&Quorum>, reply: Quorum) -> Result<Quorum> {
         created: reply.created,
         revision: reply.revision,
         compact: None,
+        sparse: None,
     })
 }
 
@@ -313,6 +323,7 @@ fn expand_delta(
         created,
         revision,
         compact: None,
+        sparse: None,
     })
 }
 

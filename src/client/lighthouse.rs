@@ -226,6 +226,7 @@ impl LighthouseClient {
         &self,
         requester: QuorumMember,
         known: Option<&Quorum>,
+        sparse: Option<bool>,
         timeout: Duration,
     ) -> std::result::Result<Quorum, Status> {
         let mut client = self.client.clone();
@@ -234,6 +235,8 @@ impl LighthouseClient {
                 requester: Some(requester),
                 known_quorum_id: known.map_or(0, |q| q.quorum_id),
                 known_revision: known.map_or(0, |q| q.revision),
+                sparse: sparse.is_some(),
+                init_sync: sparse.unwrap_or(false),
                 job: self.job.to_string(),
             },
             timeout,
@@ -269,11 +272,41 @@ impl LighthouseClient {
         requester: QuorumMember,
         timeout: Duration,
     ) -> std::result::Result<Arc<Quorum>, Status> {
+        self.ask(requester, None, timeout).await
+    }
+
+    /// Like [`LighthouseClient::quorum_status_shared`], but asks for the sparse form, planned
+    /// with `init_sync` and without a topology file (see [`crate::manager::sparse`]): the
+    /// quorum returned has `sparse` set (each rank's answer comes from
+    /// [`crate::manager::sparse::sparse_answer`]), or it is the full quorum when the
+    /// lighthouse does not plan this one (or predates the form).
+    pub async fn quorum_status_sparse(
+        &self,
+        requester: QuorumMember,
+        init_sync: bool,
+        timeout: Duration,
+    ) -> std::result::Result<Arc<Quorum>, Status> {
+        self.ask(requester, Some(init_sync), timeout).await
+    }
+
+    async fn ask(
+        &self,
+        requester: QuorumMember,
+        sparse: Option<bool>,
+        timeout: Duration,
+    ) -> std::result::Result<Arc<Quorum>, Status> {
         let deadline = Instant::now() + timeout;
         let known = self.known_quorum();
         let reply = self
-            .call(requester.clone(), known.as_deref(), timeout)
+            .call(requester.clone(), known.as_deref(), sparse, timeout)
             .await?;
+        if sparse.is_some() && reply.sparse.is_some() {
+            // Not a full quorum to hold: the next request asks without one.
+            self.forget_known_quorum();
+            self.last_quorum_id
+                .store(reply.quorum_id, Ordering::Relaxed);
+            return Ok(Arc::new(reply));
+        }
         let err = match self.expand(known.as_deref(), reply) {
             Ok(q) => return Ok(q),
             Err(e) => e,
@@ -287,7 +320,7 @@ impl LighthouseClient {
                 "lighthouse quorum did not complete within {timeout:?}"
             )));
         }
-        let reply = self.call(requester, None, remaining).await?;
+        let reply = self.call(requester, None, None, remaining).await?;
         match compact::expand(None, reply) {
             Ok(q) => Ok(self.remember(q)),
             Err(e) => Err(Status::internal(format!(

@@ -214,12 +214,25 @@ impl QuorumRoute {
         let msg = decode_quorum_request(&body)?;
         let known = (msg.known_quorum_id, msg.known_revision);
         let shared = rooms.room_for(&msg.job, &who)?;
+        let sparse_for = msg
+            .sparse
+            .then(|| msg.requester.as_ref().map(|r| r.replica_id.clone()))
+            .flatten();
         let issued = wait_for_quorum(&shared, msg.requester, msg.known_quorum_id, timeout).await?;
-        shared.count_reply(&issued, known);
+        let data = match sparse_for.and_then(|id| issued.sparse_framed(&id, msg.init_sync)) {
+            Some(sparse) => {
+                shared.count_reply(true);
+                sparse
+            }
+            None => {
+                shared.count_reply(issued.abridged_for(known));
+                issued.framed(known)
+            }
+        };
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = SharedBody {
-            data: Some(issued.framed(known)),
+            data: Some(data),
             trailers: Some(trailers),
         };
         let mut resp = http::Response::new(axum::body::Body::new(body));
@@ -340,11 +353,14 @@ mod fuzz {
         /// length prefix is refused.
         #[test]
         fn quorum_route_frames(member in any_member(), id in any::<i64>(), rev in any::<u64>(),
-                               bad_len in any::<u32>()) {
+                               bad_len in any::<u32>(), sparse in any::<bool>(),
+                               init_sync in any::<bool>()) {
             let msg = LighthouseQuorumRequest {
                 requester: Some(member),
                 known_quorum_id: id,
                 known_revision: rev,
+                sparse,
+                init_sync,
                 job: String::new(),
             };
             let framed = frame(&msg);

@@ -1,15 +1,19 @@
 //! An issued quorum as its members receive it.
 //!
-//! A member that holds the previous quorum gets it in compact form (its step vector, or a
-//! delta against the previous quorum); anyone else gets the full member list. Each form is
-//! encoded and framed once per quorum, and every member's reply shares those bytes: a round
-//! costs O(members) on the lighthouse, in CPU and in bytes.
+//! A member that asked for the sparse form gets its own answer (what each of its group ranks
+//! is to do, naming only the members that involves; see [`crate::manager::sparse`]), from
+//! plans built once per quorum. A member that holds the previous quorum gets it in compact
+//! form (its step vector, or a delta against the previous quorum); anyone else gets the full
+//! member list. Each shared form is encoded and framed once per quorum, and every member's
+//! reply shares those bytes: a round costs O(members) on the lighthouse, in CPU and in bytes.
 
 use std::sync::OnceLock;
 
 use axum::body::Bytes;
 
 use crate::client::compact;
+use crate::manager::compute::Plan;
+use crate::manager::sparse;
 use crate::proto::Quorum;
 
 /// A quorum as handed to its members: the full message, and its two gRPC responses (full
@@ -26,6 +30,9 @@ pub(crate) struct Issued {
     /// cover holders of that quorum (membership or member fields changed).
     delta: Option<(Quorum, Quorum)>,
     delta_framed: OnceLock<Bytes>,
+    /// The plans of the sparse form, one per group rank, built on the first sparse request
+    /// (indexed by the requesters' `init_sync`); None where the form does not apply.
+    plans: [OnceLock<Option<Vec<Plan>>>; 2],
 }
 
 /// What a requester already holds: `(known_quorum_id, known_revision)`, zeros for nothing.
@@ -64,7 +71,18 @@ impl Issued {
             compact: OnceLock::new(),
             delta,
             delta_framed: OnceLock::new(),
+            plans: [OnceLock::new(), OnceLock::new()],
         }
+    }
+
+    /// The framed sparse reply for member `replica_id`, planned with `init_sync`; None when
+    /// the sparse form does not apply to this quorum (it gets the usual form).
+    pub(crate) fn sparse_framed(&self, replica_id: &str, init_sync: bool) -> Option<Bytes> {
+        let plans = self.plans[usize::from(init_sync)]
+            .get_or_init(|| sparse::plans_for(&self.quorum, init_sync))
+            .as_ref()?;
+        let rank = plans.first()?.rank_of(&self.quorum, replica_id)?;
+        Some(frame(&sparse::sparse_form(&self.quorum, plans, rank)))
     }
 
     /// True if a requester holding `known` can rebuild this quorum from the compact form.

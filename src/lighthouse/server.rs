@@ -221,8 +221,8 @@ impl LighthouseServer {
     }
 
     /// Quorum replies sent so far as `(full, compact)` (for tests and tooling; compact counts
-    /// steps-only and delta replies): every requester that holds the previous quorum gets a
-    /// compact reply.
+    /// steps-only, delta and sparse replies): every requester that holds the previous quorum,
+    /// or that asked for the sparse form, gets a compact reply.
     pub fn reply_counts(&self) -> (u64, u64) {
         self.rooms.reply_counts()
     }

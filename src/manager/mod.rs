@@ -20,6 +20,7 @@ pub mod parity;
 pub mod reports;
 pub mod round;
 pub mod server;
+pub mod sparse;
 pub mod topology;
 
 pub(crate) use crate::client::rpc_error;

@@ -441,6 +441,7 @@ impl QuorumEngine {
             created: None,
             revision: self.revision,
             compact: None,
+            sparse: None,
         };
         let steps_only = self
             .previous

@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 use super::health::hub::Hub;
 use super::health::telemetry::EncodedGoodput;
 use super::quorum::{CommitVerdict, QuorumEngine, Snapshot};
-use super::reply::{Issued, Known};
+use super::reply::Issued;
 use super::LighthouseOptions;
 use crate::error::{ensure, Error, Result};
 use crate::proto::{Quorum, QuorumMember, TelemetryBatch};
@@ -402,9 +402,9 @@ impl Shared {
         }
     }
 
-    /// Counts one quorum reply to a requester holding `known`.
-    pub(crate) fn count_reply(&self, issued: &Issued, known: Known) {
-        let counter = if issued.abridged_for(known) {
+    /// Counts one quorum reply: `abridged` (compact, delta or sparse) or full.
+    pub(crate) fn count_reply(&self, abridged: bool) {
+        let counter = if abridged {
             &self.replies_compact
         } else {
             &self.replies_full

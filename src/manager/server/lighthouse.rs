@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::manager::compute::compute_quorum_results;
 use crate::manager::gather::ReadyRound;
 use crate::manager::rpc_error;
+use crate::manager::sparse::sparse_answer;
 use crate::manager::topology::{member_data, source_choice, SourceChoice};
 use crate::net::Backoff;
 use crate::proto::{Quorum, QuorumMember};
@@ -139,7 +140,20 @@ impl Inner {
                 )));
             }
             let started = Instant::now();
-            let call = self.lighthouse.quorum_status(member.clone(), remaining);
+            // Without a topology file, the lighthouse can answer in the sparse form: a few
+            // members per group instead of all of them (see `manager::sparse`).
+            let call = async {
+                if self.opts.placement.is_none() {
+                    self.lighthouse
+                        .quorum_status_sparse(member.clone(), round.init_sync, remaining)
+                        .await
+                        .map(Arc::unwrap_or_clone)
+                } else {
+                    self.lighthouse
+                        .quorum_status(member.clone(), remaining)
+                        .await
+                }
+            };
             tokio::pin!(call);
             let answer = loop {
                 tokio::select! {
@@ -222,21 +236,32 @@ impl Inner {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .quorum_at = Some(Instant::now());
+                let sparse = quorum.sparse.is_some();
                 debug!(
                     quorum_id = quorum.quorum_id,
                     step = round.step,
-                    participants = quorum.participants.len(),
+                    participants = quorum
+                        .sparse
+                        .as_ref()
+                        .map_or(quorum.participants.len(), |s| s.count as usize),
+                    sparse,
                     "quorum received"
                 );
-                self.warn_if_topology_unused(&quorum);
+                if !sparse {
+                    self.warn_if_topology_unused(&quorum);
+                }
                 for (rank, tx) in round.replies {
-                    let answer = compute_quorum_results(
-                        &self.opts.replica_id,
-                        rank,
-                        &quorum,
-                        round.init_sync,
-                        self.opts.placement.as_ref().map(|p| &*p.topology),
-                    );
+                    let answer = if sparse {
+                        sparse_answer(&self.opts.replica_id, rank, &quorum)
+                    } else {
+                        compute_quorum_results(
+                            &self.opts.replica_id,
+                            rank,
+                            &quorum,
+                            round.init_sync,
+                            self.opts.placement.as_ref().map(|p| &*p.topology),
+                        )
+                    };
                     let _ = tx.send(answer);
                 }
             }
