@@ -4,7 +4,8 @@
 //! `cargo bench --bench lighthouse_load -- [--quick] [--groups N] [--connections N]
 //! (under `cargo test` it runs `--quick`)
 //! [--reps N] [--steady N] [--rooms N] [--room-groups N] [--room-trials N] [--daemon PATH]
-//! [--no-judge]`
+//! [--no-judge] [--usual-form]` (groups ask for the sparse form, as managers without a
+//! topology file do; `--usual-form`: the full list, then compact forms)
 //!
 //! Exits non-zero when a target is missed: at 10,000 groups the first and membership-change
 //! rounds within 300 ms and the daemon's peak RSS within 1 GiB; a room's round among 100

@@ -4,13 +4,15 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use anyhow::Result;
 use axum::body::Bytes;
 use prost::Message;
 use torchft::client::compact;
+use torchft::manager::compute::Plan;
+use torchft::manager::sparse;
 use torchft::proto::{LighthouseQuorumRequest, Quorum, QuorumMember};
 
 use super::Group;
@@ -27,6 +29,8 @@ struct Forms {
     compact: Bytes,
     /// The delta against the previous quorum, when the membership changed.
     delta: Option<((i64, u64), Bytes)>,
+    /// The plans of the sparse form (by `init_sync`), built on the first sparse request.
+    plans: [OnceLock<Option<Vec<Plan>>>; 2],
 }
 
 fn frame(quorum: &Quorum) -> Bytes {
@@ -54,6 +58,7 @@ impl Forms {
             full: frame(&quorum),
             compact: frame(&compact::compact_form(&quorum)),
             delta,
+            plans: [OnceLock::new(), OnceLock::new()],
             quorum,
             missing,
             all_asked: tokio::sync::watch::channel(false).0,
@@ -69,8 +74,18 @@ impl Forms {
         let _ = asked.wait_for(|a| *a).await;
     }
 
-    /// The lighthouse's choice for a requester holding `known`.
-    fn reply(&self, known: (i64, u64)) -> Bytes {
+    /// The lighthouse's choice for a requester holding `known` (`sparse`: its replica id and
+    /// init_sync, when it asked for the sparse form).
+    fn reply(&self, known: (i64, u64), sparse: Option<(&str, bool)>) -> Bytes {
+        if let Some((id, init_sync)) = sparse {
+            let plans = self.plans[usize::from(init_sync)]
+                .get_or_init(|| sparse::plans_for(&self.quorum, init_sync));
+            if let Some(plans) = plans {
+                if let Some(rank) = plans[0].rank_of(&self.quorum, id) {
+                    return frame(&sparse::sparse_form(&self.quorum, plans, rank));
+                }
+            }
+        }
         match &self.delta {
             Some((base, bytes)) if *base == known => bytes.clone(),
             _ if known.1 != 0 && known.0 == self.quorum.quorum_id => self.compact.clone(),
@@ -123,7 +138,12 @@ impl Floor {
                 let req = LighthouseQuorumRequest::decode(body.get(5..).unwrap_or_default())
                     .unwrap_or_default();
                 forms.barrier().await;
-                let bytes = forms.reply((req.known_quorum_id, req.known_revision));
+                let sparse_for = req
+                    .requester
+                    .as_ref()
+                    .filter(|_| req.sparse)
+                    .map(|r| (r.replica_id.as_str(), req.init_sync));
+                let bytes = forms.reply((req.known_quorum_id, req.known_revision), sparse_for);
                 let mut resp =
                     axum::http::Response::new(axum::body::Body::new(Unary(Some(bytes), true)));
                 resp.headers_mut().insert(
@@ -164,6 +184,7 @@ impl Floor {
             created: None,
             revision,
             compact: None,
+            sparse: None,
         };
         let mut forms = self.forms.lock().expect("not poisoned");
         let previous = &forms.quorum;

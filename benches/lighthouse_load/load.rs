@@ -4,9 +4,11 @@
 //!
 //! A repetition starts a fresh daemon with `--min_replicas N` (and no join wait, so a round
 //! completes as soon as all N have asked), then measures: the first round (every group knows
-//! nothing), steady rounds (every step advances; holders get the compact steps-only form), a
-//! membership-change round (one group is replaced by a new incarnation, which knows nothing;
-//! the others get a delta), and one steady round after it. The floor is the same client work
+//! nothing), steady rounds (every step advances), a membership-change round (one group is
+//! replaced by a new incarnation, which knows nothing), and one steady round after it. Groups
+//! ask for the sparse form, as managers without a topology file do (each gets its own answer
+//! and the few members it names); with `--usual-form` they ask as other clients do (the full
+//! member list, then the compact steps-only form or a delta for holders). The floor is the same client work
 //! against a trivial server in this process that answers every request at once with the very
 //! bytes the lighthouse would send (no round barrier, no quorum engine): what the generator
 //! itself costs.
@@ -64,6 +66,8 @@ pub struct Options {
     pub judge: bool,
     /// Deadline of one quorum request.
     pub ask_timeout: Duration,
+    /// Groups ask for the sparse form (as managers without a topology file do).
+    pub sparse: bool,
 }
 
 /// Groups per connection when the count is automatic: each group's request is a long poll
@@ -92,6 +96,7 @@ impl Options {
             daemon,
             judge: true,
             ask_timeout: Duration::from_secs(300),
+            sparse: true,
         }
     }
 
@@ -108,11 +113,13 @@ impl Options {
             daemon,
             judge: false,
             ask_timeout: Duration::from_secs(20),
+            sparse: true,
         }
     }
 
     /// Parses `--quick`, `--groups N`, `--connections N`, `--reps N`, `--steady N`,
-    /// `--rooms N`, `--room-groups N`, `--room-trials N`, `--daemon PATH`, `--no-judge`.
+    /// `--rooms N`, `--room-groups N`, `--room-trials N`, `--daemon PATH`, `--no-judge`,
+    /// `--usual-form`.
     pub fn parse(args: &[String], daemon: PathBuf) -> Result<Self> {
         let mut opts = if args.iter().any(|a| a == "--quick") {
             Self::quick(daemon)
@@ -142,6 +149,7 @@ impl Options {
                 "--room-trials" => opts.room_trials = number(arg)?,
                 "--daemon" => opts.daemon = PathBuf::from(value(arg)?),
                 "--no-judge" => opts.judge = false,
+                "--usual-form" => opts.sparse = false,
                 other => bail!("unknown argument {other:?}"),
             }
         }
@@ -371,21 +379,59 @@ struct Seen {
     quorum_id: i64,
     revision: u64,
     members: usize,
+    /// Its replica rank, from a sparse answer (None: it got the full list).
+    rank: Option<usize>,
 }
 
+/// Whether groups ask for the sparse form (set once per run from [`Options::sparse`]).
+static SPARSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
 /// One round: every group asks at once and checks it is in its answer with its step; the
-/// time until the last answer, what each group saw, and one of the quorums.
-async fn round(groups: &[Group], timeout: Duration) -> Result<(Duration, Vec<Seen>, Arc<Quorum>)> {
+/// time until the last answer, what each group saw, and one of the quorums (None when every
+/// group got the sparse form).
+async fn round(
+    groups: &[Group],
+    timeout: Duration,
+) -> Result<(Duration, Vec<Seen>, Option<Arc<Quorum>>)> {
     let started = Instant::now();
+    let sparse = SPARSE.load(Ordering::Relaxed);
     let tasks: Vec<_> = groups
         .iter()
         .map(|g| {
             let (client, member) = (g.client.clone(), g.member.clone());
             tokio::spawn(async move {
-                let q = client
-                    .quorum_shared(member.clone(), timeout)
-                    .await
-                    .with_context(|| format!("quorum of {}", member.replica_id))?;
+                let q = if sparse {
+                    client
+                        .quorum_status_sparse(member.clone(), false, timeout)
+                        .await
+                        .map_err(torchft::error::Error::from)
+                } else {
+                    client.quorum_shared(member.clone(), timeout).await
+                }
+                .with_context(|| format!("quorum of {}", member.replica_id))?;
+                if let Some(s) = &q.sparse {
+                    // What a manager reads of it, without the replica-id list a manager's
+                    // answer carries (O(members) per group: O(groups²) for this process,
+                    // which plays every group).
+                    let me = s
+                        .indices
+                        .binary_search(&s.replica_rank)
+                        .map(|k| &s.members[k]);
+                    ensure!(
+                        me.is_ok_and(|m| m.replica_id == member.replica_id && m.step == member.step)
+                            && s.ranks.len() == 1
+                            && s.indices.binary_search(&s.ranks[0].store).is_ok(),
+                        "{} (step {}) is not in its sparse answer with its step and store",
+                        member.replica_id,
+                        member.step
+                    );
+                    return Ok(Seen {
+                        quorum_id: q.quorum_id,
+                        revision: q.revision,
+                        members: s.count as usize,
+                        rank: Some(s.replica_rank as usize),
+                    });
+                }
                 let me = q
                     .participants
                     .binary_search_by(|m| m.replica_id.as_str().cmp(&member.replica_id))
@@ -400,6 +446,7 @@ async fn round(groups: &[Group], timeout: Duration) -> Result<(Duration, Vec<See
                     quorum_id: q.quorum_id,
                     revision: q.revision,
                     members: q.participants.len(),
+                    rank: None,
                 })
             })
         })
@@ -410,45 +457,52 @@ async fn round(groups: &[Group], timeout: Duration) -> Result<(Duration, Vec<See
     }
     let elapsed = started.elapsed();
     // One full copy, from the cache the groups' clients share (a full reply's decoded copy
-    // is dropped in its task).
-    let sample = groups
-        .first()
-        .and_then(|g| g.client.known_quorum())
-        .context("no groups")?;
+    // is dropped in its task); none after sparse answers.
+    let sample = groups.first().and_then(|g| g.client.known_quorum());
     Ok((elapsed, seen, sample))
 }
 
-/// Checks that every group got the same quorum, made of exactly `groups` with their steps.
-fn check(groups: &[Group], seen: &[Seen], sample: &Quorum) -> Result<()> {
+/// Checks that every group got the same quorum, made of exactly `groups` with their steps:
+/// from the full list (`sample`) when groups got it, else from each sparse answer (its own
+/// step, the member count, and its replica rank: its place among the groups' sorted ids).
+fn check(groups: &[Group], seen: &[Seen], sample: Option<&Quorum>) -> Result<()> {
     let mut expected: Vec<(&str, i64)> = groups
         .iter()
         .map(|g| (g.member.replica_id.as_str(), g.member.step))
         .collect();
     expected.sort_unstable();
+    let first = seen.first().context("no groups")?;
+    for (s, g) in seen.iter().zip(groups) {
+        ensure!(
+            (s.quorum_id, s.revision, s.members) == (first.quorum_id, first.revision, groups.len()),
+            "{} got {s:?}, another group {first:?}, with {} groups",
+            g.member.replica_id,
+            groups.len()
+        );
+        if let Some(rank) = s.rank {
+            ensure!(
+                expected.get(rank).map(|e| e.0) == Some(g.member.replica_id.as_str()),
+                "{} got replica rank {rank}, not its place among the groups",
+                g.member.replica_id
+            );
+        }
+    }
+    if seen.iter().all(|s| s.rank.is_some()) {
+        return Ok(());
+    }
+    let sample = sample.context("groups got the full list, but no client holds it")?;
     let got: Vec<(&str, i64)> = sample
         .participants
         .iter()
         .map(|m| (m.replica_id.as_str(), m.step))
         .collect();
     ensure!(
-        got == expected,
+        got == expected && (sample.quorum_id, sample.revision) == (first.quorum_id, first.revision),
         "quorum {} has {} members, expected this round's {} groups",
         sample.quorum_id,
         got.len(),
         expected.len()
     );
-    let first = Seen {
-        quorum_id: sample.quorum_id,
-        revision: sample.revision,
-        members: sample.participants.len(),
-    };
-    for (s, g) in seen.iter().zip(groups) {
-        ensure!(
-            *s == first,
-            "{} got {s:?}, another group {first:?}",
-            g.member.replica_id
-        );
-    }
     Ok(())
 }
 
@@ -557,8 +611,9 @@ async fn repetition(
         let before = received.load(Ordering::Relaxed);
         let (elapsed, seen, sample) = round(&groups, opts.ask_timeout).await?;
         let bytes = received.load(Ordering::Relaxed) - before;
-        check(&groups, &seen, &sample).with_context(|| format!("{} round", kind.name()))?;
-        let id = sample.quorum_id;
+        check(&groups, &seen, sample.as_deref())
+            .with_context(|| format!("{} round", kind.name()))?;
+        let id = seen[0].quorum_id;
         ensure!(
             (kind == Kind::Change) == (id != last_id) || kind == Kind::First,
             "{} round: quorum id {last_id} -> {id}",
@@ -671,7 +726,7 @@ async fn run_rooms(
     let first_all = started.elapsed();
     for (room, seen, sample) in &firsts {
         if apart {
-            check(room, seen, sample).context("rooms: first round")?;
+            check(room, seen, sample.as_deref()).context("rooms: first round")?;
         }
     }
     let mut steady = Samples::default();
@@ -682,7 +737,7 @@ async fn run_rooms(
                 room.iter_mut().for_each(|g| g.member.step += 1);
                 let before = received.load(Ordering::Relaxed);
                 let (t, seen, sample) = round(room, opts.ask_timeout).await?;
-                check(room, &seen, &sample).context("rooms: steady round")?;
+                check(room, &seen, sample.as_deref()).context("rooms: steady round")?;
                 steady.push(t, received.load(Ordering::Relaxed) - before);
             }
         } else {
@@ -698,7 +753,8 @@ async fn run_rooms(
             }
             let before = received.load(Ordering::Relaxed);
             let (t, seen, sample) = round(&everyone, opts.ask_timeout).await?;
-            check(&everyone, &seen, &sample).context("rooms as one room: steady round")?;
+            check(&everyone, &seen, sample.as_deref())
+                .context("rooms as one room: steady round")?;
             steady.push(t, received.load(Ordering::Relaxed) - before);
         }
     }
@@ -729,6 +785,7 @@ fn size(bytes: u64) -> String {
 
 /// Runs every measurement of `opts` (printing as it goes) and judges the targets.
 pub fn run(opts: &Options) -> Result<Report> {
+    SPARSE.store(opts.sparse, Ordering::Relaxed);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
