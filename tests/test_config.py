@@ -84,6 +84,7 @@ BAD_VALUES = {
     "TORCHFT_QUORUM_RETRIES": ["-1", "two"],
     "TORCHFT_MANAGER_PORT": ["70000", "http"],
     "TORCHFT_TELEMETRY": ["perhaps"],
+    "TORCHFT_SPARSE_QUORUM": ["sometimes", "2"],
     "TORCHFT_HANG_ACTION": ["restart", "Exit!"],
     "TORCHFT_PARITY_EVERY": ["-1", "often", "1.5"],
     "RANK": ["first"],

@@ -167,7 +167,8 @@ def test_sparse_answers_name_only_the_members_a_group_deals_with(
     """Three groups at one step: a manager without a topology file gets the lighthouse's
     sparse answer, whose replica ids name itself and its store's group only (the others are
     empty strings), with the same ranks and store as from the full list; a manager with a
-    topology file (the lighthouse does not have it) still gets the whole list."""
+    topology file (the lighthouse does not have it), or with ``sparse_quorum=False``, still
+    gets the whole list."""
     lh = LighthouseServer(
         "127.0.0.1:0", min_replicas=3, join_timeout_ms=5000, quorum_tick_ms=10, progress_wait_ms=0
     )
@@ -175,7 +176,18 @@ def test_sparse_answers_name_only_the_members_a_group_deals_with(
     topology.write_text(json.dumps({"version": "0.1", "ranks": {"0": {"peers": {}}}}))
     try:
         a = groups("a", lh.address(), 1)
-        b = groups("b", lh.address(), 1)
+        b = ManagerServer(
+            replica_id="b",
+            lighthouse_addr=lh.address(),
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr="b-store:29500",
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=50),
+            connect_timeout=CONNECT,
+            quorum_retries=0,
+            sparse_quorum=False,
+        )
         c = ManagerServer(
             replica_id="c",
             lighthouse_addr=lh.address(),
@@ -190,19 +202,18 @@ def test_sparse_answers_name_only_the_members_a_group_deals_with(
             topology_group=0,
         )
         try:
-            cc = ManagerClient(c.address(), CONNECT)
-            results = _parallel(
-                _quorum(a.clients[0], 0, 4), _quorum(b.clients[0], 0, 4), _quorum(cc, 0, 4)
-            )
+            bc, cc = ManagerClient(b.address(), CONNECT), ManagerClient(c.address(), CONNECT)
+            results = _parallel(_quorum(a.clients[0], 0, 4), _quorum(bc, 0, 4), _quorum(cc, 0, 4))
         finally:
+            b.shutdown()
             c.shutdown()
     finally:
         lh.shutdown()
     ra, rb, rc = results
     assert isinstance(ra, QuorumResult) and isinstance(rb, QuorumResult), results
     assert isinstance(rc, QuorumResult), results
-    assert ra.replica_ids == ["a", "", ""] and rb.replica_ids == ["a", "b", ""]
-    assert rc.replica_ids == ["a", "b", "c"]
+    assert ra.replica_ids == ["a", "", ""]
+    assert rb.replica_ids == rc.replica_ids == ["a", "b", "c"]
     for rank, r in enumerate((ra, rb, rc)):
         assert (r.replica_rank, r.replica_world_size, r.max_world_size) == (rank, 3, 3)
         assert r.store_address == "a-store:29500" and not r.heal and r.max_step == 4

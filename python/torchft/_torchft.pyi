@@ -209,13 +209,17 @@ class ManagerServer:
         topology_file: str | None = None,
         topology_group: int | None = None,
         job: str = ...,
+        sparse_quorum: bool = True,
     ) -> ManagerServer:
         """Starts the server; its requests to the lighthouse name ``job`` (the group's room on
         a lighthouse shared by many jobs; empty: the default room; ValueError for an invalid
         name). With ``topology_file`` (the job's topology, JSON version 0.1) and
         ``topology_group`` (this group's index; its ranks there are
         ``topology_group * world_size + group_rank``) heal sources follow the file. Raises
-        ValueError on a malformed file (naming the field) or one lacking this group's ranks."""
+        ValueError on a malformed file (naming the field) or one lacking this group's ranks.
+        Without a topology file and with ``sparse_quorum``, the lighthouse answers each
+        quorum with this group's own answer and the few members it names: the
+        ``replica_ids`` of its results name those members only (empty strings elsewhere)."""
     def lease_held(self) -> bool:
         """False if this group's heartbeats lapsed during the current step (it may have been
         declared lost): the step must not commit."""

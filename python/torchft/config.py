@@ -387,6 +387,14 @@ class ManagerConfig:
         source=Source.OVERRIDE,
         help="how often the manager server retries a failed lighthouse quorum",
     )
+    sparse_quorum: bool = _setting(
+        SWITCH,
+        True,
+        env="TORCHFT_SPARSE_QUORUM",
+        help="without a topology file, ask the lighthouse for each group's own quorum answer "
+        "and the few members it names, not the whole member list (off: every "
+        "QuorumResult.replica_ids names every member)",
+    )
     telemetry: bool = _setting(
         SWITCH, True, env="TORCHFT_TELEMETRY", help="per-step telemetry to the lighthouse"
     )

@@ -187,6 +187,7 @@ class NativeBackend(Protocol):
         topology_file: str | None,
         topology_group: int | None,
         job: str,
+        sparse_quorum: bool,
     ) -> NativeManagerServer:
         """Starts the replica group's manager server (on group rank 0)."""
         ...

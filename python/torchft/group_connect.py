@@ -82,6 +82,7 @@ def join_group(cfg: ManagerConfig, native: NativeBackend) -> GroupConnection:
                 topology_file=cfg.topology_file,
                 topology_group=cfg.replica_group_index,
                 job=cfg.job,
+                sparse_quorum=cfg.sparse_quorum,
             )
             store.set(key, json.dumps({"address": server.address(), "replica_id": full_id}))
         info = json.loads(store.get(key).decode())

@@ -46,6 +46,9 @@ use crate::telemetry::validate_report;
 ///         `topology_group * world_size + group_rank`); required with `topology_file`.
 ///     job: the job (room) this group belongs to on a lighthouse serving many jobs
 ///         (`TORCHFT_JOB`; empty: the default room).
+///     sparse_quorum: without a topology file, ask the lighthouse for this group's own
+///         quorum answer and the few members it names (`TORCHFT_SPARSE_QUORUM`); False: the
+///         whole member list, so `QuorumResult.replica_ids` names every member.
 ///
 /// Raises:
 ///     ValueError: an argument is out of range, the job name is invalid, or the topology
@@ -74,6 +77,7 @@ impl PyManagerServer {
         topology_file = None,
         topology_group = None,
         job = String::new(),
+        sparse_quorum = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -90,6 +94,7 @@ impl PyManagerServer {
         topology_file: Option<std::path::PathBuf>,
         topology_group: Option<i64>,
         job: String,
+        sparse_quorum: bool,
     ) -> PyResult<Self> {
         if world_size < 1 {
             return Err(PyValueError::new_err(format!(
@@ -131,6 +136,7 @@ impl PyManagerServer {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             placement,
             job,
+            sparse_quorum,
         };
         let server = block_on(py, CoreServer::start(opts))?;
         Ok(Self { server })

@@ -74,6 +74,10 @@ pub struct ManagerOptions {
     /// The job (room) this group belongs to on a lighthouse serving many jobs; empty: the
     /// default room (see [`crate::lighthouse::rooms`]).
     pub job: String,
+    /// Ask the lighthouse for the sparse form of each quorum (this group's own answer and the
+    /// few members it names, see [`sparse`]) when there is no topology file; off: the full
+    /// member list, so every answer's `replica_ids` names every member.
+    pub sparse_quorum: bool,
 }
 
 /// Default bound on one request to a manager server (ranks' reports are the largest).
@@ -95,6 +99,7 @@ impl Default for ManagerOptions {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             placement: None,
             job: String::new(),
+            sparse_quorum: true,
         }
     }
 }

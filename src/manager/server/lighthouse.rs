@@ -143,7 +143,7 @@ impl Inner {
             // Without a topology file, the lighthouse can answer in the sparse form: a few
             // members per group instead of all of them (see `manager::sparse`).
             let call = async {
-                if self.opts.placement.is_none() {
+                if self.opts.placement.is_none() && self.opts.sparse_quorum {
                     self.lighthouse
                         .quorum_status_sparse(member.clone(), round.init_sync, remaining)
                         .await
