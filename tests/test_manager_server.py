@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -66,13 +66,16 @@ def lighthouse2() -> Iterator[LighthouseServer]:
 class Group:
     """A manager server plus one client per group rank; shut down on close."""
 
-    def __init__(self, replica_id: str, lighthouse_addr: str, world_size: int) -> None:
+    def __init__(
+        self, replica_id: str, lighthouse_addr: str, world_size: int, **extra: Any
+    ) -> None:
         """Starts the server and connects the clients.
 
         Args:
             replica_id: the group's replica id.
             lighthouse_addr: where the lighthouse listens.
             world_size: number of ranks in the group.
+            **extra: more ManagerServer arguments (a topology file, sparse_quorum).
         """
         self.server = ManagerServer(
             replica_id=replica_id,
@@ -84,6 +87,7 @@ class Group:
             heartbeat_interval=timedelta(milliseconds=50),
             connect_timeout=CONNECT,
             quorum_retries=0,
+            **extra,
         )
         self.clients = [ManagerClient(self.server.address(), CONNECT) for _ in range(world_size)]
 
@@ -97,8 +101,8 @@ def groups() -> Iterator[Callable[[str, str, int], Group]]:
     """Factory for groups that are all shut down at the end of the test."""
     made: list[Group] = []
 
-    def make(replica_id: str, lighthouse_addr: str, world_size: int) -> Group:
-        g = Group(replica_id, lighthouse_addr, world_size)
+    def make(replica_id: str, lighthouse_addr: str, world_size: int, **extra: Any) -> Group:
+        g = Group(replica_id, lighthouse_addr, world_size, **extra)
         made.append(g)
         return g
 
@@ -162,7 +166,7 @@ def test_full_round_two_groups_two_ranks(
 
 
 def test_sparse_answers_name_only_the_members_a_group_deals_with(
-    groups: Callable[[str, str, int], Group], tmp_path: Path
+    groups: Callable[..., Group], tmp_path: Path
 ) -> None:
     """Three groups at one step: a manager without a topology file gets the lighthouse's
     sparse answer, whose replica ids name itself and its store's group only (the others are
@@ -176,37 +180,9 @@ def test_sparse_answers_name_only_the_members_a_group_deals_with(
     topology.write_text(json.dumps({"version": "0.1", "ranks": {"0": {"peers": {}}}}))
     try:
         a = groups("a", lh.address(), 1)
-        b = ManagerServer(
-            replica_id="b",
-            lighthouse_addr=lh.address(),
-            hostname="127.0.0.1",
-            bind="127.0.0.1:0",
-            store_addr="b-store:29500",
-            world_size=1,
-            heartbeat_interval=timedelta(milliseconds=50),
-            connect_timeout=CONNECT,
-            quorum_retries=0,
-            sparse_quorum=False,
-        )
-        c = ManagerServer(
-            replica_id="c",
-            lighthouse_addr=lh.address(),
-            hostname="127.0.0.1",
-            bind="127.0.0.1:0",
-            store_addr="c-store:29500",
-            world_size=1,
-            heartbeat_interval=timedelta(milliseconds=50),
-            connect_timeout=CONNECT,
-            quorum_retries=0,
-            topology_file=str(topology),
-            topology_group=0,
-        )
-        try:
-            bc, cc = ManagerClient(b.address(), CONNECT), ManagerClient(c.address(), CONNECT)
-            results = _parallel(_quorum(a.clients[0], 0, 4), _quorum(bc, 0, 4), _quorum(cc, 0, 4))
-        finally:
-            b.shutdown()
-            c.shutdown()
+        b = groups("b", lh.address(), 1, sparse_quorum=False)
+        c = groups("c", lh.address(), 1, topology_file=str(topology), topology_group=0)
+        results = _parallel(*(_quorum(g.clients[0], 0, 4) for g in (a, b, c)))
     finally:
         lh.shutdown()
     ra, rb, rc = results

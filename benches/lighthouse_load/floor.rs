@@ -4,15 +4,14 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use anyhow::Result;
 use axum::body::Bytes;
 use prost::Message;
 use torchft::client::compact;
-use torchft::manager::compute::Plan;
-use torchft::manager::sparse;
+use torchft::manager::sparse::SparsePlans;
 use torchft::proto::{LighthouseQuorumRequest, Quorum, QuorumMember};
 
 use super::Group;
@@ -29,8 +28,8 @@ struct Forms {
     compact: Bytes,
     /// The delta against the previous quorum, when the membership changed.
     delta: Option<((i64, u64), Bytes)>,
-    /// The plans of the sparse form (by `init_sync`), built on the first sparse request.
-    plans: [OnceLock<Option<Vec<Plan>>>; 2],
+    /// The plans of the sparse form, built on the first sparse request.
+    plans: SparsePlans,
 }
 
 fn frame(quorum: &Quorum) -> Bytes {
@@ -58,7 +57,7 @@ impl Forms {
             full: frame(&quorum),
             compact: frame(&compact::compact_form(&quorum)),
             delta,
-            plans: [OnceLock::new(), OnceLock::new()],
+            plans: SparsePlans::default(),
             quorum,
             missing,
             all_asked: tokio::sync::watch::channel(false).0,
@@ -77,14 +76,8 @@ impl Forms {
     /// The lighthouse's choice for a requester holding `known` (`sparse`: its replica id and
     /// init_sync, when it asked for the sparse form).
     fn reply(&self, known: (i64, u64), sparse: Option<(&str, bool)>) -> Bytes {
-        if let Some((id, init_sync)) = sparse {
-            let plans = self.plans[usize::from(init_sync)]
-                .get_or_init(|| sparse::plans_for(&self.quorum, init_sync));
-            if let Some(plans) = plans {
-                if let Some(rank) = plans[0].rank_of(&self.quorum, id) {
-                    return frame(&sparse::sparse_form(&self.quorum, plans, rank));
-                }
-            }
+        if let Some(form) = sparse.and_then(|(id, s)| self.plans.form(&self.quorum, id, s)) {
+            return frame(&form);
         }
         match &self.delta {
             Some((base, bytes)) if *base == known => bytes.clone(),

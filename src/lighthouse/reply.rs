@@ -12,8 +12,7 @@ use std::sync::OnceLock;
 use axum::body::Bytes;
 
 use crate::client::compact;
-use crate::manager::compute::Plan;
-use crate::manager::sparse;
+use crate::manager::sparse::SparsePlans;
 use crate::proto::Quorum;
 
 /// A quorum as handed to its members: the full message, and its two gRPC responses (full
@@ -30,9 +29,8 @@ pub(crate) struct Issued {
     /// cover holders of that quorum (membership or member fields changed).
     delta: Option<(Quorum, Quorum)>,
     delta_framed: OnceLock<Bytes>,
-    /// The plans of the sparse form, one per group rank, built on the first sparse request
-    /// (indexed by the requesters' `init_sync`); None where the form does not apply.
-    plans: [OnceLock<Option<Vec<Plan>>>; 2],
+    /// The plans of the sparse form, built on the first sparse request.
+    plans: SparsePlans,
 }
 
 /// What a requester already holds: `(known_quorum_id, known_revision)`, zeros for nothing.
@@ -71,18 +69,16 @@ impl Issued {
             compact: OnceLock::new(),
             delta,
             delta_framed: OnceLock::new(),
-            plans: [OnceLock::new(), OnceLock::new()],
+            plans: SparsePlans::default(),
         }
     }
 
     /// The framed sparse reply for member `replica_id`, planned with `init_sync`; None when
     /// the sparse form does not apply to this quorum (it gets the usual form).
     pub(crate) fn sparse_framed(&self, replica_id: &str, init_sync: bool) -> Option<Bytes> {
-        let plans = self.plans[usize::from(init_sync)]
-            .get_or_init(|| sparse::plans_for(&self.quorum, init_sync))
-            .as_ref()?;
-        let rank = plans.first()?.rank_of(&self.quorum, replica_id)?;
-        Some(frame(&sparse::sparse_form(&self.quorum, plans, rank)))
+        self.plans
+            .form(&self.quorum, replica_id, init_sync)
+            .map(|q| frame(&q))
     }
 
     /// True if a requester holding `known` can rebuild this quorum from the compact form.

@@ -13,6 +13,7 @@
 //! round's bytes stop growing with the square of the job's size.
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
 use super::compute::Plan;
 use crate::error::{Error, Result};
@@ -33,6 +34,24 @@ pub fn plans_for(quorum: &Quorum, init_sync: bool) -> Option<Vec<Plan>> {
     (0..world_size as u64)
         .map(|g| Plan::new(quorum, g, init_sync, None).ok())
         .collect()
+}
+
+/// The plans of one quorum for the sparse form, built on the first request that needs them
+/// (one set per `init_sync` setting of the requesters) and shared by every member's reply.
+#[derive(Debug, Default)]
+pub struct SparsePlans([OnceLock<Option<Vec<Plan>>>; 2]);
+
+impl SparsePlans {
+    /// The sparse form of `quorum` (the quorum these plans are for) for member `replica_id`,
+    /// planned with `init_sync`; None where the form does not apply (see [`plans_for`]) or
+    /// `replica_id` is not a member.
+    pub fn form(&self, quorum: &Quorum, replica_id: &str, init_sync: bool) -> Option<Quorum> {
+        let plans = self.0[usize::from(init_sync)]
+            .get_or_init(|| plans_for(quorum, init_sync))
+            .as_ref()?;
+        let rank = plans.first()?.rank_of(quorum, replica_id)?;
+        Some(sparse_form(quorum, plans, rank))
+    }
 }
 
 /// The sparse form of `quorum` for the member at replica rank `rank`, from `plans` (one per
