@@ -160,7 +160,9 @@ impl HangWatch {
     }
 
     fn resume(&mut self, replica_id: &str) {
-        if self.hung.remove(replica_id).is_some() {
+        // Checked first: the lighthouse's tick calls this for every healthy group, and
+        // removing from a map hashes the id even when the map is empty.
+        if !self.hung.is_empty() && self.hung.remove(replica_id).is_some() {
             self.resumed.push(replica_id.to_string());
         }
     }
@@ -216,7 +218,9 @@ impl HangWatch {
     /// `replica_id` is asking or no longer counted as healthy: not hung (a lost group is
     /// handled by the death rules).
     pub fn clear(&mut self, replica_id: &str) {
-        self.hung.remove(replica_id);
+        if !self.hung.is_empty() {
+            self.hung.remove(replica_id);
+        }
     }
 
     /// Number of groups hung now.

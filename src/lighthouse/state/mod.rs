@@ -85,6 +85,8 @@ struct State {
     shutting_down: bool,
     /// The last issued quorum (the base of the next one's delta reply).
     last: Option<Arc<Issued>>,
+    /// The revision of the last quorum telemetry was told of (0: none).
+    telemetry_revision: u64,
     /// The engine's durable revision last handed to the state file's writer.
     saved_revision: u64,
     /// The telemetry's snapshot revision last handed to the state file's writer.
@@ -148,12 +150,11 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
 }
 
 /// A quorum's members as telemetry sees them: `(lighthouse id, step, manager address)`.
-fn telemetry_members(quorum: &Quorum) -> Vec<(String, i64, String)> {
+fn telemetry_members(quorum: &Quorum) -> impl Iterator<Item = (&str, i64, &str)> + Clone {
     quorum
         .participants
         .iter()
-        .map(|m| (m.replica_id.clone(), m.step, m.address.clone()))
-        .collect()
+        .map(|m| (m.replica_id.as_str(), m.step, m.address.as_str()))
 }
 
 /// Runs its action once, when dropped: what a handler future or a response stream stood
@@ -266,6 +267,7 @@ impl Shared {
             lost: std::collections::VecDeque::new(),
             shutting_down: false,
             last: None,
+            telemetry_revision: 0,
             saved_revision: 0,
             saved_snapshot_revision: 0,
             saved_goodput: None,
@@ -436,14 +438,7 @@ impl Shared {
             members = quorum.participants.len(),
             "quorum issued"
         );
-        if state.last.as_ref().map(|l| l.quorum.quorum_id) != Some(quorum.quorum_id) {
-            // A membership change is an event now; steps-only rounds (every step) are
-            // synced by the telemetry tick, off the quorum path.
-            let members = telemetry_members(&quorum);
-            let now = now_instant();
-            self.hub
-                .with(|t| t.on_quorum(quorum.quorum_id, &members, now));
-        }
+        let changed = state.last.as_ref().map(|l| l.quorum.quorum_id) != Some(quorum.quorum_id);
         for r in state.engine.take_regressions() {
             // Loud: the job's progress went back (see the no-regression rule).
             warn!(
@@ -465,6 +460,7 @@ impl Shared {
         let previous = state.last.as_ref().map(|l| &l.quorum);
         let issued = Arc::new(Issued::new(quorum, stable_since, previous));
         state.last = Some(issued.clone());
+        let told = changed.then(|| issued.clone());
         let waiters: Vec<Waiter> = issued
             .quorum
             .participants
@@ -489,6 +485,16 @@ impl Shared {
                 });
             }
             _ => answer(),
+        }
+        if let Some(issued) = told {
+            // A membership change is an event now (steps-only rounds are synced by the
+            // telemetry tick, off the quorum path). Told after the answers are on their way:
+            // at 10,000 groups this is tens of milliseconds the members need not wait for.
+            let now = now_instant();
+            let quorum = &issued.quorum;
+            self.hub
+                .with(|t| t.on_quorum(quorum.quorum_id, telemetry_members(quorum), now));
+            state.telemetry_revision = quorum.revision;
         }
     }
 
@@ -686,16 +692,24 @@ impl Shared {
     pub(crate) fn telemetry_tick(&self) {
         let now = now_instant();
         let (ages, last) = {
-            let state = self.lock();
+            let mut state = self.lock();
             if state.shutting_down {
                 return;
             }
-            (state.engine.heartbeat_ages(now), state.last.clone())
+            // The last quorum's steps, once per quorum issued (a steps-only round changes
+            // only its revision).
+            let last = state
+                .last
+                .clone()
+                .filter(|l| l.quorum.revision != state.telemetry_revision);
+            if let Some(l) = &last {
+                state.telemetry_revision = l.quorum.revision;
+            }
+            (state.engine.heartbeat_ages(now), last)
         };
-        let members = last.as_ref().map(|l| telemetry_members(&l.quorum));
         self.hub.with(|t| {
-            if let (Some(last), Some(members)) = (&last, &members) {
-                t.on_quorum(last.quorum.quorum_id, members, now);
+            if let Some(last) = &last {
+                t.on_quorum(last.quorum.quorum_id, telemetry_members(&last.quorum), now);
             }
             t.evaluate(now, &ages);
         });

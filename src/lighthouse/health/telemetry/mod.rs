@@ -336,8 +336,31 @@ impl Telemetry {
     }
 
     /// A quorum member: creates or switches its group; `address` is its manager server (for
-    /// the kill action), `step` its step. The caller refreshes the group's state.
+    /// the kill action), `step` its step. Refreshes the group's state.
     fn note_member(&mut self, incarnation: &str, address: &str, step: i64, now: Instant) {
+        // The usual case, a member already known under this incarnation, updates the group
+        // in place: this runs for every member of every quorum, 10,000 at a time.
+        let timeout = self.opts.heartbeat_timeout;
+        if let Some(name) = self.by_incarnation.get(incarnation) {
+            let Some(g) = self.groups.get_mut(name) else {
+                return;
+            };
+            if g.incarnation != incarnation {
+                return; // a retired incarnation
+            }
+            g.last_seen = now;
+            if !address.is_empty() && g.address != address {
+                g.address = address.to_string();
+            }
+            if step > g.step && !g.committed {
+                g.step = step;
+            }
+            if g.derive(now, timeout).0 != g.state {
+                let name = name.clone();
+                self.refresh(&name, now);
+            }
+            return;
+        }
         let Some(name) = self.group_for(incarnation, now) else {
             return;
         };
@@ -349,6 +372,22 @@ impl Telemetry {
             if step > g.step && !g.committed {
                 g.step = step;
             }
+        }
+        self.refresh(&name, now);
+    }
+
+    /// Refreshes every group whose derived state changed (see [`Self::refresh`]), cloning
+    /// only their names.
+    fn refresh_all(&mut self, now: Instant) {
+        let timeout = self.opts.heartbeat_timeout;
+        let changed: Vec<String> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.derive(now, timeout).0 != g.state)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in changed {
+            self.refresh(&name, now);
         }
     }
 
@@ -381,14 +420,24 @@ impl Telemetry {
         (g.incarnation == incarnation).then(|| name.clone())
     }
 
-    /// A quorum was issued; `members` are `(lighthouse id, step, manager address)`.
-    pub fn on_quorum(&mut self, quorum_id: i64, members: &[(String, i64, String)], now: Instant) {
-        self.quorum_members = members.iter().map(|(id, _, _)| id.clone()).collect();
-        if self.quorum_id != Some(quorum_id) {
+    /// A quorum was issued; `members` are `(lighthouse id, step, manager address)`. Called
+    /// for every quorum issued (each steps-only round too): O(members), and O(groups) only
+    /// when the quorum id changed (membership may have).
+    pub fn on_quorum<'a, I>(&mut self, quorum_id: i64, members: I, now: Instant)
+    where
+        I: IntoIterator<Item = (&'a str, i64, &'a str)>,
+        I::IntoIter: Clone,
+    {
+        let members = members.into_iter();
+        // A quorum id names one member set (the lighthouse keeps an id only while the
+        // members stay the same).
+        let changed = self.quorum_id != Some(quorum_id);
+        if changed {
+            self.quorum_members = members.clone().map(|(id, _, _)| id.to_string()).collect();
             let previous = self.quorum_id;
             self.quorum_id = Some(quorum_id);
             self.counters.quorum_changes += 1;
-            let mut names: Vec<&str> = members.iter().map(|(id, _, _)| base_id(id)).collect();
+            let mut names: Vec<&str> = members.clone().map(|(id, _, _)| base_id(id)).collect();
             names.sort_unstable();
             self.emit(
                 now,
@@ -396,16 +445,16 @@ impl Telemetry {
                 json!({"quorum_id": quorum_id, "previous_quorum_id": previous,
                        "participants": names}),
             );
-        }
-        for (id, step, address) in members {
-            self.note_member(id, address, *step, now);
-        }
-        let names: Vec<String> = self.groups.keys().cloned().collect();
-        for name in names {
-            if let Some(g) = self.groups.get_mut(&name) {
+            for g in self.groups.values_mut() {
                 g.in_quorum = self.quorum_members.contains(&g.incarnation);
             }
-            self.refresh(&name, now);
+        }
+        for (id, step, address) in members {
+            self.note_member(id, address, step, now);
+        }
+        if changed {
+            // Groups that left the quorum.
+            self.refresh_all(now);
         }
     }
 
@@ -592,27 +641,28 @@ impl Telemetry {
     /// the straggler verdicts.
     pub fn evaluate(&mut self, now: Instant, ages: &[(String, Duration)]) {
         let timeout = self.opts.heartbeat_timeout;
-        let mut fresh: Vec<String> = Vec::new();
+        let mut fresh: Vec<&str> = Vec::new();
         for (id, age) in ages {
-            if let Some(name) = self.current(id) {
-                if let Some(g) = self.groups.get_mut(&name) {
-                    let at = now.checked_sub(*age).unwrap_or(now);
-                    g.hb_at = Some(at);
-                    g.last_seen = g.last_seen.max(at);
+            match self.by_incarnation.get(id.as_str()) {
+                Some(name) => {
+                    if let Some(g) = self.groups.get_mut(name) {
+                        if g.incarnation == *id {
+                            let at = now.checked_sub(*age).unwrap_or(now);
+                            g.hb_at = Some(at);
+                            g.last_seen = g.last_seen.max(at);
+                        }
+                    }
                 }
-            } else if *age <= timeout && !self.by_incarnation.contains_key(id) {
-                fresh.push(id.clone());
+                None if *age <= timeout => fresh.push(id),
+                None => {}
             }
         }
         for id in fresh {
             // A group heard of only through heartbeats so far (or a restart of one).
-            self.group_for(&id, now);
+            self.group_for(id, now);
         }
         self.judge_stragglers(now);
-        let names: Vec<String> = self.groups.keys().cloned().collect();
-        for name in names {
-            self.refresh(&name, now);
-        }
+        self.refresh_all(now);
         self.goodput_tick(now);
     }
 
@@ -759,7 +809,7 @@ mod tests {
         let a = inc("a", U1);
         t.on_session(&a, true, now);
         assert_eq!(t.groups["a"].state, GroupState::Joining);
-        t.on_quorum(1, &[(a.clone(), 0, "http://a".into())], now);
+        t.on_quorum(1, [(a.as_str(), 0, "http://a")], now);
         assert_eq!(t.groups["a"].state, GroupState::Joining, "no commit yet");
         t.on_report(&report(&a, 0, 0.1), now);
         assert_eq!(t.groups["a"].state, GroupState::Healthy);
@@ -796,12 +846,8 @@ mod tests {
         j.t.on_report(&r, j.now);
         assert_eq!(j.state("g1"), GroupState::Healing);
         j.ids[1] = new.clone();
-        let members: Vec<(String, i64, String)> = j
-            .ids
-            .iter()
-            .map(|id| (id.clone(), 1, String::new()))
-            .collect();
-        j.t.on_quorum(6, &members, j.now);
+        let members = j.ids.iter().map(|id| (id.as_str(), 1, ""));
+        j.t.on_quorum(6, members, j.now);
         let mut r = report(&new, 1, 0.1);
         r.healed = true;
         r.heal_s = 0.5;

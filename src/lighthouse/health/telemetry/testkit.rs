@@ -55,11 +55,12 @@ impl Job {
         let now = Instant::now();
         let mut t = Telemetry::new(TelemetryOptions::default(), now, 1000.0);
         let ids: Vec<String> = (0..n).map(|i| inc(&format!("g{i}"), U1)).collect();
-        let members: Vec<(String, i64, String)> = ids
+        let addresses: Vec<String> = ids.iter().map(|id| format!("http://{id}")).collect();
+        let members = ids
             .iter()
-            .map(|id| (id.clone(), 0, format!("http://{id}")))
-            .collect();
-        t.on_quorum(5, &members, now);
+            .zip(&addresses)
+            .map(|(id, a)| (id.as_str(), 0, a.as_str()));
+        t.on_quorum(5, members, now);
         let mut j = Self { t, now, ids };
         j.step_all(&[0.1; 16][..n]);
         j
