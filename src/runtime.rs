@@ -40,17 +40,37 @@ fn parse_threads(raw: Option<&str>) -> Result<usize> {
 /// Worker threads are named `torchft-rt` so they are easy to spot in stack dumps. The thread
 /// count follows `TORCHFT_RUNTIME_THREADS` (see [`threads_from_env`]).
 pub fn get() -> &'static Runtime {
-    RUNTIME.get_or_init(|| {
-        let threads = threads_from_env().unwrap_or(DEFAULT_THREADS);
-        // Building a runtime only fails when the OS refuses threads; nothing can run then.
-        #[allow(clippy::expect_used)]
-        Builder::new_multi_thread()
-            .worker_threads(threads)
-            .thread_name("torchft-rt")
-            .enable_all()
-            .build()
-            .expect("failed to start the torchft tokio runtime")
-    })
+    RUNTIME.get_or_init(|| build(threads_from_env().unwrap_or(DEFAULT_THREADS)))
+}
+
+/// Returns the process-wide runtime, creating it with `threads` workers if it does not exist
+/// yet (a process that serves, such as the lighthouse daemon, sizes it before first use).
+/// Returns the count of the runtime it returns.
+pub fn get_with(threads: usize) -> (&'static Runtime, usize) {
+    let mut built = None;
+    let rt = RUNTIME.get_or_init(|| {
+        built = Some(threads.max(1));
+        build(threads.max(1))
+    });
+    let count = built.unwrap_or_else(|| rt.metrics().num_workers());
+    (rt, count)
+}
+
+/// One worker thread per core this process may use (its CPU affinity and cgroup quota
+/// counted), at least 1.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+fn build(threads: usize) -> Runtime {
+    // Building a runtime only fails when the OS refuses threads; nothing can run then.
+    #[allow(clippy::expect_used)]
+    Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("torchft-rt")
+        .enable_all()
+        .build()
+        .expect("failed to start the torchft tokio runtime")
 }
 
 #[cfg(test)]

@@ -138,6 +138,7 @@ fn bad_flags_exit_nonzero_with_message() {
             &["--min_replicas", "1", "--straggler_skew_pct", "0"],
             "straggler_skew_pct",
         ),
+        (&["--min_replicas", "1", "--threads", "0"], "--threads"),
     ];
     for (args, message) in cases {
         let out = Command::new(BIN)
@@ -151,6 +152,60 @@ fn bad_flags_exit_nonzero_with_message() {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
+}
+
+/// The worker thread count the daemon logs as it starts, with `args` and `env` set.
+fn logged_threads(args: &[&str], env: Option<&str>) -> usize {
+    let mut command = Command::new(BIN);
+    command
+        .args(["--min_replicas", "1", "--bind", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("TORCHFT_MIN_REPLICAS")
+        .env_remove("TORCHFT_BIND")
+        .env_remove("TORCHFT_RUNTIME_THREADS")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(v) = env {
+        command.env("TORCHFT_RUNTIME_THREADS", v);
+    }
+    let mut child = command.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut d = Daemon(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut threads = None;
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(30)) {
+        if line.contains("lighthouse worker threads") {
+            let n = line.rsplit("threads=").next().unwrap_or_default();
+            threads = n.trim().parse::<usize>().ok();
+        }
+        if line.contains("lighthouse listening on") {
+            break;
+        }
+    }
+    signal(&d, "-TERM");
+    assert_eq!(wait_exit(&mut d, Duration::from_secs(15)), Some(0));
+    threads.expect("no worker thread count logged")
+}
+
+#[test]
+fn worker_threads_follow_the_flag_then_the_environment_then_the_cores() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(logged_threads(&["--threads", "3"], Some("1")), 3);
+    assert_eq!(logged_threads(&[], Some("1")), 1);
+    assert_eq!(logged_threads(&[], None), cores);
+    assert_eq!(
+        logged_threads(&[], Some("")),
+        cores,
+        "an empty variable is unset"
+    );
 }
 
 #[test]

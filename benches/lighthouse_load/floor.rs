@@ -118,9 +118,10 @@ pub(super) struct Floor {
 
 impl Floor {
     pub(super) fn start() -> Result<Self> {
-        // Its own threads, as the daemon has its own process.
+        // Its own threads, as the daemon has its own process: as many as the daemon's
+        // default (one per core).
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(torchft::runtime::available_cores())
             .enable_all()
             .build()?;
         let forms = Arc::new(Mutex::new(Arc::new(Forms::new(Quorum::default(), None))));

@@ -803,12 +803,14 @@ pub fn run(opts: &Options) -> Result<Report> {
             &mut report,
             format!(
                 "lighthouse_load: {} groups over {} HTTP/2 connections, {} repetitions \
-                 (first, {} steady, change, steady), daemon {}",
+                 (first, {} steady, change, steady), daemon {} and floor on {} worker \
+                 threads each",
                 opts.groups,
                 opts.connections_for(opts.groups),
                 opts.reps,
                 opts.steady,
-                opts.daemon.display()
+                opts.daemon.display(),
+                torchft::runtime::available_cores()
             ),
         );
         let (mut ours, mut floors) = (HashMap::new(), HashMap::new());

@@ -524,7 +524,11 @@ _OTHER_VARS = (
         "native log filter (EnvFilter syntax, e.g. info or warn,torchft::manager=debug); "
         "else RUST_LOG, else warn",
     ),
-    EnvVar("TORCHFT_RUNTIME_THREADS", POSITIVE, "worker threads of the native runtime (2)"),
+    EnvVar(
+        "TORCHFT_RUNTIME_THREADS",
+        POSITIVE,
+        "worker threads of the native runtime (2; the lighthouse daemon: one per core)",
+    ),
     EnvVar(
         "TORCHFT_TOKEN_FILE",
         _NATIVE_PATH,

@@ -19,6 +19,11 @@ pub struct Args {
     /// The lighthouse's settings (every flag).
     #[command(flatten)]
     pub config: LighthouseConfig,
+    /// Worker threads serving requests (default: TORCHFT_RUNTIME_THREADS when set, else one
+    /// per core the process may use, its cgroup quota counted). A lighthouse of thousands of
+    /// groups answers a round's requests on all of them.
+    #[arg(long = "threads", value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
 }
 
 /// A future that resolves with the name of the first SIGTERM/SIGINT received.
@@ -55,8 +60,16 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = &'static str>> 
 pub fn run(args: Args) -> Result<()> {
     crate::logging::init("info")?;
     crate::logging::set_default_level("info")?;
-    crate::runtime::threads_from_env()?;
-    crate::runtime::get().block_on(async move {
+    let from_env = std::env::var_os(crate::runtime::ENV_THREADS).is_some_and(|v| !v.is_empty());
+    let env_threads = crate::runtime::threads_from_env()?;
+    let threads = match args.threads {
+        Some(n) => usize::from(n),
+        None if from_env => env_threads,
+        None => crate::runtime::available_cores(),
+    };
+    let (runtime, threads) = crate::runtime::get_with(threads);
+    info!(threads, "lighthouse worker threads");
+    runtime.block_on(async move {
         let config = args.config;
         let signal = shutdown_signal()?;
         let access = config.access()?;

@@ -85,8 +85,6 @@ struct State {
     shutting_down: bool,
     /// The last issued quorum (the base of the next one's delta reply).
     last: Option<Arc<Issued>>,
-    /// The revision of the last quorum telemetry was told of (0: none).
-    telemetry_revision: u64,
     /// The engine's durable revision last handed to the state file's writer.
     saved_revision: u64,
     /// The telemetry's snapshot revision last handed to the state file's writer.
@@ -167,6 +165,13 @@ impl OnDrop {
     }
 }
 
+impl OnDrop {
+    /// The action will not run.
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
 impl Drop for OnDrop {
     fn drop(&mut self) {
         if let Some(action) = self.0.take() {
@@ -200,6 +205,9 @@ pub(crate) async fn wait_for_quorum(
         },
         None => rx.await,
     };
+    // Answered, replaced or shut down: the request is out of the round already, and leaving
+    // would only take the state lock once more per member as a round's answers go out.
+    _leave.disarm();
     delivered.unwrap_or(Err(Error::Shutdown))
 }
 
@@ -267,7 +275,6 @@ impl Shared {
             lost: std::collections::VecDeque::new(),
             shutting_down: false,
             last: None,
-            telemetry_revision: 0,
             saved_revision: 0,
             saved_snapshot_revision: 0,
             saved_goodput: None,
@@ -428,8 +435,12 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Hands an issued quorum to each of its members' waiters.
-    fn deliver(&self, state: &mut State, mut quorum: Quorum) {
+    /// Hands an issued quorum to each of its members' waiters. Returns it when its members
+    /// changed, for [`Self::tell`]: the caller tells telemetry, after releasing the state
+    /// lock where it can (at 10,000 groups that is tens of milliseconds the members' answers
+    /// need not wait for).
+    #[must_use]
+    fn deliver(&self, state: &mut State, mut quorum: Quorum) -> Option<Arc<Issued>> {
         quorum.created = Some(timestamp(SystemTime::now()));
         let stable_since = state.engine.stable_since();
         info!(
@@ -486,15 +497,18 @@ impl Shared {
             }
             _ => answer(),
         }
-        if let Some(issued) = told {
-            // A membership change is an event now (steps-only rounds are synced by the
-            // telemetry tick, off the quorum path). Told after the answers are on their way:
-            // at 10,000 groups this is tens of milliseconds the members need not wait for.
+        told
+    }
+
+    /// Tells telemetry of a quorum whose members changed: an event now (steps-only rounds
+    /// are synced by the telemetry tick, off the quorum path). Telemetry ignores a quorum
+    /// older than one it was told of, so callers may race.
+    fn tell(&self, issued: Option<Arc<Issued>>) {
+        if let Some(issued) = issued {
             let now = now_instant();
-            let quorum = &issued.quorum;
+            let q = &issued.quorum;
             self.hub
-                .with(|t| t.on_quorum(quorum.quorum_id, telemetry_members(quorum), now));
-            state.telemetry_revision = quorum.revision;
+                .with(|t| t.on_quorum(q.quorum_id, q.revision, telemetry_members(q), now));
         }
     }
 
@@ -530,9 +544,9 @@ impl Shared {
                 "superseded by a newer quorum request from replica {replica_id:?}"
             ))));
         }
-        if let Some(q) = state.engine.poll(now) {
-            self.deliver(state, q);
-        }
+        let told = state.engine.poll(now).and_then(|q| self.deliver(state, q));
+        drop(guard);
+        self.tell(told);
         Ok((joined.generation, rx))
     }
 
@@ -638,7 +652,8 @@ impl Shared {
         let before = state.last.clone();
         self.drop_lasting_stragglers(state, now);
         if let Some(q) = state.engine.tick(now) {
-            self.deliver(state, q);
+            let told = self.deliver(state, q);
+            self.tell(told);
         }
         Self::announce_hold_end(state, now);
         self.announce_hangs(state, now);
@@ -692,24 +707,17 @@ impl Shared {
     pub(crate) fn telemetry_tick(&self) {
         let now = now_instant();
         let (ages, last) = {
-            let mut state = self.lock();
+            let state = self.lock();
             if state.shutting_down {
                 return;
             }
-            // The last quorum's steps, once per quorum issued (a steps-only round changes
-            // only its revision).
-            let last = state
-                .last
-                .clone()
-                .filter(|l| l.quorum.revision != state.telemetry_revision);
-            if let Some(l) = &last {
-                state.telemetry_revision = l.quorum.revision;
-            }
-            (state.engine.heartbeat_ages(now), last)
+            (state.engine.heartbeat_ages(now), state.last.clone())
         };
         self.hub.with(|t| {
             if let Some(last) = &last {
-                t.on_quorum(last.quorum.quorum_id, telemetry_members(&last.quorum), now);
+                // The last quorum's steps (at once when telemetry was told of it already).
+                let q = &last.quorum;
+                t.on_quorum(q.quorum_id, q.revision, telemetry_members(q), now);
             }
             t.evaluate(now, &ages);
         });

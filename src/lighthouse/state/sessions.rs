@@ -147,7 +147,8 @@ impl Shared {
         let before = state.last.clone();
         state.engine.lost(replica_id, now);
         if let Some(q) = state.engine.poll(now) {
-            self.deliver(state, q);
+            let told = self.deliver(state, q);
+            self.tell(told);
         }
         Self::announce_lost(&self.hub, state, before);
     }

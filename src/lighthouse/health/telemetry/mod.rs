@@ -124,6 +124,8 @@ pub struct Telemetry {
     /// Lighthouse id → replica group name, for current and retired incarnations.
     by_incarnation: IdMap<String>,
     quorum_id: Option<i64>,
+    /// The revision of the last quorum told (0: none yet).
+    quorum_revision: u64,
     quorum_members: IdSet,
     next_seq: u64,
     pending: Vec<Event>,
@@ -159,6 +161,7 @@ impl Telemetry {
             groups: IdMap::default(),
             by_incarnation: IdMap::default(),
             quorum_id: None,
+            quorum_revision: 0,
             quorum_members: IdSet::default(),
             next_seq: 1,
             pending: Vec::new(),
@@ -423,11 +426,19 @@ impl Telemetry {
     /// A quorum was issued; `members` are `(lighthouse id, step, manager address)`. Called
     /// for every quorum issued (each steps-only round too): O(members), and O(groups) only
     /// when the quorum id changed (membership may have).
-    pub fn on_quorum<'a, I>(&mut self, quorum_id: i64, members: I, now: Instant)
+    ///
+    /// `revision` is the quorum's (see `Quorum.revision`): a quorum no newer than the last one
+    /// told is ignored, so the lighthouse may tell it from several tasks without a lock
+    /// ordering them.
+    pub fn on_quorum<'a, I>(&mut self, quorum_id: i64, revision: u64, members: I, now: Instant)
     where
         I: IntoIterator<Item = (&'a str, i64, &'a str)>,
         I::IntoIter: Clone,
     {
+        if revision <= self.quorum_revision {
+            return;
+        }
+        self.quorum_revision = revision;
         let members = members.into_iter();
         // A quorum id names one member set (the lighthouse keeps an id only while the
         // members stay the same).
@@ -809,7 +820,7 @@ mod tests {
         let a = inc("a", U1);
         t.on_session(&a, true, now);
         assert_eq!(t.groups["a"].state, GroupState::Joining);
-        t.on_quorum(1, [(a.as_str(), 0, "http://a")], now);
+        t.on_quorum(1, 1, [(a.as_str(), 0, "http://a")], now);
         assert_eq!(t.groups["a"].state, GroupState::Joining, "no commit yet");
         t.on_report(&report(&a, 0, 0.1), now);
         assert_eq!(t.groups["a"].state, GroupState::Healthy);
@@ -819,6 +830,30 @@ mod tests {
             kinds,
             ["replica_joined", "quorum_changed", "state_changed"],
             "joined, quorum, joining -> healthy"
+        );
+    }
+
+    #[test]
+    fn a_quorum_told_late_does_not_undo_a_newer_one() {
+        // The lighthouse tells telemetry of a quorum from its tick and from the round that
+        // issued it, without a lock ordering the two: an older one arriving second is ignored.
+        let mut j = Job::new(2);
+        j.kinds();
+        let members: Vec<(&str, i64, &str)> = j.ids.iter().map(|id| (id.as_str(), 3, "")).collect();
+        j.t.on_quorum(9, 4, members.clone(), j.now);
+        assert_eq!(j.t.quorum_id, Some(9));
+        j.t.on_quorum(5, 3, members.clone(), j.now);
+        assert_eq!(j.t.quorum_id, Some(9), "the older quorum came back");
+        j.t.on_quorum(9, 4, members, j.now);
+        let kinds: Vec<EventKind> = j.kinds().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(
+            kinds,
+            [EventKind::QuorumChanged],
+            "one change, to the newer quorum"
+        );
+        assert_eq!(
+            j.t.counters.quorum_changes, 2,
+            "the job's first quorum and this one"
         );
     }
 
@@ -847,7 +882,7 @@ mod tests {
         assert_eq!(j.state("g1"), GroupState::Healing);
         j.ids[1] = new.clone();
         let members = j.ids.iter().map(|id| (id.as_str(), 1, ""));
-        j.t.on_quorum(6, members, j.now);
+        j.t.on_quorum(6, 2, members, j.now);
         let mut r = report(&new, 1, 0.1);
         r.healed = true;
         r.heal_s = 0.5;

@@ -60,7 +60,7 @@ impl Job {
             .iter()
             .zip(&addresses)
             .map(|(id, a)| (id.as_str(), 0, a.as_str()));
-        t.on_quorum(5, members, now);
+        t.on_quorum(5, 1, members, now);
         let mut j = Self { t, now, ids };
         j.step_all(&[0.1; 16][..n]);
         j
