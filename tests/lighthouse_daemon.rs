@@ -206,6 +206,11 @@ fn worker_threads_follow_the_flag_then_the_environment_then_the_cores() {
         cores,
         "an empty variable is unset"
     );
+    assert_eq!(
+        logged_threads(&[], Some(" ")),
+        cores,
+        "a blank variable is unset"
+    );
 }
 
 #[test]

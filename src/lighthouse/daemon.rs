@@ -60,7 +60,7 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = &'static str>> 
 pub fn run(args: Args) -> Result<()> {
     crate::logging::init("info")?;
     crate::logging::set_default_level("info")?;
-    let from_env = std::env::var_os(crate::runtime::ENV_THREADS).is_some_and(|v| !v.is_empty());
+    let from_env = std::env::var(crate::runtime::ENV_THREADS).is_ok_and(|v| !v.trim().is_empty());
     let env_threads = crate::runtime::threads_from_env()?;
     let threads = match args.threads {
         Some(n) => usize::from(n),

@@ -140,6 +140,25 @@ pub(crate) struct Hub {
     pub(crate) opts: ObservabilityOptions,
 }
 
+/// The telemetry lock, taken by [`Hub::hold`].
+pub(crate) struct Held<'a> {
+    hub: &'a Hub,
+    telemetry: MutexGuard<'a, Telemetry>,
+}
+
+impl Held<'_> {
+    /// Runs `f` on the telemetry state, releases the lock, then publishes the events `f`
+    /// emitted (as [`Hub::with`]).
+    pub(crate) fn with<R>(mut self, f: impl FnOnce(&mut Telemetry) -> R) -> R {
+        let r = f(&mut self.telemetry);
+        let events = self.telemetry.take_events();
+        let hub = self.hub;
+        drop(self);
+        hub.publish(events);
+        r
+    }
+}
+
 /// The directory of the event log (the end-of-run report goes next to it).
 fn log_dir(opts: &ObservabilityOptions) -> Option<PathBuf> {
     let path = opts.event_log.as_ref()?;
@@ -294,6 +313,16 @@ impl Hub {
         };
         self.publish(events);
         r
+    }
+
+    /// Takes the telemetry lock now, for work done later with [`Held::with`]: a caller that
+    /// must order that work before anything another thread does next, but would rather do
+    /// it after releasing its own lock.
+    pub(crate) fn hold(&self) -> Held<'_> {
+        Held {
+            hub: self,
+            telemetry: self.lock(),
+        }
     }
 
     /// Records one event (see [`Telemetry::emit`]) and publishes it.

@@ -42,6 +42,13 @@ pub(crate) use sessions::SessionStream;
 
 type Delivery = Result<Arc<Issued>>;
 
+/// A quorum whose members changed, and the telemetry lock taken before they were answered
+/// (see [`Shared::deliver`]).
+struct Told<'a> {
+    issued: Arc<Issued>,
+    held: super::health::hub::Held<'a>,
+}
+
 struct Waiter {
     generation: u64,
     tx: oneshot::Sender<Delivery>,
@@ -436,11 +443,13 @@ impl Shared {
     }
 
     /// Hands an issued quorum to each of its members' waiters. Returns it when its members
-    /// changed, for [`Self::tell`]: the caller tells telemetry, after releasing the state
-    /// lock where it can (at 10,000 groups that is tens of milliseconds the members' answers
-    /// need not wait for).
+    /// changed, for [`Self::tell`], with the telemetry lock taken before the members were
+    /// answered: whatever they or anyone else do next (a status page, another quorum, a
+    /// shutdown) waits for telemetry to know this quorum, yet the caller may tell it after
+    /// releasing the state lock (at 10,000 groups that is tens of milliseconds the answers
+    /// and the next requests need not wait for).
     #[must_use]
-    fn deliver(&self, state: &mut State, mut quorum: Quorum) -> Option<Arc<Issued>> {
+    fn deliver<'a>(&'a self, state: &mut State, mut quorum: Quorum) -> Option<Told<'a>> {
         quorum.created = Some(timestamp(SystemTime::now()));
         let stable_since = state.engine.stable_since();
         info!(
@@ -471,7 +480,10 @@ impl Shared {
         let previous = state.last.as_ref().map(|l| &l.quorum);
         let issued = Arc::new(Issued::new(quorum, stable_since, previous));
         state.last = Some(issued.clone());
-        let told = changed.then(|| issued.clone());
+        let told = changed.then(|| Told {
+            issued: issued.clone(),
+            held: self.hub.hold(),
+        });
         let waiters: Vec<Waiter> = issued
             .quorum
             .participants
@@ -501,14 +513,13 @@ impl Shared {
     }
 
     /// Tells telemetry of a quorum whose members changed: an event now (steps-only rounds
-    /// are synced by the telemetry tick, off the quorum path). Telemetry ignores a quorum
-    /// older than one it was told of, so callers may race.
-    fn tell(&self, issued: Option<Arc<Issued>>) {
-        if let Some(issued) = issued {
+    /// are synced by the telemetry tick, off the quorum path, and telemetry ignores a quorum
+    /// no newer than the last one told).
+    fn tell(told: Option<Told<'_>>) {
+        if let Some(Told { issued, held }) = told {
             let now = now_instant();
             let q = &issued.quorum;
-            self.hub
-                .with(|t| t.on_quorum(q.quorum_id, q.revision, telemetry_members(q), now));
+            held.with(|t| t.on_quorum(q.quorum_id, q.revision, telemetry_members(q), now));
         }
     }
 
@@ -546,7 +557,7 @@ impl Shared {
         }
         let told = state.engine.poll(now).and_then(|q| self.deliver(state, q));
         drop(guard);
-        self.tell(told);
+        Self::tell(told);
         Ok((joined.generation, rx))
     }
 
@@ -653,7 +664,7 @@ impl Shared {
         self.drop_lasting_stragglers(state, now);
         if let Some(q) = state.engine.tick(now) {
             let told = self.deliver(state, q);
-            self.tell(told);
+            Self::tell(told);
         }
         Self::announce_hold_end(state, now);
         self.announce_hangs(state, now);

@@ -148,7 +148,7 @@ impl Shared {
         state.engine.lost(replica_id, now);
         if let Some(q) = state.engine.poll(now) {
             let told = self.deliver(state, q);
-            self.tell(told);
+            Self::tell(told);
         }
         Self::announce_lost(&self.hub, state, before);
     }
