@@ -170,9 +170,7 @@ impl OnDrop {
     fn new(action: impl FnOnce() + Send + 'static) -> Self {
         Self(Some(Box::new(action)))
     }
-}
 
-impl OnDrop {
     /// The action will not run.
     fn disarm(mut self) {
         self.0 = None;

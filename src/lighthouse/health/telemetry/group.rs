@@ -166,6 +166,18 @@ impl Group {
         age > timeout
     }
 
+    /// Seen as a quorum member now, with its manager server's address (for the kill action;
+    /// empty: unknown) and its step.
+    pub(super) fn seen_in_quorum(&mut self, address: &str, step: i64, now: Instant) {
+        self.last_seen = now;
+        if !address.is_empty() && self.address != address {
+            self.address = address.to_string();
+        }
+        if step > self.step && !self.committed {
+            self.step = step;
+        }
+    }
+
     /// The state the observations imply (straggler included), and why.
     pub(super) fn derive(&self, now: Instant, timeout: Duration) -> (GroupState, &'static str) {
         match &self.lifecycle {

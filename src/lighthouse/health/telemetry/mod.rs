@@ -351,13 +351,7 @@ impl Telemetry {
             if g.incarnation != incarnation {
                 return; // a retired incarnation
             }
-            g.last_seen = now;
-            if !address.is_empty() && g.address != address {
-                g.address = address.to_string();
-            }
-            if step > g.step && !g.committed {
-                g.step = step;
-            }
+            g.seen_in_quorum(address, step, now);
             if g.derive(now, timeout).0 != g.state {
                 let name = name.clone();
                 self.refresh(&name, now);
@@ -368,13 +362,7 @@ impl Telemetry {
             return;
         };
         if let Some(g) = self.groups.get_mut(&name) {
-            g.last_seen = now;
-            if !address.is_empty() {
-                g.address = address.to_string();
-            }
-            if step > g.step && !g.committed {
-                g.step = step;
-            }
+            g.seen_in_quorum(address, step, now);
         }
         self.refresh(&name, now);
     }
