@@ -18,19 +18,17 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(240)
 def test_heal_benchmark_small_version() -> None:
     out = subprocess.run(
-        [sys.executable, str(REPO / "benches" / "heal_e2e.py"), "--mb", "8", "--runs", "5"],
+        [sys.executable, str(REPO / "benches" / "heal_e2e.py"), "--mb", "8", "--check"],
         capture_output=True,
         text=True,
         timeout=220,
         env=dict(os.environ, TORCHFT_CHECKPOINT_BIND="127.0.0.1"),
     )
     text = out.stdout + out.stderr
-    # Exit 1 is the benchmark's verdict on its timing target, which a test does not judge;
-    # anything else (a crash, a group that never started) fails here.
-    assert out.returncode in (0, 1), text
-    target = re.search(r"target heal .*: (met|MISSED)$", out.stdout, re.M)
-    assert target is not None, text
-    assert (out.returncode == 0) == (target.group(1) == "met"), text
+    # --check does not judge the timing target: anything but exit 0 (a crash, a group that
+    # never started) fails here.
+    assert out.returncode == 0, text
+    assert re.search(r"target heal .*: not judged \(--check\)$", out.stdout, re.M), text
     heal = re.search(r"heal \(fetch \+ load\)\s+([0-9.]+)s", out.stdout)
     assert heal is not None and float(heal.group(1)) > 0, text
     assert "parameters received in place: yes" in out.stdout, text
