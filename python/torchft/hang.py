@@ -34,8 +34,10 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from types import TracebackType
+from typing import Protocol
 
-__all__ = ["HUNG_EXIT_CODE", "HangWatchdog"]
+__all__ = ["HUNG_EXIT_CODE", "HangWatchdog", "LoopBusy"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,3 +167,29 @@ def stacks() -> str:
         out.append(f"Thread {names.get(ident, ident)}:\n")
         out.extend(traceback.format_stack(frame))
     return "".join(out)
+
+
+class _BusyMarker(Protocol):
+    def set_loop_busy(self, busy: bool) -> None: ...
+
+
+class LoopBusy:
+    """Context marking the training loop as inside torchft on the manager server (a quorum,
+    its process group, a heal, a vote): however long it takes, the lighthouse does not count
+    it as away. A plain class, not a generator: it wraps every step's quorum and vote."""
+
+    __slots__ = ("_server",)
+
+    def __init__(self, server: _BusyMarker) -> None:
+        self._server = server
+
+    def __enter__(self) -> None:
+        self._server.set_loop_busy(True)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._server.set_loop_busy(False)

@@ -33,11 +33,11 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -57,7 +57,7 @@ from torchft.errors import (
 )
 from torchft.group_connect import join_group, start_services, vote
 from torchft.group_snapshots import GroupSnapshots
-from torchft.hang import HangWatchdog
+from torchft.hang import HangWatchdog, LoopBusy
 from torchft.healing import Healer
 from torchft.loss_watch import LostWatcher
 from torchft.parity import StateParity
@@ -586,6 +586,11 @@ class Manager:
         fut = self._quorum_future
         if fut is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
+        if fut.settled() if isinstance(fut, PendingQuorum) else fut.done():
+            # Already adopted (the step's first collective waited for it): nothing to time
+            # or mark busy; its outcome is raised as it is.
+            fut.result()
+            return
         # The quorum RPC and the heal each carry their own deadline; this bound is a backstop.
         limit = (
             self._config.quorum_timeout + 2 * self._config.timeout + self._config.connect_timeout
@@ -600,19 +605,11 @@ class Manager:
                 raise
             raise TimeoutError(f"quorum did not finish within {limit:.1f}s") from None
 
-    @contextmanager
-    def _in_torchft(self) -> Iterator[None]:
+    def _in_torchft(self) -> AbstractContextManager[None]:
         """Marks the training loop as inside torchft (a quorum, its process group, a heal, a
         vote): however long it takes, the lighthouse does not count it as away (hang watch)."""
         server = self._manager
-        if server is None:
-            yield
-            return
-        server.set_loop_busy(True)
-        try:
-            yield
-        finally:
-            server.set_loop_busy(False)
+        return LoopBusy(server) if server is not None else nullcontext()
 
     def _timing_quorum(self) -> Any:
         """Context counting the time inside it as blocked on the quorum (telemetry)."""

@@ -360,6 +360,11 @@ class PendingQuorum:
             return outcome.done()
         return bool(self._pending.done())
 
+    def settled(self) -> bool:
+        """Whether the answer has been adopted (``result`` returns or raises at once)."""
+        outcome = self._outcome
+        return outcome is not None and outcome.done()
+
     def result(self, timeout: float | None = None) -> None:
         """Waits for the quorum to be adopted.
 

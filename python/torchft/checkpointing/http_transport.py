@@ -133,6 +133,10 @@ class HTTPTransport(CheckpointTransport[T]):
         except Exception:
             self.shutdown(wait=False)
             raise
+        # Sent with every quorum request: formatted once.
+        self._metadata = (
+            f"{self._security.scheme}://{format_host(self._host)}:{self._port}{BASE_PATH}"
+        )
         if where.interface is not None:
             logger.info(
                 "checkpoint server listening at %s (interface %s, %s)",
@@ -147,7 +151,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def metadata(self) -> str:
         """Returns the base URL receivers fetch this rank's state from."""
-        return f"{self._security.scheme}://{format_host(self._host)}:{self._port}{BASE_PATH}"
+        return self._metadata
 
     @property
     def receives_in_place(self) -> bool:
