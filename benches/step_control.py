@@ -17,7 +17,10 @@ Configurations, alternated trial by trial in the same run (fresh processes each 
 - ``ours``: our lighthouse and our managers;
 - ``upstream``: upstream 0.2.0's (``make bench`` installs it under ``.venv/upstream``);
 - ``ours/upstream-lh``: our managers against upstream's lighthouse, which does not take
-  write-ahead commits: our path without that round trip (what the commit costs).
+  write-ahead commits: our path without that round trip (what the commit costs);
+- ``ours/native-calls``: our lighthouse, and in each group the native calls the Manager makes
+  on this path (``_quorum_start`` + ``wait``, ``may_commit``) with a plain Gloo allreduce
+  between them, no Python ``Manager``: what the Manager's Python adds is ``ours`` minus this.
 
 A row is the median over trials of the slower group's per-trial median of the control plane
 per step, with the min and max over trials, the p90 of all steps, the same medians of its two
@@ -28,7 +31,8 @@ is missed (2 when upstream is not installed, unless ``--allow-missing-upstream``
 without judging the times (the bounded version ``make test`` runs).
 
 Usage: ``python benches/step_control.py [--trials 5] [--steps 2000] [--warmup 200] [--json]
-[--check] [--allow-missing-upstream] [--configs ours upstream ours/upstream-lh]``
+[--check] [--allow-missing-upstream] [--configs ours upstream ours/upstream-lh
+ours/native-calls]``
 """
 
 from __future__ import annotations
@@ -54,7 +58,10 @@ CONFIGS = {
     "ours": (False, False),
     "upstream": (True, True),
     "ours/upstream-lh": (True, False),
+    "ours/native-calls": (False, False),
 }
+#: Configurations whose groups make the native calls directly (no Python Manager).
+NATIVE_CALLS = {"ours/native-calls"}
 
 
 def _lighthouse() -> None:
@@ -125,6 +132,71 @@ def _group(address: str, replica_id: str, steps: int, warmup: int, result: str) 
     )
 
 
+def _native_group(
+    address: str, replica_id: str, steps: int, warmup: int, result: str, store_port: int
+) -> None:
+    """Child: one replica group (one rank) making the Manager's native calls of a step
+    directly: the async quorum, a Gloo allreduce (a plain process group over the bench's
+    store), the single-rank vote; writes the same timings as :func:`_group`."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from torchft.coordination import ManagerClient, ManagerServer
+
+    timeout = timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    rank = int(replica_id.removeprefix("g"))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    server = ManagerServer(
+        replica_id=replica_id,
+        lighthouse_addr=address,
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:0",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timeout,
+        quorum_retries=0,
+    )
+    client = ManagerClient(server.address(), timeout)
+    grad = torch.ones(1024)
+    total, quorum, vote, allreduce = [], [], [], []
+    committed = 0
+    try:
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            client._quorum_start(
+                group_rank=0, step=i, checkpoint_metadata="", shrink_only=False, timeout=timeout
+            ).wait()
+            t1 = time.perf_counter()
+            dist.all_reduce(grad)
+            t2 = time.perf_counter()
+            ok = server.may_commit(i, timeout)
+            t3 = time.perf_counter()
+            if i >= warmup:
+                committed += bool(ok)
+                quorum.append((t1 - t0) * 1e3)
+                allreduce.append((t2 - t1) * 1e3)
+                vote.append((t3 - t2) * 1e3)
+                total.append(quorum[-1] + vote[-1])
+    finally:
+        server.shutdown()
+        dist.destroy_process_group()
+    Path(result).write_text(
+        json.dumps(
+            {
+                "total": total,
+                "quorum": quorum,
+                "vote": vote,
+                "allreduce": allreduce,
+                "committed": committed,
+            }
+        )
+    )
+
+
 def _env(upstream: bool) -> dict[str, str]:
     env = dict(os.environ, RUST_LOG="error", TORCHFT_TELEMETRY="0", OMP_NUM_THREADS="1")
     path = [str(ROOT / "python"), env.get("PYTHONPATH", "")]
@@ -143,13 +215,20 @@ def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
         tempfile.TemporaryFile(mode="w+") as errors,
     ):
         groups: list[subprocess.Popen[str]] = []
+        role = ["--role", "group"]
+        if config in NATIVE_CALLS:
+            # The two groups' Gloo process group meets on a store of this process.
+            from torch.distributed import TCPStore
+
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            role = ["--role", "native-group", "--store-port", str(store.port)]
         try:
             with lighthouse_process(me, _env(lh_upstream), errors) as address:
                 results = [Path(d) / f"g{i}.json" for i in range(2)]
                 for i in range(2):
                     groups.append(
                         subprocess.Popen(
-                            [sys.executable, me, "--role", "group", "--address", address,
+                            [sys.executable, me, *role, "--address", address,
                              "--replica-id", f"g{i}", "--steps", str(steps), "--warmup",
                              str(warmup), "--result", str(results[i])],
                             stderr=errors,
@@ -176,7 +255,10 @@ def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
 def main() -> int:
     """Runs the alternating trials and prints the comparison; non-zero on a missed target."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["bench", "lighthouse", "group"], default="bench")
+    parser.add_argument(
+        "--role", choices=["bench", "lighthouse", "group", "native-group"], default="bench"
+    )
+    parser.add_argument("--store-port", type=int, default=0)
     parser.add_argument("--address", default="")
     parser.add_argument("--replica-id", default="")
     parser.add_argument("--result", default="")
@@ -195,6 +277,11 @@ def main() -> int:
         return 0
     if args.role == "group":
         _group(args.address, args.replica_id, args.steps, args.warmup, args.result)
+        return 0
+    if args.role == "native-group":
+        _native_group(
+            args.address, args.replica_id, args.steps, args.warmup, args.result, args.store_port
+        )
         return 0
     if args.check:
         args.trials, args.steps, args.warmup = 1, 50, 10
@@ -258,6 +345,9 @@ def main() -> int:
     if "ours/upstream-lh" in summary and "ours" in summary:
         cost = summary["ours"]["median_ms"] - summary["ours/upstream-lh"]["median_ms"]
         print(f"the write-ahead commit's share of ours: {cost:+.3f} ms per step")
+    if "ours/native-calls" in summary and "ours" in summary:
+        cost = summary["ours"]["median_ms"] - summary["ours/native-calls"]["median_ms"]
+        print(f"the Python Manager's share of ours: {cost:+.3f} ms per step")
     for c in incomplete:
         print(f"{c}: not every step committed (a step that did not commit is not a fast path)")
     met = "ours" not in summary or summary["ours"]["median_ms"] <= TARGET_MS
