@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,37 +100,52 @@ def _group(address: str, replica_id: str, steps: int, warmup: int, result: str) 
         quorum_timeout=timedelta(seconds=60),
     )
     grad = torch.ones(1024)
-    total, quorum, vote, allreduce = [], [], [], []
-    committed = 0
+
+    def quorum(_: int) -> None:
+        manager.start_quorum()
+        manager.wait_quorum()
+
     try:
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            manager.start_quorum()
-            manager.wait_quorum()
-            t1 = time.perf_counter()
-            manager.allreduce(grad).wait()
-            t2 = time.perf_counter()
-            ok = manager.should_commit()
-            t3 = time.perf_counter()
-            if i >= warmup:
-                committed += bool(ok)
-                quorum.append((t1 - t0) * 1e3)
-                allreduce.append((t2 - t1) * 1e3)
-                vote.append((t3 - t2) * 1e3)
-                total.append(quorum[-1] + vote[-1])
+        _time_steps(
+            quorum,
+            lambda: manager.allreduce(grad).wait(),
+            lambda _: manager.should_commit(),
+            steps,
+            warmup,
+            result,
+        )
     finally:
         manager.shutdown(wait=False)
-    Path(result).write_text(
-        json.dumps(
-            {
-                "total": total,
-                "quorum": quorum,
-                "vote": vote,
-                "allreduce": allreduce,
-                "committed": committed,
-            }
-        )
-    )
+
+
+def _time_steps(
+    quorum: Callable[[int], object],
+    allreduce: Callable[[], object],
+    vote: Callable[[int], bool],
+    steps: int,
+    warmup: int,
+    result: str,
+) -> None:
+    """Runs ``warmup + steps`` steps (quorum and vote of step ``i``, an allreduce between) and writes the
+    timed steps' parts in milliseconds, their control plane (quorum + vote) and how many
+    committed to ``result`` (JSON)."""
+    parts: dict[str, list[float]] = {"total": [], "quorum": [], "vote": [], "allreduce": []}
+    committed = 0
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        quorum(i)
+        t1 = time.perf_counter()
+        allreduce()
+        t2 = time.perf_counter()
+        ok = vote(i)
+        t3 = time.perf_counter()
+        if i >= warmup:
+            committed += bool(ok)
+            parts["quorum"].append((t1 - t0) * 1e3)
+            parts["allreduce"].append((t2 - t1) * 1e3)
+            parts["vote"].append((t3 - t2) * 1e3)
+            parts["total"].append(parts["quorum"][-1] + parts["vote"][-1])
+    Path(result).write_text(json.dumps({**parts, "committed": committed}))
 
 
 def _native_group(
@@ -162,39 +178,20 @@ def _native_group(
     )
     client = ManagerClient(server.address(), timeout)
     grad = torch.ones(1024)
-    total, quorum, vote, allreduce = [], [], [], []
-    committed = 0
     try:
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            client._quorum_start(
+        _time_steps(
+            lambda i: client._quorum_start(
                 group_rank=0, step=i, checkpoint_metadata="", shrink_only=False, timeout=timeout
-            ).wait()
-            t1 = time.perf_counter()
-            dist.all_reduce(grad)
-            t2 = time.perf_counter()
-            ok = server.may_commit(i, timeout)
-            t3 = time.perf_counter()
-            if i >= warmup:
-                committed += bool(ok)
-                quorum.append((t1 - t0) * 1e3)
-                allreduce.append((t2 - t1) * 1e3)
-                vote.append((t3 - t2) * 1e3)
-                total.append(quorum[-1] + vote[-1])
+            ).wait(),
+            lambda: dist.all_reduce(grad),
+            lambda i: server.may_commit(i, timeout),
+            steps,
+            warmup,
+            result,
+        )
     finally:
         server.shutdown()
         dist.destroy_process_group()
-    Path(result).write_text(
-        json.dumps(
-            {
-                "total": total,
-                "quorum": quorum,
-                "vote": vote,
-                "allreduce": allreduce,
-                "committed": committed,
-            }
-        )
-    )
 
 
 def _env(upstream: bool) -> dict[str, str]:
