@@ -43,6 +43,7 @@ def _commit(
     t: float,
     healed: bool = False,
     participants: int = 1,
+    rank: int | None = None,
 ) -> dict[str, object]:
     return {
         "kind": "commit",
@@ -51,6 +52,7 @@ def _commit(
         "step": step,
         "quorum_id": q,
         "participants": participants,
+        "participating_rank": rank,
         "state": state,
         "healed": healed,
         "t": t,

@@ -554,7 +554,7 @@ def test_a_verdict_at_the_flips_own_step_is_explained(tmp_path: Path) -> None:
 
 
 #: Fake pids of the checker's synthetic histories: never a live process here.
-P1, P2, P3, P4 = 10**6 + 1, 10**6 + 2, 10**6 + 3, 10**6 + 4
+P1, P2, P3, P4, P5 = 10**6 + 1, 10**6 + 2, 10**6 + 3, 10**6 + 4, 10**6 + 5
 
 
 def _total_loss_run(
@@ -565,19 +565,21 @@ def _total_loss_run(
     snapshot_step: int = 4,
     best: int = 6,
     holder_dies: float = 10.1,
+    last: int = 6,
 ) -> list[str]:
-    """Two groups commit steps 1..6 (pids 1, 2), a kill_all at ``kill_t`` kills both, two
-    new processes (3, 4) restore a snapshot and re-commit 5..6 with new states together.
-    Returns the checker's violations."""
+    """Two groups commit steps 1..``last`` (pids 1, 2), a kill_all at ``kill_t`` kills both,
+    two new processes (3, 4) restore a snapshot and re-commit the steps after it with new
+    states together. Returns the checker's violations."""
     first = [
-        _commit(g, pid, s, 10, f"s{s}", float(s), participants=2)
-        for s in range(1, 7)
+        _commit(g, pid, s, 10, f"s{s}", s * 10.0 / (last + 1), participants=2)
+        for s in range(1, last + 1)
         for g, pid in (("a", P1),)
     ]
     first_b = [
-        _commit("b", P2, s, 10, f"s{s}", float(s) + 0.1, participants=2) for s in range(1, 7)
+        _commit("b", P2, s, 10, f"s{s}", s * 10.0 / (last + 1) + 0.01, participants=2)
+        for s in range(1, last + 1)
     ]
-    finish = [_finish(g, pid, 6, "n6", 30.0) for g, pid in (("a", P3), ("b", P4))]
+    finish = [_finish(g, pid, last, f"n{last}", 30.0) for g, pid in (("a", P3), ("b", P4))]
     again = []
     for g, pid in (("a", P3), ("b", P4)):
         again.append(
@@ -591,8 +593,8 @@ def _total_loss_run(
             }
         )
         again += [
-            _commit(g, pid, s, 20, f"n{s}", 21.0 + s + (pid - P3) * 0.1, participants=2)
-            for s in range(restored_step + 1, 7)
+            _commit(g, pid, s, 20, f"n{s}", 21.0 + s * 0.5 + (pid - P3) * 0.1, participants=2)
+            for s in range(restored_step + 1, last + 1)
         ]
     _run(
         tmp_path,
@@ -625,7 +627,7 @@ def _total_loss_run(
             )
         ],
     )
-    return check(tmp_path, target=6, min_replicas=1, groups=["a", "b"]).violations
+    return check(tmp_path, target=last, min_replicas=1, groups=["a", "b"]).violations
 
 
 def test_a_total_loss_resumed_from_the_newest_snapshot_is_no_violation(tmp_path: Path) -> None:
@@ -645,7 +647,7 @@ def test_a_total_loss_resumed_from_the_newest_snapshot_is_no_violation(tmp_path:
         ({"snapshot_step": 2, "best": 6}, "newest complete snapshot at the total loss was step 2"),
         ({"restored_state": "zz"}, "with a state no group had committed at that step"),
         ({"holder_dies": 22.0}, "a live group's progress was bypassed"),
-        ({"snapshot_step": 4, "best": 9}, "more than two snapshot intervals"),
+        ({"snapshot_step": 4, "best": 9, "last": 9}, "more than two snapshot intervals"),
     ],
     ids=["older-snapshot", "other-state", "live-holder", "too-many-lost"],
 )
@@ -657,6 +659,87 @@ def test_a_total_loss_check_can_fail(
     intervals: each is a violation that names what went wrong."""
     violations = _total_loss_run(tmp_path, **kwargs)  # type: ignore[arg-type]
     assert any(expected in v for v in violations), violations
+
+
+def _writer_gone_run(tmp_path: Path, a_out_after: int | None, how: str = "kill") -> list[str]:
+    """Groups a (participating rank 0) and b (rank 1) commit together with snapshots every 2
+    steps (b writes 2 and 6, a writes 4); after committing ``a_out_after`` (None: never), a
+    is killed (and restarts, still healing at the total loss) or stopped (``how``), and b
+    commits on alone to step 7; ``how="pause"`` stops a for a moment only (it commits on
+    with b). A kill_all at t=10 finds snapshot 2 the newest complete
+    one; two new processes restore it and re-commit 3..7. Returns the checker's
+    violations."""
+    together = a_out_after if a_out_after is not None and how != "pause" else 7
+    hist_a = [_commit("a", P1, s, 10, f"s{s}", s, participants=2, rank=0) for s in range(1, 8)]
+    hist_b = [
+        _commit("b", P2, s, 10, f"s{s}", s + 0.1, participants=2, rank=1)
+        if s <= together
+        else _commit("b", P2, s, 11, f"s{s}", s + 0.1, participants=1, rank=0)
+        for s in range(1, 8)
+    ]
+    procs = [_start("a", P1, 0.0), _start("b", P2, 0.0)]
+    faults = []
+    if a_out_after is None:
+        procs.append(_killed("a", P1, 10.1))
+    elif how == "kill":
+        hist_a = hist_a[:a_out_after]
+        procs += [_killed("a", P1, a_out_after + 0.5), _start("a", P5, a_out_after + 0.6)]
+        procs += [_killed("a", P5, 10.1)]
+        faults.append(_fault("kill_one", ["a"], a_out_after + 0.4))
+    elif how == "stop":
+        hist_a = hist_a[:a_out_after]
+        procs.append(_killed("a", P1, 10.1))
+        faults.append(_fault("stop", ["a"], a_out_after + 0.4, seconds=20.0))
+    else:  # stopped for a moment: a commits on with b
+        procs.append(_killed("a", P1, 10.1))
+        faults.append(_fault("stop", ["a"], a_out_after + 0.4, seconds=0.3))
+    procs += [_killed("b", P2, 10.1), *_life("a", P3, 11.0, 31.0), *_life("b", P4, 11.0, 31.0)]
+    faults.append(
+        _fault("kill_all", ["a", "b"], 10.0, best_step=7, snapshot_step=2, snapshot_every=2)
+    )
+    again: dict[str, list[dict[str, object]]] = {}
+    for g, pid in (("a", P3), ("b", P4)):
+        again[g] = [{"kind": "restore", "group": g, "pid": pid, "step": 2, "state": "s2", "t": 20}]
+        again[g] += [
+            _commit(g, pid, s, 20, f"n{s}", 20.0 + s + (pid - P3) * 0.1, participants=2)
+            for s in range(3, 8)
+        ]
+        again[g].append(_finish(g, pid, 7, "n7", 30.0))
+    histories = {"a.0": hist_a, "b.0": hist_b, "a.1": again["a"], "b.1": again["b"]}
+    _run(tmp_path, histories, procs, faults)
+    return check(tmp_path, target=7, min_replicas=1, groups=["a", "b"]).violations
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_snapshot_whose_writer_never_reached_the_next_excuses_an_interval(
+    tmp_path: Path, how: str
+) -> None:
+    """Two faults, two snapshots lost: the writer of step 4 (a) was killed (or stopped for
+    good) right after it, then the kill_all came while b's snapshot 6 was in flight.
+    Resuming from snapshot 2 loses 5 steps, more than two intervals, and is no violation:
+    a never reached step 6, so snapshot 4 may not have been complete; b, the writer of 2,
+    went on past 4."""
+    assert _writer_gone_run(tmp_path, a_out_after=4, how=how) == []
+    rep = check(tmp_path, target=7, min_replicas=1, groups=["a", "b"])
+    loss = rep.total_losses[0]
+    assert (loss["bound"], loss["unfinished"], loss["lost"]) == (2, [4], 5)
+    expected = "best step 7 -> snapshot 2: 5 lost; writers of [4] did not reach the next snapshot"
+    assert expected in rep.text()
+
+
+@pytest.mark.parametrize(
+    ("a_out_after", "how"), [(None, "kill"), (4, "pause")], ids=["writers-alive", "paused"]
+)
+def test_the_snapshot_excuse_needs_a_writer_that_stopped_short(
+    tmp_path: Path, a_out_after: int | None, how: str
+) -> None:
+    """With both groups alive to the total loss, or the writer of step 4 stopped for a
+    moment after it and then committing past step 6 before the loss, snapshot 4 must have
+    been complete: resuming from 2 is a violation naming more than two intervals."""
+    violations = _writer_gone_run(tmp_path, a_out_after=a_out_after, how=how)
+    assert any("more than two snapshot intervals" in v for v in violations), violations
+    rep = check(tmp_path, target=7, min_replicas=1, groups=["a", "b"])
+    assert rep.total_losses[0]["bound"] == 4 and rep.total_losses[0]["unfinished"] == []
 
 
 def test_after_a_total_loss_the_first_commit_must_follow_the_snapshot(tmp_path: Path) -> None:

@@ -119,18 +119,21 @@ class HistoryWriter:
         quorum_wait: float | None = None,
         step_healed: bool = False,
         t: float | None = None,
+        participating_rank: int | None = None,
     ) -> None:
         """Records that ``step`` committed in ``quorum_id`` with ``participants`` groups;
         ``healed``: the process took a heal since its previous commit (its state came from
         another group); ``step_healed``: it healed in this step; ``quorum_wait``: the
         seconds the step waited for its quorum, as the rank measured them (goodput); ``t``:
-        when the step ended (now by default)."""
+        when the step ended (now by default); ``participating_rank``: the group's rank among
+        the step's participants (it names the writer of a snapshot step)."""
         self._write(
             {
                 "kind": "commit",
                 "step": step,
                 "quorum_id": quorum_id,
                 "participants": participants,
+                "participating_rank": participating_rank,
                 "state": state,
                 "healed": healed,
                 "step_healed": step_healed,
@@ -677,8 +680,10 @@ def _judge_total_losses(
 ) -> None:
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
-    loses no more than the snapshot interval, plus one more interval when the newest
-    snapshot step's writer had not finished (a kill during or just before the write). Any
+    resumes from a snapshot no older than the newest that must have been complete
+    (:func:`_must_be_complete`: one whose writer went on to the next snapshot step; the
+    kill may cut the newest one short): with every writer going on, at most two intervals
+    are lost. Any
     restore, after a total loss or after the last holders of newer steps died otherwise,
     holds a state committed at its step and never bypasses a live holder of that step or a
     later one (a holder stopped as diverged holds nothing from its stop on)."""
@@ -757,10 +762,23 @@ def _judge_total_losses(
                 "wiped": kill.get("state_file_deleted", False),
             }
         )
-        if lost > 2 * every:
+        # The newest snapshot step may have been cut short by the kill (its write or its
+        # parity confirmation in flight); older ones must be complete once their writer
+        # went on to the next snapshot step. With every writer going on: two intervals.
+        since = kills[i - 1]["t"] if i > 0 else float("-inf")
+        bound, unfinished = _must_be_complete(commits, (since, t), best, every)
+        rep.total_losses[-1]["bound"] = bound
+        rep.total_losses[-1]["unfinished"] = unfinished
+        if snap < bound:
+            why = (
+                f"more than two snapshot intervals ({every})"
+                if not unfinished
+                else f"older than snapshot {bound}, the newest that must have been complete "
+                f"(the writers of {unfinished} did not reach the next snapshot step)"
+            )
             rep.violations.append(
                 f"total loss at best step {best} resumed from snapshot {snap}: {lost} steps "
-                f"lost, more than two snapshot intervals ({every})"
+                f"lost, {why}"
             )
         if first is not None and first["step"] != snap + 1:
             rep.violations.append(
@@ -768,6 +786,48 @@ def _judge_total_losses(
                 f"commit was step {first['step']}, not {snap + 1}: the run did not resume "
                 "from the snapshot"
             )
+
+
+def _must_be_complete(
+    commits: list[dict[str, Any]], window: tuple[float, float], best: int, every: int
+) -> tuple[int, list[int]]:
+    """The newest snapshot step at or below ``best`` that must have been complete at a total
+    loss at ``window[1]``, judged from the commits after the previous total loss at
+    ``window[0]`` (the processes of this life), and the snapshot steps between it and the
+    one before ``best``'s that were not.
+
+    Exactly one group writes a snapshot step: the one whose participating rank at that
+    step's commit was ``(step // every) % participants``. A writer that went on to commit
+    the next snapshot step has had an interval of steps to finish (the premise of the
+    two-interval bound): its snapshot must be complete. A writer that did not (killed,
+    stopped or hung before it, or behind the others) may not have finished. A step this
+    life never committed lies at or below the snapshot it resumed from. A history that
+    does not name the participating rank names no writer: every snapshot step but the
+    newest must then have been complete."""
+    since, t = window
+    life = [c for c in commits if since < c["t"] < t]
+    newest = best // every * every
+    if not any(c.get("participating_rank") is not None for c in life):
+        return max(newest - every, 0), []
+    reached: dict[int, int] = {}
+    for c in life:
+        reached[c["pid"]] = max(reached.get(c["pid"], 0), c["step"])
+    unfinished: list[int] = []
+    step = newest - every
+    while step > 0:
+        at = [c for c in life if c["step"] == step]
+        writers = [
+            c
+            for c in at
+            if c.get("participating_rank") is not None
+            and c["participating_rank"] == (step // every) % max(c["participants"], 1)
+        ]
+        # Not committed in this life: at or below the snapshot it resumed from.
+        if not at or any(reached[w["pid"]] >= step + every for w in writers):
+            return step, unfinished
+        unfinished.append(step)
+        step -= every
+    return 0, unfinished
 
 
 #: Seconds after an injected hang ends within which a hung verdict on it may still be told

@@ -142,8 +142,14 @@ class Report:
                 + (f"{resumed[len(resumed) // 2]:.2f}s" if resumed else "-")
             )
             for t in self.total_losses:
+                unfinished = t.get("unfinished") or []
                 lines.append(
                     f"  best step {t['best']} -> snapshot {t['snapshot']}: {t['lost']} lost"
+                    + (
+                        f"; writers of {unfinished} did not reach the next snapshot step"
+                        if unfinished
+                        else ""
+                    )
                     + (" (with the lighthouse" if t["lighthouse"] else "")
                     + (", state file deleted)" if t["wiped"] else ")" if t["lighthouse"] else "")
                 )

@@ -5,15 +5,16 @@ lighthouse and the group name come from the environment as under torchrun (``RAN
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHFT_LIGHTHOUSE``).
 
 The history (see :mod:`torchft.chaos.history`) gets one JSON line per committed step: step,
-quorum id, participants, a hash of the parameters and optimizer state, whether a heal came
-before it, and the wall time; a ``restore`` line when the Manager resumed from a durable
-snapshot (``TORCHFT_SNAPSHOT_DIR``, set by the harness) with the step and state hash it
-resumed from; a ``finish`` line at the target step (written to ``--target-file`` by the
-harness). ``--phase`` is a file whose first byte the worker overwrites with
-its phase (``q`` quorum/compute, ``c`` commit vote, ``d`` the vote returned: recording the
-step and the pause until the next one) so faults can aim at a phase. ``d`` is followed by
-the vote's outcome (see :func:`voted`): a process killed before it wrote the step's line
-still tells the goodput check what the step was (:func:`torchft.chaos.goodput.voted`).
+quorum id, participants and the group's participating rank, a hash of the parameters and
+optimizer state, whether a heal came before it, and the wall time; a ``restore`` line when
+the Manager resumed from a durable snapshot (``TORCHFT_SNAPSHOT_DIR``, set by the harness)
+with the step and state hash it resumed from; a ``finish`` line at the target step (written
+to ``--target-file`` by the harness). ``--phase`` is a file whose first byte the worker
+overwrites with its phase (``q`` quorum/compute, ``c`` commit vote, ``d`` the vote returned:
+recording the step and the pause until the next one) so faults can aim at a phase. ``d`` is
+followed by the vote's outcome (see :func:`voted`): a process killed before it wrote the
+step's line still tells the goodput check what the step was
+(:func:`torchft.chaos.goodput.voted`).
 
 Faults that act inside the process arrive as files the harness writes, looked at on the top
 of every step and removed when taken: ``--hang-file`` (block the loop), ``--slow-file`` (run
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     step=before + 1,
                     quorum_id=manager._quorum_id,
                     participants=manager.num_participants(),
+                    participating_rank=manager.participating_rank(),
                     state=state_hash(model.state_dict(), optim.state_dict()),
                     healed=healed,
                     quorum_wait=quorum_wait,
