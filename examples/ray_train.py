@@ -41,6 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument(
+        "--alone-sleep",
+        type=float,
+        default=0.0,
+        help="extra seconds per step while fewer than --groups groups take part (paces a "
+        "survivor until the replacement of a failed group is back)",
+    )
     p.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
     p.add_argument("--fail-group", type=int, default=None, help="replica group that fails once")
     p.add_argument("--fail-at-step", type=int, default=None, help="step at which it fails")
@@ -50,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.groups < 1 or args.steps < 1 or args.hidden < 1 or args.batch_size < 1:
         p.error("--groups, --steps, --hidden and --batch-size must be positive")
+    if args.step_sleep < 0 or args.alone_sleep < 0:
+        p.error("--step-sleep and --alone-sleep must be >= 0")
     if (args.fail_group is None) != (args.fail_at_step is None):
         p.error("--fail-group and --fail-at-step go together")
     if args.fail_group is not None and not 0 <= args.fail_group < args.groups:
@@ -173,8 +182,11 @@ def train_loop(config: dict[str, Any]) -> None:
                     if after > before + 1 and healed_to is None:
                         healed_to = after - 1  # healed to the peers' step, then committed
                     commits.append((after, time.time(), manager.num_participants()))
-                if config["step_sleep"]:
-                    time.sleep(config["step_sleep"])
+                pace = config["step_sleep"]
+                if config["alone_sleep"] and manager.num_participants() < num_groups:
+                    pace += config["alone_sleep"]
+                if pace:
+                    time.sleep(pace)
         record = {
             "group": group,
             "pid": os.getpid(),
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "step_sleep": args.step_sleep,
+        "alone_sleep": args.alone_sleep,
         "timeout": args.timeout,
         "fail_group": args.fail_group,
         "fail_at_step": args.fail_at_step,

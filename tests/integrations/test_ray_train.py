@@ -10,7 +10,8 @@ mid-run. Each incarnation that finishes writes a record (see the example); the t
 - both ended at the last step with bit-identical model and optimizer state.
 
 Ray needs from a few seconds to tens of seconds (on a loaded machine) to replace a worker, so
-the survivor is paced (``--step-sleep``) to keep training well past that after the failure.
+the survivor is paced while it trains alone (``--alone-sleep``): 70 s of steps left at the
+failure, and the two groups train the rest unpaced once the replacement is back.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ pytest.importorskip("ray.train.v2.torch.torchft_config", reason="needs ray[train
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ray_train.py"
 STEPS = 1500
 FAIL_AT = 100
-STEP_SLEEP = 0.05  # ~70 s of survivor training after the failure
+ALONE_SLEEP = 0.05  # up to ~70 s of survivor training alone after the failure
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -56,7 +57,7 @@ def test_replacement_heals_from_the_running_survivor(tmp_path: Path) -> None:
         str(EXAMPLE),
         "--groups=2",
         f"--steps={STEPS}",
-        f"--step-sleep={STEP_SLEEP}",
+        f"--alone-sleep={ALONE_SLEEP}",
         "--fail-group=1",
         f"--fail-at-step={FAIL_AT}",
         f"--result-dir={results}",
