@@ -680,13 +680,12 @@ def _judge_total_losses(
 ) -> None:
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
-    resumes from a snapshot no older than the newest that must have been complete
+    that snapshot is no older than the newest that must have been complete
     (:func:`_must_be_complete`: one whose writer went on to the next snapshot step; the
     kill may cut the newest one short): with every writer going on, at most two intervals
-    are lost. Any
-    restore, after a total loss or after the last holders of newer steps died otherwise,
-    holds a state committed at its step and never bypasses a live holder of that step or a
-    later one (a holder stopped as diverged holds nothing from its stop on)."""
+    are lost. Any restore, after a total loss or after the last holders of newer steps died
+    otherwise, holds a state committed at its step and never bypasses a live holder of that
+    step or a later one (a holder stopped as diverged holds nothing from its stop on)."""
     commits, procs = run.commits, run.procs
     kills = [f for f in run.faults if f["fault"] == "kill_all"]
     started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
@@ -810,12 +809,14 @@ def _must_be_complete(
     if not any(c.get("participating_rank") is not None for c in life):
         return max(newest - every, 0), []
     reached: dict[int, int] = {}
+    by_step: dict[int, list[dict[str, Any]]] = {}
     for c in life:
         reached[c["pid"]] = max(reached.get(c["pid"], 0), c["step"])
+        by_step.setdefault(c["step"], []).append(c)
     unfinished: list[int] = []
     step = newest - every
     while step > 0:
-        at = [c for c in life if c["step"] == step]
+        at = by_step.get(step, [])
         writers = [
             c
             for c in at
