@@ -761,9 +761,8 @@ def _judge_total_losses(
                 "wiped": kill.get("state_file_deleted", False),
             }
         )
-        # The newest snapshot step may have been cut short by the kill (its write or its
-        # parity confirmation in flight); older ones must be complete once their writer
-        # went on to the next snapshot step. With every writer going on: two intervals.
+        # The newest snapshot may be cut short by the kill (its write or parity check in
+        # flight); see _must_be_complete for the older ones.
         since = kills[i - 1]["t"] if i > 0 else float("-inf")
         bound, unfinished = _must_be_complete(commits, (since, t), best, every)
         rep.total_losses[-1]["bound"] = bound
@@ -823,7 +822,6 @@ def _must_be_complete(
             if c.get("participating_rank") is not None
             and c["participating_rank"] == (step // every) % max(c["participants"], 1)
         ]
-        # Not committed in this life: at or below the snapshot it resumed from.
         if not at or any(reached[w["pid"]] >= step + every for w in writers):
             return step, unfinished
         unfinished.append(step)
