@@ -238,11 +238,22 @@ impl QuorumEngine {
                 "step must not be negative (replica {replica_id:?} sent {step})"
             );
         }
+        if self.ended_recently(replica_id, now) {
+            return Ok(()); // sent before its session ended: the group is dead
+        }
         self.note_step(replica_id, step, now);
         if let Some(idle) = loop_idle {
             self.hang.visited(replica_id, idle, now);
         }
         Ok(())
+    }
+
+    /// Whether the session of `replica_id` ended within the last heartbeat timeout and it has
+    /// neither opened a new one nor asked since (see [`QuorumEngine::lost`]).
+    fn ended_recently(&self, replica_id: &str, now: Instant) -> bool {
+        self.ended
+            .get(replica_id)
+            .is_some_and(|at| now.saturating_duration_since(*at) <= self.opts.heartbeat_timeout)
     }
 
     /// Whether `replica_id` is hung now (see [`crate::lighthouse::health::hang`]).
@@ -278,6 +289,7 @@ impl QuorumEngine {
     /// (see [`QuorumEngine::lost`]) the replica may come back even when silent.
     pub fn session_opened(&mut self, replica_id: &str, now: Instant) -> Result<()> {
         Self::check_id(replica_id)?;
+        self.ended.remove(replica_id);
         self.touch(replica_id, now, |rec| {
             rec.session = true;
             // Its session now says whether it lives.
@@ -340,9 +352,13 @@ impl QuorumEngine {
     /// It stops counting as healthy at once (its heartbeat record is dropped) and a request it
     /// still had in the round is withdrawn. If it is a member of the last quorum, the loss is
     /// queued for [`QuorumEngine::take_lost`] (once). Returns true if it was such a member.
-    /// A heartbeat or request arriving later makes it healthy again. Call
-    /// [`QuorumEngine::poll`] afterwards: the round may now be ready.
+    /// Heartbeats arriving within a heartbeat timeout are ignored: they were sent before the
+    /// end (a heartbeat in flight when the process died), and counting one would hold the
+    /// others' next round until it expired. A request, a new session or a heartbeat after
+    /// that makes it healthy again. Call [`QuorumEngine::poll`] afterwards: the round may
+    /// now be ready.
     pub fn lost(&mut self, replica_id: &str, now: Instant) -> bool {
+        self.ended.insert(replica_id.to_string(), now);
         if let Some(rec) = self.heartbeats.remove(replica_id) {
             if rec.counted {
                 self.healthy = self.healthy.saturating_sub(1);
@@ -415,6 +431,8 @@ impl QuorumEngine {
         let candidates_step =
             (round_open && !self.participants.is_empty()).then(|| self.candidates_step());
         self.end_drops(now);
+        self.ended
+            .retain(|_, at| now.saturating_duration_since(*at) <= timeout);
         let waived = &self.waived;
         let participants = &self.participants;
         let parked = &self.parked;
@@ -722,6 +740,45 @@ mod tests {
         assert_eq!(ids(&q2), ["a"]);
         assert!(q2.quorum_id > q1.quorum_id);
         assert_eq!(e.num_heartbeat_records(), 1);
+    }
+
+    #[test]
+    fn a_heartbeat_sent_before_the_session_ended_does_not_revive_the_group() {
+        let t = Instant::now();
+        let mut e = QuorumEngine::new(opts(1), 100, t);
+        let timeout = e.options().heartbeat_timeout;
+        quorum_of(&mut e, &["a", "b"], t);
+        e.session_opened("b", t).unwrap();
+        e.join(member("a"), t).unwrap();
+        assert!(e.lost("b", t));
+        // b's last heartbeat was on the wire when its process died: it arrives after the end.
+        let late = t + Duration::from_millis(5);
+        e.heartbeat_with_step("b", Some(9), late).unwrap();
+        assert_eq!(e.num_heartbeat_records(), 1, "b stays forgotten");
+        assert_eq!(ids(&e.poll(late).expect("a goes on at once")), ["a"]);
+        // A new session (a live manager whose connection broke reconnects) makes it count.
+        e.session_opened("b", late).unwrap();
+        e.join(member("a"), late).unwrap();
+        assert!(e.poll(late).is_none(), "the round waits for b again");
+        // So does a request, and the ignoring ends after one heartbeat timeout.
+        for (id, how) in [("c", "request"), ("d", "timeout")] {
+            e.heartbeat(id, late).unwrap();
+            e.lost(id, late);
+            e.heartbeat(id, late).unwrap();
+            assert!(!e.healthy_not_asking(late, 10).contains(&id.to_string()));
+            let then = match how {
+                "request" => {
+                    e.join(member(id), late).unwrap();
+                    late
+                }
+                _ => late + timeout + Duration::from_millis(1),
+            };
+            e.heartbeat(id, then).unwrap();
+            assert!(
+                e.heartbeats.contains_key(id),
+                "{id}: heartbeats count again after a {how}"
+            );
+        }
     }
 
     #[test]

@@ -144,6 +144,10 @@ pub struct QuorumEngine {
     dropped: IdMap<(Instant, String)>,
     /// Requests of dropped groups, joining the round when their drop ends.
     parked: IdMap<Participant>,
+    /// Replicas whose session ended, and when: a heartbeat sent before the end can still
+    /// arrive after it, and must not make a dead group healthy again. Their heartbeats are
+    /// ignored for one heartbeat timeout, or until they open a session or ask.
+    ended: IdMap<Instant>,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -206,6 +210,7 @@ impl QuorumEngine {
             parity: Parity::default(),
             dropped: Default::default(),
             parked: Default::default(),
+            ended: Default::default(),
             opts,
         }
     }
@@ -265,6 +270,7 @@ impl QuorumEngine {
         if let Some(why) = self.parity.stopped(&member.replica_id) {
             return Err(Error::Diverged(why.to_string()));
         }
+        self.ended.remove(&member.replica_id);
         self.note_step(&member.replica_id, Some(member.step), now);
         self.hang.asked(&member.replica_id, now);
         let generation = self.next_generation;

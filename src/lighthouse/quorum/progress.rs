@@ -548,12 +548,16 @@ mod tests {
             let mut asking: HashMap<String, (i64, Instant)> = HashMap::new();
             let mut round_start: Option<Instant> = None;
             let mut waived: HashMap<String, i64> = HashMap::new();
+            // Replicas whose session ended and when: their heartbeats are ignored for a
+            // heartbeat timeout, until they ask or open a session.
+            let mut ended: HashMap<String, Instant> = HashMap::new();
             let mut first = true;
             for _ in 0..500 {
                 let id = format!("r{}", rng.below(5));
                 let issued = match rng.below(10) {
                     0..=2 => {
                         let s = *step.entry(id.clone()).or_insert(0);
+                        ended.remove(&id);
                         e.join(at(&id, s), now).unwrap();
                         seen.insert(id.clone(), now);
                         asking.insert(id.clone(), (s, now));
@@ -561,13 +565,23 @@ mod tests {
                         e.poll(now)
                     }
                     3 => {
-                        let s = step.entry(id.clone()).or_insert(0);
-                        *s += rng.below(3) as i64;
-                        e.heartbeat_with_step(&id, Some(*s), now).unwrap();
-                        seen.insert(id.clone(), now);
+                        let ignored = ended.get(&id).is_some_and(|t| {
+                            now.saturating_duration_since(*t) <= o.heartbeat_timeout
+                        });
+                        if ignored {
+                            // Sent before its session ended: the engine must not count it.
+                            e.heartbeat_with_step(&id, Some(1 + rng.below(3) as i64), now)
+                                .unwrap();
+                        } else {
+                            let s = step.entry(id.clone()).or_insert(0);
+                            *s += rng.below(3) as i64;
+                            e.heartbeat_with_step(&id, Some(*s), now).unwrap();
+                            seen.insert(id.clone(), now);
+                        }
                         None
                     }
                     4 => {
+                        ended.remove(&id);
                         e.session_opened(&id, now).unwrap();
                         seen.insert(id.clone(), now);
                         session.insert(id.clone());
@@ -576,6 +590,7 @@ mod tests {
                     5 => {
                         // Dies: a new incarnation will use another id.
                         e.lost(&id, now);
+                        ended.insert(id.clone(), now);
                         seen.remove(&id);
                         session.remove(&id);
                         asking.remove(&id);
