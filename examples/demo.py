@@ -196,6 +196,16 @@ def _check_refusals(address: str, tls: ssl.SSLContext | None) -> list[str]:
     return lines
 
 
+def _drain(pumps: list[threading.Thread], timeout: float = 15.0) -> None:
+    """Waits until the output threads of killed processes have handed on every line."""
+    deadline = time.monotonic() + timeout
+    for t in pumps:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = sum(t.is_alive() for t in pumps)
+    if alive:
+        print(f"   ({alive} output stream(s) of the killed processes still open after {timeout}s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns 0 when a group was killed, healed, and all ended identical."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -356,23 +366,33 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 steps = [v.step for v in views]
             if not killed and min(steps) >= kill_at:
+                pumps = launcher.output_pumps(args.kill_group)
+                killed_at = time.monotonic()
                 pids = launcher.kill_group(args.kill_group, signal.SIGKILL)
                 if pids:
                     killed = pids
                     kill_step = steps[args.kill_group]
-                    restart_time[args.kill_group] = time.monotonic()
+                    # A commit line the dead incarnation wrote must not pass for the heal.
+                    _drain(pumps)
+                    with lock:
+                        restart_time[args.kill_group] = killed_at
                     print(
                         f"-> SIGKILL replica group {args.kill_group} (pid {pids}) at step {kill_step}"
                     )
             healed_once = views[args.kill_group].first_commit_after_restart is not None
             if total_at and healed_once and total["t"] is None and min(steps) >= total_at:
+                pumps = [t for i in range(args.replicas) for t in launcher.output_pumps(i)]
+                killed_at = time.monotonic()
                 for i in range(args.replicas):
                     launcher.kill_group(i, signal.SIGKILL)
+                # Every line written before the kill is handled first: a late commit line of a
+                # dead group must not pass for the resumed job.
+                _drain(pumps)
                 # The writers died with the groups: what is complete now is what they use.
                 time.sleep(0.2)
                 snaps = list_snapshots(snap_dir)
                 total.update(
-                    t=time.monotonic(),
+                    t=killed_at,
                     snapshot=snaps[0].step if snaps else 0,
                     best=max(steps),
                 )

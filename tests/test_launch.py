@@ -81,6 +81,65 @@ def test_killed_group_is_restarted_and_nothing_leaks(tmp_path: Path) -> None:
     assert _pids_with_marker(launcher.marker) == []
 
 
+CHATTY = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    d = Path(sys.argv[1])
+    if os.environ["REPLICA_GROUP_ID"] == "1" and not list(d.glob("wrote_*")):
+        for i in range(200):
+            print(f"line {os.getpid()} {i}", flush=True)
+        (d / f"wrote_{os.getpid()}").touch()
+    while not (d / "stop").exists():
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("standby", [0, 1])
+def test_joining_the_output_pumps_after_a_kill_hands_on_every_line_first(
+    tmp_path: Path, standby: int
+) -> None:
+    """A killed group's last lines can still be on their way to ``on_line`` after the kill
+    (a slow handler here): once its ``output_pumps`` are joined, every line it wrote has been
+    handed on, so a caller can tell a dead incarnation's lines from its successor's."""
+    script = tmp_path / "worker.py"
+    script.write_text(CHATTY)
+    handled: list[str] = []
+
+    def slow(group: int, line: str) -> None:
+        if line.startswith("line "):
+            time.sleep(0.01)
+            handled.append(line)
+
+    launcher = Launcher(
+        str(script),
+        [str(tmp_path)],
+        replicas=2,
+        max_restarts=1,
+        lighthouse="http://127.0.0.1:9",  # the worker never dials it
+        on_line=slow,
+        standby=standby,
+    )
+    try:
+        launcher.start()
+        wait_for(lambda: list(tmp_path.glob("wrote_*")), 90, "group 1's lines")
+        pumps = launcher.output_pumps(1)
+        assert pumps and all(t.is_alive() for t in pumps)
+        assert launcher.kill_group(1, signal.SIGKILL)
+        behind = 200 - len(handled)
+        for t in pumps:
+            t.join(30)
+        assert not any(t.is_alive() for t in pumps)
+        assert behind > 0, "the handler was not behind: the check would prove nothing"
+        assert len(handled) == 200, f"{len(handled)} of 200 lines handed on"
+    finally:
+        (tmp_path / "stop").touch()
+        launcher.shutdown()
+    assert _pids_with_marker(launcher.marker) == []
+
+
 @pytest.mark.timeout(60)
 def test_cli_rejects_bad_arguments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -69,6 +69,8 @@ class GroupState:
     store: Any = None
     #: With standbys: how many of the current incarnation's ranks were warm spares.
     warm: int = 0
+    #: The threads handing the current incarnation's output lines to ``on_line``.
+    pumps: list[threading.Thread] = field(default_factory=list)
 
 
 def _find_lighthouse_cmd() -> list[str]:
@@ -329,9 +331,11 @@ class Launcher:
         g.started_at = time.monotonic()
         g.start_times.append(g.started_at)
         g.exit_code = None
-        threading.Thread(
+        pump = threading.Thread(
             target=self._pump, args=(g.index, g.proc), name=f"group-{g.index}-out", daemon=True
-        ).start()
+        )
+        g.pumps = [pump]
+        pump.start()
 
     def _spawn_ranks(self, g: GroupState) -> None:
         """Starts the group's ranks as torchrun's agent would, on warm spares when ready."""
@@ -358,6 +362,7 @@ class Launcher:
             }
         )
         g.ranks = []
+        g.pumps = []
         g.warm = 0
         g.started_at = time.monotonic()
         g.start_times.append(g.started_at)
@@ -385,12 +390,14 @@ class Launcher:
                     start_new_session=True,
                 )
             g.ranks.append(proc)
-            threading.Thread(
+            pump = threading.Thread(
                 target=self._pump,
                 args=(g.index, proc, released),
                 name=f"group-{g.index}-r{rank}",
                 daemon=True,
-            ).start()
+            )
+            g.pumps.append(pump)
+            pump.start()
         g.proc = g.ranks[0]
         logger.info("group %d started: %d of %d rank(s) on warm standbys", g.index, g.warm, n)
 
@@ -442,6 +449,14 @@ class Launcher:
             if f"TORCHFT_LAUNCH_GROUP={index}".encode() in env:
                 pids.append(pid)
         return pids
+
+    def output_pumps(self, index: int) -> list[threading.Thread]:
+        """The threads handing the running incarnation's output lines of group ``index`` to
+        ``on_line``. Each ends once its process's output is closed and every line it wrote
+        has been handled: joining them after a fatal signal is how a caller knows no line
+        from before the kill is still to come."""
+        with self._lock:
+            return list(self.groups[index].pumps)
 
     def kill_group(self, index: int, sig: int = signal.SIGKILL) -> list[int]:
         """Sends ``sig`` to the training workers of one group (fault injection)."""
