@@ -661,14 +661,19 @@ def test_a_total_loss_check_can_fail(
     assert any(expected in v for v in violations), violations
 
 
-def _writer_gone_run(tmp_path: Path, a_out_after: int | None, how: str = "kill") -> list[str]:
+def _writer_gone_run(
+    tmp_path: Path,
+    a_out_after: int | None,
+    how: str = "kill",
+    reported: tuple[tuple[int, float], ...] = (),
+) -> list[str]:
     """Groups a (participating rank 0) and b (rank 1) commit together with snapshots every 2
     steps (b writes 2 and 6, a writes 4); after committing ``a_out_after`` (None: never), a
     is killed (and restarts, still healing at the total loss) or stopped (``how``), and b
     commits on alone to step 7; ``how="pause"`` stops a for a moment only (it commits on
     with b). A kill_all at t=10 finds snapshot 2 the newest complete
-    one; two new processes restore it and re-commit 3..7. Returns the checker's
-    violations."""
+    one; two new processes restore it and re-commit 3..7. ``reported``: the lighthouse's
+    ``snapshot_complete`` events, as (step, time). Returns the checker's violations."""
     together = a_out_after if a_out_after is not None and how != "pause" else 7
     hist_a = [_commit("a", P1, s, 10, f"s{s}", s, participants=2, rank=0) for s in range(1, 8)]
     hist_b = [
@@ -707,6 +712,11 @@ def _writer_gone_run(tmp_path: Path, a_out_after: int | None, how: str = "kill")
         again[g].append(_finish(g, pid, 7, "n7", 30.0))
     histories = {"a.0": hist_a, "b.0": hist_b, "a.1": again["a"], "b.1": again["b"]}
     _run(tmp_path, histories, procs, faults)
+    events = [
+        {"seq": i + 1, "ts": ts, "kind": "snapshot_complete", "replica_id": "a", "step": step}
+        for i, (step, ts) in enumerate(reported)
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return check(tmp_path, target=7, min_replicas=1, groups=["a", "b"]).violations
 
 
@@ -740,6 +750,28 @@ def test_the_snapshot_excuse_needs_a_writer_that_stopped_short(
     assert any("more than two snapshot intervals" in v for v in violations), violations
     rep = check(tmp_path, target=7, min_replicas=1, groups=["a", "b"])
     assert rep.total_losses[0]["bound"] == 4 and rep.total_losses[0]["unfinished"] == []
+
+
+@pytest.mark.parametrize(
+    ("reported", "lost"),
+    [(((2, 2.6), (4, 4.3)), True), (((2, 2.6), (4, 10.4)), False), (((2, 2.6),), False)],
+    ids=["reported-before-the-kill", "reported-after-the-kill", "not-reported"],
+)
+def test_a_snapshot_reported_complete_before_the_kill_must_be_resumed_from(
+    tmp_path: Path, reported: tuple[tuple[int, float], ...], lost: bool
+) -> None:
+    """The writer of step 4 (a) told the lighthouse its snapshot was complete, then died
+    before step 6: the excuse for a writer that stopped short does not cover it, and
+    resuming from 2 is a lost complete snapshot. A report logged after the kill, or none
+    (lost with its writer), proves nothing, and the excuse stands."""
+    violations = _writer_gone_run(tmp_path, a_out_after=4, how="kill", reported=reported)
+    named = [v for v in violations if "a complete snapshot was lost" in v]
+    if lost:
+        assert len(named) == 1 and "told snapshot 4 was complete" in named[0], violations
+    else:
+        assert violations == []
+    rep = check(tmp_path, target=7, min_replicas=1, groups=["a", "b"])
+    assert rep.total_losses[0]["reported"] == ((4, 4.3) if lost else (2, 2.6))
 
 
 def test_after_a_total_loss_the_first_commit_must_follow_the_snapshot(tmp_path: Path) -> None:

@@ -143,6 +143,7 @@ class Report:
             )
             for t in self.total_losses:
                 unfinished = t.get("unfinished") or []
+                reported = t.get("reported")
                 lines.append(
                     f"  best step {t['best']} -> snapshot {t['snapshot']}: {t['lost']} lost"
                     + (
@@ -150,6 +151,7 @@ class Report:
                         if unfinished
                         else ""
                     )
+                    + (f"; newest reported complete {reported[0]}" if reported else "")
                     + (" (with the lighthouse" if t["lighthouse"] else "")
                     + (", state file deleted)" if t["wiped"] else ")" if t["lighthouse"] else "")
                 )

@@ -1,0 +1,204 @@
+"""The chaos checker's rules on total losses: every group killed at once (``kill_all``) and
+the run resumed from a durable snapshot.
+
+Which snapshot a total loss must resume from, at the oldest, is told two ways. The workers'
+commits name each snapshot step's writer, and a writer that went on to the next snapshot
+step had an interval of steps to finish its snapshot (:func:`must_be_complete`). The
+lighthouse's event log says which snapshots their writers reported complete
+(``snapshot_complete``), which also covers a writer that finished and then died before
+the next snapshot step (:func:`reported_complete`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchft.chaos.history import _Run
+    from torchft.chaos.report import Report
+
+
+def judge_total_losses(
+    rep: Report, run: _Run, stopped: dict[int, tuple[float, dict[str, Any]]]
+) -> None:
+    """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
+    that was complete at the kill, holding exactly the state committed at that step, and
+    that snapshot is no older than the newest that must have been complete
+    (:func:`must_be_complete`: one whose writer went on to the next snapshot step; the
+    kill may cut the newest one short): with every writer going on, at most two intervals
+    are lost. Any restore, after a total loss or after the last holders of newer steps died
+    otherwise, holds a state committed at its step and never bypasses a live holder of that
+    step or a later one (a holder stopped as diverged holds nothing from its stop on)."""
+    commits, procs = run.commits, run.procs
+    kills = [f for f in run.faults if f["fault"] == "kill_all"]
+    started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
+    gone = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
+    for pid, (at, _) in stopped.items():
+        gone[pid] = min(gone.get(pid, at), at)
+    for r in run.restores:
+        # Never past a live holder: no process that had committed the step or a later one
+        # before the restoring process started lived on through its restore. (Groups that
+        # restored in the same round may commit before this one writes its line, which
+        # comes after the vote of the step that loaded the snapshot.)
+        born = started.get(r["pid"], r["t"])
+        holders = sorted(
+            {
+                c["pid"]
+                for c in commits
+                if c["t"] < born
+                and c["step"] >= r["step"]
+                and gone.get(c["pid"], float("inf")) > r["t"]
+            }
+        )
+        if holders:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step "
+                f"{r['step']} while pids {holders} holding that step or a later one were "
+                "alive: a live group's progress was bypassed"
+            )
+        held = {c["state"] for c in commits if c["step"] == r["step"] and c["t"] < r["t"]}
+        if not held:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, which no group "
+                "had committed before"
+            )
+        elif r["state"] not in held:
+            rep.violations.append(
+                f"{r['group']} (pid {r['pid']}) resumed from the snapshot of step {r['step']} "
+                "with a state no group had committed at that step"
+            )
+        # After a total loss (nothing committed since the kill by the new processes), the
+        # snapshot is exactly the newest that was complete at the kill.
+        before = [f for f in kills if f["t"] < r["t"]]
+        if before:
+            kill = before[-1]
+            fresh = [
+                c
+                for c in commits
+                if kill["t"] < c["t"] < r["t"] and started.get(c["pid"], 0.0) > kill["t"]
+            ]
+            if not fresh and r["step"] != kill["snapshot_step"]:
+                rep.violations.append(
+                    f"{r['group']} (pid {r['pid']}) resumed from step {r['step']}, but the "
+                    f"newest complete snapshot at the total loss was step "
+                    f"{kill['snapshot_step']}"
+                )
+    for i, kill in enumerate(kills):
+        t, every = kill["t"], kill["snapshot_every"]
+        snap, best = kill["snapshot_step"], kill["best_step"]
+        lost = best - snap
+        nxt = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
+        # Commits of processes started after the kill (a killed process may still write a
+        # commit line in the instant between the kill's record and its death).
+        born = {r["pid"] for r in procs if r["kind"] == "start" and t < r["t"] < nxt}
+        after = [c for c in commits if t < c["t"] < nxt and c["pid"] in born]
+        first = min(after, key=lambda c: c["t"]) if after else None
+        rep.total_losses.append(
+            {
+                "best": best,
+                "snapshot": snap,
+                "lost": lost,
+                "every": every,
+                "resumed_s": first["t"] - t if first is not None else None,
+                "lighthouse": kill.get("lighthouse", False),
+                "wiped": kill.get("state_file_deleted", False),
+            }
+        )
+        # The newest snapshot may be cut short by the kill (its write or parity check in
+        # flight); see must_be_complete for the older ones.
+        since = kills[i - 1]["t"] if i > 0 else float("-inf")
+        bound, unfinished = must_be_complete(commits, (since, t), best, every)
+        reported = reported_complete(run.events, (since, t), best)
+        rep.total_losses[-1]["bound"] = bound
+        rep.total_losses[-1]["unfinished"] = unfinished
+        rep.total_losses[-1]["reported"] = reported
+        if reported is not None and snap < reported[0]:
+            rep.violations.append(
+                f"total loss at best step {best} resumed from snapshot {snap}, but the "
+                f"lighthouse had been told snapshot {reported[0]} was complete "
+                f"{t - reported[1]:.2f}s before the kill: a complete snapshot was lost"
+            )
+        elif snap < bound:
+            why = (
+                f"more than two snapshot intervals ({every})"
+                if not unfinished
+                else f"older than snapshot {bound}, the newest that must have been complete "
+                f"(the writers of {unfinished} did not reach the next snapshot step)"
+            )
+            rep.violations.append(
+                f"total loss at best step {best} resumed from snapshot {snap}: {lost} steps "
+                f"lost, {why}"
+            )
+        if first is not None and first["step"] != snap + 1:
+            rep.violations.append(
+                f"after the total loss at best step {best} (newest snapshot {snap}) the first "
+                f"commit was step {first['step']}, not {snap + 1}: the run did not resume "
+                "from the snapshot"
+            )
+
+
+def must_be_complete(
+    commits: list[dict[str, Any]], window: tuple[float, float], best: int, every: int
+) -> tuple[int, list[int]]:
+    """The newest snapshot step at or below ``best`` that must have been complete at a total
+    loss at ``window[1]``, judged from the commits after the previous total loss at
+    ``window[0]`` (the processes of this life), and the snapshot steps between it and the
+    one before ``best``'s that were not.
+
+    Exactly one group writes a snapshot step: the one whose participating rank at that
+    step's commit was ``(step // every) % participants``. A writer that went on to commit
+    the next snapshot step has had an interval of steps to finish (the premise of the
+    two-interval bound): its snapshot must be complete. A writer that did not (killed,
+    stopped or hung before it, or behind the others) may not have finished. A step this
+    life never committed lies at or below the snapshot it resumed from. A history that
+    does not name the participating rank names no writer: every snapshot step but the
+    newest must then have been complete."""
+    since, t = window
+    life = [c for c in commits if since < c["t"] < t]
+    newest = best // every * every
+    if not any(c.get("participating_rank") is not None for c in life):
+        return max(newest - every, 0), []
+    reached: dict[int, int] = {}
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for c in life:
+        reached[c["pid"]] = max(reached.get(c["pid"], 0), c["step"])
+        by_step.setdefault(c["step"], []).append(c)
+    unfinished: list[int] = []
+    step = newest - every
+    while step > 0:
+        at = by_step.get(step, [])
+        writers = [
+            c
+            for c in at
+            if c.get("participating_rank") is not None
+            and c["participating_rank"] == (step // every) % max(c["participants"], 1)
+        ]
+        if not at or any(reached[w["pid"]] >= step + every for w in writers):
+            return step, unfinished
+        unfinished.append(step)
+        step -= every
+    return 0, unfinished
+
+
+def reported_complete(
+    events: list[dict[str, Any]], window: tuple[float, float], best: int
+) -> tuple[int, float] | None:
+    """The newest snapshot step at or below ``best`` whose writer told the lighthouse it was
+    complete after the previous total loss at ``window[0]`` and before the kill at
+    ``window[1]``, and when the lighthouse logged it (None: no such report).
+
+    A writer reports a snapshot once its manifest is written, so a snapshot reported before
+    the kill was complete then; only older ones are ever deleted (the newest are kept), so
+    the newest complete snapshot at the kill is at least this one. A report lost with its
+    killed writer leaves this bound lower, never wrong."""
+    since, t = window
+    found: tuple[int, float] | None = None
+    for e in events:
+        if e.get("kind") != "snapshot_complete":
+            continue
+        step, ts = e.get("step"), e.get("ts")
+        if not isinstance(step, int) or not isinstance(ts, (int, float)):
+            continue
+        if since < ts < t and step <= best and (found is None or step > found[0]):
+            found = (step, float(ts))
+    return found
