@@ -10,6 +10,9 @@ The test drives it through files:
   committed step reaches it (so every replica group stops at the same step).
 - ``--sleep-file``: while it exists, the worker sleeps the seconds it holds after every step
   (a straggler on demand).
+- ``--hold-file``: while it exists, the worker waits after its step (committed or not)
+  before the next one: every group holds at a step it has finished, however long the test
+  takes to act.
 - ``--result``: written at exit with the step, hashes of parameters and optimizer state, and
   the commit result and parameter hash of every attempted step.
 
@@ -183,6 +186,9 @@ def main() -> int:
         "--sleep-file", default="", help="while this file exists, sleep its seconds per step"
     )
     parser.add_argument(
+        "--hold-file", default="", help="while this file exists, wait before the next step"
+    )
+    parser.add_argument(
         "--backward-sleep-file",
         default="",
         help="while this file exists, the backward pass sleeps its seconds (a slow backward)",
@@ -335,6 +341,8 @@ def main() -> int:
                 extra = read_seconds(args.sleep_file)
                 if extra:
                     time.sleep(extra)
+            while args.hold_file and os.path.exists(args.hold_file):
+                time.sleep(0.02)
         write_json(
             args.result,
             {

@@ -85,26 +85,31 @@ def test_two_groups_heal_at_once_from_the_sources_the_topology_prefers(
     cluster, lighthouse, events = four_groups
     topo = tmp_path / "topology.json"
     write_topology(topo, {frozenset((2, 1)), frozenset((3, 0))}, ranks=4)
-    pause = tmp_path / "pause"
-    extra = ["--quorum-timeout", "90", "--timeout", "15", "--sleep-file", str(pause)]
+    hold = tmp_path / "hold"
+    extra = ["--quorum-timeout", "90", "--timeout", "15", "--hold-file", str(hold)]
 
     def start(i: int, seed: int) -> Any:
         env = {"WORLD_TOPOLOGY_FILE": str(topo), "REPLICA_GROUP_ID": str(i)}
         return cluster.start(f"rg{i}", seed=seed, extra=extra, env=env)
 
+    def steps() -> set[int]:
+        return {s for g in groups for s in g.steps()}
+
     groups = [start(i, i) for i in range(4)]
     cluster.wait_until(lambda: min(min(g.steps()) for g in groups) >= 6, 120, "4 groups at 6")
-    # Every group pauses after its next commit: killed in that pause, the victims leave both
-    # survivors at the same step, so both are sources of the next quorum.
-    pause.write_text("5")
+    # Every group holds after a step it finished once the file exists. A step committed after
+    # the file was made is followed by a hold, so once every group shows one such step, all
+    # hold there: killed while held, the victims leave both survivors at that step, so both
+    # are sources of the next quorum (a kill in the middle of a step could let one survivor
+    # commit it and not the other).
+    hold.touch()
+    seen = max(steps())
     cluster.wait_until(
-        lambda: len({s for g in groups for s in g.steps()}) == 1 and min(groups[0].steps()) > 6,
-        60,
-        "all groups paused at one step",
+        lambda: len(steps()) == 1 and min(steps()) > seen, 60, "all groups held at one step"
     )
     for victim in groups[2:]:
         cluster.kill(victim)
-    pause.unlink()
+    hold.unlink()
     reborn = [start(i, 50 + i) for i in (2, 3)]
     addr = lighthouse.address()
 
@@ -128,8 +133,10 @@ def test_two_groups_heal_at_once_from_the_sources_the_topology_prefers(
         for line in events.read_text().splitlines()
         if '"replica_healed"' in line or '"state_changed"' in line or '"quorum' in line
     ]
-    assert heal2["source"] == "rg1", (heal2, history)
-    assert heal3["source"] == "rg0", (heal3, history)
+    # A string message is printed whole (a tuple's repr would be cut short).
+    told = "\n".join([json.dumps(heal2), json.dumps(heal3), *history])
+    assert heal2["source"] == "rg1", told
+    assert heal3["source"] == "rg0", told
     # One quorum: both healed to the same step, at once.
     assert heal2["step"] == heal3["step"] > 0, (heal2, heal3)
     for heal in (heal2, heal3):
