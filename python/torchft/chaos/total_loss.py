@@ -11,15 +11,28 @@ the next snapshot step (:func:`reported_complete`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from torchft.chaos.history import _Run
-    from torchft.chaos.report import Report
+from torchft.chaos.report import Report
+
+
+class Records(Protocol):
+    """What these rules read of a run (:class:`torchft.chaos.history` reads it once)."""
+
+    #: Every process's commits, by time.
+    commits: list[dict[str, Any]]
+    #: Every process's ``restore`` lines.
+    restores: list[dict[str, Any]]
+    #: The supervisor's ``start`` and ``exit`` records.
+    procs: list[dict[str, Any]]
+    #: The fault injector's records.
+    faults: list[dict[str, Any]]
+    #: The lighthouse's event log.
+    events: list[dict[str, Any]]
 
 
 def judge_total_losses(
-    rep: Report, run: _Run, stopped: dict[int, tuple[float, dict[str, Any]]]
+    rep: Report, run: Records, stopped: dict[int, tuple[float, dict[str, Any]]]
 ) -> None:
     """Every group killed at once (``kill_all``): the run resumes from the newest snapshot
     that was complete at the kill, holding exactly the state committed at that step, and
