@@ -10,9 +10,9 @@ The test drives it through files:
   committed step reaches it (so every replica group stops at the same step).
 - ``--sleep-file``: while it exists, the worker sleeps the seconds it holds after every step
   (a straggler on demand).
-- ``--hold-file``: while it exists, the worker waits after its step (committed or not)
-  before the next one: every group holds at a step it has finished, however long the test
-  takes to act.
+- ``--hold-file``: while it exists and holds a step the worker has committed, the worker
+  waits before its next step: every group of the job holds at that step, however long the
+  test takes to act (the groups before it go on to it, so none waits on a held one).
 - ``--result``: written at exit with the step, hashes of parameters and optimizer state, and
   the commit result and parameter hash of every attempted step.
 
@@ -186,7 +186,9 @@ def main() -> int:
         "--sleep-file", default="", help="while this file exists, sleep its seconds per step"
     )
     parser.add_argument(
-        "--hold-file", default="", help="while this file exists, wait before the next step"
+        "--hold-file",
+        default="",
+        help="while this file exists and holds a step committed here, wait before the next step",
     )
     parser.add_argument(
         "--backward-sleep-file",
@@ -341,7 +343,7 @@ def main() -> int:
                 extra = read_seconds(args.sleep_file)
                 if extra:
                     time.sleep(extra)
-            while args.hold_file and os.path.exists(args.hold_file):
+            while args.hold_file and 0 < read_seconds(args.hold_file) <= manager.current_step():
                 time.sleep(0.02)
         write_json(
             args.result,

@@ -97,16 +97,13 @@ def test_two_groups_heal_at_once_from_the_sources_the_topology_prefers(
 
     groups = [start(i, i) for i in range(4)]
     cluster.wait_until(lambda: min(min(g.steps()) for g in groups) >= 6, 120, "4 groups at 6")
-    # Every group holds after a step it finished once the file exists. A step committed after
-    # the file was made is followed by a hold, so once every group shows one such step, all
-    # hold there: killed while held, the victims leave both survivors at that step, so both
-    # are sources of the next quorum (a kill in the middle of a step could let one survivor
-    # commit it and not the other).
-    hold.touch()
-    seen = max(steps())
-    cluster.wait_until(
-        lambda: len(steps()) == 1 and min(steps()) > seen, 60, "all groups held at one step"
-    )
+    # Every group holds once it has committed a step well past the newest seen (none has
+    # started it yet, so all of them train up to it): killed while held, the victims leave
+    # both survivors at that step, so both are sources of the next quorum (a kill in the
+    # middle of a step could let one survivor commit it and not the other).
+    held_at = max(steps()) + 3
+    hold.write_text(str(held_at))
+    cluster.wait_until(lambda: steps() == {held_at}, 60, f"all groups held at step {held_at}")
     for victim in groups[2:]:
         cluster.kill(victim)
     hold.unlink()
