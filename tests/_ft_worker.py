@@ -92,7 +92,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def read_stop(path: str) -> int | None:
-    """Returns the target step from the stop file, if it exists."""
+    """Returns the step written in ``path`` (the stop or hold file), if it exists."""
     try:
         with open(path) as f:
             return int(f.read().strip())
@@ -343,7 +343,7 @@ def main() -> int:
                 extra = read_seconds(args.sleep_file)
                 if extra:
                     time.sleep(extra)
-            while args.hold_file and 0 < read_seconds(args.hold_file) <= manager.current_step():
+            while args.hold_file and 0 < (read_stop(args.hold_file) or 0) <= manager.current_step():
                 time.sleep(0.02)
         write_json(
             args.result,

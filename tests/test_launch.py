@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,16 @@ def wait_for(cond, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _launcher(tmp_path: Path, worker: str, **kwargs: Any) -> Launcher:
+    """A launcher of two groups running ``worker`` (given ``tmp_path`` as its argument)
+    against a lighthouse address the worker never dials."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    return Launcher(
+        str(script), [str(tmp_path)], replicas=2, lighthouse="http://127.0.0.1:9", **kwargs
+    )
+
+
 def started(d: Path, group: int) -> list[str]:
     return sorted(p.name for p in d.glob(f"started_{group}_*"))
 
@@ -48,16 +59,7 @@ def started(d: Path, group: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_killed_group_is_restarted_and_nothing_leaks(tmp_path: Path) -> None:
     """SIGKILL of one group's worker restarts only that group; every process is gone after."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    launcher = Launcher(
-        str(script),
-        [str(tmp_path)],
-        replicas=2,
-        max_restarts=2,
-        lighthouse="http://127.0.0.1:9",  # the worker never dials it
-        on_line=lambda g, line: None,
-    )
+    launcher = _launcher(tmp_path, WORKER, max_restarts=2, on_line=lambda g, line: None)
     code: list[int] = []
     try:
         launcher.start()
@@ -104,8 +106,6 @@ def test_joining_the_output_pumps_after_a_kill_hands_on_every_line_first(
     """A killed group's last lines can still be on their way to ``on_line`` after the kill
     (a slow handler here): once its ``output_pumps`` are joined, every line it wrote has been
     handed on, so a caller can tell a dead incarnation's lines from its successor's."""
-    script = tmp_path / "worker.py"
-    script.write_text(CHATTY)
     handled: list[str] = []
 
     def slow(group: int, line: str) -> None:
@@ -113,15 +113,7 @@ def test_joining_the_output_pumps_after_a_kill_hands_on_every_line_first(
             time.sleep(0.01)
             handled.append(line)
 
-    launcher = Launcher(
-        str(script),
-        [str(tmp_path)],
-        replicas=2,
-        max_restarts=1,
-        lighthouse="http://127.0.0.1:9",  # the worker never dials it
-        on_line=slow,
-        standby=standby,
-    )
+    launcher = _launcher(tmp_path, CHATTY, max_restarts=1, on_line=slow, standby=standby)
     try:
         launcher.start()
         wait_for(lambda: list(tmp_path.glob("wrote_*")), 90, "group 1's lines")
