@@ -308,6 +308,15 @@ impl LighthouseService for Scripted {
         // As an upstream lighthouse: no write-ahead commits.
         Err(Status::unimplemented("no commit announcements here"))
     }
+    type CommitStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseCommitResponse, Status>>;
+
+    async fn commit_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::LighthouseCommitRequest>>,
+    ) -> Result<Response<Self::CommitStreamStream>, Status> {
+        Err(Status::unimplemented("no commit stream here"))
+    }
 }
 
 fn quorum(id: i64, revision: u64, steps: &[i64]) -> Quorum {

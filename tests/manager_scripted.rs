@@ -67,6 +67,15 @@ impl LighthouseService for HangingLighthouse {
         // As an upstream lighthouse: no write-ahead commits.
         Err(Status::unimplemented("no commit announcements here"))
     }
+    type CommitStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseCommitResponse, Status>>;
+
+    async fn commit_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::LighthouseCommitRequest>>,
+    ) -> Result<Response<Self::CommitStreamStream>, Status> {
+        Err(Status::unimplemented("no commit stream here"))
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,6 +202,15 @@ impl LighthouseService for RecordingLighthouse {
     ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
         // As an upstream lighthouse: no write-ahead commits.
         Err(Status::unimplemented("no commit announcements here"))
+    }
+    type CommitStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseCommitResponse, Status>>;
+
+    async fn commit_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::LighthouseCommitRequest>>,
+    ) -> Result<Response<Self::CommitStreamStream>, Status> {
+        Err(Status::unimplemented("no commit stream here"))
     }
 }
 

@@ -40,6 +40,25 @@ pub struct LighthouseClient {
     last_quorum_id: Arc<AtomicI64>,
     /// The job (room) every request names; empty: the lighthouse's default room.
     job: Arc<str>,
+    /// The commit stream (see [`LighthouseClient::commit`]), shared by clones.
+    commits: Arc<tokio::sync::Mutex<CommitLink>>,
+}
+
+/// A client's write-ahead commit stream to the lighthouse.
+#[derive(Debug, Default)]
+enum CommitLink {
+    /// Not open (never opened, or dropped after a failure or a timeout): the next commit
+    /// opens one.
+    #[default]
+    Closed,
+    /// Open: announcements go in `tx`, their answers come out of `rx` in order.
+    Open {
+        tx: tokio::sync::mpsc::Sender<crate::proto::LighthouseCommitRequest>,
+        rx: Box<tonic::Streaming<crate::proto::LighthouseCommitResponse>>,
+    },
+    /// The lighthouse has no commit stream (upstream's, or an older one of ours): commits
+    /// go as single calls.
+    Unsupported,
 }
 
 /// The last full quorum a client (and its clones) received.
@@ -98,6 +117,11 @@ impl LighthouseClient {
     /// after the commit) under quorum `quorum_id`. `Ok(None)`: accepted; `Ok(Some(reason))`:
     /// refused, the group must not commit. An upstream lighthouse answers UNIMPLEMENTED.
     /// `quorum_wait_s`: group rank 0's quorum wait in the step (0: not known).
+    ///
+    /// Sent on the client's commit stream (opened on first use and kept, so a step costs one
+    /// message each way and no new call); as a single Commit call where the lighthouse has no
+    /// such stream. A stream that fails or does not answer within `timeout` is dropped (the
+    /// next commit opens a new one): its answers could no longer be matched to announcements.
     pub async fn commit(
         &self,
         replica_id: &str,
@@ -106,26 +130,84 @@ impl LighthouseClient {
         quorum_wait_s: f64,
         timeout: Duration,
     ) -> std::result::Result<Option<String>, Status> {
-        let mut client = self.client.clone();
-        let req = with_timeout(
-            crate::proto::LighthouseCommitRequest {
-                replica_id: replica_id.to_string(),
-                quorum_id,
-                step,
-                quorum_wait_s,
-                job: self.job.to_string(),
-            },
-            timeout,
-        );
-        match tokio::time::timeout(timeout, client.commit(req)).await {
-            Ok(r) => r.map(|resp| {
-                let resp = resp.into_inner();
-                (!resp.accepted).then_some(resp.reason)
-            }),
-            Err(_) => Err(Status::deadline_exceeded(format!(
+        let req = crate::proto::LighthouseCommitRequest {
+            replica_id: replica_id.to_string(),
+            quorum_id,
+            step,
+            quorum_wait_s,
+            job: self.job.to_string(),
+        };
+        let deadline = || {
+            Status::deadline_exceeded(format!(
                 "lighthouse commit did not complete within {timeout:?}"
-            ))),
-        }
+            ))
+        };
+        let started = Instant::now();
+        let answer = match tokio::time::timeout(timeout, self.commit_on_stream(req.clone())).await {
+            Ok(Some(answer)) => answer,
+            Ok(None) => {
+                let mut client = self.client.clone();
+                let remaining = timeout.saturating_sub(started.elapsed());
+                match tokio::time::timeout(remaining, client.commit(with_timeout(req, remaining)))
+                    .await
+                {
+                    Ok(r) => r.map(|resp| resp.into_inner()),
+                    Err(_) => return Err(deadline()),
+                }
+            }
+            Err(_) => return Err(deadline()),
+        };
+        answer.map(|resp| (!resp.accepted).then_some(resp.reason))
+    }
+
+    /// `req` on the commit stream, opening it if needed; None when the lighthouse has no
+    /// commit stream. The stream is taken out of the shared link while in use and put back
+    /// only after a good answer, so a failure, or this future dropped at a timeout, drops it.
+    async fn commit_on_stream(
+        &self,
+        req: crate::proto::LighthouseCommitRequest,
+    ) -> Option<std::result::Result<crate::proto::LighthouseCommitResponse, Status>> {
+        let mut link = self.commits.lock().await;
+        let (tx, mut rx) = match std::mem::take(&mut *link) {
+            CommitLink::Unsupported => {
+                *link = CommitLink::Unsupported;
+                return None;
+            }
+            CommitLink::Open { tx, rx } => {
+                if tx.send(req).await.is_err() {
+                    return Some(Err(Status::unavailable("the commit stream closed")));
+                }
+                (tx, rx)
+            }
+            CommitLink::Closed => {
+                let (tx, announcements) = tokio::sync::mpsc::channel(1);
+                // The first announcement waits in the channel until the call sends it.
+                let _ = tx.send(req).await;
+                let mut client = self.client.clone();
+                let opened = client
+                    .commit_stream(tokio_stream::wrappers::ReceiverStream::new(announcements))
+                    .await;
+                match opened {
+                    Ok(r) => (tx, Box::new(r.into_inner())),
+                    Err(s) if s.code() == tonic::Code::Unimplemented => {
+                        *link = CommitLink::Unsupported;
+                        return None;
+                    }
+                    Err(s) => return Some(Err(s)),
+                }
+            }
+        };
+        let answer = match rx.message().await {
+            Ok(Some(answer)) => answer,
+            Ok(None) => return Some(Err(Status::unavailable("the commit stream ended"))),
+            Err(s) if s.code() == tonic::Code::Unimplemented => {
+                *link = CommitLink::Unsupported;
+                return None;
+            }
+            Err(s) => return Some(Err(s)),
+        };
+        *link = CommitLink::Open { tx, rx };
+        Some(Ok(answer))
     }
 
     /// Sends a batch of telemetry reports; returns how many the lighthouse accepted.
@@ -156,6 +238,7 @@ impl LighthouseClient {
             known: Arc::new(Mutex::new(None)),
             last_quorum_id: Arc::new(AtomicI64::new(0)),
             job: Arc::from(""),
+            commits: Arc::default(),
         }
     }
 

@@ -15,8 +15,10 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::http::{self, HeaderMap};
 use axum::response::IntoResponse;
+use futures::stream::{BoxStream, StreamExt};
 use prost::Message;
-use tonic::{Request, Response, Status};
+use tokio::sync::watch;
+use tonic::{Request, Response, Status, Streaming};
 
 use super::rooms::Rooms;
 use super::state::{wait_for_quorum, SessionStream};
@@ -43,6 +45,9 @@ fn caller(extensions: &http::Extensions) -> Caller {
 /// room of the job it names.
 struct Grpc {
     rooms: Arc<Rooms>,
+    /// Turns true when the lighthouse stops: commit streams end then (as session streams
+    /// do), so no open stream holds the graceful stop for its grace period.
+    stop: watch::Receiver<bool>,
 }
 
 #[tonic::async_trait]
@@ -88,16 +93,40 @@ impl LighthouseService for Grpc {
         request: Request<LighthouseCommitRequest>,
     ) -> std::result::Result<Response<LighthouseCommitResponse>, Status> {
         let who = caller(request.extensions());
-        let req = request.into_inner();
-        let refused = self
-            .rooms
-            .room_for(&req.job, &who)?
-            .commit(&req.replica_id, req.quorum_id, req.step, req.quorum_wait_s)
-            .await?;
-        Ok(Response::new(LighthouseCommitResponse {
-            accepted: refused.is_none(),
-            reason: refused.unwrap_or_default(),
-        }))
+        let answer = commit_one(&self.rooms, &who, request.into_inner()).await?;
+        Ok(Response::new(answer))
+    }
+
+    type CommitStreamStream =
+        BoxStream<'static, std::result::Result<LighthouseCommitResponse, Status>>;
+
+    async fn commit_stream(
+        &self,
+        request: Request<Streaming<LighthouseCommitRequest>>,
+    ) -> std::result::Result<Response<Self::CommitStreamStream>, Status> {
+        let who = caller(request.extensions());
+        let rooms = self.rooms.clone();
+        let mut stop = self.stop.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        // One answer per announcement, in order; the first error ends the stream with its
+        // status, as the same request sent to Commit would have failed. The lighthouse's stop
+        // ends it (the client opens a new one at its next commit).
+        let answers = request
+            .into_inner()
+            .take_until(stopped)
+            .then(move |req| {
+                let rooms = rooms.clone();
+                let who = who.clone();
+                async move { commit_one(&rooms, &who, req?).await }
+            })
+            .scan(false, |failed, answer| {
+                let end = *failed;
+                *failed = answer.is_err();
+                futures::future::ready((!end).then_some(answer))
+            });
+        Ok(Response::new(answers.boxed()))
     }
 
     type SessionStream = SessionStream;
@@ -116,11 +145,33 @@ impl LighthouseService for Grpc {
     }
 }
 
+/// One write-ahead commit announcement (from Commit or CommitStream), in the room its job
+/// names.
+async fn commit_one(
+    rooms: &Rooms,
+    who: &Caller,
+    req: LighthouseCommitRequest,
+) -> std::result::Result<LighthouseCommitResponse, Status> {
+    let refused = rooms
+        .room_for(&req.job, who)?
+        .commit(&req.replica_id, req.quorum_id, req.step, req.quorum_wait_s)
+        .await?;
+    Ok(LighthouseCommitResponse {
+        accepted: refused.is_none(),
+        reason: refused.unwrap_or_default(),
+    })
+}
+
 /// The gRPC routes of the lighthouse: the generated service, and the Quorum route. Requests
 /// larger than `max_request_bytes` are refused.
-pub(crate) fn router(rooms: Arc<Rooms>, max_request_bytes: usize) -> axum::Router {
+pub(crate) fn router(
+    rooms: Arc<Rooms>,
+    max_request_bytes: usize,
+    stop: watch::Receiver<bool>,
+) -> axum::Router {
     let grpc = LighthouseServiceServer::new(Grpc {
         rooms: rooms.clone(),
+        stop,
     })
     .max_decoding_message_size(max_request_bytes)
     .max_encoding_message_size(MAX_RESPONSE_BYTES);

@@ -142,7 +142,7 @@ impl LighthouseServer {
         );
         let (stop, stop_rx) = watch::channel(false);
 
-        let app = super::grpc::router(rooms.clone(), access.max_request_bytes)
+        let app = super::grpc::router(rooms.clone(), access.max_request_bytes, stop_rx.clone())
             .merge(super::http::router(rooms.clone(), access.max_request_bytes))
             .fallback(super::http::not_found);
         let open = if access.private_status {
