@@ -57,7 +57,8 @@ enum CommitLink {
         rx: Box<tonic::Streaming<crate::proto::LighthouseCommitResponse>>,
     },
     /// The lighthouse has no commit stream (upstream's, or an older one of ours): commits
-    /// go as single calls.
+    /// go as single calls for the rest of the client's life (a lighthouse upgraded behind it
+    /// gets calls too, which it still serves).
     Unsupported,
 }
 
