@@ -2,19 +2,17 @@
 //! that count what arrives, so the tests see streams and calls, not only answers.
 
 mod common;
-use common::bounded;
+use common::{bounded, serve_fake};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{BoxStream, StreamExt};
-use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use torchft::client::LighthouseClient;
 use torchft::lighthouse::{LighthouseOptions, LighthouseServer};
-use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+use torchft::proto::lighthouse_service_server::LighthouseService;
 use torchft::proto::{
     LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
     LighthouseHeartbeatResponse, LighthouseQuorumRequest, LighthouseQuorumResponse, SessionEvent,
@@ -123,22 +121,6 @@ impl LighthouseService for Counting {
     }
 }
 
-/// Serves `svc` on 127.0.0.1:0 until the returned sender says stop.
-async fn serve(svc: Counting) -> (String, watch::Sender<bool>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(LighthouseServiceServer::new(svc))
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
-                let _ = stop_rx.wait_for(|s| *s).await;
-            })
-            .await;
-    });
-    (format!("http://{addr}"), stop_tx)
-}
-
 fn counts(seen: &Seen) -> (usize, usize, usize) {
     (
         seen.streams.load(Ordering::SeqCst),
@@ -151,7 +133,7 @@ fn counts(seen: &Seen) -> (usize, usize, usize) {
 async fn commits_share_one_stream_and_a_failed_or_silent_one_is_replaced() {
     bounded(async {
         let seen = Arc::new(Seen::default());
-        let (addr, _stop) = serve(Counting {
+        let (addr, _stop, _serve) = serve_fake(Counting {
             seen: seen.clone(),
             streams: true,
         })
@@ -190,7 +172,7 @@ async fn commits_share_one_stream_and_a_failed_or_silent_one_is_replaced() {
 async fn a_lighthouse_without_the_stream_gets_single_calls_and_is_not_asked_again() {
     bounded(async {
         let seen = Arc::new(Seen::default());
-        let (addr, _stop) = serve(Counting {
+        let (addr, _stop, _serve) = serve_fake(Counting {
             seen: seen.clone(),
             streams: false,
         })

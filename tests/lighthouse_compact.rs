@@ -3,18 +3,16 @@
 //! compact replies cannot be expanded.
 
 mod common;
-use common::bounded;
+use common::{bounded, serve_fake};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 use torchft::client::compact::compact_form;
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
 use torchft::proto::lighthouse_service_client::LighthouseServiceClient;
-use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+use torchft::proto::lighthouse_service_server::LighthouseService;
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
     LighthouseQuorumResponse, Quorum, QuorumMember, SessionEvent, SessionRequest,
@@ -348,21 +346,8 @@ async fn unexpandable_compact_reply_falls_back_to_the_full_form() {
                 known: Arc::default(),
                 replies: Arc::new(Mutex::new(vec![q1.clone(), bad, full.clone()])),
             };
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let (stop_tx, mut stop_rx) = watch::channel(false);
-            let svc = LighthouseServiceServer::new(fake.clone());
-            let serve = tokio::spawn(async move {
-                let _ = tonic::transport::Server::builder()
-                    .add_service(svc)
-                    .serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
-                        let _ = stop_rx.wait_for(|s| *s).await;
-                    })
-                    .await;
-            });
-            let client = LighthouseClient::connect(&format!("http://{addr}"), ASK)
-                .await
-                .unwrap();
+            let (addr, stop_tx, serve) = serve_fake(fake.clone()).await;
+            let client = LighthouseClient::connect(&addr, ASK).await.unwrap();
             let got1 = client.quorum(member("g0", 1), ASK).await.unwrap();
             assert_eq!(got1, q1, "{name}");
             let got2 = client.quorum(member("g0", 3), ASK).await.unwrap();

@@ -1,17 +1,15 @@
 //! The manager against scripted lighthouses: what it sends, how often, retries, heartbeats.
 
 mod common;
-use common::bounded;
+use common::{bounded, serve_fake};
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 use torchft::error::Error;
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
-use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+use torchft::proto::lighthouse_service_server::LighthouseService;
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
     LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, SessionEvent,
@@ -82,23 +80,12 @@ impl LighthouseService for HangingLighthouse {
 async fn heartbeat_keeps_its_period_while_the_lighthouse_hangs() {
     bounded(async {
         let fake = HangingLighthouse::default();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop_tx, mut stop_rx) = watch::channel(false);
-        let svc = LighthouseServiceServer::new(fake.clone());
-        let serve = tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
-                    let _ = stop_rx.wait_for(|s| *s).await;
-                })
-                .await;
-        });
+        let (addr, stop_tx, serve) = serve_fake(fake.clone()).await;
 
         let period = Duration::from_millis(50);
         let server = ManagerServer::start(ManagerOptions {
             replica_id: "hb".into(),
-            lighthouse_addr: format!("http://{addr}"),
+            lighthouse_addr: addr,
             hostname: "127.0.0.1".into(),
             bind: "127.0.0.1:0".into(),
             store_addr: "s:1".into(),
@@ -212,25 +199,6 @@ impl LighthouseService for RecordingLighthouse {
     ) -> Result<Response<Self::CommitStreamStream>, Status> {
         Err(Status::unimplemented("no commit stream here"))
     }
-}
-
-/// Serves `svc` on 127.0.0.1:0; returns its address and a stop handle.
-async fn serve_fake<S: LighthouseService>(
-    svc: S,
-) -> (String, watch::Sender<bool>, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let svc = LighthouseServiceServer::new(svc);
-    let handle = tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async move {
-                let _ = stop_rx.wait_for(|s| *s).await;
-            })
-            .await;
-    });
-    (format!("http://{addr}"), stop_tx, handle)
 }
 
 fn manager_opts(lighthouse_addr: &str, world_size: u64, quorum_retries: u64) -> ManagerOptions {

@@ -110,22 +110,15 @@ impl LighthouseService for Grpc {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        // One answer per announcement, in order; the first error ends the stream with its
-        // status, as the same request sent to Commit would have failed. The lighthouse's stop
-        // ends it (the client opens a new one at its next commit).
-        let answers = request
-            .into_inner()
-            .take_until(stopped)
-            .then(move |req| {
-                let rooms = rooms.clone();
-                let who = who.clone();
-                async move { commit_one(&rooms, &who, req?).await }
-            })
-            .scan(false, |failed, answer| {
-                let end = *failed;
-                *failed = answer.is_err();
-                futures::future::ready((!end).then_some(answer))
-            });
+        // One answer per announcement, in order; an error answer ends the stream with its
+        // status (tonic sends it as the trailers), as the same request sent to Commit would
+        // have failed. The lighthouse's stop ends it (the client opens a new one at its next
+        // commit).
+        let answers = request.into_inner().take_until(stopped).then(move |req| {
+            let rooms = rooms.clone();
+            let who = who.clone();
+            async move { commit_one(&rooms, &who, req?).await }
+        });
         Ok(Response::new(answers.boxed()))
     }
 
