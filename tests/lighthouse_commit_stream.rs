@@ -225,3 +225,66 @@ async fn a_lighthouse_stop_ends_the_stream_at_once_and_its_successor_gets_a_new_
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_stream_is_refused_with_its_reason_and_ends_the_stream() {
+    bounded(async {
+        let opts = LighthouseOptions {
+            min_replicas: 1,
+            progress_wait: Duration::ZERO,
+            ..LighthouseOptions::default()
+        };
+        let server = LighthouseServer::bind("127.0.0.1:0", opts).await.unwrap();
+        let mut raw = torchft::proto::lighthouse_service_client::LighthouseServiceClient::connect(
+            server.address(),
+        )
+        .await
+        .unwrap();
+        let good = LighthouseCommitRequest {
+            replica_id: "a".into(),
+            quorum_id: 1,
+            step: 10,
+            ..Default::default()
+        };
+        let cases = [
+            (
+                LighthouseCommitRequest {
+                    step: -1,
+                    ..good.clone()
+                },
+                "step must not be negative",
+            ),
+            (
+                LighthouseCommitRequest {
+                    quorum_wait_s: f64::NAN,
+                    ..good.clone()
+                },
+                "quorum_wait_s",
+            ),
+            (
+                LighthouseCommitRequest {
+                    replica_id: String::new(),
+                    ..good.clone()
+                },
+                "replica",
+            ),
+        ];
+        for (bad, why) in cases {
+            // A good announcement, the bad one, then one that is never answered: the stream
+            // ends at the bad one with INVALID_ARGUMENT and its reason.
+            let sent = vec![good.clone(), bad, good.clone()];
+            let mut answers = raw
+                .commit_stream(tokio_stream::iter(sent))
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(answers.message().await.unwrap().unwrap().accepted, "{why}");
+            let err = answers.message().await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{why}: {err}");
+            assert!(err.message().contains(why), "{why}: {}", err.message());
+            assert!(matches!(answers.message().await, Ok(None)), "{why}");
+        }
+        server.shutdown().await;
+    })
+    .await;
+}
