@@ -53,6 +53,30 @@ def test_steps_are_accounted_from_the_history_lines() -> None:
     assert g["ratio"] == g["ratio_high"] == pytest.approx(2.5 / 8.0)
 
 
+def test_only_the_part_of_a_step_inside_the_window_counts() -> None:
+    """A window that opens late (a lighthouse that lost its state opens it at the first
+    commit it sees): a step under way then counts from the window's start, its quorum wait
+    first; a step that ended before it counts nothing. The figures never exceed the wall."""
+    lines = [
+        _line("ready", 0.0),
+        _line("commit", 1.0, 1),  # start-up
+        _line("commit", 2.0, 2, 0.25),  # before the window
+        _line("commit", 6.0, 3, 3.0),  # 2 to 6, the window opens at 4: 1 s wait, 1 s work
+        _line("commit", 7.0, 4, 0.5),  # inside, whole
+        _line("finish", 8.0),
+    ]
+    g = harness_goodput(lines, T0 + 4.0)["groups"]["g0"]
+    assert g["wall_s"] == pytest.approx(4.0)
+    assert g["productive_s"] == pytest.approx(1.0 + 0.5)
+    assert g["quorum_s"] == pytest.approx(1.0 + 0.5)
+    assert g["steps_committed"] == 2
+    # Opened after the step's quorum wait: its work is cut, the wait does not count.
+    late = harness_goodput(lines, T0 + 5.5)["groups"]["g0"]
+    assert late["productive_s"] == pytest.approx(0.5 + 0.5)
+    assert late["quorum_s"] == pytest.approx(0.5)
+    assert late["productive_s"] + late["quorum_s"] <= late["wall_s"]
+
+
 def test_the_vote_record_round_trips_and_survives_a_shorter_overwrite() -> None:
     rec = voted(41, 42, True, 0.125)
     assert len(rec) == 64 and rec[:1] == b"d"

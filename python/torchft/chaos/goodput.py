@@ -11,7 +11,8 @@ from a snapshot, and when a process was ready and finished, each with its wall t
 * a group's wall time runs from the window's start to its ``finish``;
 * each step of a process spans the time since its previous line (commit, discard, restore
   or ready; a step's line carries the instant the step ended as the rank measured it for its
-  report, not when it was written); its first step is start-up, a step that restored a
+  report, not when it was written), and only its part inside the window counts (its quorum
+  wait is its first part); its first step is start-up, a step that restored a
   snapshot or healed is recovery; a committed step is productive, less the quorum wait the
   worker recorded for it; a step that did not commit is discarded;
 * a committed step is lost to a regression when the same group commits the same step again
@@ -152,6 +153,10 @@ def harness_goodput(
             if first or r["kind"] == "restore":
                 first = False
                 continue
+            # Only the part inside the window counts (the step's quorum wait comes first).
+            inside = min(span, r["t"] - window_start)
+            work = min(span - wait, inside)
+            wait, span = inside - work, inside
             if r["kind"] == "discard":
                 g["quorum_s"] += wait
                 g["discarded_s"] += span - wait

@@ -10,6 +10,8 @@
 //! - a committed step is `productive` (its time less its quorum wait, which is `quorum`), or
 //!   `heal` when the group healed in it (all of it); a step that did not commit is
 //!   `discarded` (its quorum wait is `quorum`);
+//! - only the part of a step inside the window counts (its quorum wait is its first part; a
+//!   step that ended before the window opened, reported late, is not accounted);
 //! - the first step of each incarnation is start-up (its time counts before the step was
 //!   known to be one), so it falls in `recovery`, with everything the group's steps do not
 //!   cover: restarts, joining, time lost or hung;
@@ -300,6 +302,15 @@ impl GroupGoodput {
     }
 }
 
+/// The parts of a step of `step_s` seconds that ended at `end` (unix seconds) which fall
+/// at or after the window's `start`: its quorum wait (the step's first `wait` seconds) and
+/// the rest.
+fn in_window(step_s: f64, wait: f64, end: f64, start: f64) -> (f64, f64) {
+    let inside = (end - start).clamp(0.0, step_s);
+    let work = (step_s - wait).min(inside);
+    (inside - work, work)
+}
+
 /// The job's goodput accounts.
 #[derive(Debug, Default)]
 pub struct Goodput {
@@ -462,6 +473,7 @@ impl Goodput {
             &r.incarnation
         };
         self.revision += 1;
+        let window = self.start;
         let g = self.group(name, unix);
         let life = g.life(incarnation);
         if r.unix_s > 0.0 {
@@ -496,22 +508,34 @@ impl Goodput {
         }
         let step_s = r.step_s.max(0.0);
         let wait = r.quorum_wait_s.clamp(0.0, step_s);
+        // Only the part of the step inside the window counts (a step that began before the
+        // window opened, e.g. one that waited out a lighthouse restart, is no wall time; one
+        // that ended before it, reported late, is not accounted at all).
+        let (wait_in, work_in) = match window {
+            Some(start) if r.unix_s > 0.0 => {
+                if r.unix_s < start {
+                    return;
+                }
+                in_window(step_s, wait, r.unix_s, start)
+            }
+            _ => (wait, step_s - wait),
+        };
         g.phases.add(r);
         if r.healed {
-            g.accounts.heal_s += step_s;
+            g.accounts.heal_s += wait_in + work_in;
             if r.committed {
                 g.accounts.steps_committed += 1;
             }
         } else if r.committed {
-            g.accounts.quorum_s += wait;
-            g.committed(done, step_s - wait);
+            g.accounts.quorum_s += wait_in;
+            g.committed(done, work_in);
             g.life.waits.push_back(wait);
             while g.life.waits.len() > WAITS {
                 g.life.waits.pop_front();
             }
         } else {
-            g.accounts.quorum_s += wait;
-            g.accounts.discarded_s += step_s - wait;
+            g.accounts.quorum_s += wait_in;
+            g.accounts.discarded_s += work_in;
         }
     }
 
@@ -650,6 +674,12 @@ mod tests {
         }
     }
 
+    /// `r` as sent at `unix_s` (the rank's clock: when its step ended).
+    fn stamped(mut r: TelemetryReport, unix_s: f64) -> TelemetryReport {
+        r.unix_s = unix_s;
+        r
+    }
+
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
     }
@@ -747,6 +777,39 @@ mod tests {
             "{f:?}"
         );
         assert_eq!(f.accounts.steps_committed, before.steps_committed + 2);
+    }
+
+    #[test]
+    fn only_the_part_of_a_step_inside_the_window_counts() {
+        // A lighthouse that lost its state opens the window at the first commit it sees;
+        // the steps that were under way then began before it.
+        let mut g = Goodput::default();
+        g.on_step("g", &stamped(step("g:1", 0, false, 1.0, 0.0), 96.0), 96.0); // start-up
+        g.on_commit("g", "g:1", 2, 100.0, None);
+        // 98.5 to 99.5, before the window (its report came late): nothing.
+        g.on_step("g", &stamped(step("g:1", 0, true, 1.0, 0.0), 99.5), 100.2);
+        // 99.5 to 101, its first 1 s the quorum wait: 0.5 s of wait and 0.5 s of work count.
+        g.on_step("g", &stamped(step("g:1", 1, true, 1.5, 1.0), 101.0), 101.0);
+        // 101 to 102, discarded; 102 to 104, healed: inside, whole.
+        g.on_step(
+            "g",
+            &stamped(step("g:1", 2, false, 1.0, 0.25), 102.0),
+            102.0,
+        );
+        let mut healed = stamped(step("g:1", 2, true, 2.0, 1.0), 104.0);
+        healed.healed = true;
+        g.on_step("g", &healed, 104.0);
+        let f = g.group_figures("g", 105.0).unwrap();
+        assert!(close(f.wall_s, 5.0), "{f:?}");
+        assert!(close(f.accounts.productive_s, 0.5), "{f:?}");
+        assert!(close(f.accounts.quorum_s, 0.75), "{f:?}");
+        assert!(close(f.accounts.discarded_s, 0.75), "{f:?}");
+        assert!(close(f.accounts.heal_s, 2.0), "{f:?}");
+        assert_eq!(f.accounts.steps_committed, 2);
+        assert!(f.accounts.explained() <= f.wall_s);
+        assert_eq!(in_window(4.0, 1.0, 110.0, 100.0), (1.0, 3.0));
+        assert_eq!(in_window(4.0, 1.0, 102.0, 100.0), (0.0, 2.0));
+        assert_eq!(in_window(4.0, 1.0, 103.5, 100.0), (0.5, 3.0));
     }
 
     #[test]
