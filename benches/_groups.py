@@ -111,13 +111,15 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def lighthouse_process(script: str, env: dict[str, str], errors: IO[str]) -> Iterator[str]:
-    """Runs ``script --role lighthouse`` (which prints its address, then serves until its
-    stdin closes) with ``env`` and its stderr into ``errors``; yields the address. Raises
+def lighthouse_process(
+    script: str, env: dict[str, str], errors: IO[str], role: str = "lighthouse"
+) -> Iterator[str]:
+    """Runs ``script --role ROLE`` (which prints its address, then serves until its stdin
+    closes) with ``env`` and its stderr into ``errors``; yields the address. Raises
     RuntimeError, with the end of its stderr, if it reports none. On exit its stdin is
     closed and it is waited for (killed after 10 s)."""
     lh = subprocess.Popen(
-        [sys.executable, script, "--role", "lighthouse"],
+        [sys.executable, script, "--role", role],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=errors,
@@ -131,7 +133,7 @@ def lighthouse_process(script: str, env: dict[str, str], errors: IO[str]) -> Ite
             lh.wait(10)
             errors.seek(0)
             raise RuntimeError(
-                f"the lighthouse process did not report its address:\n{errors.read()[-2000:]}"
+                f"the {role} process did not report its address:\n{errors.read()[-2000:]}"
             )
         yield address
     finally:

@@ -20,7 +20,13 @@ Configurations, alternated trial by trial in the same run (fresh processes each 
   write-ahead commits: our path without that round trip (what the commit costs);
 - ``ours/native-calls``: our lighthouse, and in each group the native calls the Manager makes
   on this path (``_quorum_start`` + ``wait``, ``may_commit``) with a plain Gloo allreduce
-  between them, no Python ``Manager``: what the Manager's Python adds is ``ours`` minus this.
+  between them, no Python ``Manager``: what the Manager's Python adds is ``ours`` minus this;
+- ``raw-sockets``: the floor of the exchanges themselves: in place of the lighthouse a hub
+  process with one loopback TCP connection (``TCP_NODELAY``) per group, and per step a
+  one-byte barrier across the groups (the quorum: answered when both groups asked) and a
+  one-byte round trip (the write-ahead commit), Python at both ends, nothing else. What any
+  design with a lighthouse barrier and a lighthouse round trip per step costs on this
+  machine before it does any work (``ours`` is also given as a multiple of it).
 
 A row is the median over trials of the slower group's per-trial median of the control plane
 per step, with the min and max over trials, the p90 of all steps, the same medians of its two
@@ -32,7 +38,7 @@ without judging the times (the bounded version ``make test`` runs).
 
 Usage: ``python benches/step_control.py [--trials 5] [--steps 2000] [--warmup 200] [--json]
 [--check] [--allow-missing-upstream] [--configs ours upstream ours/upstream-lh
-ours/native-calls]``
+ours/native-calls raw-sockets]``
 """
 
 from __future__ import annotations
@@ -60,9 +66,14 @@ CONFIGS = {
     "upstream": (True, True),
     "ours/upstream-lh": (True, False),
     "ours/native-calls": (False, False),
+    "raw-sockets": (False, False),
 }
 #: Configurations whose groups make the native calls directly (no Python Manager).
 NATIVE_CALLS = {"ours/native-calls"}
+#: Configurations with a raw socket hub in place of the lighthouse.
+RAW = {"raw-sockets"}
+#: Groups per trial (the hub's barrier waits for this many).
+GROUPS = 2
 
 
 def _lighthouse() -> None:
@@ -73,6 +84,74 @@ def _lighthouse() -> None:
     print(server.address(), flush=True)
     sys.stdin.read()
     server.shutdown()
+
+
+def _hub() -> None:
+    """Child: the raw-sockets floor's hub; prints its address, then answers each group's
+    ``q`` once every group sent one (a barrier) and each ``c`` at once, until stdin closes."""
+    import selectors
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    print(f"127.0.0.1:{server.getsockname()[1]}", flush=True)
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ, "accept")
+    sel.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    waiting: list[socket.socket] = []
+    while True:
+        for key, _ in sel.select():
+            if key.data == "stdin":
+                if not sys.stdin.readline():
+                    return
+            elif key.data == "accept":
+                conn, _ = server.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sel.register(conn, selectors.EVENT_READ, conn)
+            else:
+                conn = key.data
+                data = conn.recv(64)
+                if not data:
+                    sel.unregister(conn)
+                    conn.close()
+                    continue
+                for byte in data:
+                    if byte == ord("q"):
+                        waiting.append(conn)
+                        if len(waiting) == GROUPS:
+                            for c in waiting:
+                                c.sendall(b"Q")
+                            waiting.clear()
+                    else:
+                        conn.sendall(b"C")
+
+
+def _raw_group(address: str, steps: int, warmup: int, result: str) -> None:
+    """Child: one group of the raw-sockets floor: per step the hub's barrier (``q``) and one
+    round trip (``c``), timed as :func:`_group` times its quorum and vote."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def exchange(ask: bytes, answer: bytes) -> bool:
+        conn.sendall(ask)
+        got = conn.recv(1)
+        if got != answer:
+            raise RuntimeError(f"the hub answered {got!r} to {ask!r}")
+        return True
+
+    try:
+        _time_steps(
+            lambda _: exchange(b"q", b"Q"),
+            lambda: None,
+            lambda _: exchange(b"c", b"C"),
+            steps,
+            warmup,
+            result,
+        )
+    finally:
+        conn.close()
 
 
 def _group(address: str, replica_id: str, steps: int, warmup: int, result: str) -> None:
@@ -213,6 +292,8 @@ def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
     ):
         groups: list[subprocess.Popen[str]] = []
         role = ["--role", "group"]
+        if config in RAW:
+            role = ["--role", "raw-group"]
         if config in NATIVE_CALLS:
             # The two groups' Gloo process group meets on a store of this process.
             from torch.distributed import TCPStore
@@ -220,9 +301,10 @@ def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             role = ["--role", "native-group", "--store-port", str(store.port)]
         try:
-            with lighthouse_process(me, _env(lh_upstream), errors) as address:
-                results = [Path(d) / f"g{i}.json" for i in range(2)]
-                for i in range(2):
+            hub = "hub" if config in RAW else "lighthouse"
+            with lighthouse_process(me, _env(lh_upstream), errors, role=hub) as address:
+                results = [Path(d) / f"g{i}.json" for i in range(GROUPS)]
+                for i in range(GROUPS):
                     groups.append(
                         subprocess.Popen(
                             [sys.executable, me, *role, "--address", address,
@@ -253,7 +335,9 @@ def main() -> int:
     """Runs the alternating trials and prints the comparison; non-zero on a missed target."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--role", choices=["bench", "lighthouse", "group", "native-group"], default="bench"
+        "--role",
+        choices=["bench", "lighthouse", "group", "native-group", "hub", "raw-group"],
+        default="bench",
     )
     parser.add_argument("--store-port", type=int, default=0)
     parser.add_argument("--address", default="")
@@ -274,6 +358,12 @@ def main() -> int:
         return 0
     if args.role == "group":
         _group(args.address, args.replica_id, args.steps, args.warmup, args.result)
+        return 0
+    if args.role == "hub":
+        _hub()
+        return 0
+    if args.role == "raw-group":
+        _raw_group(args.address, args.steps, args.warmup, args.result)
         return 0
     if args.role == "native-group":
         _native_group(
@@ -345,6 +435,12 @@ def main() -> int:
     if "ours/native-calls" in summary and "ours" in summary:
         cost = summary["ours"]["median_ms"] - summary["ours/native-calls"]["median_ms"]
         print(f"the Python Manager's share of ours: {cost:+.3f} ms per step")
+    if "raw-sockets" in summary and "ours" in summary:
+        floor = summary["raw-sockets"]["median_ms"]
+        print(
+            f"ours / the raw-sockets floor (a barrier and a round trip per step): "
+            f"{summary['ours']['median_ms'] / floor:.2f}x ({floor:.3f} ms)"
+        )
     for c in incomplete:
         print(f"{c}: not every step committed (a step that did not commit is not a fast path)")
     met = "ours" not in summary or summary["ours"]["median_ms"] <= TARGET_MS

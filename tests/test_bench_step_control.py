@@ -1,6 +1,7 @@
 """The step control-plane benchmark, small: its groups (ours, upstream's, ours against
-upstream's lighthouse, our native calls without the Python Manager) still run a step the way
-the benchmark times it, and every step commits. No timing is asserted."""
+upstream's lighthouse, our native calls without the Python Manager, the raw-sockets floor)
+still run a step the way the benchmark times it, and every step commits. No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_step_control_benchmark_small_version() -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "ours" in summary and "ours/native-calls" in summary, text
+    assert {"ours", "ours/native-calls", "raw-sockets"} <= set(summary), text
     for row in summary.values():
         # Both parts of the control plane were measured in every configuration run.
         assert row["quorum_ms"] > 0 and row["vote_ms"] > 0, text
