@@ -971,6 +971,30 @@ mod tests {
     }
 
     #[test]
+    fn the_history_ends_with_the_jobs_final_state() {
+        let mut j = Job::new(1);
+        j.t.evaluate(j.now, &j.ages());
+        assert_eq!(j.t.history().0.len(), 1);
+        // The last steps and the finish come well within the interval of the next point.
+        for step in 1..4 {
+            j.t.on_report(&report(&j.ids[0], step, 0.1), j.now);
+        }
+        let mut r = report(&j.ids[0], 4, 0.0);
+        r.phase = Phase::Finished as i32;
+        j.t.on_report(&r, j.now);
+        let end = j.now + Duration::from_millis(100);
+        j.t.evaluate(end, &j.ages());
+        assert!(j.t.job_finished());
+        let (points, _) = j.t.history();
+        assert_eq!(points.len(), 2, "{points:?}");
+        assert_eq!(points[1].step, Some(j.t.groups["g0"].step), "{points:?}");
+        assert!(points[0].step < points[1].step, "{points:?}");
+        // Once only.
+        j.t.evaluate(end + Duration::from_millis(100), &j.ages());
+        assert_eq!(j.t.history().0.len(), 2);
+    }
+
+    #[test]
     fn a_step_report_received_again_is_ignored() {
         let mut j = Job::new(2);
         let before = j.t.groups["g0"].counters.steps_committed;

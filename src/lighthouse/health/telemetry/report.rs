@@ -196,7 +196,8 @@ impl Telemetry {
     /// [`super::GOODPUT_EVERY`] while the job trains and a final one when it ends. Returns
     /// true when the job just ended (the end-of-run report is due).
     pub(super) fn goodput_tick(&mut self, now: Instant) -> bool {
-        if self.history.due(now) && !self.groups.is_empty() {
+        let pushed = self.history.due(now) && !self.groups.is_empty();
+        if pushed {
             let p = self.point(now);
             self.history.push(now, p);
         }
@@ -206,6 +207,11 @@ impl Telemetry {
         if self.job_finished() {
             if self.final_emitted {
                 return false;
+            }
+            if !pushed {
+                // The history ends with the job's final state, not up to an interval before.
+                let p = self.point(now);
+                self.history.push(now, p);
             }
             self.final_emitted = true;
             self.emit_goodput(now, true);
