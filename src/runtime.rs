@@ -13,10 +13,20 @@ static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 
 /// The variable that sets the runtime's worker thread count.
 pub const ENV_THREADS: &str = "TORCHFT_RUNTIME_THREADS";
-/// Worker threads when the variable is not set: enough for control traffic.
+/// Worker threads when the variable is not set, at most: enough for control traffic.
 pub const DEFAULT_THREADS: usize = 2;
 
-/// The worker thread count from `TORCHFT_RUNTIME_THREADS` (default 2).
+/// Worker threads when the variable is not set: one per core this process may use beyond the
+/// one its own (training) thread needs, between 1 and [`DEFAULT_THREADS`]. On one or two
+/// cores a second worker cannot run beside the training thread and the first; it only adds
+/// a hand-off between threads (a wake-up that waits for a core) to every message.
+pub fn default_threads() -> usize {
+    available_cores()
+        .saturating_sub(1)
+        .clamp(1, DEFAULT_THREADS)
+}
+
+/// The worker thread count from `TORCHFT_RUNTIME_THREADS` (default [`default_threads`]).
 ///
 /// # Errors
 /// `InvalidArgument` naming the variable when it is not a positive integer. Entry points
@@ -28,7 +38,7 @@ pub fn threads_from_env() -> Result<usize> {
 
 fn parse_threads(raw: Option<&str>) -> Result<usize> {
     match raw.map(str::trim) {
-        None | Some("") => Ok(DEFAULT_THREADS),
+        None | Some("") => Ok(default_threads()),
         Some(v) => v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| {
             Error::InvalidArgument(format!("env {ENV_THREADS}={v:?} must be an integer >= 1"))
         }),
@@ -40,7 +50,7 @@ fn parse_threads(raw: Option<&str>) -> Result<usize> {
 /// Worker threads are named `torchft-rt` so they are easy to spot in stack dumps. The thread
 /// count follows `TORCHFT_RUNTIME_THREADS` (see [`threads_from_env`]).
 pub fn get() -> &'static Runtime {
-    RUNTIME.get_or_init(|| build(threads_from_env().unwrap_or(DEFAULT_THREADS)))
+    RUNTIME.get_or_init(|| build(threads_from_env().unwrap_or_else(|_| default_threads())))
 }
 
 /// Returns the process-wide runtime, creating it with `threads` workers if it does not exist
@@ -79,8 +89,11 @@ mod tests {
 
     #[test]
     fn thread_count_is_parsed_or_refused() {
-        assert_eq!(parse_threads(None).unwrap(), DEFAULT_THREADS);
-        assert_eq!(parse_threads(Some(" ")).unwrap(), DEFAULT_THREADS);
+        let default = default_threads();
+        assert!((1..=DEFAULT_THREADS).contains(&default));
+        assert_eq!(default, available_cores().saturating_sub(1).clamp(1, 2));
+        assert_eq!(parse_threads(None).unwrap(), default);
+        assert_eq!(parse_threads(Some(" ")).unwrap(), default);
         assert_eq!(parse_threads(Some("4")).unwrap(), 4);
         for bad in ["0", "-1", "many"] {
             let err = parse_threads(Some(bad)).unwrap_err().to_string();

@@ -527,7 +527,8 @@ _OTHER_VARS = (
     EnvVar(
         "TORCHFT_RUNTIME_THREADS",
         POSITIVE,
-        "worker threads of the native runtime (2; the lighthouse daemon: one per core)",
+        "worker threads of the native runtime (one per core beyond the training thread, 1 "
+        "or 2; the lighthouse daemon: one per core)",
     ),
     EnvVar(
         "TORCHFT_TOKEN_FILE",
