@@ -13,44 +13,53 @@ static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 
 /// The variable that sets the runtime's worker thread count.
 pub const ENV_THREADS: &str = "TORCHFT_RUNTIME_THREADS";
-/// Worker threads when the variable is not set, at most: enough for control traffic.
-pub const DEFAULT_THREADS: usize = 2;
+/// The most worker threads a training process starts when the variable is not set: enough
+/// for control traffic.
+pub const MAX_DEFAULT_THREADS: usize = 2;
 
-/// Worker threads when the variable is not set: one per core this process may use beyond the
-/// one its own (training) thread needs, between 1 and [`DEFAULT_THREADS`]. On one or two
-/// cores a second worker cannot run beside the training thread and the first; it only adds
-/// a hand-off between threads (a wake-up that waits for a core) to every message.
-pub fn default_threads() -> usize {
-    available_cores()
-        .saturating_sub(1)
-        .clamp(1, DEFAULT_THREADS)
+/// Worker threads when the variable is not set, for a process that may use `cores` cores:
+/// one per core beyond the one its own (training) thread needs, between 1 and
+/// [`MAX_DEFAULT_THREADS`]. On one or two cores a second worker cannot run beside the
+/// training thread and the first; it only adds a hand-off between threads (a wake-up that
+/// waits for a core) to every message.
+pub fn default_threads(cores: usize) -> usize {
+    cores.saturating_sub(1).clamp(1, MAX_DEFAULT_THREADS)
 }
 
-/// The worker thread count from `TORCHFT_RUNTIME_THREADS` (default [`default_threads`]).
+/// The worker thread count `TORCHFT_RUNTIME_THREADS` sets, None when it is unset or empty.
 ///
 /// # Errors
 /// `InvalidArgument` naming the variable when it is not a positive integer. Entry points
 /// (the Python module, the daemon) call this first so a bad value fails loudly instead of
 /// being replaced by the default.
-pub fn threads_from_env() -> Result<usize> {
+pub fn threads_from_env() -> Result<Option<usize>> {
     parse_threads(std::env::var(ENV_THREADS).ok().as_deref())
 }
 
-fn parse_threads(raw: Option<&str>) -> Result<usize> {
+fn parse_threads(raw: Option<&str>) -> Result<Option<usize>> {
     match raw.map(str::trim) {
-        None | Some("") => Ok(default_threads()),
-        Some(v) => v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| {
-            Error::InvalidArgument(format!("env {ENV_THREADS}={v:?} must be an integer >= 1"))
-        }),
+        None | Some("") => Ok(None),
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("env {ENV_THREADS}={v:?} must be an integer >= 1"))
+            }),
     }
 }
 
 /// Returns the process-wide runtime, creating it on first use.
 ///
 /// Worker threads are named `torchft-rt` so they are easy to spot in stack dumps. The thread
-/// count follows `TORCHFT_RUNTIME_THREADS` (see [`threads_from_env`]).
+/// count follows `TORCHFT_RUNTIME_THREADS` (see [`threads_from_env`]), else
+/// [`default_threads`] of this process's cores.
 pub fn get() -> &'static Runtime {
-    RUNTIME.get_or_init(|| build(threads_from_env().unwrap_or_else(|_| default_threads())))
+    RUNTIME.get_or_init(|| {
+        let set = threads_from_env().ok().flatten();
+        build(set.unwrap_or_else(|| default_threads(available_cores())))
+    })
 }
 
 /// Returns the process-wide runtime, creating it with `threads` workers if it does not exist
@@ -88,13 +97,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_default_leaves_the_training_thread_a_core() {
+        let by_cores: Vec<usize> = [0, 1, 2, 3, 4, 64].map(default_threads).to_vec();
+        assert_eq!(by_cores, [1, 1, 1, 2, 2, 2]);
+    }
+
+    #[test]
     fn thread_count_is_parsed_or_refused() {
-        let default = default_threads();
-        assert!((1..=DEFAULT_THREADS).contains(&default));
-        assert_eq!(default, available_cores().saturating_sub(1).clamp(1, 2));
-        assert_eq!(parse_threads(None).unwrap(), default);
-        assert_eq!(parse_threads(Some(" ")).unwrap(), default);
-        assert_eq!(parse_threads(Some("4")).unwrap(), 4);
+        assert_eq!(parse_threads(None).unwrap(), None);
+        assert_eq!(parse_threads(Some(" ")).unwrap(), None);
+        assert_eq!(parse_threads(Some("4")).unwrap(), Some(4));
         for bad in ["0", "-1", "many"] {
             let err = parse_threads(Some(bad)).unwrap_err().to_string();
             assert!(err.contains(ENV_THREADS), "{err}");

@@ -60,12 +60,10 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = &'static str>> 
 pub fn run(args: Args) -> Result<()> {
     crate::logging::init("info")?;
     crate::logging::set_default_level("info")?;
-    let from_env = std::env::var(crate::runtime::ENV_THREADS).is_ok_and(|v| !v.trim().is_empty());
     let env_threads = crate::runtime::threads_from_env()?;
     let threads = match args.threads {
         Some(n) => usize::from(n),
-        None if from_env => env_threads,
-        None => crate::runtime::available_cores(),
+        None => env_threads.unwrap_or_else(crate::runtime::available_cores),
     };
     let (runtime, threads) = crate::runtime::get_with(threads);
     info!(threads, "lighthouse worker threads");

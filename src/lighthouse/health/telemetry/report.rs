@@ -196,22 +196,19 @@ impl Telemetry {
     /// [`super::GOODPUT_EVERY`] while the job trains and a final one when it ends. Returns
     /// true when the job just ended (the end-of-run report is due).
     pub(super) fn goodput_tick(&mut self, now: Instant) -> bool {
-        let pushed = self.history.due(now) && !self.groups.is_empty();
-        if pushed {
+        let finished = self.goodput.start().is_some() && self.job_finished();
+        let ending = finished && !self.final_emitted;
+        // The history ends with the job's final state, not up to an interval before it.
+        if (self.history.due(now) || ending) && !self.groups.is_empty() {
             let p = self.point(now);
             self.history.push(now, p);
         }
         if self.goodput.start().is_none() {
             return false;
         }
-        if self.job_finished() {
+        if finished {
             if self.final_emitted {
                 return false;
-            }
-            if !pushed {
-                // The history ends with the job's final state, not up to an interval before.
-                let p = self.point(now);
-                self.history.push(now, p);
             }
             self.final_emitted = true;
             self.emit_goodput(now, true);
