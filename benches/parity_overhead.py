@@ -16,9 +16,14 @@ more steps); control / off shows the noise floor of the same run. The slower gro
 are reported, and the projected ratio must be at most 1.01.
 
 It also times one digest of the same state in isolation (the background hash) as a second
-view of the cost.
+view of the cost, and the digest's throughput on a larger state (``--digest-mb``, in 4 MiB
+tensors) against the previous version's digest, zlib's two sums over each tensor one after
+the other, alternating in the same run: the native sums must be at least
+``DIGEST_SPEEDUP_TARGET`` times as fast and give the same 8 bytes.
 
-Usage: ``python benches/parity_overhead.py [--every N] [--blocks B] [--hidden H]``.
+Usage: ``python benches/parity_overhead.py [--every N] [--blocks B] [--hidden H]
+[--digest-mb M]``; ``--check`` runs a small version with no timing targets (what ``make test``
+runs: the groups train with parity on and off, and the two digests agree).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from _groups import run_two_groups, train_group
 
 HERE = Path(__file__).resolve()
 TARGET = 1.01
+DIGEST_SPEEDUP_TARGET = 3.0
 DEFAULT_EVERY = 100  # torchft.parity.DEFAULT_EVERY (checked in main)
 
 
@@ -104,11 +111,53 @@ def isolated_cost(hidden: int) -> float:
     return statistics.median(times)
 
 
+def _zlib_digest(tensors: list[tuple[str, Any]]) -> bytes:
+    """The previous version's digest: zlib's CRC-32, then its Adler-32, over each tensor."""
+    import zlib
+
+    import torch
+
+    crc, adler = 0, 1
+    for path, t in tensors:
+        meta = f"{path}:{t.dtype}:{tuple(t.shape)};".encode()
+        crc, adler = zlib.crc32(meta, crc), zlib.adler32(meta, adler)
+        data = t.reshape(-1).view(torch.uint8).numpy().data
+        crc, adler = zlib.crc32(data, crc), zlib.adler32(data, adler)
+    return crc.to_bytes(4, "big") + adler.to_bytes(4, "big")
+
+
+def digest_speed(mb: int, repeat: int = 5) -> tuple[list[float], list[float]]:
+    """GB/s of the native digest and of zlib's over ``mb`` MiB of float32 state, alternating
+    ``repeat`` times; raises if the two digests differ."""
+    import torch
+
+    from torchft.parity import digest_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(1 << 20, generator=gen)) for i in range(max(1, mb // 4))]
+    gb = sum(t.numel() * t.element_size() for _, t in tensors) / 1e9
+    native: list[float] = []
+    zlib_: list[float] = []
+    digests = set()
+    for _ in range(repeat):
+        for fn, out in ((digest_tensors, native), (_zlib_digest, zlib_)):
+            t0 = time.perf_counter()
+            digests.add(fn(tensors))
+            out.append(gb / (time.perf_counter() - t0))
+    if len(digests) != 1:
+        raise RuntimeError(f"the native digest differs from zlib's: {sorted(digests)}")
+    return native, zlib_
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=10, help="steps per block (and digest)")
     parser.add_argument("--blocks", type=int, default=60, help="blocks per kind")
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument(
+        "--digest-mb", type=int, default=256, help="state size of the digest throughput check"
+    )
+    parser.add_argument("--check", action="store_true", help="small run, no timing targets")
     sub = parser.add_subparsers(dest="cmd")
     w = sub.add_parser("worker")
     w.add_argument("--replica-id", required=True)
@@ -120,8 +169,12 @@ def main() -> int:
     if args.cmd == "worker":
         worker(args)
         return 0
+    if args.check:
+        args.blocks, args.every, args.hidden, args.digest_mb = 3, 2, 64, 8
     if args.blocks < 3 or args.every < 2:
         parser.error("--blocks must be at least 3 and --every at least 2")
+    if args.digest_mb < 4:
+        parser.error("--digest-mb must be at least 4")
 
     from torchft.parity import DEFAULT_EVERY as LIBRARY_DEFAULT
 
@@ -177,7 +230,19 @@ def main() -> int:
         f"(target <= {TARGET}); control / off (noise floor): "
         f"{max(noise, key=lambda v: abs(v - 1)):.4f}"
     )
-    return 0 if worst <= TARGET else 1
+    native, zlib_ = digest_speed(args.digest_mb)
+    n, z = statistics.median(native), statistics.median(zlib_)
+    speedup = n / z
+    print(
+        f"digest of {args.digest_mb} MiB, 5 runs each, median [min, max]: native "
+        f"{n:.2f} GB/s [{min(native):.2f}, {max(native):.2f}], previous (zlib) {z:.2f} GB/s "
+        f"[{min(zlib_):.2f}, {max(zlib_):.2f}], {speedup:.1f}x (target >= "
+        f"{DIGEST_SPEEDUP_TARGET}x: {'ok' if speedup >= DIGEST_SPEEDUP_TARGET else 'MISSED'}); "
+        "same digest"
+    )
+    if args.check:
+        return 0
+    return 0 if worst <= TARGET and speedup >= DIGEST_SPEEDUP_TARGET else 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ majority (three groups) or every group stops (two groups: no majority can say wh
 from __future__ import annotations
 
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from _hang_worker import DIVERGED_EXIT
 from conftest import start_lighthouse_process
 from test_hang import Job, _commits, _history, _status
 
+from torchft._torchft import _digest_update
 from torchft.chaos.history import state_hash
 from torchft.parity import StateParity, digest_tensors
 from torchft.snapshot import list_snapshots, load_rank
@@ -195,6 +197,39 @@ def test_two_groups_that_differ_both_stop_and_say_why(tmp_path: Path) -> None:
         job.close()
         lh.stop()
         (tmp_path / "lighthouse.log").write_text("".join(lh.log))
+
+
+def _zlib_digest(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """The digest as zlib computes it: what every version's digests must equal."""
+    crc, adler = 0, 1
+    for path, t in tensors:
+        t = t.detach().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        for part in (f"{path}:{t.dtype}:{tuple(t.shape)};".encode(), raw):
+            crc, adler = zlib.crc32(part, crc), zlib.adler32(part, adler)
+    return crc.to_bytes(4, "big") + adler.to_bytes(4, "big")
+
+
+def test_the_digest_is_zlibs_for_every_layout() -> None:
+    """Native sums give the zlib digest: dtypes, empty and odd-sized tensors, views that are
+    not contiguous, and a state large enough to cross many of the native pieces."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300_001, generator=g)
+    tensors = [
+        ("big", big),
+        ("half", torch.randn(7, 13, generator=g).half()),
+        ("bf16", torch.randn(5, generator=g).bfloat16()),
+        ("f64", torch.randn(3, 3, generator=g).double()),
+        ("empty", torch.empty(0, 4)),
+        ("view", torch.randn(64, 64, generator=g).t()[3:40:3]),
+        ("odd", big[1:12346]),
+    ]
+    assert digest_tensors(tensors) == _zlib_digest(tensors)
+    for name, t in tensors:
+        assert digest_tensors([(name, t)]) == _zlib_digest([(name, t)]), name
+    with pytest.raises(ValueError, match="null address"):
+        _digest_update(0, 1, 0, 16)
+    assert _digest_update(5, 6, 0, 0) == (5, 6)
 
 
 def test_digests_follow_the_bits_and_bad_settings_are_refused() -> None:

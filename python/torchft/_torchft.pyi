@@ -26,6 +26,7 @@ __all__ = [
     "lighthouse_main",
     "security_settings",
     "set_log_context",
+    "_digest_update",
 ]
 
 class TorchFTError(RuntimeError):
@@ -186,6 +187,12 @@ def lighthouse_main() -> None:
     """Entry point of the ``torchft_lighthouse`` console script (parses ``sys.argv``)."""
 
 # --- manager ---------------------------------------------------------------------------------
+
+def _digest_update(crc: int, adler: int, address: int, length: int) -> tuple[int, int]:
+    """Continues a state digest over the ``length`` bytes at ``address``: ``(crc, adler)``
+    as ``zlib.crc32`` and ``zlib.adler32`` would give, computed without the GIL. The caller
+    keeps the memory alive and unchanged for the call. ValueError for a null address with
+    bytes to read."""
 
 @final
 class ManagerServer:

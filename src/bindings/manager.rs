@@ -495,10 +495,41 @@ impl PendingQuorum {
     }
 }
 
+/// Continues a state digest (runtime state parity) over the `length` bytes at `address`:
+/// returns `(crc, adler)` as `zlib.crc32` and `zlib.adler32` would, computed without the GIL.
+/// The caller keeps the memory alive and unchanged for the call (a tensor it holds, between
+/// a step's start and its commit vote). Raises ValueError for a null address with bytes to
+/// read.
+#[pyfunction]
+fn _digest_update(
+    py: Python<'_>,
+    crc: u32,
+    adler: u32,
+    address: usize,
+    length: usize,
+) -> PyResult<(u32, u32)> {
+    if length == 0 {
+        return Ok((crc, adler));
+    }
+    if address == 0 {
+        return Err(PyValueError::new_err(format!(
+            "cannot digest {length} bytes at a null address"
+        )));
+    }
+    let (addr, len) = (address, length);
+    Ok(py.detach(move || {
+        // SAFETY: the caller's contract: `length` readable bytes at `address`, alive and
+        // unchanged for this call.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        crate::manager::parity::digest_update(crc, adler, bytes)
+    }))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyManagerServer>()?;
     m.add_class::<PyManagerClient>()?;
     m.add_class::<PendingQuorum>()?;
+    m.add_function(wrap_pyfunction!(_digest_update, m)?)?;
     super::records::register(m)
 }
 

@@ -9,6 +9,24 @@ use crate::client::MAX_DIGEST_BYTES;
 use crate::error::{Error, Result};
 use crate::proto::StateDigest;
 
+/// Bytes checksummed by both sums before the next piece: small enough that the second sum
+/// reads them from the first level of cache.
+const DIGEST_PIECE_BYTES: usize = 32 << 10;
+
+/// Continues a rank's state digest over `bytes`: zlib's CRC-32 and Adler-32 (the values
+/// `zlib.crc32(bytes, crc)` and `zlib.adler32(bytes, adler)` give, so digests taken by any
+/// version compare equal), both over each piece while it is in cache, vectorised where the
+/// CPU allows. Several GB/s where zlib's two passes make about one.
+pub fn digest_update(crc: u32, adler: u32, bytes: &[u8]) -> (u32, u32) {
+    let mut c = crc32fast::Hasher::new_with_initial(crc);
+    let mut a = simd_adler32::Adler32::from_checksum(adler);
+    for piece in bytes.chunks(DIGEST_PIECE_BYTES) {
+        c.update(piece);
+        a.write(piece);
+    }
+    (c.finalize(), a.finish())
+}
+
 /// Steps kept waiting for the rest of their ranks' digests (the oldest go first).
 const MAX_PENDING_STEPS: usize = 8;
 
@@ -101,6 +119,41 @@ impl DigestCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Adler-32 as its definition reads (RFC 1950), one byte at a time.
+    fn adler_by_definition(adler: u32, bytes: &[u8]) -> u32 {
+        let (mut a, mut b) = (adler & 0xffff, adler >> 16);
+        for &x in bytes {
+            a = (a + u32::from(x)) % 65521;
+            b = (b + a) % 65521;
+        }
+        (b << 16) | a
+    }
+
+    #[test]
+    fn the_digest_sums_are_zlibs() {
+        // zlib.crc32(b"123456789") and zlib.adler32(b"Wikipedia"): the published check values.
+        assert_eq!(digest_update(0, 1, b"123456789").0, 0xCBF4_3926);
+        assert_eq!(digest_update(0, 1, b"Wikipedia").1, 0x11E6_0398);
+        // Nothing digested leaves both sums as they were.
+        assert_eq!(digest_update(7, 9, b""), (7, 9));
+    }
+
+    proptest! {
+        #[test]
+        fn a_digest_continued_piece_by_piece_is_the_digest_of_the_whole(
+            bytes in proptest::collection::vec(any::<u8>(), 0..200_000),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let whole = digest_update(0, 1, &bytes);
+            let at = cut.index(bytes.len() + 1);
+            let (c, a) = digest_update(0, 1, &bytes[..at]);
+            prop_assert_eq!(digest_update(c, a, &bytes[at..]), whole);
+            prop_assert_eq!(whole.0, crc32fast::hash(&bytes));
+            prop_assert_eq!(whole.1, adler_by_definition(1, &bytes));
+        }
+    }
 
     #[test]
     fn a_step_is_sent_once_every_rank_gave_its_digest_until_acknowledged() {
