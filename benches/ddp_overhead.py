@@ -4,19 +4,23 @@ Both sides train the same MLP (256 -> H -> H -> 10, batch 32, AdamW) with two pr
 Gloo (CPU):
 
 - plain: ``torch.nn.parallel.DistributedDataParallel`` over one Gloo process group;
-- torchft: two replica groups of one rank each, a lighthouse (min_replicas=2) in this process,
-  ``Manager`` + ``torchft.DistributedDataParallel`` + ``torchft.Optimizer``.
+- torchft: two replica groups of one rank each and a lighthouse (min_replicas=2), each its own
+  process, ``Manager`` + ``torchft.DistributedDataParallel`` + ``torchft.Optimizer``;
+- upstream: the same script on upstream torchft 0.2.0's published wheel (its managers and its
+  lighthouse; ``make bench`` installs it under ``.venv/upstream``), when it is installed.
 
 It prints the median step time of each and their ratio (torchft / plain) per hidden size, and
 the recovery time: from the start of a killed group's replacement process to its first
 committed step (which includes healing from the live group).
 
-Plain and torchft runs alternate ``--rounds`` times (>= 5), so slow drifts of the machine's
-load fall on both sides alike; each side prints the median of its runs' medians with their
-min and max, and the ratio is that of the two medians. Targets: ratio <= 1.3 at H=256 and
-<= 1.05 at H=1024 (the step at its floor); exits 1 when one is missed.
+Plain, torchft and upstream runs alternate ``--rounds`` times (>= 5), so slow drifts of the
+machine's load fall on every side alike; each side prints the median of its runs' medians
+with their min and max, and each ratio is that of two medians. Targets (ours against plain
+DDP): ratio <= 1.3 at H=256 and <= 1.05 at H=1024 (the step at its floor); exits 1 when one
+is missed. Upstream's ratio is printed beside ours, with no target.
 
-Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]``.
+Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]
+[--no-upstream]``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 REPO_PYTHON = str(HERE.parent.parent / "python")
+UPSTREAM = HERE.parent.parent / ".venv" / "upstream"
 
 
 # ----------------------------------------------------------------------------- workers
@@ -142,7 +147,64 @@ def worker_ft(args: argparse.Namespace) -> None:
     _write(args.result, {"times": times})
 
 
+def serve_lighthouse(min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> None:
+    """A lighthouse of whichever torchft is first on the path: prints its address, then serves
+    until stdin closes."""
+    from torchft.coordination import LighthouseServer
+
+    kwargs: dict[str, Any] = {"min_replicas": min_replicas, "join_timeout_ms": join_timeout_ms}
+    if heartbeat_timeout_ms:
+        kwargs["heartbeat_timeout_ms"] = heartbeat_timeout_ms
+    server = LighthouseServer(bind="[::]:0", **kwargs)
+    print(server.address(), flush=True)
+    sys.stdin.read()
+    server.shutdown()
+
+
 # ----------------------------------------------------------------------------- driver
+
+
+def _pythonpath(upstream: bool) -> str:
+    path = [REPO_PYTHON, os.environ.get("PYTHONPATH", "")]
+    if upstream:
+        path.insert(0, str(UPSTREAM))
+    return os.pathsep.join(p for p in path if p)
+
+
+class _Lighthouse:
+    """A lighthouse process (ours or upstream's); ``address`` once started. Closing its stdin
+    ends it (killed if it lingers)."""
+
+    def __init__(
+        self,
+        upstream: bool,
+        min_replicas: int,
+        join_timeout_ms: int,
+        heartbeat_timeout_ms: int = 0,
+    ) -> None:
+        env = dict(os.environ, PYTHONPATH=_pythonpath(upstream), RUST_LOG="error")
+        args = [str(min_replicas), str(join_timeout_ms), str(heartbeat_timeout_ms)]
+        self._proc = subprocess.Popen(
+            [sys.executable, str(HERE), "lighthouse", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self._proc.stdout is not None
+        self.address = self._proc.stdout.readline().strip()
+        if not self.address:
+            self.close()
+            raise RuntimeError("the lighthouse process did not report its address")
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
 
 def _spawn(mode: str, rank: int, store_port: int, extra: list[str], env_extra: dict[str, str]):
@@ -153,12 +215,15 @@ def _spawn(mode: str, rank: int, store_port: int, extra: list[str], env_extra: d
             "WORLD_SIZE": "2" if mode == "plain" else "1",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(store_port),
-            "PYTHONPATH": REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", ""),
+            "PYTHONPATH": _pythonpath(mode == "upstream"),
             "OMP_NUM_THREADS": "1",
         }
     )
+    if mode == "upstream":
+        env["RUST_LOG"] = "error"  # upstream's managers log every step at INFO otherwise
     env.update(env_extra)
-    cmd = [sys.executable, str(HERE), "worker", "--mode", mode, *extra]
+    worker_mode = "ft" if mode == "upstream" else mode
+    cmd = [sys.executable, str(HERE), "worker", "--mode", worker_mode, *extra]
     return subprocess.Popen(cmd, env=env)
 
 
@@ -194,20 +259,19 @@ def run_plain(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
     return _median_of(results)
 
 
-def run_ft(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
+def run_ft(tmp: Path, hidden: int, steps: int, warmup: int, upstream: bool = False) -> float:
     from torch.distributed import TCPStore
 
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    mode = "upstream" if upstream else "ft"
+    lighthouse = _Lighthouse(upstream, min_replicas=2, join_timeout_ms=1000)
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
-    results = [tmp / f"ft_{hidden}_{r}.json" for r in range(2)]
+    results = [tmp / f"{mode}_{hidden}_{r}.json" for r in range(2)]
     common = ["--hidden", str(hidden), "--steps", str(steps), "--warmup", str(warmup)]
-    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address}
     try:
         procs = [
             _spawn(
-                "ft",
+                mode,
                 0,
                 stores[r].port,
                 [*common, "--result", str(results[r]), "--replica-id", f"bench{r}"],
@@ -217,7 +281,7 @@ def run_ft(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
         ]
         _wait(procs, 600)
     finally:
-        lighthouse.shutdown()
+        lighthouse.close()
     return _median_of(results)
 
 
@@ -225,12 +289,8 @@ def run_recovery(tmp: Path, hidden: int) -> dict[str, float]:
     """Kills one group mid-run and times its replacement from process start to first commit."""
     from torch.distributed import TCPStore
 
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000
-    )
-    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    lighthouse = _Lighthouse(False, min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address}
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(r: int, tag: str, total: int) -> tuple[subprocess.Popen[bytes], Path, Path]:
@@ -276,7 +336,7 @@ def run_recovery(tmp: Path, hidden: int) -> dict[str, float]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        lighthouse.shutdown()
+        lighthouse.close()
 
 
 def main() -> int:
@@ -290,6 +350,10 @@ def main() -> int:
     w.add_argument("--result", required=True)
     w.add_argument("--replica-id", default="bench")
     w.add_argument("--progress", default="")
+    lh = sub.add_parser("lighthouse")
+    lh.add_argument("min_replicas", type=int)
+    lh.add_argument("join_timeout_ms", type=int)
+    lh.add_argument("heartbeat_timeout_ms", type=int)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 1024])
@@ -297,10 +361,16 @@ def main() -> int:
         "--rounds", type=int, default=5, help="alternate plain/torchft runs (median, >= 5)"
     )
     parser.add_argument("--no-recovery", action="store_true")
+    parser.add_argument(
+        "--no-upstream", action="store_true", help="skip upstream's row even when installed"
+    )
     args = parser.parse_args()
 
     if args.cmd is None and args.rounds < 5:
         parser.error("--rounds must be >= 5 (a median and a spread)")
+    if args.cmd == "lighthouse":
+        serve_lighthouse(args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
+        return 0
     if args.cmd == "worker":
         if args.mode == "plain":
             worker_plain(args)
@@ -313,14 +383,19 @@ def main() -> int:
         f"ddp_overhead: MLP 256->H->H->10, batch 32, AdamW, 2 processes, Gloo, {args.steps} steps"
         f"; {args.rounds} runs per side, median of the runs' medians [min, max]"
     )
+    upstream = not args.no_upstream and (UPSTREAM / "torchft" / "__init__.py").exists()
+    if not upstream and not args.no_upstream:
+        print(f"  (upstream torchft is not installed under {UPSTREAM}: make bench; row skipped)")
     ok = True
     with tempfile.TemporaryDirectory(prefix="ddp_overhead") as d:
         tmp = Path(d)
         for hidden in args.hidden:
-            plain_runs, ft_runs = [], []
+            plain_runs, ft_runs, up_runs = [], [], []
             for _ in range(args.rounds):
                 plain_runs.append(run_plain(tmp, hidden, args.steps, args.warmup))
                 ft_runs.append(run_ft(tmp, hidden, args.steps, args.warmup))
+                if upstream:
+                    up_runs.append(run_ft(tmp, hidden, args.steps, args.warmup, upstream=True))
             plain = statistics.median(plain_runs)
             ft = statistics.median(ft_runs)
             ratio = ft / plain
@@ -336,6 +411,13 @@ def main() -> int:
                 f"[{min(ft_runs) * 1e3:.2f}, {max(ft_runs) * 1e3:.2f}]   "
                 f"ratio of medians {ratio:.3f} {verdict}"
             )
+            if up_runs:
+                up = statistics.median(up_runs)
+                print(
+                    f"           upstream 0.2.0 {up * 1e3:7.2f} ms/step "
+                    f"[{min(up_runs) * 1e3:.2f}, {max(up_runs) * 1e3:.2f}]   "
+                    f"ratio to plain {up / plain:.3f}   ours / upstream {ft / up:.3f}"
+                )
         if not args.no_recovery:
             rec = run_recovery(tmp, args.hidden[0])
             print(
