@@ -346,6 +346,29 @@ def test_serialization_detects_every_flipped_region() -> None:
             ser.decode_bytes(data[:cut])
 
 
+def test_tensor_checksums_are_zlibs_crc32() -> None:
+    """The stream's per-tensor checksums are zlib's CRC-32 of the tensor bytes, small tensors
+    and ones large enough to be checksummed on the worker alike, so streams interoperate with
+    every version; the native sum continues a CRC as zlib's does."""
+    g = torch.Generator().manual_seed(1)
+    small, big = torch.randn(37, generator=g), torch.randn(3 << 18, generator=g)  # 3 MiB
+    data = ser.encode_to_bytes({"small": small, "big": big})
+    for t in (small, big):
+        raw = t.numpy().tobytes()
+        at = data.find(raw)
+        assert at >= 0
+        (crc,) = struct.unpack("<I", data[at + len(raw) : at + len(raw) + 4])
+        assert crc == zlib.crc32(raw)
+    got = ser.decode_bytes(data)
+    assert torch.equal(got["small"], small) and torch.equal(got["big"], big)
+    raw = big.numpy().tobytes()
+    part = ser._crc32_update(0, big.data_ptr(), 1001)
+    assert ser._crc32_update(part, big.data_ptr() + 1001, len(raw) - 1001) == zlib.crc32(raw)
+    assert ser._crc32_update(9, 0, 0) == 9
+    with pytest.raises(ValueError, match="null address"):
+        ser._crc32_update(0, 0, 4)
+
+
 def test_split_ranges_cover_all_tensors() -> None:
     """Chunk ranges are contiguous, non-empty and cover every tensor exactly once."""
     specs = [ser.TensorSpec("float32", (n,), 4 * n) for n in [0, 5, 1000, 0, 3, 7, 10_000, 1]]

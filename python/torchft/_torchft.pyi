@@ -27,6 +27,7 @@ __all__ = [
     "security_settings",
     "set_log_context",
     "_digest_update",
+    "_crc32_update",
 ]
 
 class TorchFTError(RuntimeError):
@@ -402,6 +403,11 @@ class QuorumRequest:
         commit_failures: int = ...,
         init_sync: bool = ...,
     ) -> QuorumRequest: ...
+
+def _crc32_update(crc: int, address: int, length: int) -> int:
+    """Continues a CRC-32 over the ``length`` bytes at ``address``: the value
+    ``zlib.crc32`` would give, computed without the GIL. The caller keeps the memory alive
+    and unchanged for the call. ValueError for a null address with bytes to read."""
 
 @final
 class CheckpointDataServer:

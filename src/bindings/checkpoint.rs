@@ -267,8 +267,34 @@ impl PyFetch {
     }
 }
 
+/// Continues a CRC-32 (zlib's: `zlib.crc32(bytes, crc)` gives the same value) over the
+/// `length` bytes at `address`, without the GIL: the checkpoint stream's per-tensor checksum.
+/// The caller keeps the memory alive and unchanged for the call. Raises ValueError for a
+/// null address with bytes to read.
+#[pyfunction]
+fn _crc32_update(py: Python<'_>, crc: u32, address: usize, length: usize) -> PyResult<u32> {
+    if length == 0 {
+        return Ok(crc);
+    }
+    if address == 0 {
+        return Err(PyValueError::new_err(format!(
+            "cannot checksum {length} bytes at a null address"
+        )));
+    }
+    let (addr, len) = (address, length);
+    Ok(py.detach(move || {
+        // SAFETY: the caller's contract: `length` readable bytes at `address`, alive and
+        // unchanged for this call.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        let mut hasher = crc32fast::Hasher::new_with_initial(crc);
+        hasher.update(bytes);
+        hasher.finalize()
+    }))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDataServer>()?;
     m.add_class::<PyFetch>()?;
+    m.add_function(wrap_pyfunction!(_crc32_update, m)?)?;
     Ok(())
 }

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from torchft._torchft import _crc32_update
+
 logger: logging.Logger = logging.getLogger(__name__)
 
 MAGIC_HEADER = b"TFTCKH01"
@@ -332,10 +334,11 @@ def range_frame_size(enc: Encoded, start: int, end: int) -> int:
 
 
 class _Crc:
-    """CRC32 over a sequence of pieces, optionally computed on a worker thread.
+    """CRC32 over a sequence of pieces of tensor memory, optionally computed on a worker.
 
-    zlib releases the GIL, so hashing piece k on the worker overlaps with the socket I/O
-    of piece k+1 on the caller's thread; a single worker keeps the updates in order.
+    zlib's CRC-32, computed natively without the GIL, so hashing piece k on the worker
+    overlaps with the socket I/O of piece k+1 on the caller's thread; a single worker keeps
+    the updates in order.
     """
 
     def __init__(self, pool: ThreadPoolExecutor | None) -> None:
@@ -343,16 +346,17 @@ class _Crc:
         self._crc = 0
         self._pending: Future[None] | None = None
 
-    def _update(self, piece: memoryview) -> None:
-        self._crc = zlib.crc32(piece, self._crc)
+    def _update(self, address: int, length: int) -> None:
+        self._crc = _crc32_update(self._crc, address, length)
 
-    def update(self, piece: memoryview) -> None:
-        """Adds ``piece`` (must stay unmodified until :meth:`value`)."""
-        if self._pool is None or len(piece) < _OVERLAP_MIN_BYTES:
+    def update(self, address: int, length: int) -> None:
+        """Adds the ``length`` bytes at ``address``: the caller holds the tensor they belong
+        to, unmodified, until :meth:`value`."""
+        if self._pool is None or length < _OVERLAP_MIN_BYTES:
             self._drain()
-            self._update(piece)
+            self._update(address, length)
         else:
-            self._pending = self._pool.submit(self._update, piece)
+            self._pending = self._pool.submit(self._update, address, length)
 
     def _drain(self) -> None:
         if self._pending is not None:
@@ -390,9 +394,10 @@ def _iter_range(
             crc = _Crc(pool)
             if spec.nbytes:
                 mv = flat.numpy().data
+                base = flat.data_ptr()
                 for off in range(0, spec.nbytes, chunk_bytes):
                     piece = mv[off : off + chunk_bytes]
-                    crc.update(piece)
+                    crc.update(base + off, len(piece))
                     yield piece
             crc_b = _U32.pack(crc.value())
             crcs += crc_b
@@ -611,13 +616,15 @@ def read_range(
                 dst = alloc_tensor(spec)
             crc = _Crc(pool)
             if spec.nbytes:
-                mv = dst.reshape(-1).view(torch.uint8).numpy().data
+                flat = dst.reshape(-1).view(torch.uint8)
+                mv = flat.numpy().data
+                base = flat.data_ptr()
                 for off in range(0, spec.nbytes, chunk_bytes):
                     if check is not None:
                         check()
                     piece = mv[off : off + chunk_bytes]
                     read_exact(readinto, piece, f"tensor {i}")
-                    crc.update(piece)
+                    crc.update(base + off, len(piece))
             read_exact(readinto, memoryview(crc_buf), f"tensor {i} checksum")
             crcs += crc_buf
             if _U32.unpack(crc_buf)[0] != crc.value():
