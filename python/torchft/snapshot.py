@@ -56,7 +56,6 @@ import sys
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +63,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from torchft._torchft import _crc32_update
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -110,13 +111,17 @@ class Snapshot:
 
 
 def _file_checksum(path: Path) -> int:
+    """zlib's CRC-32 of a file, read in pieces into one buffer and summed natively (at the
+    speed the file is read, where zlib's sum made about 2 GB/s)."""
     crc = 0
-    with open(path, "rb") as f:
+    buf = torch.empty(min(_CHUNK, max(path.stat().st_size, 1)), dtype=torch.uint8)
+    view = buf.numpy().data
+    with open(path, "rb", buffering=0) as f:
         while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
+            n = f.readinto(view)
+            if not n:
                 return crc
-            crc = zlib.crc32(chunk, crc)
+            crc = _crc32_update(crc, buf.data_ptr(), n)
 
 
 def _files_of(rank_dir: Path) -> dict[str, dict[str, int]]:
