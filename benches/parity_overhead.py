@@ -170,7 +170,7 @@ def main() -> int:
         worker(args)
         return 0
     if args.check:
-        args.blocks, args.every, args.hidden, args.digest_mb = 3, 2, 64, 8
+        args.blocks, args.every, args.hidden, args.digest_mb = 5, 2, 64, 8
     if args.blocks < 3 or args.every < 2:
         parser.error("--blocks must be at least 3 and --every at least 2")
     if args.digest_mb < 4:

@@ -1,6 +1,6 @@
 """The parity benchmark, small: two groups train with parity on and off, and the native
-digest equals the previous version's (zlib's) on the benchmark's state. No timing is
-asserted."""
+digest of 8 MiB of float32 state equals the previous version's (zlib's): the benchmark exits
+non-zero when they differ. No timing is asserted."""
 
 from __future__ import annotations
 

@@ -361,12 +361,32 @@ def test_tensor_checksums_are_zlibs_crc32() -> None:
         assert crc == zlib.crc32(raw)
     got = ser.decode_bytes(data)
     assert torch.equal(got["small"], small) and torch.equal(got["big"], big)
+    # In 1 MiB pieces the big tensor's sum is carried through several worker updates.
+    enc = ser.encode({"big": big})
+    stream = bytearray()
+    ser.write_range(enc, 0, 1, stream.extend, chunk_bytes=1 << 20)
     raw = big.numpy().tobytes()
+    at = stream.find(raw)
+    assert struct.unpack("<I", stream[at + len(raw) : at + len(raw) + 4])[0] == zlib.crc32(raw)
+    pos = 0
+
+    def readinto(buf: memoryview) -> int:
+        nonlocal pos
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        return n
+
+    out: list[torch.Tensor | None] = [torch.empty_like(big)]
+    ser.read_range(readinto, ser.parse_header(enc.header), 0, 1, out, chunk_bytes=1 << 20)
+    assert out[0] is not None and torch.equal(out[0], big)
     part = ser._crc32_update(0, big.data_ptr(), 1001)
     assert ser._crc32_update(part, big.data_ptr() + 1001, len(raw) - 1001) == zlib.crc32(raw)
     assert ser._crc32_update(9, 0, 0) == 9
     with pytest.raises(ValueError, match="null address"):
         ser._crc32_update(0, 0, 4)
+    with pytest.raises(ValueError, match="past the end of memory"):
+        ser._crc32_update(0, 16, 2**63)
 
 
 def test_split_ranges_cover_all_tensors() -> None:

@@ -211,8 +211,9 @@ def _zlib_digest(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
 
 
 def test_the_digest_is_zlibs_for_every_layout() -> None:
-    """Native sums give the zlib digest: dtypes, empty and odd-sized tensors, views that are
-    not contiguous, and a state large enough to cross many of the native pieces."""
+    """Native sums give the zlib digest: dtypes (complex too), empty, 0-dim and odd-sized
+    tensors, views that are not contiguous, conjugate and negated views (as the values they
+    read as), and a state large enough to cross many of the native pieces."""
     g = torch.Generator().manual_seed(3)
     big = torch.randn(300_001, generator=g)
     tensors = [
@@ -223,12 +224,22 @@ def test_the_digest_is_zlibs_for_every_layout() -> None:
         ("empty", torch.empty(0, 4)),
         ("view", torch.randn(64, 64, generator=g).t()[3:40:3]),
         ("odd", big[1:12346]),
+        ("scalar", torch.tensor(1.5)),
+        ("complex", torch.randn(6, generator=g, dtype=torch.complex64)),
     ]
     assert digest_tensors(tensors) == _zlib_digest(tensors)
     for name, t in tensors:
         assert digest_tensors([(name, t)]) == _zlib_digest([(name, t)]), name
+    # A conjugate or negated view digests as the values it reads as.
+    c = torch.randn(6, generator=g, dtype=torch.complex64)
+    for view in (c.conj(), torch.randn(6, generator=g, dtype=torch.complex64)._neg_view()):
+        held = view.clone().resolve_conj().resolve_neg()
+        assert digest_tensors([("v", view)]) == digest_tensors([("v", held)])
+        assert digest_tensors([("v", view)]) == _zlib_digest([("v", held)])
     with pytest.raises(ValueError, match="null address"):
         _digest_update(0, 1, 0, 16)
+    with pytest.raises(ValueError, match="past the end of memory"):
+        _digest_update(0, 1, 2**64 - 8, 16)
     assert _digest_update(5, 6, 0, 0) == (5, 6)
 
 

@@ -90,7 +90,9 @@ def digest_tensors(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.contiguous()
+        # The values, not their storage: a conjugate or negative view digests as the tensor
+        # it reads as (the same values held materialised compare equal).
+        t = t.resolve_conj().resolve_neg().contiguous()
         meta = f"{path}:{t.dtype}:{tuple(t.shape)};".encode()
         crc, adler = zlib.crc32(meta, crc), zlib.adler32(meta, adler)
         nbytes = t.numel() * t.element_size()

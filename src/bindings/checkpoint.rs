@@ -281,6 +281,11 @@ fn _crc32_update(py: Python<'_>, crc: u32, address: usize, length: usize) -> PyR
             "cannot checksum {length} bytes at a null address"
         )));
     }
+    if length > isize::MAX as usize || address.checked_add(length).is_none() {
+        return Err(PyValueError::new_err(format!(
+            "cannot checksum {length} bytes at {address:#x}: past the end of memory"
+        )));
+    }
     let (addr, len) = (address, length);
     Ok(py.detach(move || {
         // SAFETY: the caller's contract: `length` readable bytes at `address`, alive and

@@ -516,6 +516,11 @@ fn _digest_update(
             "cannot digest {length} bytes at a null address"
         )));
     }
+    if length > isize::MAX as usize || address.checked_add(length).is_none() {
+        return Err(PyValueError::new_err(format!(
+            "cannot digest {length} bytes at {address:#x}: past the end of memory"
+        )));
+    }
     let (addr, len) = (address, length);
     Ok(py.detach(move || {
         // SAFETY: the caller's contract: `length` readable bytes at `address`, alive and

@@ -346,17 +346,18 @@ class _Crc:
         self._crc = 0
         self._pending: Future[None] | None = None
 
-    def _update(self, address: int, length: int) -> None:
+    def _update(self, address: int, length: int, keep: memoryview) -> None:
         self._crc = _crc32_update(self._crc, address, length)
 
-    def update(self, address: int, length: int) -> None:
-        """Adds the ``length`` bytes at ``address``: the caller holds the tensor they belong
-        to, unmodified, until :meth:`value`."""
+    def update(self, piece: memoryview, address: int) -> None:
+        """Adds ``piece``, whose bytes start at ``address`` (must stay unmodified until
+        :meth:`value`; the worker holds ``piece``, and so the memory, until it summed it)."""
+        length = len(piece)
         if self._pool is None or length < _OVERLAP_MIN_BYTES:
             self._drain()
-            self._update(address, length)
+            self._update(address, length, piece)
         else:
-            self._pending = self._pool.submit(self._update, address, length)
+            self._pending = self._pool.submit(self._update, address, length, piece)
 
     def _drain(self) -> None:
         if self._pending is not None:
@@ -397,7 +398,7 @@ def _iter_range(
                 base = flat.data_ptr()
                 for off in range(0, spec.nbytes, chunk_bytes):
                     piece = mv[off : off + chunk_bytes]
-                    crc.update(base + off, len(piece))
+                    crc.update(piece, base + off)
                     yield piece
             crc_b = _U32.pack(crc.value())
             crcs += crc_b
@@ -624,7 +625,7 @@ def read_range(
                         check()
                     piece = mv[off : off + chunk_bytes]
                     read_exact(readinto, piece, f"tensor {i}")
-                    crc.update(base + off, len(piece))
+                    crc.update(piece, base + off)
             read_exact(readinto, memoryview(crc_buf), f"tensor {i} checksum")
             crcs += crc_buf
             if _U32.unpack(crc_buf)[0] != crc.value():
