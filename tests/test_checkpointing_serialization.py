@@ -4,6 +4,7 @@ bit for bit, structure and types, refusal of unsafe or malformed input, and chec
 from __future__ import annotations
 
 import base64
+import io
 import json
 import pickle
 import socket
@@ -368,16 +369,8 @@ def test_tensor_checksums_are_zlibs_crc32() -> None:
     raw = big.numpy().tobytes()
     at = stream.find(raw)
     assert struct.unpack("<I", stream[at + len(raw) : at + len(raw) + 4])[0] == zlib.crc32(raw)
-    pos = 0
-
-    def readinto(buf: memoryview) -> int:
-        nonlocal pos
-        n = min(len(buf), len(stream) - pos)
-        buf[:n] = stream[pos : pos + n]
-        pos += n
-        return n
-
     out: list[torch.Tensor | None] = [torch.empty_like(big)]
+    readinto = io.BytesIO(bytes(stream)).readinto
     ser.read_range(readinto, ser.parse_header(enc.header), 0, 1, out, chunk_bytes=1 << 20)
     assert out[0] is not None and torch.equal(out[0], big)
     part = ser._crc32_update(0, big.data_ptr(), 1001)

@@ -273,28 +273,14 @@ impl PyFetch {
 /// null address with bytes to read.
 #[pyfunction]
 fn _crc32_update(py: Python<'_>, crc: u32, address: usize, length: usize) -> PyResult<u32> {
-    if length == 0 {
-        return Ok(crc);
+    // SAFETY: the Python caller's contract (above): the memory is alive and unchanged.
+    unsafe {
+        super::sum_memory(py, "checksum", address, length, crc, |bytes| {
+            let mut hasher = crc32fast::Hasher::new_with_initial(crc);
+            hasher.update(bytes);
+            hasher.finalize()
+        })
     }
-    if address == 0 {
-        return Err(PyValueError::new_err(format!(
-            "cannot checksum {length} bytes at a null address"
-        )));
-    }
-    if length > isize::MAX as usize || address.checked_add(length).is_none() {
-        return Err(PyValueError::new_err(format!(
-            "cannot checksum {length} bytes at {address:#x}: past the end of memory"
-        )));
-    }
-    let (addr, len) = (address, length);
-    Ok(py.detach(move || {
-        // SAFETY: the caller's contract: `length` readable bytes at `address`, alive and
-        // unchanged for this call.
-        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-        let mut hasher = crc32fast::Hasher::new_with_initial(crc);
-        hasher.update(bytes);
-        hasher.finalize()
-    }))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -508,26 +508,12 @@ fn _digest_update(
     address: usize,
     length: usize,
 ) -> PyResult<(u32, u32)> {
-    if length == 0 {
-        return Ok((crc, adler));
+    // SAFETY: the Python caller's contract (above): the memory is alive and unchanged.
+    unsafe {
+        super::sum_memory(py, "digest", address, length, (crc, adler), |bytes| {
+            crate::manager::parity::digest_update(crc, adler, bytes)
+        })
     }
-    if address == 0 {
-        return Err(PyValueError::new_err(format!(
-            "cannot digest {length} bytes at a null address"
-        )));
-    }
-    if length > isize::MAX as usize || address.checked_add(length).is_none() {
-        return Err(PyValueError::new_err(format!(
-            "cannot digest {length} bytes at {address:#x}: past the end of memory"
-        )));
-    }
-    let (addr, len) = (address, length);
-    Ok(py.detach(move || {
-        // SAFETY: the caller's contract: `length` readable bytes at `address`, alive and
-        // unchanged for this call.
-        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-        crate::manager::parity::digest_update(crc, adler, bytes)
-    }))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -59,6 +59,42 @@ where
     py.detach(|| crate::runtime::get().block_on(fut))
 }
 
+/// Runs `sum` over the `length` bytes at `address` (memory Python holds: a tensor's) without
+/// the GIL, and returns what it gives; `empty` when there are no bytes. ValueError (naming
+/// `what` the sum does) for a null address with bytes to read, or a range past the end of
+/// memory.
+///
+/// # Safety
+/// The caller (Python, by the function's documented contract) keeps `length` readable bytes
+/// at `address` alive and unchanged for the call.
+pub(crate) unsafe fn sum_memory<T: Send>(
+    py: Python<'_>,
+    what: &str,
+    address: usize,
+    length: usize,
+    empty: T,
+    sum: impl FnOnce(&[u8]) -> T + Send,
+) -> PyResult<T> {
+    if length == 0 {
+        return Ok(empty);
+    }
+    if address == 0 {
+        return Err(PyValueError::new_err(format!(
+            "cannot {what} {length} bytes at a null address"
+        )));
+    }
+    if length > isize::MAX as usize || address.checked_add(length).is_none() {
+        return Err(PyValueError::new_err(format!(
+            "cannot {what} {length} bytes at {address:#x}: past the end of memory"
+        )));
+    }
+    Ok(py.detach(move || {
+        // SAFETY: this function's contract; the range was checked to be addressable.
+        let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, length) };
+        sum(bytes)
+    }))
+}
+
 /// Rejects negative or non-finite durations coming from Python (`timedelta`).
 pub(crate) fn check_duration(name: &str, d: Duration) -> PyResult<Duration> {
     if d.is_zero() {
