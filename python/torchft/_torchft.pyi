@@ -193,7 +193,7 @@ def _digest_update(crc: int, adler: int, address: int, length: int) -> tuple[int
     """Continues a state digest over the ``length`` bytes at ``address``: ``(crc, adler)``
     as ``zlib.crc32`` and ``zlib.adler32`` would give, computed without the GIL. The caller
     keeps the memory alive and unchanged for the call. ValueError for a null address with
-    bytes to read."""
+    bytes to read, or a range past the end of memory."""
 
 @final
 class ManagerServer:
@@ -407,7 +407,8 @@ class QuorumRequest:
 def _crc32_update(crc: int, address: int, length: int) -> int:
     """Continues a CRC-32 over the ``length`` bytes at ``address``: the value
     ``zlib.crc32`` would give, computed without the GIL. The caller keeps the memory alive
-    and unchanged for the call. ValueError for a null address with bytes to read."""
+    and unchanged for the call. ValueError for a null address with bytes to
+    read, or a range past the end of memory."""
 
 @final
 class CheckpointDataServer:

@@ -270,12 +270,12 @@ impl PyFetch {
 /// Continues a CRC-32 (zlib's: `zlib.crc32(bytes, crc)` gives the same value) over the
 /// `length` bytes at `address`, without the GIL: the checkpoint stream's per-tensor checksum.
 /// The caller keeps the memory alive and unchanged for the call. Raises ValueError for a
-/// null address with bytes to read.
+/// null address with bytes to read, or a range past the end of memory.
 #[pyfunction]
 fn _crc32_update(py: Python<'_>, crc: u32, address: usize, length: usize) -> PyResult<u32> {
     // SAFETY: the Python caller's contract (above): the memory is alive and unchanged.
     unsafe {
-        super::sum_memory(py, "checksum", address, length, crc, |bytes| {
+        super::sum_memory(py, "checksum", address, length, |bytes| {
             let mut hasher = crc32fast::Hasher::new_with_initial(crc);
             hasher.update(bytes);
             hasher.finalize()

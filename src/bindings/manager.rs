@@ -499,7 +499,7 @@ impl PendingQuorum {
 /// returns `(crc, adler)` as `zlib.crc32` and `zlib.adler32` would, computed without the GIL.
 /// The caller keeps the memory alive and unchanged for the call (a tensor it holds, between
 /// a step's start and its commit vote). Raises ValueError for a null address with bytes to
-/// read.
+/// read, or a range past the end of memory.
 #[pyfunction]
 fn _digest_update(
     py: Python<'_>,
@@ -510,7 +510,7 @@ fn _digest_update(
 ) -> PyResult<(u32, u32)> {
     // SAFETY: the Python caller's contract (above): the memory is alive and unchanged.
     unsafe {
-        super::sum_memory(py, "digest", address, length, (crc, adler), |bytes| {
+        super::sum_memory(py, "digest", address, length, |bytes| {
             crate::manager::parity::digest_update(crc, adler, bytes)
         })
     }

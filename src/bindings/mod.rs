@@ -60,7 +60,7 @@ where
 }
 
 /// Runs `sum` over the `length` bytes at `address` (memory Python holds: a tensor's) without
-/// the GIL, and returns what it gives; `empty` when there are no bytes. ValueError (naming
+/// the GIL, and returns what it gives (over no bytes when `length` is 0). ValueError (naming
 /// `what` the sum does) for a null address with bytes to read, or a range past the end of
 /// memory.
 ///
@@ -72,11 +72,10 @@ pub(crate) unsafe fn sum_memory<T: Send>(
     what: &str,
     address: usize,
     length: usize,
-    empty: T,
     sum: impl FnOnce(&[u8]) -> T + Send,
 ) -> PyResult<T> {
     if length == 0 {
-        return Ok(empty);
+        return Ok(sum(&[]));
     }
     if address == 0 {
         return Err(PyValueError::new_err(format!(
