@@ -1,8 +1,9 @@
 //! Compiles `proto/torchft.proto` with a vendored `protoc`, so no system protobuf is needed.
 //!
 //! Besides the messages, clients and servers of every service, it generates the server the
-//! lighthouse itself mounts: `LighthouseService` without `Quorum`, which the lighthouse serves
-//! on its own route with pre-framed shared replies (see `src/lighthouse/grpc.rs`). That server
+//! lighthouse itself mounts: `LighthouseService` without `Quorum` and `QuorumStream`, which the
+//! lighthouse serves on routes of its own with pre-framed shared replies (see
+//! `src/lighthouse/grpc.rs`). That server
 //! is derived from the proto's descriptor, so a method added to the proto is served without
 //! anything to keep in step here.
 
@@ -11,8 +12,8 @@ use std::path::PathBuf;
 use prost::Message;
 use tonic_prost_build::manual;
 
-/// The lighthouse method served outside the generated server.
-const OWN_ROUTE: &str = "Quorum";
+/// The lighthouse methods served outside the generated server.
+const OWN_ROUTES: [&str; 2] = ["Quorum", "QuorumStream"];
 
 fn snake_case(name: &str) -> String {
     let mut out = String::new();
@@ -67,10 +68,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut builder = manual::Service::builder()
         .name("LighthouseService")
         .package("torchft");
-    let mut own_route_found = false;
+    let mut own_routes_found = 0;
     for method in &service.method {
-        if method.name() == OWN_ROUTE {
-            own_route_found = true;
+        if OWN_ROUTES.contains(&method.name()) {
+            own_routes_found += 1;
             continue;
         }
         let mut m = manual::Method::builder()
@@ -87,8 +88,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         builder = builder.method(m.build());
     }
-    if !own_route_found {
-        return Err(format!("LighthouseService has no {OWN_ROUTE} method").into());
+    if own_routes_found != OWN_ROUTES.len() {
+        return Err(format!("LighthouseService lacks one of the methods {OWN_ROUTES:?}").into());
     }
     let served = out_dir.join("served");
     std::fs::create_dir_all(&served)?;

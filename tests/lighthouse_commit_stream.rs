@@ -59,6 +59,17 @@ fn answer(req: &LighthouseCommitRequest) -> Result<LighthouseCommitResponse, Sta
 
 #[tonic::async_trait]
 impl LighthouseService for Counting {
+    type QuorumStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
+
+    async fn quorum_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
+    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
+        // As an upstream lighthouse: quorum requests come as single calls.
+        Err(Status::unimplemented("no quorum stream here"))
+    }
+
     async fn quorum(
         &self,
         _request: Request<LighthouseQuorumRequest>,

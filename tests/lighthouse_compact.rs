@@ -258,6 +258,17 @@ struct Scripted {
 
 #[tonic::async_trait]
 impl LighthouseService for Scripted {
+    type QuorumStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
+
+    async fn quorum_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
+    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
+        // As an upstream lighthouse: quorum requests come as single calls.
+        Err(Status::unimplemented("no quorum stream here"))
+    }
+
     async fn quorum(
         &self,
         request: Request<LighthouseQuorumRequest>,

@@ -24,6 +24,17 @@ struct HangingLighthouse {
 
 #[tonic::async_trait]
 impl LighthouseService for HangingLighthouse {
+    type QuorumStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
+
+    async fn quorum_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
+    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
+        // As an upstream lighthouse: quorum requests come as single calls.
+        Err(Status::unimplemented("no quorum stream here"))
+    }
+
     async fn quorum(
         &self,
         _request: Request<LighthouseQuorumRequest>,
@@ -133,6 +144,17 @@ struct RecordingLighthouse {
 
 #[tonic::async_trait]
 impl LighthouseService for RecordingLighthouse {
+    type QuorumStreamStream =
+        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
+
+    async fn quorum_stream(
+        &self,
+        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
+    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
+        // As an upstream lighthouse: quorum requests come as single calls.
+        Err(Status::unimplemented("no quorum stream here"))
+    }
+
     async fn quorum(
         &self,
         request: Request<LighthouseQuorumRequest>,

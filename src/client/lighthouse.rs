@@ -42,6 +42,24 @@ pub struct LighthouseClient {
     job: Arc<str>,
     /// The commit stream (see [`LighthouseClient::commit`]), shared by clones.
     commits: Arc<tokio::sync::Mutex<CommitLink>>,
+    /// The quorum stream, shared by clones (see [`LighthouseClient::quorum_on_stream`]).
+    quorums: Arc<Mutex<QuorumLink>>,
+}
+
+/// A client's quorum stream to the lighthouse.
+#[derive(Debug, Default)]
+enum QuorumLink {
+    /// Not open, or in use by a request (the next request opens one of its own).
+    #[default]
+    Closed,
+    /// Open and idle: requests go in `tx`, their answers come out of `rx` in order.
+    Open {
+        tx: tokio::sync::mpsc::Sender<crate::proto::QuorumStreamRequest>,
+        rx: Box<tonic::Streaming<crate::proto::LighthouseQuorumResponse>>,
+    },
+    /// The lighthouse has no quorum stream (upstream's, or an older one of ours): quorum
+    /// requests go as single calls for the rest of the client's life.
+    Unsupported,
 }
 
 /// A client's write-ahead commit stream to the lighthouse.
@@ -240,6 +258,7 @@ impl LighthouseClient {
             last_quorum_id: Arc::new(AtomicI64::new(0)),
             job: Arc::from(""),
             commits: Arc::default(),
+            quorums: Arc::default(),
         }
     }
 
@@ -304,8 +323,9 @@ impl LighthouseClient {
         compact::expand(known, reply).map(|q| self.remember(q))
     }
 
-    /// One Quorum call telling the lighthouse it holds `known`; the raw (possibly compact)
-    /// reply.
+    /// One quorum request telling the lighthouse it holds `known`; the raw (possibly compact)
+    /// reply. Sent on the client's quorum stream (see [`LighthouseClient::quorum_on_stream`]),
+    /// or as a single Quorum call where the lighthouse has no such stream.
     async fn call(
         &self,
         requester: QuorumMember,
@@ -313,27 +333,122 @@ impl LighthouseClient {
         sparse: Option<bool>,
         timeout: Duration,
     ) -> std::result::Result<Quorum, Status> {
-        let mut client = self.client.clone();
-        let req = with_timeout(
-            LighthouseQuorumRequest {
-                requester: Some(requester),
-                known_quorum_id: known.map_or(0, |q| q.quorum_id),
-                known_revision: known.map_or(0, |q| q.revision),
-                sparse: sparse.is_some(),
-                init_sync: sparse.unwrap_or(false),
-                job: self.job.to_string(),
-            },
-            timeout,
-        );
+        let req = LighthouseQuorumRequest {
+            requester: Some(requester),
+            known_quorum_id: known.map_or(0, |q| q.quorum_id),
+            known_revision: known.map_or(0, |q| q.revision),
+            sparse: sparse.is_some(),
+            init_sync: sparse.unwrap_or(false),
+            job: self.job.to_string(),
+        };
         let started = Instant::now();
-        let resp = match tokio::time::timeout(timeout, client.quorum(req)).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(s)) => return Err(quorum_call_error(s, started.elapsed(), timeout)),
+        let deadline = started + timeout;
+        let streamed = tokio::time::timeout(timeout, self.quorum_on_stream(&req, deadline)).await;
+        let resp = match streamed {
+            Ok(Some(answer)) => answer,
+            Ok(None) => {
+                let mut client = self.client.clone();
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(remaining, client.quorum(with_timeout(req, remaining)))
+                    .await
+                {
+                    Ok(r) => r.map(|r| r.into_inner()),
+                    Err(_) => return Err(quorum_deadline(timeout)),
+                }
+            }
             Err(_) => return Err(quorum_deadline(timeout)),
         };
-        resp.into_inner()
+        resp.map_err(|s| quorum_call_error(s, started.elapsed(), timeout))?
             .quorum
             .ok_or_else(|| Status::internal("lighthouse answered without a quorum"))
+    }
+
+    /// `req` on the client's quorum stream, opening one if none is idle; None when the
+    /// lighthouse has no quorum stream.
+    ///
+    /// A stream serves one request at a time: it is taken out of the shared link for the
+    /// request and put back after a good answer (clones asking at once each use a stream of
+    /// their own, on the same connection). A failure, or this future dropped at its deadline,
+    /// drops the stream, and with it the request on the lighthouse (it leaves the round, as
+    /// a dropped call does). A stream kept from an earlier request may have died with its
+    /// connection since (the lighthouse restarted): when it fails without an answer from the
+    /// lighthouse, the request goes once more on a new stream.
+    async fn quorum_on_stream(
+        &self,
+        req: &LighthouseQuorumRequest,
+        deadline: Instant,
+    ) -> Option<std::result::Result<crate::proto::LighthouseQuorumResponse, Status>> {
+        // After a kept stream failed, the request goes on a new one (never a kept one again).
+        let mut fresh_only = false;
+        loop {
+            let mut link =
+                std::mem::take(&mut *self.quorums.lock().unwrap_or_else(|e| e.into_inner()));
+            if fresh_only && matches!(link, QuorumLink::Open { .. }) {
+                link = QuorumLink::Closed;
+            }
+            let msg = crate::proto::QuorumStreamRequest {
+                request: Some(req.clone()),
+                // At least 1 ms: 0 would mean no deadline.
+                timeout_ms: u64::try_from(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .as_millis(),
+                )
+                .unwrap_or(u64::MAX)
+                .max(1),
+            };
+            let (tx, mut rx, reused) = match link {
+                QuorumLink::Unsupported => {
+                    self.set_quorum_link(QuorumLink::Unsupported);
+                    return None;
+                }
+                QuorumLink::Open { tx, rx } => {
+                    if tx.send(msg).await.is_err() {
+                        fresh_only = true; // that stream is gone
+                        continue;
+                    }
+                    (tx, rx, true)
+                }
+                QuorumLink::Closed => {
+                    let (tx, requests) = tokio::sync::mpsc::channel(1);
+                    // The first request waits in the channel until the call sends it.
+                    let _ = tx.send(msg).await;
+                    let mut client = self.client.clone();
+                    let opened = client
+                        .quorum_stream(tokio_stream::wrappers::ReceiverStream::new(requests))
+                        .await;
+                    match opened {
+                        Ok(r) => (tx, Box::new(r.into_inner()), false),
+                        Err(s) if s.code() == tonic::Code::Unimplemented => {
+                            self.set_quorum_link(QuorumLink::Unsupported);
+                            return None;
+                        }
+                        Err(s) => return Some(Err(s)),
+                    }
+                }
+            };
+            match rx.message().await {
+                Ok(Some(answer)) => {
+                    let mut link = self.quorums.lock().unwrap_or_else(|e| e.into_inner());
+                    if matches!(*link, QuorumLink::Closed) {
+                        *link = QuorumLink::Open { tx, rx };
+                    }
+                    return Some(Ok(answer));
+                }
+                Err(s) if s.code() == tonic::Code::Unimplemented => {
+                    self.set_quorum_link(QuorumLink::Unsupported);
+                    return None;
+                }
+                Ok(None) if reused => fresh_only = true,
+                Err(s) if reused && is_connection_loss(&s) => fresh_only = true,
+                Ok(None) => return Some(Err(Status::unavailable("the quorum stream ended"))),
+                Err(s) => return Some(Err(s)),
+            }
+        }
+    }
+
+    fn set_quorum_link(&self, link: QuorumLink) {
+        *self.quorums.lock().unwrap_or_else(|e| e.into_inner()) = link;
     }
 
     /// Like [`LighthouseClient::quorum`], but a failed call reports its gRPC status (for
@@ -551,6 +666,15 @@ fn quorum_deadline(timeout: Duration) -> Status {
     Status::deadline_exceeded(format!(
         "lighthouse quorum did not complete within {timeout:?}"
     ))
+}
+
+/// Whether `status` ended a stream because its connection went away (the lighthouse died
+/// or restarted, a proxy dropped it) rather than as the lighthouse's answer to a request.
+fn is_connection_loss(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    ) || status.code() == tonic::Code::Internal && status.message().contains("h2 protocol error")
 }
 
 /// The status a failed quorum call reports. tonic's own deadline (the request's

@@ -1,9 +1,12 @@
 //! The lighthouse's gRPC methods.
 //!
-//! Heartbeat, Report and Session go through the tonic server generated from the proto (less
-//! Quorum, see `build.rs`). Quorum has its own route, the only one: it long-polls the round
-//! and answers with the issued quorum's shared pre-framed bytes (see [`super::reply`]), so a
-//! round of 10,000 groups encodes each form of the quorum once instead of once per member.
+//! Heartbeat, Report, Session, Commit and CommitStream go through the tonic server generated
+//! from the proto (less Quorum and QuorumStream, see `build.rs`). Quorum and QuorumStream have
+//! routes of their own: they long-poll the round and answer with the issued quorum's shared
+//! pre-framed bytes (see [`super::reply`]), so a round of 10,000 groups encodes each form of
+//! the quorum once instead of once per member. QuorumStream carries the same requests as
+//! Quorum on one stream a manager server keeps open, so a step's quorum is one message each
+//! way instead of a new call.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -164,7 +167,7 @@ pub(crate) fn router(
 ) -> axum::Router {
     let grpc = LighthouseServiceServer::new(Grpc {
         rooms: rooms.clone(),
-        stop,
+        stop: stop.clone(),
     })
     .max_decoding_message_size(max_request_bytes)
     .max_encoding_message_size(MAX_RESPONSE_BYTES);
@@ -173,8 +176,16 @@ pub(crate) fn router(
         .route_service(
             QUORUM_PATH,
             QuorumRoute {
+                rooms: rooms.clone(),
+                max_request_bytes,
+            },
+        )
+        .route_service(
+            QUORUM_STREAM_PATH,
+            QuorumStreamRoute {
                 rooms,
                 max_request_bytes,
+                stop,
             },
         )
 }
@@ -225,17 +236,8 @@ impl QuorumRoute {
         max_request_bytes: usize,
         req: http::Request<axum::body::Body>,
     ) -> std::result::Result<http::Response<axum::body::Body>, Status> {
-        let is_grpc = req
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("application/grpc"));
-        if !is_grpc {
-            return Ok((
-                http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "expected application/grpc\n",
-            )
-                .into_response());
+        if !is_grpc(&req) {
+            return Ok(not_grpc());
         }
         let who = caller(req.extensions());
         let timeout = req
@@ -256,23 +258,7 @@ impl QuorumRoute {
                 }
             })?;
         let msg = decode_quorum_request(&body)?;
-        let known = (msg.known_quorum_id, msg.known_revision);
-        let shared = rooms.room_for(&msg.job, &who)?;
-        let sparse_for = msg
-            .sparse
-            .then(|| msg.requester.as_ref().map(|r| r.replica_id.clone()))
-            .flatten();
-        let issued = wait_for_quorum(&shared, msg.requester, msg.known_quorum_id, timeout).await?;
-        let data = match sparse_for.and_then(|id| issued.sparse_framed(&id, msg.init_sync)) {
-            Some(sparse) => {
-                shared.count_reply(true);
-                sparse
-            }
-            None => {
-                shared.count_reply(issued.abridged_for(known));
-                issued.framed(known)
-            }
-        };
+        let data = answer_quorum(&rooms, &who, msg, timeout).await?;
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = SharedBody {
@@ -286,6 +272,211 @@ impl QuorumRoute {
         );
         Ok(resp)
     }
+}
+
+/// Waits until the requester of `msg` is in an issued quorum (at most `timeout`), and
+/// returns the answer's pre-framed gRPC message: the sparse form where asked for and
+/// available, else the full or compact form for what the requester holds.
+async fn answer_quorum(
+    rooms: &Rooms,
+    who: &Caller,
+    msg: LighthouseQuorumRequest,
+    timeout: Option<Duration>,
+) -> std::result::Result<Bytes, Status> {
+    let known = (msg.known_quorum_id, msg.known_revision);
+    let shared = rooms.room_for(&msg.job, who)?;
+    let sparse_for = msg
+        .sparse
+        .then(|| msg.requester.as_ref().map(|r| r.replica_id.clone()))
+        .flatten();
+    let issued = wait_for_quorum(&shared, msg.requester, msg.known_quorum_id, timeout).await?;
+    Ok(
+        match sparse_for.and_then(|id| issued.sparse_framed(&id, msg.init_sync)) {
+            Some(sparse) => {
+                shared.count_reply(true);
+                sparse
+            }
+            None => {
+                shared.count_reply(issued.abridged_for(known));
+                issued.framed(known)
+            }
+        },
+    )
+}
+
+/// Path of the QuorumStream RPC.
+const QUORUM_STREAM_PATH: &str = "/torchft.LighthouseService/QuorumStream";
+
+/// A streamed gRPC response body: the frames of a stream (data frames, then trailers).
+struct FrameBody(BoxStream<'static, http_body::Frame<Bytes>>);
+
+impl http_body::Body for FrameBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<http_body::Frame<Bytes>, Infallible>>> {
+        self.0.poll_next_unpin(cx).map(|f| f.map(Ok))
+    }
+}
+
+/// Serves QuorumStream: the requests of one stream answered one at a time, in order, each
+/// exactly as [`QuorumRoute`] answers the same request (the same shared pre-framed reply);
+/// the first failure ends the stream with its status, as the call would have failed. The
+/// stream ends when the client closes its side or the lighthouse stops. A request dropped
+/// with its stream (the client gave up) leaves the round, as a dropped call does.
+#[derive(Clone)]
+struct QuorumStreamRoute {
+    rooms: Arc<Rooms>,
+    max_request_bytes: usize,
+    stop: watch::Receiver<bool>,
+}
+
+/// What a QuorumStream's response is made of, one frame at a time.
+struct QuorumStreamState {
+    rooms: Arc<Rooms>,
+    who: Caller,
+    requests: axum::body::BodyDataStream,
+    buf: Vec<u8>,
+    max_request_bytes: usize,
+    stop: watch::Receiver<bool>,
+    ended: bool,
+}
+
+impl QuorumStreamState {
+    /// The next request of the stream: None when the client closed its side or the
+    /// lighthouse stops.
+    async fn next_request(
+        &mut self,
+    ) -> std::result::Result<Option<crate::proto::QuorumStreamRequest>, Status> {
+        loop {
+            if self.buf.len() >= 5 {
+                if self.buf[0] != 0 {
+                    return Err(Status::unimplemented(
+                        "compressed requests are not supported",
+                    ));
+                }
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
+                if len > self.max_request_bytes {
+                    return Err(Status::resource_exhausted(format!(
+                        "request larger than the lighthouse's limit of {} bytes \
+                         (--max_request_bytes)",
+                        self.max_request_bytes
+                    )));
+                }
+                if self.buf.len() >= 5 + len {
+                    let msg = crate::proto::QuorumStreamRequest::decode(&self.buf[5..5 + len])
+                        .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")));
+                    self.buf.drain(..5 + len);
+                    return msg.map(Some);
+                }
+            }
+            let mut stop = self.stop.clone();
+            let piece = tokio::select! {
+                piece = self.requests.next() => piece,
+                _ = stop.wait_for(|s| *s) => return Ok(None),
+            };
+            match piece {
+                Some(Ok(bytes)) => self.buf.extend_from_slice(&bytes),
+                Some(Err(e)) => {
+                    return Err(Status::invalid_argument(format!(
+                        "cannot read request: {e}"
+                    )))
+                }
+                None if self.buf.is_empty() => return Ok(None),
+                None => return Err(Status::invalid_argument("truncated gRPC message")),
+            }
+        }
+    }
+
+    /// The next frame of the response: an answer, or the trailers that end the stream.
+    async fn next_frame(&mut self) -> Option<http_body::Frame<Bytes>> {
+        if self.ended {
+            return None;
+        }
+        let answer = match self.next_request().await {
+            Ok(Some(req)) => {
+                let timeout = (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms));
+                match req.request {
+                    Some(msg) => answer_quorum(&self.rooms, &self.who, msg, timeout).await,
+                    None => Err(Status::invalid_argument(
+                        "a stream request without a request",
+                    )),
+                }
+            }
+            Ok(None) => Err(Status::ok("")),
+            Err(status) => Err(status),
+        };
+        match answer {
+            Ok(data) => Some(http_body::Frame::data(data)),
+            Err(status) => {
+                self.ended = true;
+                let mut trailers = HeaderMap::new();
+                if status.add_header(&mut trailers).is_err() {
+                    trailers.insert("grpc-status", http::HeaderValue::from_static("13"));
+                }
+                Some(http_body::Frame::trailers(trailers))
+            }
+        }
+    }
+}
+
+impl tower::Service<http::Request<axum::body::Body>> for QuorumStreamRoute {
+    type Response = http::Response<axum::body::Body>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn Future<Output = std::result::Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<std::result::Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<axum::body::Body>) -> Self::Future {
+        let is_grpc = is_grpc(&req);
+        let state = QuorumStreamState {
+            rooms: self.rooms.clone(),
+            who: caller(req.extensions()),
+            requests: req.into_body().into_data_stream(),
+            buf: Vec::new(),
+            max_request_bytes: self.max_request_bytes,
+            stop: self.stop.clone(),
+            ended: false,
+        };
+        Box::pin(async move {
+            if !is_grpc {
+                return Ok(not_grpc());
+            }
+            let frames = futures::stream::unfold(state, |mut state| async move {
+                state.next_frame().await.map(|frame| (frame, state))
+            });
+            let mut resp = http::Response::new(axum::body::Body::new(FrameBody(frames.boxed())));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/grpc"),
+            );
+            Ok(resp)
+        })
+    }
+}
+
+/// Whether `req` says it is a gRPC request.
+fn is_grpc(req: &http::Request<axum::body::Body>) -> bool {
+    req.headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+/// The answer to a request on a gRPC route that is not gRPC.
+fn not_grpc() -> http::Response<axum::body::Body> {
+    (
+        http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "expected application/grpc\n",
+    )
+        .into_response()
 }
 
 /// Decodes one uncompressed gRPC frame holding a `LighthouseQuorumRequest`; anything else is
