@@ -3,9 +3,8 @@
 //! Besides the messages, clients and servers of every service, it generates the server the
 //! lighthouse itself mounts: `LighthouseService` without `Quorum` and `QuorumStream`, which the
 //! lighthouse serves on routes of its own with pre-framed shared replies (see
-//! `src/lighthouse/grpc.rs`). That server
-//! is derived from the proto's descriptor, so a method added to the proto is served without
-//! anything to keep in step here.
+//! `src/lighthouse/grpc.rs`). That server is derived from the proto's descriptor, so a method
+//! added to the proto is served without anything to keep in step here.
 
 use std::path::PathBuf;
 

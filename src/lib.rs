@@ -26,8 +26,9 @@ pub mod bindings;
 pub mod proto {
     tonic::include_proto!("torchft");
 
-    /// The server the lighthouse mounts: `LighthouseService` without `Quorum`, which the
-    /// lighthouse serves on its own route (one path, with pre-framed shared replies).
+    /// The server the lighthouse mounts: `LighthouseService` without `Quorum` and
+    /// `QuorumStream`, which the lighthouse serves on routes of its own (with pre-framed
+    /// shared replies).
     pub mod served {
         include!(concat!(
             env!("OUT_DIR"),

@@ -267,3 +267,36 @@ fn event_log_records_the_start_and_survives_restarts() {
         .all(|e| e["kind"] == "lighthouse_started" && e["min_replicas"] == 2));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_killed_lighthouse_s_successor_answers_the_next_quorum_request_at_once() {
+    // The manager-side client keeps its quorum stream between requests; SIGKILL takes the
+    // stream's connection with it. The next request, to a successor on the same address,
+    // is answered there (on a new stream), not failed back to the caller for a retry.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let args = ["--min_replicas", "1", "--join_timeout_ms", "0"];
+    let (mut first, addr) = spawn(&[&args[..], &["--bind", "127.0.0.1:0"]].concat());
+    let ask = Duration::from_secs(10);
+    let member = torchft::proto::QuorumMember {
+        replica_id: "a".into(),
+        address: "http://a.example:1".into(),
+        store_address: "a.example:2".into(),
+        world_size: 1,
+        ..Default::default()
+    };
+    let c = rt
+        .block_on(torchft::client::LighthouseClient::connect(&addr, ask))
+        .unwrap();
+    rt.block_on(c.quorum(member.clone(), ask)).unwrap();
+    first.0.kill().unwrap(); // SIGKILL
+    first.0.wait().unwrap();
+    let bind = addr.trim_start_matches("http://").to_string();
+    let (_second, again) = spawn(&[&args[..], &["--bind", &bind]].concat());
+    assert_eq!(again, addr);
+    let q = rt.block_on(c.quorum(member, ask)).unwrap();
+    assert_eq!(q.participants.len(), 1);
+}

@@ -198,13 +198,16 @@ async fn quorums_share_one_stream_and_a_failed_or_silent_one_is_replaced() {
         assert_eq!(counts(&seen), (3, 8, 0));
 
         // Requests at once from clones each get a stream (a long poll never waits behind
-        // another); the streams are kept for later requests.
+        // another): the silent one takes the kept stream, the other opens one, which is
+        // kept after its answer and serves the next request.
         let (c1, c2) = (c.clone(), c.clone());
         let silent = tokio::spawn(async move { c1.quorum(member(SILENT), short).await });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(ids(&c2.quorum(member("b"), ASK).await.unwrap()), ["b"]);
         assert!(silent.await.unwrap().unwrap_err().is_timeout());
-        assert_eq!(counts(&seen).2, 0, "no request went as a call");
+        assert_eq!(counts(&seen), (4, 10, 0));
+        c.quorum(member("a"), ASK).await.unwrap();
+        assert_eq!(counts(&seen), (4, 11, 0));
     })
     .await;
 }
@@ -267,6 +270,44 @@ async fn a_lighthouse_stop_ends_the_stream_and_its_successor_answers_the_next_re
         let second = c.quorum(member("a"), ASK).await.unwrap();
         assert_eq!(ids(&second), ["a"]);
         again.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_on_a_kept_stream_ends_at_the_lighthouse_stop_with_its_status() {
+    bounded(async {
+        let server = LighthouseServer::bind(
+            "127.0.0.1:0",
+            LighthouseOptions {
+                min_replicas: 2,
+                ..opts()
+            },
+        )
+        .await
+        .unwrap();
+        let c = LighthouseClient::connect(&server.address(), ASK)
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(c.quorum(member("a"), ASK), c.quorum(member("b"), ASK));
+        a.unwrap();
+        b.unwrap();
+        // a asks again on a kept stream and waits for b, which does not come.
+        let waiting = {
+            let c = c.clone();
+            tokio::spawn(async move { c.quorum_status(member("a"), ASK).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let started = Instant::now();
+        server.shutdown().await;
+        let err = waiting.await.unwrap().unwrap_err();
+        // The lighthouse's own answer (its stop), as a call gets it: not retried here.
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
     })
     .await;
 }

@@ -366,26 +366,31 @@ impl LighthouseClient {
     /// `req` on the client's quorum stream, opening one if none is idle; None when the
     /// lighthouse has no quorum stream.
     ///
-    /// A stream serves one request at a time: it is taken out of the shared link for the
-    /// request and put back after a good answer (clones asking at once each use a stream of
-    /// their own, on the same connection). A failure, or this future dropped at its deadline,
-    /// drops the stream, and with it the request on the lighthouse (it leaves the round, as
-    /// a dropped call does). A stream kept from an earlier request may have died with its
-    /// connection since (the lighthouse restarted): when it fails without an answer from the
-    /// lighthouse, the request goes once more on a new stream.
+    /// A stream serves one request at a time: the one idle stream is taken out of the shared
+    /// link for the request and put back after a good answer. Clones asking at once each
+    /// open a stream of their own on the same connection, which ends with its answer when
+    /// another is already kept (such requests cost what a call costs; one request at a time,
+    /// as a manager server makes, is what the stream is for). A failure, or this future
+    /// dropped at its deadline, drops the stream, and with it the request on the lighthouse
+    /// (it leaves the round, as a dropped call does). A stream kept from an earlier request
+    /// may have died with its connection since (the lighthouse restarted or was killed):
+    /// when it ends, or fails in its transport, without an answer from the lighthouse, the
+    /// request goes once more on a new stream. An error the lighthouse answered (its own
+    /// deadline, a refusal, its stop) is returned as a call's would be, never retried here.
     async fn quorum_on_stream(
         &self,
         req: &LighthouseQuorumRequest,
         deadline: Instant,
     ) -> Option<std::result::Result<crate::proto::LighthouseQuorumResponse, Status>> {
-        // After a kept stream failed, the request goes on a new one (never a kept one again).
+        // After a kept stream failed, the request goes on a new one (the kept slot is left to
+        // the other clones).
         let mut fresh_only = false;
         loop {
-            let mut link =
-                std::mem::take(&mut *self.quorums.lock().unwrap_or_else(|e| e.into_inner()));
-            if fresh_only && matches!(link, QuorumLink::Open { .. }) {
-                link = QuorumLink::Closed;
-            }
+            let link = if fresh_only {
+                QuorumLink::Closed
+            } else {
+                std::mem::take(&mut *self.quorums.lock().unwrap_or_else(|e| e.into_inner()))
+            };
             let msg = crate::proto::QuorumStreamRequest {
                 request: Some(req.clone()),
                 // At least 1 ms: 0 would mean no deadline.
@@ -440,7 +445,9 @@ impl LighthouseClient {
                     return None;
                 }
                 Ok(None) if reused => fresh_only = true,
-                Err(s) if reused && is_connection_loss(&s) => fresh_only = true,
+                // A status tonic made from a transport error carries that error as its source;
+                // one the lighthouse sent (in trailers) has none.
+                Err(s) if reused && std::error::Error::source(&s).is_some() => fresh_only = true,
                 Ok(None) => return Some(Err(Status::unavailable("the quorum stream ended"))),
                 Err(s) => return Some(Err(s)),
             }
@@ -666,15 +673,6 @@ fn quorum_deadline(timeout: Duration) -> Status {
     Status::deadline_exceeded(format!(
         "lighthouse quorum did not complete within {timeout:?}"
     ))
-}
-
-/// Whether `status` ended a stream because its connection went away (the lighthouse died
-/// or restarted, a proxy dropped it) rather than as the lighthouse's answer to a request.
-fn is_connection_loss(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
-    ) || status.code() == tonic::Code::Internal && status.message().contains("h2 protocol error")
 }
 
 /// The status a failed quorum call reports. tonic's own deadline (the request's

@@ -44,8 +44,8 @@ fn caller(extensions: &http::Extensions) -> Caller {
         .unwrap_or(Caller::Anyone)
 }
 
-/// The generated service for every lighthouse method but Quorum; each request goes to the
-/// room of the job it names.
+/// The generated service for every lighthouse method but Quorum and QuorumStream; each
+/// request goes to the room of the job it names.
 struct Grpc {
     rooms: Arc<Rooms>,
     /// Turns true when the lighthouse stops: commit streams end then (as session streams
@@ -158,8 +158,8 @@ async fn commit_one(
     })
 }
 
-/// The gRPC routes of the lighthouse: the generated service, and the Quorum route. Requests
-/// larger than `max_request_bytes` are refused.
+/// The gRPC routes of the lighthouse: the generated service, and the Quorum and QuorumStream
+/// routes. Requests larger than `max_request_bytes` are refused.
 pub(crate) fn router(
     rooms: Arc<Rooms>,
     max_request_bytes: usize,
@@ -304,6 +304,9 @@ async fn answer_quorum(
     )
 }
 
+/// Buffer a quorum stream keeps between requests (a request is a few hundred bytes).
+const KEEP_BUFFER_BYTES: usize = 64 << 10;
+
 /// Path of the QuorumStream RPC.
 const QUORUM_STREAM_PATH: &str = "/torchft.LighthouseService/QuorumStream";
 
@@ -354,13 +357,16 @@ impl QuorumStreamState {
         loop {
             if self.buf.len() >= 5 {
                 if self.buf[0] != 0 {
-                    return Err(Status::unimplemented(
+                    // Not UNIMPLEMENTED: on a stream, that tells a client the lighthouse has
+                    // no quorum stream at all.
+                    return Err(Status::invalid_argument(
                         "compressed requests are not supported",
                     ));
                 }
                 let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
                     as usize;
-                if len > self.max_request_bytes {
+                // The same bound as a Quorum call's body: the frame, its 5-byte prefix counted.
+                if len.saturating_add(5) > self.max_request_bytes {
                     return Err(Status::resource_exhausted(format!(
                         "request larger than the lighthouse's limit of {} bytes \
                          (--max_request_bytes)",
@@ -371,6 +377,10 @@ impl QuorumStreamState {
                     let msg = crate::proto::QuorumStreamRequest::decode(&self.buf[5..5 + len])
                         .map_err(|e| Status::invalid_argument(format!("malformed request: {e}")));
                     self.buf.drain(..5 + len);
+                    if self.buf.is_empty() && self.buf.capacity() > KEEP_BUFFER_BYTES {
+                        // A large request does not keep its memory for the stream's life.
+                        self.buf = Vec::new();
+                    }
                     return msg.map(Some);
                 }
             }
