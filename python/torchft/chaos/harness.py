@@ -584,22 +584,35 @@ class Chaos:
             return b""
 
     @staticmethod
-    def _pause(p: _Proc) -> bool:
+    def _state(p: _Proc) -> str | None:
+        """The worker's main thread's state letter in /proc (None if unreadable)."""
+        try:
+            stat = Path(f"/proc/{p.proc.pid}/stat").read_text()
+            # The state field follows the parenthesised command name.
+            return stat.rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+
+    @classmethod
+    def _is_stopped(cls, p: _Proc) -> bool:
+        """Whether the worker is stopped (job control)."""
+        return cls._state(p) in ("T", "t")
+
+    @classmethod
+    def _pause(cls, p: _Proc) -> bool:
         """SIGSTOPs the worker and waits until its main thread is stopped (the signal is
         delivered asynchronously); False if it could not be confirmed within 0.5 s."""
         try:
             os.killpg(p.proc.pid, signal.SIGSTOP)
         except ProcessLookupError:
             return False
-        stat = Path(f"/proc/{p.proc.pid}/stat")
         end = time.monotonic() + 0.5
         while time.monotonic() < end:
-            try:
-                # The state field follows the parenthesised command name.
-                if stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                    return True
-            except (OSError, IndexError):
+            state = cls._state(p)
+            if state is None:
                 return False
+            if state in ("T", "t"):
+                return True
             time.sleep(0.0002)
         return False
 
@@ -731,9 +744,14 @@ class Chaos:
             with self.lock:
                 for timer in self._restarts:
                     timer.cancel()
-                for g in list(self.stopped):
+                for g, p in self.procs.items():
+                    # Every group, not only those a stop fault holds: a process found stopped
+                    # without one would hold the run's end until its timeout. Said, since it
+                    # means the harness lost track of a stop.
+                    if g not in self.stopped and self._is_stopped(p):
+                        self.log(f"{g} (pid {p.proc.pid}) found stopped with no stop in force")
                     try:
-                        os.killpg(self.procs[g].proc.pid, signal.SIGCONT)
+                        os.killpg(p.proc.pid, signal.SIGCONT)
                     except ProcessLookupError:
                         pass  # killed meanwhile: reaped and restarted below
                 self.stopped.clear()
