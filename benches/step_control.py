@@ -18,8 +18,8 @@ Configurations, alternated trial by trial in the same run (fresh processes each 
 - ``upstream``: upstream 0.2.0's (``make bench`` installs it under ``.venv/upstream``);
 - ``ours/upstream-lh``: our managers against upstream's lighthouse, which has neither the
   write-ahead commit nor the quorum stream: our path without that round trip (what the
-  commit costs, from the votes) and with a new Quorum call per step (what the quorum stream
-  saves, from the quorums);
+  commit costs, from the votes) and with a new Quorum call per step to upstream's quorum
+  engine (the quorums: the stream and the two lighthouses' own costs together);
 - ``ours/native-calls``: our lighthouse, and in each group the native calls the Manager makes
   on this path (``_quorum_start`` + ``wait``, ``may_commit``) with a plain Gloo allreduce
   between them, no Python ``Manager``: what the Manager's Python adds is ``ours`` minus this;
@@ -436,7 +436,10 @@ def main() -> int:
         cost = ours["vote_ms"] - other["vote_ms"]
         print(f"the write-ahead commit's share of ours (votes): {cost:+.3f} ms per step")
         saved = other["quorum_ms"] - ours["quorum_ms"]
-        print(f"what the quorum stream saves ours (quorums): {saved:+.3f} ms per step")
+        print(
+            f"ours' quorum against upstream's lighthouse (a Quorum call per step there): "
+            f"{saved:+.3f} ms less per step"
+        )
     if "ours/native-calls" in summary and "ours" in summary:
         cost = summary["ours"]["median_ms"] - summary["ours/native-calls"]["median_ms"]
         print(f"the Python Manager's share of ours: {cost:+.3f} ms per step")

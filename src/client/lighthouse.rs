@@ -49,7 +49,8 @@ pub struct LighthouseClient {
 /// A client's quorum stream to the lighthouse.
 #[derive(Debug, Default)]
 enum QuorumLink {
-    /// Not open, or in use by a request (the next request opens one of its own).
+    /// Not open (never opened, or dropped after a failure or a timeout): the next request
+    /// opens one.
     #[default]
     Closed,
     /// Open and idle: requests go in `tx`, their answers come out of `rx` in order.
@@ -57,9 +58,33 @@ enum QuorumLink {
         tx: tokio::sync::mpsc::Sender<crate::proto::QuorumStreamRequest>,
         rx: Box<tonic::Streaming<crate::proto::LighthouseQuorumResponse>>,
     },
+    /// A request holds the stream (or is opening it): requests meanwhile go as calls.
+    InUse,
     /// The lighthouse has no quorum stream (upstream's, or an older one of ours): quorum
     /// requests go as single calls for the rest of the client's life.
     Unsupported,
+}
+
+/// A request's hold on the quorum stream: the link is `InUse` while it lives, and `Closed`
+/// again if the request ends without handing a stream back (a failure, or its future dropped
+/// at a deadline).
+struct StreamClaim<'a>(&'a Mutex<QuorumLink>);
+
+impl StreamClaim<'_> {
+    /// Ends the hold, leaving `link` in the slot.
+    fn release(self, link: QuorumLink) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = link;
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for StreamClaim<'_> {
+    fn drop(&mut self) {
+        let mut link = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*link, QuorumLink::InUse) {
+            *link = QuorumLink::Closed;
+        }
+    }
 }
 
 /// A client's write-ahead commit stream to the lighthouse.
@@ -363,33 +388,41 @@ impl LighthouseClient {
             .ok_or_else(|| Status::internal("lighthouse answered without a quorum"))
     }
 
-    /// `req` on the client's quorum stream, opening one if none is idle; None when the
-    /// lighthouse has no quorum stream.
+    /// `req` on the client's quorum stream, opening it if it is not open; None when the
+    /// request should go as a call: the lighthouse has no quorum stream, or another request
+    /// of this client (a clone) holds the stream.
     ///
-    /// A stream serves one request at a time: the one idle stream is taken out of the shared
-    /// link for the request and put back after a good answer. Clones asking at once each
-    /// open a stream of their own on the same connection, which ends with its answer when
-    /// another is already kept (such requests cost what a call costs; one request at a time,
-    /// as a manager server makes, is what the stream is for). A failure, or this future
-    /// dropped at its deadline, drops the stream, and with it the request on the lighthouse
-    /// (it leaves the round, as a dropped call does). A stream kept from an earlier request
-    /// may have died with its connection since (the lighthouse restarted or was killed):
-    /// when it ends, or fails in its transport, without an answer from the lighthouse, the
-    /// request goes once more on a new stream. An error the lighthouse answered (its own
-    /// deadline, a refusal, its stop) is returned as a call's would be, never retried here.
+    /// The stream serves one request at a time, which is what a manager server makes: it
+    /// is taken out of the shared link for the request and put back after a good answer.
+    /// Requests of clones made meanwhile go as calls, which cost a new stream each anyway (a
+    /// stream opened for one request and closed after it would cost more). A failure, or
+    /// this future dropped at its deadline, drops the stream, and with it the request on the
+    /// lighthouse (it leaves the round, as a dropped call does). A stream kept from an
+    /// earlier request may have died with its connection since (the lighthouse restarted or
+    /// was killed): when it ends, or fails in its transport, without an answer from the
+    /// lighthouse, the request goes once more, on a new stream. An error the lighthouse
+    /// answered (its own deadline, a refusal, its stop) is returned as a call's would be,
+    /// never retried here.
     async fn quorum_on_stream(
         &self,
         req: &LighthouseQuorumRequest,
         deadline: Instant,
     ) -> Option<std::result::Result<crate::proto::LighthouseQuorumResponse, Status>> {
-        // After a kept stream failed, the request goes on a new one (the kept slot is left to
-        // the other clones).
+        // After a kept stream failed, the request goes on a new one, or as a call.
         let mut fresh_only = false;
         loop {
-            let link = if fresh_only {
-                QuorumLink::Closed
-            } else {
-                std::mem::take(&mut *self.quorums.lock().unwrap_or_else(|e| e.into_inner()))
+            let (kept, claim) = {
+                let mut link = self.quorums.lock().unwrap_or_else(|e| e.into_inner());
+                match std::mem::replace(&mut *link, QuorumLink::InUse) {
+                    QuorumLink::Open { tx, rx } if !fresh_only => {
+                        (Some((tx, rx)), StreamClaim(&self.quorums))
+                    }
+                    QuorumLink::Closed => (None, StreamClaim(&self.quorums)),
+                    other => {
+                        *link = other;
+                        return None;
+                    }
+                }
             };
             let msg = crate::proto::QuorumStreamRequest {
                 request: Some(req.clone()),
@@ -402,19 +435,15 @@ impl LighthouseClient {
                 .unwrap_or(u64::MAX)
                 .max(1),
             };
-            let (tx, mut rx, reused) = match link {
-                QuorumLink::Unsupported => {
-                    self.set_quorum_link(QuorumLink::Unsupported);
-                    return None;
-                }
-                QuorumLink::Open { tx, rx } => {
+            let (tx, mut rx, reused) = match kept {
+                Some((tx, rx)) => {
                     if tx.send(msg).await.is_err() {
-                        fresh_only = true; // that stream is gone
+                        fresh_only = true; // that stream is gone (the claim closes the link)
                         continue;
                     }
                     (tx, rx, true)
                 }
-                QuorumLink::Closed => {
+                None => {
                     let (tx, requests) = tokio::sync::mpsc::channel(1);
                     // The first request waits in the channel until the call sends it.
                     let _ = tx.send(msg).await;
@@ -425,7 +454,7 @@ impl LighthouseClient {
                     match opened {
                         Ok(r) => (tx, Box::new(r.into_inner()), false),
                         Err(s) if s.code() == tonic::Code::Unimplemented => {
-                            self.set_quorum_link(QuorumLink::Unsupported);
+                            claim.release(QuorumLink::Unsupported);
                             return None;
                         }
                         Err(s) => return Some(Err(s)),
@@ -434,14 +463,11 @@ impl LighthouseClient {
             };
             match rx.message().await {
                 Ok(Some(answer)) => {
-                    let mut link = self.quorums.lock().unwrap_or_else(|e| e.into_inner());
-                    if matches!(*link, QuorumLink::Closed) {
-                        *link = QuorumLink::Open { tx, rx };
-                    }
+                    claim.release(QuorumLink::Open { tx, rx });
                     return Some(Ok(answer));
                 }
                 Err(s) if s.code() == tonic::Code::Unimplemented => {
-                    self.set_quorum_link(QuorumLink::Unsupported);
+                    claim.release(QuorumLink::Unsupported);
                     return None;
                 }
                 Ok(None) if reused => fresh_only = true,
@@ -452,10 +478,6 @@ impl LighthouseClient {
                 Err(s) => return Some(Err(s)),
             }
         }
-    }
-
-    fn set_quorum_link(&self, link: QuorumLink) {
-        *self.quorums.lock().unwrap_or_else(|e| e.into_inner()) = link;
     }
 
     /// Like [`LighthouseClient::quorum`], but a failed call reports its gRPC status (for
