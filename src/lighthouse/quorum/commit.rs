@@ -364,6 +364,36 @@ mod tests {
     }
 
     #[test]
+    fn only_replicas_heard_since_a_restart_have_heartbeat_ages() {
+        // A state file that remembers two incarnations of g2 (the live one holds the best
+        // step, an old one a step below it). Telemetry learns of groups from the ages: were
+        // both there at once, it could take the old one as g2's and drop what the live one
+        // sends (its steps would be missing from the goodput).
+        const LIVE: &str = "g2:22222222-2222-2222-2222-222222222222";
+        const OLD: &str = "g2:11111111-1111-1111-1111-111111111111";
+        let d = Durable {
+            quorum_id: Some(40),
+            members: vec![LIVE.into()],
+            best_step: Some(3530),
+            holders: vec![LIVE.into()],
+            others: vec![(OLD.into(), 2900)],
+        };
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
+        assert!(
+            e.heartbeat_ages(t0).is_empty(),
+            "{:?}",
+            e.heartbeat_ages(t0)
+        );
+        let t1 = t0 + Duration::from_millis(100);
+        e.heartbeat(LIVE, t1).unwrap();
+        let ages = e.heartbeat_ages(t1);
+        assert_eq!(ages, vec![(LIVE.to_string(), Duration::ZERO)]);
+        // Left out of the ages is not forgotten: the live one is still a remembered holder.
+        assert!(e.durable().holders.contains(&LIVE.to_string()));
+    }
+
+    #[test]
     fn a_restarted_lighthouse_does_not_wait_for_an_incarnation_its_group_replaced() {
         // g1's old incarnation held 1411 (remembered by the state file); its group now runs
         // a new incarnation at step 0. Waiting for the old one (progress_wait after every

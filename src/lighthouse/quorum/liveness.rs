@@ -475,10 +475,19 @@ impl QuorumEngine {
         self.parity.evaluate(self.previous_ids.len(), now);
     }
 
-    /// Every known replica id with the time since it was last seen (O(n)).
+    /// Every replica id heard from, with the time since it was last seen (O(n)), for the
+    /// replicas' health.
+    ///
+    /// A replica only remembered from a state file, not heard since the restart, is left
+    /// out: it is waited for (see [`QuorumEngine::restored`]), but it may be an old
+    /// incarnation of a group whose live incarnation is remembered too, and telemetry takes
+    /// the last incarnation it learns of as the group's own (and drops what the others
+    /// send). Remembered together, at one instant, neither would be more recent than the
+    /// other; heard, the live one is.
     pub fn heartbeat_ages(&self, now: Instant) -> Vec<(String, Duration)> {
         self.heartbeats
             .iter()
+            .filter(|(_, rec)| rec.heard)
             .map(|(id, rec)| (id.clone(), now.saturating_duration_since(rec.last_seen)))
             .collect()
     }
