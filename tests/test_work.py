@@ -199,3 +199,127 @@ def test_inflight_timeout_is_a_timeout_error() -> None:
     with pytest.raises(TimeoutError):
         out.wait()
     assert isinstance(seen[0], TimeoutError)
+
+
+def test_mirror_of_a_complete_source_is_not_tracked() -> None:
+    """A source already complete finishes its mirror at once; nothing is left to abort."""
+    from torchft.work import _InFlight
+
+    inflight = _InFlight()
+    m = inflight.mirror(completed_future("ok"), timedelta(seconds=60))
+    assert m.out.wait() == "ok"
+    assert len(inflight) == 0
+    assert inflight.fail_all(RuntimeError("aborted")) == 0
+
+
+def test_abort_of_a_finished_source_keeps_its_value() -> None:
+    """An abort (fail_all) that comes after the source completed, while its completion
+    callback still waits, completes the mirror with the source's value, not the abort's
+    error: the operation had finished."""
+    from torchft.work import _InFlight
+
+    src: Future[object] = Future()
+    gate = threading.Event()
+    src.add_done_callback(lambda _: gate.wait(10))  # runs before the mirror's callback
+    inflight = _InFlight()
+    seen: list[Exception] = []
+    m = inflight.mirror(src, timedelta(seconds=60), seen.append)
+    setter = threading.Thread(target=src.set_result, args=("value",), daemon=True)
+    setter.start()
+    deadline = time.monotonic() + 10
+    while not src.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert not m.out.done()
+    assert inflight.fail_all(RuntimeError("aborted")) == 1
+    assert m.out.wait() == "value"
+    assert seen == []
+    gate.set()
+    setter.join(10)
+    assert len(inflight) == 0
+
+
+def test_abort_of_a_failed_source_keeps_its_error() -> None:
+    """Likewise a source that failed before the abort completes the mirror with its own
+    error (which on_error sees), not the abort's."""
+    from torchft.work import _InFlight
+
+    src: Future[object] = Future()
+    gate = threading.Event()
+    src.add_done_callback(lambda _: gate.wait(10))
+    inflight = _InFlight()
+    seen: list[Exception] = []
+    m = inflight.mirror(src, None, seen.append)
+    setter = threading.Thread(
+        target=src.set_exception, args=(RuntimeError("peer reset"),), daemon=True
+    )
+    setter.start()
+    deadline = time.monotonic() + 10
+    while not src.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert inflight.fail_all(RuntimeError("aborted")) == 1
+    with pytest.raises(RuntimeError, match="peer reset"):
+        m.out.wait()
+    assert [str(e) for e in seen] == ["peer reset"]
+    gate.set()
+    setter.join(10)
+
+
+def test_fused_work_completes_with_what_the_adapter_returns() -> None:
+    """_fuse has the work's own future complete with the adapter's value (after on_error
+    saw an error) and hands back the backend's future; too late, it declines."""
+    from torchft.work import _InFlight
+
+    inflight = _InFlight()
+    seen: list[Exception] = []
+
+    def adapt(value: object, error: BaseException | None) -> tuple[object, None]:
+        if error is not None:
+            return f"swallowed {error}", None
+        assert isinstance(value, int)
+        return value * 2, None
+
+    src: Future[object] = Future()
+    m = inflight.mirror(src, timedelta(seconds=60), seen.append)
+    work = _FutureWork(m.out, mirror=m)
+    fused = work._fuse(adapt)
+    assert fused is not None
+    fut, source = fused
+    assert source is src and fut is work.get_future()
+    assert work._fuse(adapt) is None  # one adapter only
+    src.set_result(21)
+    assert fut.wait() == 42
+    assert work.wait() is True
+
+    failing: Future[object] = Future()
+    m = inflight.mirror(failing, None, seen.append)
+    fused = _FutureWork(m.out, mirror=m)._fuse(adapt)
+    assert fused is not None
+    failing.set_exception(RuntimeError("boom"))
+    assert fused[0].wait() == "swallowed boom"
+    assert [str(e) for e in seen] == ["boom"]
+
+    late: Future[object] = Future()
+    m = inflight.mirror(late, None)
+    late.set_result(1)
+    assert _FutureWork(m.out, mirror=m)._fuse(adapt) is None
+    assert _FutureWork(completed_future(1))._fuse(adapt) is None  # no mirror
+    assert len(inflight) == 0
+
+
+def test_fused_adapter_that_raises_fails_the_future() -> None:
+    """An adapter's own error becomes the future's error rather than being lost on the
+    backend's thread."""
+    from torchft.work import _InFlight
+
+    def adapt(value: object, error: BaseException | None) -> tuple[object, None]:
+        raise ValueError("bad result")
+
+    src: Future[object] = Future()
+    m = _InFlight().mirror(src, None)
+    fused = _FutureWork(m.out, mirror=m)._fuse(adapt)
+    assert fused is not None
+    src.set_result(1)
+    with pytest.raises(ValueError, match="bad result"):
+        fused[0].wait()

@@ -86,7 +86,13 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
             reducer._push_all_rebuilt_params()
             reducer._rebuild_buckets()
-        self.register_comm_hook(manager, _manager_comm_hook)
+        from torchft.manager import Manager
+
+        # A Manager's allreduce future holds the averaged tensor itself: handed to the reducer
+        # as it is, with no ``then`` whose callback would take the GIL on the backend's
+        # thread once more per bucket. Anything else that quacks like one is adapted.
+        hook = _manager_comm_hook_direct if isinstance(manager, Manager) else _manager_comm_hook
+        self.register_comm_hook(manager, hook)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped DDP forward, timed as the step's forward phase (telemetry)."""
@@ -118,6 +124,13 @@ def _manager_comm_hook(state: Manager, bucket: GradBucket) -> Future[torch.Tenso
     return work.get_future().then(lambda fut: _first_tensor(fut.value()))
 
 
+def _manager_comm_hook_direct(state: Manager, bucket: GradBucket) -> Future[torch.Tensor]:
+    """As :func:`_manager_comm_hook`, for a ``Manager``, whose allreduce future already
+    holds the tensor: the future is the hook's result."""
+    future: Future[torch.Tensor] = state.allreduce(bucket.buffer()).get_future()
+    return future
+
+
 # DDP validates the hook's annotations by identity, so they must be real objects rather than
 # the strings produced by ``from __future__ import annotations``.
 _manager_comm_hook.__annotations__ = {
@@ -125,6 +138,7 @@ _manager_comm_hook.__annotations__ = {
     "bucket": GradBucket,
     "return": Future[torch.Tensor],
 }
+_manager_comm_hook_direct.__annotations__ = dict(_manager_comm_hook.__annotations__)
 
 
 class PureDistributedDataParallel(nn.Module):

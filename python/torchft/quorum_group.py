@@ -150,33 +150,47 @@ class QuorumGroup:
         divisor = participants if avg and participants > 0 else 0
         floating = tensor.is_floating_point() or tensor.is_complex()
 
-        # One callback does the averaging and the error swallowing (one GIL acquisition on
-        # the backend thread per bucket instead of two).
-        def finish(f: Future[Any]) -> torch.Tensor:
+        # The averaging, the error swallowing and the bookkeeping run in the collective's
+        # own completion callback when the group's work allows it (see _FutureWork._fuse),
+        # else in one callback chained on it: each GIL hand-off on the backend's thread is a
+        # thread wake-up on the step's critical path.
+        def settle(value: object, error: BaseException | None) -> tuple[torch.Tensor, None]:
             if telemetry is not None:
                 telemetry.collective_finished(token)
             if server is not None:
                 server.set_loop_busy(False)
-            try:
-                f.value()
-            except Exception as e:
-                self._report_error(e)
-                return tensor
-            finally:
-                self._collective_finished(flight)
+            self._collective_finished(flight)
+            if error is not None:
+                if isinstance(error, Exception):
+                    self._report_error(error)
+                    return tensor, None
+                raise error
             if divisor:
                 if floating:
                     tensor.div_(divisor)
                 else:
                     tensor.floor_divide_(divisor)
-            return tensor
+            return tensor, None
+
+        def finish(f: Future[Any]) -> torch.Tensor:
+            try:
+                value, error = f.value(), None
+            except Exception as e:
+                value, error = None, e
+            return settle(value, error)[0]
 
         try:
             work = self.pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
+            fuse = getattr(work, "_fuse", None)
+            fused = fuse(settle) if fuse is not None else None
+            if fused is not None:
+                fut: Future[torch.Tensor] = fused[0]
+                self._collective_issued(flight, fused[1])
+                return fut
             backend = work.get_future()
             self._collective_issued(flight, backend)
-            fut: Future[torch.Tensor] = backend.then(finish)
-            return fut
+            chained: Future[torch.Tensor] = backend.then(finish)
+            return chained
         except BaseException:
             if telemetry is not None:
                 telemetry.collective_finished(token)  # never started: not in flight
@@ -351,7 +365,7 @@ class PendingQuorum:
         self._executor = executor
         self._allow_heal = allow_heal
         self._lock = threading.Lock()
-        self._outcome: ConcurrentFuture[None] | None = None
+        self._outcome: ConcurrentFuture[None] | _Settled | None = None
 
     def done(self) -> bool:
         """Whether ``result`` would return without waiting for the network."""
@@ -381,8 +395,7 @@ class PendingQuorum:
             outcome = self._outcome
         outcome.result(timeout=timeout)
 
-    def _adopt(self) -> ConcurrentFuture[None]:
-        done: ConcurrentFuture[None] = ConcurrentFuture()
+    def _adopt(self) -> ConcurrentFuture[None] | _Settled:
         try:
             quorum = self._pending.wait()
         except TimeoutError as e:
@@ -390,21 +403,18 @@ class PendingQuorum:
             err = self._call.timed_out(e)
             err.__cause__ = e
             self._call.report_error(err)
-            done.set_exception(err)
-            return done
+            return _Settled(err)
         except Exception as e:
             self._call.group.quorum_in_progress = False
             self._call.report_error(e)
-            done.set_result(None)
-            return done
+            return _SETTLED
         heavy = quorum.quorum_id != self._call.group.quorum_id or (
             self._allow_heal and (bool(quorum.heal) or bool(quorum.recover_dst_replica_ranks))
         )
         if heavy:
             return self._executor.submit(self._adopt_and_settle, quorum)
         self._adopt_and_settle(quorum)
-        done.set_result(None)
-        return done
+        return _SETTLED
 
     def _adopt_and_settle(self, quorum: NativeQuorumResult) -> None:
         """Adopts the answer; from then on the step runs on its quorum (see ``on_lost``)."""
@@ -412,6 +422,27 @@ class PendingQuorum:
             self._call.adopt(quorum)
         finally:
             self._call.group.quorum_in_progress = False
+
+
+class _Settled:
+    """The outcome of an adoption that ran on the caller's thread: done, and ``result``
+    returns (or raises the quorum's deadline) at once. Every steady step's adoption is one,
+    so it is lighter than a ``concurrent.futures.Future``."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+_SETTLED = _Settled()
 
 
 def run_quorum(call: QuorumCall, send: Callable[[], NativeQuorumResult]) -> None:

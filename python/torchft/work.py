@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -71,6 +72,10 @@ def device_future(like: object = None) -> Future[Any]:
     (Gloo copies a CUDA result back on a stream of its own), and work queued on the tensors
     next, such as averaging the gradients, would race that copy.
     """
+    if type(like) is list and len(like) == 1 and type(like[0]) is torch.Tensor:
+        # A collective's usual result: one tensor (the common case, kept cheap).
+        only = like[0]
+        return Future(devices=[only.device]) if only.is_cuda else Future()
     devices = sorted({t.device for t in _tensors_of(like) if t.device.type == "cuda"}, key=str)
     if devices:
         return Future(devices=list(devices))
@@ -133,16 +138,36 @@ class _FutureWork(dist.Work):
     error, exactly like a native Work would.
     """
 
-    def __init__(self, fut: Future[Any], timeout: timedelta | None = None) -> None:
+    def __init__(
+        self, fut: Future[Any], timeout: timedelta | None = None, mirror: _Mirror | None = None
+    ) -> None:
         """Wraps ``fut``.
 
         Args:
             fut: the future that completes when the operation is done.
             timeout: default deadline of ``wait()`` when it is called without one.
+            mirror: the mirror ``fut`` is the output of, when it is one (see ``_fuse``).
         """
         super().__init__()
         self._fut = fut
         self._timeout = timeout
+        self._mirror = mirror
+
+    def _fuse(self, adapt: Adapt) -> tuple[Future[Any], Future[Any]] | None:
+        """For the one owner of a fresh work: has ``adapt`` shape what the work's future
+        completes with, inside the completion callback the future already has, instead of a
+        ``then`` of its own (one GIL hand-off less on the backend's thread per collective).
+
+        Returns:
+            ``(future, source)``: the work's future, now completing with what ``adapt``
+            returns, and the backend's own future (done once the backend finished, before
+            any callback ran); None when the work cannot fuse (no mirror, or complete
+            already): chain a ``then`` instead.
+        """
+        m = self._mirror
+        if m is None or not m.attach(adapt):
+            return None
+        return self._fut, m.source
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Blocks until the future completes.
@@ -194,7 +219,7 @@ class _TimerThread:
                 # Drop cancelled entries so a long run of short ops does not grow the heap.
                 self._heap = [e for e in self._heap if e[1] in self._callbacks]
                 heapq.heapify(self._heap)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="torchft_timeouts", daemon=True
                 )
@@ -204,6 +229,11 @@ class _TimerThread:
                 # the current earliest fires. Saves a thread wake-up per collective.
                 self._cond.notify()
             return handle
+
+    def _forget_thread(self) -> None:
+        """After a fork: the thread is gone (the lock is made anew, its holder is too)."""
+        self._cond = threading.Condition()
+        self._thread = None
 
     def cancel(self, handle: int) -> None:
         """Prevents a scheduled callback from firing (no-op if it already fired)."""
@@ -236,6 +266,125 @@ class _TimerThread:
 
 
 _TIMER = _TimerThread()
+# A forked child has none of its parent's threads: its first deadline starts its own.
+os.register_at_fork(after_in_child=_TIMER._forget_thread)
+
+
+#: What :meth:`_FutureWork._fuse` attaches: it sees the operation's value or error (after
+#: ``on_error``) and returns the value and error the work's future completes with.
+Adapt = Callable[[Any, "BaseException | None"], "tuple[Any, BaseException | None]"]
+
+
+class _Mirror:
+    """A future (``out``) mirroring a source future that can also be failed early (deadline
+    or ``fail``); CUDA-aware when ``like`` (the expected result) holds CUDA tensors (see
+    device_future).
+
+    Everything that happens at completion runs in the one callback on the source future:
+    cancelling the deadline, ``on_error``, ``on_finish``, an adapter the work's owner
+    attached (see :meth:`_FutureWork._fuse`), then completing ``out``. Each further callback
+    chained on the way would take the GIL again on the backend's thread, and on a loaded
+    machine every such hand-off costs a thread wake-up on the step's critical path.
+    """
+
+    __slots__ = ("out", "source", "_lock", "_done", "_handle", "_adapt", "_on_error", "_on_finish")
+
+    def __init__(
+        self,
+        fut: Future[Any],
+        timeout: timedelta | float | None,
+        on_error: Callable[[Exception], None] | None = None,
+        like: object = None,
+        on_finish: Callable[[], None] | None = None,
+    ) -> None:
+        seconds = _to_seconds(timeout)
+        self.source = fut
+        self.out: Future[Any] = device_future(like)
+        self._lock = threading.Lock()
+        self._done = False
+        self._handle: int | None = None
+        self._adapt: Adapt | None = None
+        self._on_error = on_error
+        self._on_finish = on_finish
+        if seconds is not None:
+            handle = _TIMER.schedule(seconds, lambda: self.finish(None, _timed_out(seconds)))
+            with self._lock:
+                self._handle = handle
+        fut.add_done_callback(self._on_done)
+
+    def attach(self, adapt: Adapt) -> bool:
+        """Has ``adapt`` shape the completion; False when it came too late (completed)."""
+        with self._lock:
+            if self._done or self._adapt is not None:
+                return False
+            self._adapt = adapt
+            return True
+
+    @property
+    def finished(self) -> bool:
+        """Whether the completion has begun (``out`` is complete or about to be)."""
+        return self._done
+
+    def fail(self, error: BaseException) -> bool:
+        """Completes ``out`` with ``error`` unless it is complete; whether it did.
+
+        A source that has completed while its callback still waits (for the GIL, say) is
+        not failed: its outcome is there, and it is what ``out`` completes with. An abort
+        or a deadline then does not undo an operation that had finished.
+        """
+        if self.source.done():
+            try:
+                # wait(), not value(): a CUDA result is ordered after its kernels on the
+                # current streams, as the completion callback would have it.
+                value = self.source.wait()
+            except Exception as e:  # noqa: BLE001 - delivered through the future
+                return self.finish(None, e.with_traceback(None))
+            return self.finish(value, None)
+        return self.finish(None, error)
+
+    def finish(self, value: Any, error: BaseException | None) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+            handle = self._handle
+            adapt = self._adapt
+        if handle is not None:
+            _TIMER.cancel(handle)
+        if self._on_finish is not None:
+            try:
+                self._on_finish()
+            except Exception:
+                logger.exception("completion hook failed")
+        if error is not None and self._on_error is not None and isinstance(error, Exception):
+            try:
+                self._on_error(error)
+            except Exception:
+                logger.exception("error handler failed")
+        if adapt is not None:
+            try:
+                value, error = adapt(value, error)
+            except Exception as e:  # noqa: BLE001 - delivered through the future
+                value, error = None, e
+        if error is not None:
+            self.out.set_exception(error)
+        else:
+            self.out.set_result(value)
+        return True
+
+    def _on_done(self, f: Future[Any]) -> None:
+        try:
+            value = f.value()
+        except Exception as e:  # noqa: BLE001 - propagated through the future
+            # The traceback would only point here, but through its frames it would keep the
+            # completing thread's locals (often tensors) alive as long as the error is kept.
+            self.finish(None, e.with_traceback(None))
+            return
+        self.finish(value, None)
+
+
+def _timed_out(seconds: float) -> TimeoutError:
+    return TimeoutError(f"future did not complete within {seconds}s")
 
 
 def _mirror(
@@ -254,54 +403,8 @@ def _mirror(
         ``(out, fail)``: ``fail(err)`` completes ``out`` with ``err`` unless it is already
         complete, and returns whether it did.
     """
-    seconds = _to_seconds(timeout)
-    out: Future[T] = device_future(like)
-    lock = threading.Lock()
-    state: dict[str, bool | int | None] = {"done": False, "handle": None}
-
-    def finish(value: T | None, error: BaseException | None) -> bool:
-        with lock:
-            if state["done"]:
-                return False
-            state["done"] = True
-            handle = state["handle"]
-        if handle is not None:
-            _TIMER.cancel(handle)
-        if error is not None:
-            if on_error is not None and isinstance(error, Exception):
-                try:
-                    on_error(error)
-                except Exception:
-                    logger.exception("error handler failed")
-            # torch types set_exception's argument as the result type, not an exception.
-            out.set_exception(error)  # type: ignore[arg-type]
-        else:
-            out.set_result(value)  # type: ignore[arg-type]
-        return True
-
-    def fail(error: BaseException) -> bool:
-        return finish(None, error)
-
-    if seconds is not None:
-        handle = _TIMER.schedule(
-            seconds,
-            lambda: finish(None, TimeoutError(f"future did not complete within {seconds}s")),
-        )
-        with lock:
-            state["handle"] = handle
-
-    def on_done(f: Future[T]) -> None:
-        try:
-            value = f.value()
-        except Exception as e:  # noqa: BLE001 - propagated through the future
-            # The traceback would only point here, but through its frames it would keep the
-            # completing thread's locals (often tensors) alive as long as the error is kept.
-            finish(None, e.with_traceback(None))
-            return
-        finish(value, None)
-
-    fut.add_done_callback(on_done)
-    return out, fail
+    m = _Mirror(fut, timeout, on_error, like)
+    return m.out, m.fail
 
 
 def future_timeout(fut: Future[T], timeout: timedelta | float, like: object = None) -> Future[T]:
@@ -355,17 +458,30 @@ class _InFlight:
         Returns:
             The future callers should wait on.
         """
-        out, fail = _mirror(fut, timeout, on_error, like)
-        key = next(self._ids)
-        with self._lock:
-            self._fails[key] = fail
+        return self.mirror(fut, timeout, on_error, like).out
 
-        def forget(_: Future[T]) -> None:
+    def mirror(
+        self,
+        fut: Future[T],
+        timeout: timedelta | float | None,
+        on_error: Callable[[Exception], None] | None = None,
+        like: object = None,
+    ) -> _Mirror:
+        """As :meth:`track`, returning the mirror itself (its ``out`` is the future); the
+        tracking ends inside the mirror's one completion callback."""
+        key = next(self._ids)
+
+        def forget() -> None:
             with self._lock:
                 self._fails.pop(key, None)
 
-        out.add_done_callback(forget)
-        return out
+        m = _Mirror(fut, timeout, on_error, like, on_finish=forget)
+        with self._lock:
+            # A source already complete finished the mirror inline (its ``forget`` found
+            # nothing); one finishing now runs ``forget`` after this lock is released.
+            if not m.finished:
+                self._fails[key] = m.fail
+        return m
 
     def fail_all(self, error: BaseException) -> int:
         """Fails every tracked future that is still pending; returns how many."""

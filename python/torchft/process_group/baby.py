@@ -64,6 +64,8 @@ class ProcessGroupBaby(ProcessGroup):
         self._error: Exception | None = None
         self._finalizer: weakref.finalize[[], ProcessGroupBaby] | None = None
         self._inflight = _InFlight()
+        # Made once: an operation's error is recorded without keeping the group alive.
+        self._on_error = _weak_callback(self._record_error)
 
     @classmethod
     def _create_pg(
@@ -197,12 +199,12 @@ class ProcessGroupBaby(ProcessGroup):
         if self._use_cuda:
             # The child reads the tensors from its own streams.
             torch.cuda.current_stream().synchronize()
-        fut = self._inflight.track(
+        m = self._inflight.mirror(
             child.submit(op, wire, _default_result(op, args)),
             self._timeout,
-            _weak_callback(self._record_error),
+            self._on_error,
         )
-        return _FutureWork(fut)  # fut already carries the deadline
+        return _FutureWork(m.out, mirror=m)  # the mirror carries the deadline
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):

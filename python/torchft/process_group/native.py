@@ -42,7 +42,6 @@ from torchft.process_group.base import (
     _check_rank,
     _check_timeout,
     _env_timeout,
-    _weak_callback,
     _work_future,
     create_store_client,
 )
@@ -392,13 +391,13 @@ class ProcessGroupNative(ProcessGroupWrapper):
 
     def _wrap_work(self, work: dist.Work, result: object) -> dist.Work:
         """Bounds the work by the timeout and records its error (as torchft's groups do)."""
-        fut = self._inflight.track(
+        m = self._inflight.mirror(
             _work_future(work, result),
             self._timeout,
-            _weak_callback(self._record_error),
+            self._on_error,
             like=result,
         )
-        return _FutureWork(fut)
+        return _FutureWork(m.out, mirror=m)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank()}, size={self.size()})"

@@ -103,6 +103,8 @@ class ProcessGroupWrapper(ProcessGroup):
         self._error: Exception | None = None
         self._replica_id: str | None = None
         self._inflight = _InFlight()
+        # Made once: a collective's error is recorded without keeping the group alive.
+        self._on_error = _weak_callback(self._record_error)
         # Helper threads still releasing aborted groups: shutdown waits a little for them
         # (the interpreter's exit waits for the rest; see the module docstring).
         self._releasing: list[threading.Thread] = []
@@ -364,13 +366,13 @@ class ProcessGroupWrapper(ProcessGroup):
         """Post-processes a work from the underlying group (timeouts, error recording)."""
         if self._wrapped:
             return work
-        fut = self._inflight.track(
+        m = self._inflight.mirror(
             _work_future(work, result),
             self._timeout,
-            _weak_callback(self._record_error),
+            self._on_error,
             like=result,
         )
-        return _FutureWork(fut)  # fut already carries the deadline
+        return _FutureWork(m.out, mirror=m)  # the mirror carries the deadline
 
     def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         pg = self._current()

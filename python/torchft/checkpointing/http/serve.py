@@ -208,6 +208,9 @@ class CheckpointServer:
         :meth:`abort_transfers`)."""
         with self._cond:
             served = self.served
+            if served is None:
+                # Nothing was offered (every step of a steady run): nobody to tell.
+                return None
             self.served = None
             self._cond.notify_all()
         return served
