@@ -2,22 +2,17 @@
 //! that count what arrives, so the tests see streams and calls, not only answers.
 
 mod common;
-use common::{bounded, serve_fake};
+use common::{bounded, not_here, serve_fake, Answers, FakeLighthouse};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::stream::{BoxStream, StreamExt};
+use futures::stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 use torchft::client::LighthouseClient;
 use torchft::lighthouse::{LighthouseOptions, LighthouseServer};
-use torchft::proto::lighthouse_service_server::LighthouseService;
-use torchft::proto::{
-    LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
-    LighthouseHeartbeatResponse, LighthouseQuorumRequest, LighthouseQuorumResponse, SessionEvent,
-    SessionRequest, TelemetryAck, TelemetryBatch,
-};
+use torchft::proto::{LighthouseCommitRequest, LighthouseCommitResponse};
 
 const ASK: Duration = Duration::from_secs(5);
 /// A step the scripted lighthouse refuses.
@@ -58,47 +53,7 @@ fn answer(req: &LighthouseCommitRequest) -> Result<LighthouseCommitResponse, Sta
 }
 
 #[tonic::async_trait]
-impl LighthouseService for Counting {
-    type QuorumStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
-
-    async fn quorum_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
-    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
-        // As an upstream lighthouse: quorum requests come as single calls.
-        Err(Status::unimplemented("no quorum stream here"))
-    }
-
-    async fn quorum(
-        &self,
-        _request: Request<LighthouseQuorumRequest>,
-    ) -> Result<Response<LighthouseQuorumResponse>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-
-    async fn heartbeat(
-        &self,
-        _request: Request<LighthouseHeartbeatRequest>,
-    ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
-
-    async fn session(
-        &self,
-        _request: Request<SessionRequest>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-
-    async fn report(
-        &self,
-        _request: Request<TelemetryBatch>,
-    ) -> Result<Response<TelemetryAck>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-
+impl FakeLighthouse for Counting {
     async fn commit(
         &self,
         request: Request<LighthouseCommitRequest>,
@@ -106,14 +61,13 @@ impl LighthouseService for Counting {
         self.seen.calls.fetch_add(1, Ordering::SeqCst);
         answer(request.get_ref()).map(Response::new)
     }
-    type CommitStreamStream = BoxStream<'static, Result<LighthouseCommitResponse, Status>>;
 
     async fn commit_stream(
         &self,
         request: Request<Streaming<LighthouseCommitRequest>>,
-    ) -> Result<Response<Self::CommitStreamStream>, Status> {
+    ) -> Result<Response<Answers<LighthouseCommitResponse>>, Status> {
         if !self.streams {
-            return Err(Status::unimplemented("no commit stream here"));
+            return not_here("commit stream");
         }
         self.seen.streams.fetch_add(1, Ordering::SeqCst);
         let seen = self.seen.clone();

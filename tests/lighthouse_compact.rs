@@ -3,7 +3,7 @@
 //! compact replies cannot be expanded.
 
 mod common;
-use common::{bounded, serve_fake};
+use common::{bounded, serve_fake, FakeLighthouse};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,10 +12,9 @@ use tonic::{Request, Response, Status};
 use torchft::client::compact::compact_form;
 use torchft::lighthouse::{LighthouseClient, LighthouseOptions, LighthouseServer};
 use torchft::proto::lighthouse_service_client::LighthouseServiceClient;
-use torchft::proto::lighthouse_service_server::LighthouseService;
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, Quorum, QuorumMember, SessionEvent, SessionRequest,
+    LighthouseQuorumResponse, Quorum, QuorumMember,
 };
 
 const ASK: Duration = Duration::from_secs(10);
@@ -257,18 +256,7 @@ struct Scripted {
 }
 
 #[tonic::async_trait]
-impl LighthouseService for Scripted {
-    type QuorumStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
-
-    async fn quorum_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
-    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
-        // As an upstream lighthouse: quorum requests come as single calls.
-        Err(Status::unimplemented("no quorum stream here"))
-    }
-
+impl FakeLighthouse for Scripted {
     async fn quorum(
         &self,
         request: Request<LighthouseQuorumRequest>,
@@ -292,39 +280,6 @@ impl LighthouseService for Scripted {
         _request: Request<LighthouseHeartbeatRequest>,
     ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
         Ok(Response::new(LighthouseHeartbeatResponse::default()))
-    }
-
-    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
-
-    async fn session(
-        &self,
-        _request: Request<SessionRequest>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Err(Status::unimplemented("no sessions here"))
-    }
-
-    async fn report(
-        &self,
-        _request: Request<torchft::proto::TelemetryBatch>,
-    ) -> Result<Response<torchft::proto::TelemetryAck>, Status> {
-        Err(Status::unimplemented("no telemetry here"))
-    }
-
-    async fn commit(
-        &self,
-        _request: Request<torchft::proto::LighthouseCommitRequest>,
-    ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
-        // As an upstream lighthouse: no write-ahead commits.
-        Err(Status::unimplemented("no commit announcements here"))
-    }
-    type CommitStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseCommitResponse, Status>>;
-
-    async fn commit_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::LighthouseCommitRequest>>,
-    ) -> Result<Response<Self::CommitStreamStream>, Status> {
-        Err(Status::unimplemented("no commit stream here"))
     }
 }
 

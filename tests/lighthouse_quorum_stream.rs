@@ -3,23 +3,20 @@
 //! successor on the same address, malformed and oversized stream requests).
 
 mod common;
-use common::{bounded, serve_fake};
+use common::{bounded, not_here, serve_fake, Answers, FakeLighthouse};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::stream::{BoxStream, StreamExt};
+use futures::stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 use torchft::client::LighthouseClient;
 use torchft::lighthouse::{
     AccessOptions, LighthouseOptions, LighthouseServer, ObservabilityOptions,
 };
-use torchft::proto::lighthouse_service_server::LighthouseService;
 use torchft::proto::{
-    LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
-    LighthouseHeartbeatResponse, LighthouseQuorumRequest, LighthouseQuorumResponse, Quorum,
-    QuorumMember, QuorumStreamRequest, SessionEvent, SessionRequest, TelemetryAck, TelemetryBatch,
+    LighthouseQuorumRequest, LighthouseQuorumResponse, Quorum, QuorumMember, QuorumStreamRequest,
 };
 
 const ASK: Duration = Duration::from_secs(5);
@@ -64,7 +61,7 @@ async fn answer(req: LighthouseQuorumRequest) -> Result<LighthouseQuorumResponse
 }
 
 #[tonic::async_trait]
-impl LighthouseService for Counting {
+impl FakeLighthouse for Counting {
     async fn quorum(
         &self,
         request: Request<LighthouseQuorumRequest>,
@@ -72,14 +69,13 @@ impl LighthouseService for Counting {
         self.seen.calls.fetch_add(1, Ordering::SeqCst);
         answer(request.into_inner()).await.map(Response::new)
     }
-    type QuorumStreamStream = BoxStream<'static, Result<LighthouseQuorumResponse, Status>>;
 
     async fn quorum_stream(
         &self,
         request: Request<Streaming<QuorumStreamRequest>>,
-    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
+    ) -> Result<Response<Answers<LighthouseQuorumResponse>>, Status> {
         if !self.streams {
-            return Err(Status::unimplemented("no quorum stream here"));
+            return not_here("quorum stream");
         }
         self.seen.streams.fetch_add(1, Ordering::SeqCst);
         let seen = self.seen.clone();
@@ -93,43 +89,6 @@ impl LighthouseService for Counting {
             }
         });
         Ok(Response::new(answers.boxed()))
-    }
-
-    async fn heartbeat(
-        &self,
-        _request: Request<LighthouseHeartbeatRequest>,
-    ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
-
-    async fn session(
-        &self,
-        _request: Request<SessionRequest>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-
-    async fn report(
-        &self,
-        _request: Request<TelemetryBatch>,
-    ) -> Result<Response<TelemetryAck>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-
-    async fn commit(
-        &self,
-        _request: Request<LighthouseCommitRequest>,
-    ) -> Result<Response<LighthouseCommitResponse>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-    type CommitStreamStream = futures::stream::Empty<Result<LighthouseCommitResponse, Status>>;
-
-    async fn commit_stream(
-        &self,
-        _request: Request<Streaming<LighthouseCommitRequest>>,
-    ) -> Result<Response<Self::CommitStreamStream>, Status> {
-        Err(Status::unimplemented("not used here"))
     }
 }
 

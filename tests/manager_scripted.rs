@@ -1,7 +1,7 @@
 //! The manager against scripted lighthouses: what it sends, how often, retries, heartbeats.
 
 mod common;
-use common::{bounded, serve_fake};
+use common::{bounded, serve_fake, FakeLighthouse};
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 use torchft::error::Error;
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
-use torchft::proto::lighthouse_service_server::LighthouseService;
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, SessionEvent,
-    SessionRequest, TelemetryAck, TelemetryBatch, TelemetryReport,
+    LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, TelemetryAck,
+    TelemetryBatch, TelemetryReport,
 };
 
 /// A lighthouse whose heartbeat handler records the arrival and then hangs for a long time.
@@ -23,25 +22,7 @@ struct HangingLighthouse {
 }
 
 #[tonic::async_trait]
-impl LighthouseService for HangingLighthouse {
-    type QuorumStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
-
-    async fn quorum_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
-    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
-        // As an upstream lighthouse: quorum requests come as single calls.
-        Err(Status::unimplemented("no quorum stream here"))
-    }
-
-    async fn quorum(
-        &self,
-        _request: Request<LighthouseQuorumRequest>,
-    ) -> Result<Response<LighthouseQuorumResponse>, Status> {
-        Err(Status::unimplemented("not used here"))
-    }
-
+impl FakeLighthouse for HangingLighthouse {
     async fn heartbeat(
         &self,
         request: Request<LighthouseHeartbeatRequest>,
@@ -52,38 +33,6 @@ impl LighthouseService for HangingLighthouse {
             .push((Instant::now(), request.into_inner().replica_id));
         tokio::time::sleep(Duration::from_secs(20)).await;
         Ok(Response::new(LighthouseHeartbeatResponse::default()))
-    }
-    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
-
-    async fn session(
-        &self,
-        _request: Request<SessionRequest>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Err(Status::unimplemented("no sessions here"))
-    }
-
-    async fn report(
-        &self,
-        _request: Request<TelemetryBatch>,
-    ) -> Result<Response<TelemetryAck>, Status> {
-        Err(Status::unimplemented("no telemetry here"))
-    }
-
-    async fn commit(
-        &self,
-        _request: Request<torchft::proto::LighthouseCommitRequest>,
-    ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
-        // As an upstream lighthouse: no write-ahead commits.
-        Err(Status::unimplemented("no commit announcements here"))
-    }
-    type CommitStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseCommitResponse, Status>>;
-
-    async fn commit_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::LighthouseCommitRequest>>,
-    ) -> Result<Response<Self::CommitStreamStream>, Status> {
-        Err(Status::unimplemented("no commit stream here"))
     }
 }
 
@@ -143,18 +92,7 @@ struct RecordingLighthouse {
 }
 
 #[tonic::async_trait]
-impl LighthouseService for RecordingLighthouse {
-    type QuorumStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseQuorumResponse, Status>>;
-
-    async fn quorum_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::QuorumStreamRequest>>,
-    ) -> Result<Response<Self::QuorumStreamStream>, Status> {
-        // As an upstream lighthouse: quorum requests come as single calls.
-        Err(Status::unimplemented("no quorum stream here"))
-    }
-
+impl FakeLighthouse for RecordingLighthouse {
     async fn quorum(
         &self,
         request: Request<LighthouseQuorumRequest>,
@@ -186,14 +124,6 @@ impl LighthouseService for RecordingLighthouse {
     ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
         Ok(Response::new(LighthouseHeartbeatResponse::default()))
     }
-    type SessionStream = futures::stream::Empty<Result<SessionEvent, Status>>;
-
-    async fn session(
-        &self,
-        _request: Request<SessionRequest>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Err(Status::unimplemented("no sessions here"))
-    }
 
     async fn report(
         &self,
@@ -203,23 +133,6 @@ impl LighthouseService for RecordingLighthouse {
         let accepted = batch.reports.len() as u32;
         self.reports.lock().unwrap().push(batch);
         Ok(Response::new(TelemetryAck { accepted }))
-    }
-
-    async fn commit(
-        &self,
-        _request: Request<torchft::proto::LighthouseCommitRequest>,
-    ) -> Result<Response<torchft::proto::LighthouseCommitResponse>, Status> {
-        // As an upstream lighthouse: no write-ahead commits.
-        Err(Status::unimplemented("no commit announcements here"))
-    }
-    type CommitStreamStream =
-        futures::stream::Empty<Result<torchft::proto::LighthouseCommitResponse, Status>>;
-
-    async fn commit_stream(
-        &self,
-        _request: Request<tonic::Streaming<torchft::proto::LighthouseCommitRequest>>,
-    ) -> Result<Response<Self::CommitStreamStream>, Status> {
-        Err(Status::unimplemented("no commit stream here"))
     }
 }
 
