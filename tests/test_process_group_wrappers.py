@@ -210,3 +210,19 @@ def test_managed_process_group_registers_before_the_first_quorum() -> None:
         assert dist.get_process_group_ranks(pg) == [0]
     finally:
         pg.unregister()
+
+
+def test_managed_process_group_work_waits_without_a_future_of_its_own() -> None:
+    """A managed allreduce's wait() waits on the manager's works; its torch-style future
+    (resolving to the tensors) is made once, when asked for."""
+    manager = _FakeManager(2)
+    pg = ManagedProcessGroup(manager)  # type: ignore[arg-type]
+    a = torch.ones(3)
+    work = pg.allreduce([a], ReduceOp.SUM)
+    assert work.wait() is True
+    assert work.is_completed()
+    assert a.tolist() == [2.0, 2.0, 2.0]
+    fut = work.get_future()
+    assert fut is work.get_future()
+    assert fut.wait() == [a]
+    assert work.wait(timedelta(seconds=5)) is True

@@ -25,7 +25,7 @@ from torchft.process_group.base import (
 )
 from torchft.process_group.dummy import ProcessGroupDummy
 from torchft.process_group.reconfigurable import ProcessGroupWrapper
-from torchft.work import _DummyWork, _FutureWork, _work_timeout, future_on_error
+from torchft.work import _DummyWork, _work_timeout, future_on_error
 
 
 class AllreduceManager(Protocol):
@@ -168,6 +168,43 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         return _FailingWork(work, err)
 
 
+class _ManagedWork(dist.Work):
+    """The manager allreduces of one collective: ``wait`` waits for them (they never fail);
+    the future, resolving to the collective's tensors as torch's do, is chained only when
+    asked for, so a caller that only waits (``dist.all_reduce``) adds no callback of its own
+    on the backend's thread."""
+
+    def __init__(self, works: list[Work], tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works = works
+        self._tensors = tensors
+        self._future: Future[list[torch.Tensor]] | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        timeout = _work_timeout(timeout)
+        for work in self._works:
+            if timeout is not None:
+                work.wait(timeout)
+            else:
+                work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        if self._future is None:
+            tensors = self._tensors
+            futures = [w.get_future() for w in self._works]
+            if len(futures) == 1:
+                self._future = futures[0].then(lambda f: (f.value(), tensors)[1])
+            else:
+                self._future = torch.futures.collect_all(futures).then(
+                    lambda f: ([x.value() for x in f.value()], tensors)[1]
+                )
+        return self._future
+
+
 class ManagedProcessGroup(ProcessGroupWrapper):
     """A process group whose allreduce goes through a ``Manager``.
 
@@ -192,17 +229,8 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         if op != "allreduce":
             return super()._dispatch(op, args)
         tensors, opts = args
-        futures = []
-        for t in tensors:
-            work = self._manager.allreduce(t, reduce_op=opts.reduceOp)
-            futures.append(work.get_future())
-        if len(futures) == 1:
-            result = futures[0].then(lambda f: (f.value(), tensors)[1])
-        else:
-            result = torch.futures.collect_all(futures).then(
-                lambda f: ([x.value() for x in f.value()], tensors)[1]
-            )
-        return _FutureWork(result)
+        works = [self._manager.allreduce(t, reduce_op=opts.reduceOp) for t in tensors]
+        return _ManagedWork(works, tensors)
 
     def _registration_size(self) -> int:
         # torchtitan registers the group at start-up, before the first quorum: the size is
