@@ -235,18 +235,23 @@ async fn a_lighthouse_stop_ends_the_stream_and_its_successor_answers_the_next_re
     .await;
 }
 
+/// Our lighthouse on 127.0.0.1:0 waiting for two groups (a lone request stays unanswered).
+async fn lighthouse_of_two() -> LighthouseServer {
+    LighthouseServer::bind(
+        "127.0.0.1:0",
+        LighthouseOptions {
+            min_replicas: 2,
+            ..opts()
+        },
+    )
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_waiting_on_a_kept_stream_ends_at_the_lighthouse_stop_with_its_status() {
     bounded(async {
-        let server = LighthouseServer::bind(
-            "127.0.0.1:0",
-            LighthouseOptions {
-                min_replicas: 2,
-                ..opts()
-            },
-        )
-        .await
-        .unwrap();
+        let server = lighthouse_of_two().await;
         let c = LighthouseClient::connect(&server.address(), ASK)
             .await
             .unwrap();
@@ -342,15 +347,7 @@ async fn malformed_or_oversized_stream_requests_are_refused_with_their_reason() 
             assert!(matches!(answers.message().await, Ok(None)), "{why}");
         }
         // A request's own deadline bounds its wait, as a call's grpc-timeout does.
-        let two = LighthouseServer::bind(
-            "127.0.0.1:0",
-            LighthouseOptions {
-                min_replicas: 2,
-                ..opts()
-            },
-        )
-        .await
-        .unwrap();
+        let two = lighthouse_of_two().await;
         let mut raw2 = torchft::proto::lighthouse_service_client::LighthouseServiceClient::connect(
             two.address(),
         )

@@ -387,26 +387,6 @@ def _timed_out(seconds: float) -> TimeoutError:
     return TimeoutError(f"future did not complete within {seconds}s")
 
 
-def _mirror(
-    fut: Future[T],
-    timeout: timedelta | float | None,
-    on_error: Callable[[Exception], None] | None = None,
-    like: object = None,
-) -> tuple[Future[T], Callable[[BaseException], bool]]:
-    """A future mirroring ``fut`` that can also be failed early (deadline or ``fail``);
-    CUDA-aware when ``like`` (the expected result) holds CUDA tensors (see device_future).
-
-    ``on_error`` (if given) sees the error before the returned future completes, so state
-    it records is visible to anyone woken by the future.
-
-    Returns:
-        ``(out, fail)``: ``fail(err)`` completes ``out`` with ``err`` unless it is already
-        complete, and returns whether it did.
-    """
-    m = _Mirror(fut, timeout, on_error, like)
-    return m.out, m.fail
-
-
 def future_timeout(fut: Future[T], timeout: timedelta | float, like: object = None) -> Future[T]:
     """Returns a future that mirrors ``fut`` but fails with TimeoutError after ``timeout``.
 
@@ -423,7 +403,7 @@ def future_timeout(fut: Future[T], timeout: timedelta | float, like: object = No
     """
     if fut.done():
         return fut
-    out, _ = _mirror(fut, timeout, like=like)
+    out: Future[T] = _Mirror(fut, timeout, like=like).out
     return out
 
 
@@ -482,6 +462,18 @@ class _InFlight:
             if not m.finished:
                 self._fails[key] = m.fail
         return m
+
+    def work(
+        self,
+        fut: Future[Any],
+        timeout: timedelta | float | None,
+        on_error: Callable[[Exception], None] | None = None,
+        like: object = None,
+    ) -> _FutureWork:
+        """A work on a tracked mirror of ``fut`` (see :meth:`mirror`) whose owner may fuse
+        its completion (:meth:`_FutureWork._fuse`); the mirror carries the deadline."""
+        m = self.mirror(fut, timeout, on_error, like)
+        return _FutureWork(m.out, mirror=m)
 
     def fail_all(self, error: BaseException) -> int:
         """Fails every tracked future that is still pending; returns how many."""

@@ -29,7 +29,7 @@ from torchft.process_group.base import (
     _weak_callback,
 )
 from torchft.process_group.reconfigurable import ProcessGroupGloo, ProcessGroupNCCL
-from torchft.work import _FutureWork, _InFlight
+from torchft.work import _InFlight
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -199,12 +199,11 @@ class ProcessGroupBaby(ProcessGroup):
         if self._use_cuda:
             # The child reads the tensors from its own streams.
             torch.cuda.current_stream().synchronize()
-        m = self._inflight.mirror(
+        return self._inflight.work(
             child.submit(op, wire, _default_result(op, args)),
             self._timeout,
             self._on_error,
         )
-        return _FutureWork(m.out, mirror=m)  # the mirror carries the deadline
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):

@@ -46,7 +46,6 @@ from torchft.process_group.base import (
     create_store_client,
 )
 from torchft.process_group.reconfigurable import ProcessGroupWrapper
-from torchft.work import _FutureWork
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -391,13 +390,12 @@ class ProcessGroupNative(ProcessGroupWrapper):
 
     def _wrap_work(self, work: dist.Work, result: object) -> dist.Work:
         """Bounds the work by the timeout and records its error (as torchft's groups do)."""
-        m = self._inflight.mirror(
+        return self._inflight.work(
             _work_future(work, result),
             self._timeout,
             self._on_error,
             like=result,
         )
-        return _FutureWork(m.out, mirror=m)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank()}, size={self.size()})"

@@ -366,13 +366,12 @@ class ProcessGroupWrapper(ProcessGroup):
         """Post-processes a work from the underlying group (timeouts, error recording)."""
         if self._wrapped:
             return work
-        m = self._inflight.mirror(
+        return self._inflight.work(
             _work_future(work, result),
             self._timeout,
             self._on_error,
             like=result,
         )
-        return _FutureWork(m.out, mirror=m)  # the mirror carries the deadline
 
     def _dispatch(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         pg = self._current()
