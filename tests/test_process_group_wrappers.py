@@ -226,3 +226,35 @@ def test_managed_process_group_work_waits_without_a_future_of_its_own() -> None:
     assert fut is work.get_future()
     assert fut.wait() == [a]
     assert work.wait(timedelta(seconds=5)) is True
+
+
+class _CountingWork(_DummyWork):
+    """A complete work that counts the futures asked of it."""
+
+    asked = 0
+
+    def get_future(self) -> Any:
+        type(self).asked += 1
+        return super().get_future()
+
+
+class _CountingManager(_FakeManager):
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = ReduceOp.AVG
+    ) -> Any:
+        super().allreduce(tensor, should_quantize, reduce_op)
+        return _CountingWork(tensor)
+
+
+def test_managed_allreduce_that_is_only_waited_for_chains_nothing() -> None:
+    """wait() alone asks no future of the manager's works (nothing is chained on the
+    backend's thread); the torch-style future is chained once, on the first ask."""
+    _CountingWork.asked = 0
+    pg = ManagedProcessGroup(_CountingManager(2))  # type: ignore[arg-type]
+    a, b = torch.ones(2), torch.ones(1)
+    work = pg.allreduce([a, b], ReduceOp.SUM)
+    assert work.wait() is True
+    assert _CountingWork.asked == 0
+    assert work.get_future().wait() == [a, b]
+    work.get_future()
+    assert _CountingWork.asked == 2  # one per tensor, once
