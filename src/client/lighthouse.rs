@@ -187,7 +187,18 @@ impl LighthouseClient {
             ))
         };
         let started = Instant::now();
-        let answer = match tokio::time::timeout(timeout, self.commit_on_stream(req.clone())).await {
+        let mut first = tokio::time::timeout(timeout, self.commit_on_stream(req.clone())).await;
+        if let Ok(Some(Err(s))) = &first {
+            // Failed in its transport, without an answer (a connection that closed under it
+            // as the lighthouse restarted): once more, on a new stream. A status the
+            // lighthouse sent has no source; an announcement is idempotent anyway (the same
+            // step under the same quorum).
+            if std::error::Error::source(s).is_some() {
+                let remaining = timeout.saturating_sub(started.elapsed());
+                first = tokio::time::timeout(remaining, self.commit_on_stream(req.clone())).await;
+            }
+        }
+        let answer = match first {
             Ok(Some(answer)) => answer,
             Ok(None) => {
                 let mut client = self.client.clone();
