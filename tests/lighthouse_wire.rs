@@ -542,6 +542,70 @@ async fn commits_are_written_ahead_and_survive_a_lighthouse_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lighthouse_restarted_more_often_than_the_progress_wait_still_gives_up_on_a_dead_holder()
+{
+    bounded(async {
+        let dir = TempDir::new("state");
+        let file = dir.0.join("lighthouse.state");
+        let progress_wait = Duration::from_secs(4);
+        let o = LighthouseOptions {
+            progress_wait,
+            state_file: Some(file.clone()),
+            ..opts(1, 0)
+        };
+        // a commits step 4 and dies.
+        let (server, c) = start(o.clone()).await;
+        let beats = heartbeats(&c, "a");
+        let q = ask(&c, member("a"), 5_000).await.unwrap();
+        let committed = std::time::Instant::now();
+        assert_eq!(
+            c.commit("a", q.quorum_id, 4, 0.0, TEST_TIMEOUT)
+                .await
+                .unwrap(),
+            None
+        );
+        beats.abort();
+        server.shutdown().await;
+        let saved: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert!(saved["last_heard_ms"]["a"].is_i64(), "{saved}");
+        // The lighthouse is then restarted every 1.5 s, well within the progress wait of
+        // its start, while b asks at step 3. Each life gives up on a at the same time: the
+        // progress wait after a was last heard.
+        let mut issued = None;
+        for life in 1..=8 {
+            let (server, c) = start(o.clone()).await;
+            let b_beats = heartbeats(&c, "b");
+            let got = ask(
+                &c,
+                QuorumMember {
+                    step: 3,
+                    ..member("b")
+                },
+                1_500,
+            )
+            .await;
+            b_beats.abort();
+            server.shutdown().await;
+            match got {
+                Ok(q) => {
+                    issued = Some((life, q, committed.elapsed()));
+                    break;
+                }
+                Err(e) => assert!(e.is_timeout(), "life {life}: {e}"),
+            }
+        }
+        let (life, q, after) = issued.expect("no quorum while the lighthouse kept restarting");
+        assert_eq!(ids(&q), ["b"]);
+        assert!(
+            after >= progress_wait - Duration::from_millis(5),
+            "a given up on {after:?} after it was last heard (life {life})"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acknowledged_report_batch_is_already_in_the_state_file() {
     // A batch acknowledged and then lost with a SIGKILLed lighthouse is never sent again:
     // what it changed in the goodput accounts must be on disk before the acknowledgement.

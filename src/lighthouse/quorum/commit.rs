@@ -4,7 +4,8 @@
 //! has replaced or from a member declared lost. [`Durable`] is what the state file keeps, and
 //! [`QuorumEngine::restored`] continues from it.
 
-use std::time::Instant;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use super::{EarlierLife, HeartbeatRecord, QuorumEngine};
 use crate::error::{ensure, Result};
@@ -39,6 +40,13 @@ pub struct Durable {
     /// lighthouse still waits for the best of these (absent in older state files).
     #[serde(default)]
     pub others: Vec<(String, i64)>,
+    /// When each replica of `holders` and `others` was last heard, in milliseconds since the
+    /// Unix epoch, by this life of the lighthouse or an earlier one (absent in older state
+    /// files, and for a replica whose time is unknown). A restarted lighthouse waits for a
+    /// remembered replica until `progress_wait` after then, not after its own start: a
+    /// lighthouse restarted more often than `progress_wait` still gives up on a dead holder.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub last_heard_ms: BTreeMap<String, i64>,
 }
 
 /// Most replicas below the best step a state file remembers.
@@ -48,7 +56,8 @@ impl QuorumEngine {
     /// A fresh engine started at `now` that continues a previous life of the lighthouse,
     /// whose [`QuorumEngine::durable`] state was `durable`: a commit under a quorum other
     /// than its last one is refused, and the holders of its best step are waited for (up to
-    /// `progress_wait` from `now`) like silent replicas that may come back.
+    /// `progress_wait` from `now`, or from when they were last heard once
+    /// [`QuorumEngine::anchor_wall_clock`] is called) like silent replicas that may come back.
     pub fn restored(
         opts: LighthouseOptions,
         initial_quorum_id: i64,
@@ -76,10 +85,12 @@ impl QuorumEngine {
                     .into_iter()
                     .filter(|(_, s)| *s >= 0 && *s < step),
             );
+            let mut last_heard = durable.last_heard_ms;
             for (id, held) in remembered {
                 if e.heartbeats.contains_key(&id) {
                     continue;
                 }
+                let heard_ms = last_heard.remove(&id);
                 e.restored_by_group
                     .entry(crate::telemetry::base_id(&id).to_string())
                     .or_default()
@@ -90,12 +101,73 @@ impl QuorumEngine {
                         step: Some(held),
                         restored_until: Some(until),
                         heard: false,
+                        heard_ms,
                         ..HeartbeatRecord::new(now)
                     },
                 );
             }
         }
         e
+    }
+
+    /// Ties the engine's clock to the wall clock: `now` is `unix_ms` milliseconds after the
+    /// Unix epoch. The durable state then says when each remembered replica was last heard,
+    /// and a restored engine waits for a remembered replica only until `progress_wait` after
+    /// then (never longer than after its own start, should the wall clock have gone back), so
+    /// a chain of short lives gives up on a dead holder as one long life would. A replica the
+    /// state file has no time for counts as heard now. O(known replicas); call it once, at
+    /// the start.
+    pub fn anchor_wall_clock(&mut self, now: Instant, unix_ms: i64) {
+        self.wall_anchor = Some((now, unix_ms));
+        let wait_ms = i64::try_from(self.opts.progress_wait.as_millis()).unwrap_or(i64::MAX);
+        for rec in self.heartbeats.values_mut() {
+            if rec.heard || rec.restored_until.is_none() {
+                continue;
+            }
+            let heard = *rec.heard_ms.get_or_insert(unix_ms);
+            let left = heard
+                .saturating_add(wait_ms)
+                .saturating_sub(unix_ms)
+                .clamp(0, wait_ms);
+            rec.restored_until = now.checked_add(Duration::from_millis(left as u64));
+        }
+    }
+
+    /// The replicas remembered from an earlier life, not heard in this one, that may still
+    /// come back, with how long each is still waited for (O(known replicas)).
+    pub fn remembered_wait(&self, now: Instant) -> Vec<(String, Duration)> {
+        let mut left: Vec<(String, Duration)> = self
+            .heartbeats
+            .iter()
+            .filter(|(_, rec)| !rec.heard)
+            .filter_map(|(id, rec)| {
+                let until = rec.restored_until.filter(|until| now < *until)?;
+                Some((id.clone(), until - now))
+            })
+            .collect();
+        left.sort();
+        left
+    }
+
+    /// `at` on the wall clock (milliseconds since the Unix epoch), if it is anchored.
+    fn wall_ms(&self, at: Instant) -> Option<i64> {
+        let (anchor, ms) = self.wall_anchor?;
+        let ms_of = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        Some(match at.checked_duration_since(anchor) {
+            Some(after) => ms.saturating_add(ms_of(after)),
+            None => ms.saturating_sub(ms_of(anchor - at)),
+        })
+    }
+
+    /// When `id` was last heard, on the wall clock, by this life or (if not heard in it) an
+    /// earlier one.
+    fn last_heard_ms(&self, id: &str) -> Option<i64> {
+        let rec = self.heartbeats.get(id)?;
+        if rec.heard {
+            self.wall_ms(rec.last_seen)
+        } else {
+            rec.heard_ms
+        }
     }
 
     /// The state to keep across a restart of the lighthouse (O(known replicas)).
@@ -131,12 +203,18 @@ impl QuorumEngine {
             .collect();
         others.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         others.truncate(MAX_DURABLE_OTHERS);
+        let last_heard_ms = holders
+            .iter()
+            .chain(others.iter().map(|(id, _)| id))
+            .filter_map(|id| Some((id.clone(), self.last_heard_ms(id)?)))
+            .collect();
         Durable {
             quorum_id,
             members,
             best_step: self.high_water,
             holders,
             others,
+            last_heard_ms,
         }
     }
 
@@ -377,6 +455,7 @@ mod tests {
             best_step: Some(3530),
             holders: vec![LIVE.into()],
             others: vec![(OLD.into(), 2900)],
+            ..Durable::default()
         };
         let t0 = Instant::now();
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
@@ -407,7 +486,7 @@ mod tests {
             members: vec![OLD.into()],
             best_step: Some(1411),
             holders: vec![OLD.into()],
-            others: vec![],
+            ..Durable::default()
         };
         let t0 = Instant::now();
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
@@ -455,6 +534,107 @@ mod tests {
         assert_eq!(r.len(), 1);
         assert_eq!((r[0].from_step, r[0].to_step), (101, 100));
         assert_eq!(r[0].alive_holders, ["a"]);
+    }
+
+    /// The wall clock of the lives below, in milliseconds since the Unix epoch.
+    const WALL: i64 = 1_800_000_000_000;
+
+    #[test]
+    fn lighthouse_lives_shorter_than_the_progress_wait_give_up_on_a_dead_holder_in_time() {
+        // a announces 101 and dies at once. The lighthouse is then restarted every 7 s:
+        // past its startup hold (5 s), but within the progress wait (10 s) of its start.
+        // b and c ask at 100 throughout. Waiting progress_wait from each life's start, no
+        // life would ever issue; measured from when a was last heard, the job waits for a
+        // exactly as one long life would, then regresses once.
+        let (mut e, t0) = running(100);
+        e.anchor_wall_clock(t0, WALL);
+        let qid = e.previous().unwrap().quorum_id;
+        e.commit("a", qid, 101, t0).unwrap();
+        let mut d = e.durable();
+        assert_eq!(d.last_heard_ms.get("a"), Some(&WALL));
+        let a_given_up = t0 + progress_opts().progress_wait;
+        let mut issued = None;
+        for life in 0..4u32 {
+            let start = t0 + Duration::from_millis(500) + Duration::from_secs(7) * life;
+            let mut e = QuorumEngine::restored(progress_opts(), 50, start, d);
+            e.anchor_wall_clock(start, WALL + (start - t0).as_millis() as i64);
+            join_at(&mut e, &["b", "c"], 100, start);
+            let mut t = start;
+            while t < start + Duration::from_secs(7) && issued.is_none() {
+                t += Duration::from_millis(100);
+                e.heartbeat("b", t).unwrap();
+                e.heartbeat("c", t).unwrap();
+                if let Some(q) = e.tick(t) {
+                    issued = Some((q, t, e.take_regressions()));
+                }
+            }
+            d = e.durable();
+            // The time a was last heard passes unchanged from life to life.
+            if issued.is_none() {
+                assert_eq!(d.last_heard_ms.get("a"), Some(&WALL), "life {life}");
+            }
+        }
+        let (q, t, regressions) = issued.expect("a chain of short lives stalled the job");
+        assert_eq!(ids(&q), ["b", "c"]);
+        assert!(t >= a_given_up, "gave up on a {:?} early", a_given_up - t);
+        assert!(
+            t < a_given_up + Duration::from_secs(6),
+            "{:?} late",
+            t - a_given_up
+        );
+        assert_eq!(regressions.len(), 1);
+        assert_eq!(
+            (regressions[0].from_step, regressions[0].to_step),
+            (101, 100)
+        );
+    }
+
+    #[test]
+    fn a_remembered_holder_is_waited_for_from_when_it_was_last_heard_within_the_bound() {
+        let (d, _, t0) = before_restart();
+        let t = t0 + Duration::from_secs(1);
+        let wait = progress_opts().progress_wait;
+        let restart = |last_heard: Option<i64>| {
+            let mut d = d.clone();
+            d.last_heard_ms = last_heard
+                .map(|ms| ("a".to_string(), ms))
+                .into_iter()
+                .collect();
+            let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
+            e.anchor_wall_clock(t, WALL);
+            e
+        };
+        let a_left = |e: &QuorumEngine| {
+            let left = e.remembered_wait(t);
+            left.into_iter()
+                .find(|(id, _)| id == "a")
+                .map(|(_, left)| left)
+        };
+        // Heard 3 s before this life began: 7 s left, and the verdict says so.
+        let mut e = restart(Some(WALL - 3_000));
+        assert_eq!(a_left(&e), Some(Duration::from_secs(7)));
+        join_at(&mut e, &["b", "c"], 100, t);
+        let later = waits(&mut e, t, 55, &["b", "c"]);
+        match e.verdict(later) {
+            Verdict::WaitingForProgress { remaining, .. } => {
+                assert_eq!(remaining, Duration::from_millis(1_500))
+            }
+            v => panic!("unexpected verdict {v}"),
+        }
+        // Heard longer ago than the progress wait: not waited for (the startup hold still
+        // hears every replica that lives).
+        assert_eq!(a_left(&restart(Some(WALL - 10_000))), None);
+        // A wall clock that went back never makes the wait longer than progress_wait.
+        assert_eq!(a_left(&restart(Some(WALL + 60_000))), Some(wait));
+        // An older state file says nothing: a counts as heard at this life's start, which
+        // the next life learns from this one.
+        let e = restart(None);
+        assert_eq!(a_left(&e), Some(wait));
+        assert_eq!(e.durable().last_heard_ms.get("a"), Some(&WALL));
+        // Heard again in this life: its own last heartbeat counts.
+        let mut e = restart(Some(WALL - 3_000));
+        e.heartbeat("a", t + Duration::from_secs(2)).unwrap();
+        assert_eq!(e.durable().last_heard_ms.get("a"), Some(&(WALL + 2_000)));
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub(super) struct HeartbeatRecord {
     pub(super) restored_until: Option<Instant>,
     /// Heard from in this life of the lighthouse (false only for restored records).
     pub(super) heard: bool,
+    /// For a restored record: when an earlier life last heard it, in milliseconds since the
+    /// Unix epoch (None if the state file did not say).
+    pub(super) heard_ms: Option<i64>,
 }
 
 impl HeartbeatRecord {
@@ -46,6 +49,7 @@ impl HeartbeatRecord {
             session: false,
             restored_until: None,
             heard: true,
+            heard_ms: None,
         }
     }
 
@@ -55,6 +59,18 @@ impl HeartbeatRecord {
         self.session
             || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout)
             || self.restored_until.is_some_and(|until| now < until)
+    }
+
+    /// Until when it may come back if nothing more is heard of it: None while its session is
+    /// open or its heartbeats are recent (it lives), else the end of its restored wait.
+    pub(super) fn waited_for_until(&self, now: Instant, timeout: Duration) -> Option<Instant> {
+        let lives = self.session
+            || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout);
+        if lives {
+            None
+        } else {
+            self.restored_until
+        }
     }
 }
 

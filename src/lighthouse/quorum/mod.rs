@@ -148,6 +148,9 @@ pub struct QuorumEngine {
     /// arrive after it, and must not make a dead group healthy again. Their heartbeats are
     /// ignored for one heartbeat timeout, or until they open a session or ask.
     ended: IdMap<Instant>,
+    /// An instant of the engine's clock and the wall clock then, in milliseconds since the
+    /// Unix epoch (see [`QuorumEngine::anchor_wall_clock`]); None: the wall clock is unknown.
+    wall_anchor: Option<(Instant, i64)>,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -211,6 +214,7 @@ impl QuorumEngine {
             dropped: Default::default(),
             parked: Default::default(),
             ended: Default::default(),
+            wall_anchor: None,
             opts,
         }
     }

@@ -133,10 +133,16 @@ impl QuorumEngine {
         let (holder, step) = self
             .holders_ahead(candidates_step, now)
             .max_by_key(|(_, s)| *s)?;
-        let deadline = self
+        let round_ends = self
             .round_started
             .unwrap_or(now)
             .checked_add(self.opts.progress_wait)?;
+        // A holder only remembered from an earlier life is waited for until its own end.
+        let deadline = self
+            .heartbeats
+            .get(holder)
+            .and_then(|rec| rec.waited_for_until(now, self.opts.heartbeat_timeout))
+            .map_or(round_ends, |until| until.min(round_ends));
         (now < deadline).then(|| Verdict::WaitingForProgress {
             holder: holder.to_string(),
             step,

@@ -349,6 +349,7 @@ mod tests {
             best_step: Some(3),
             holders: vec!["a".into()],
             others: vec![("b".into(), 1)],
+            last_heard_ms: [("a".to_string(), 1_700_000_000_123)].into(),
         };
         save_state(&file.0, durable.clone(), Some(&record(3)), None).unwrap();
         let (d, snap) = load_state(&file.0).unwrap().unwrap();
@@ -358,6 +359,7 @@ mod tests {
             serde_json::from_str(&std::fs::read_to_string(&file.0).unwrap()).unwrap();
         assert_eq!(raw["best_step"], 3);
         assert_eq!(raw["snapshot"]["step"], 3);
+        assert_eq!(raw["last_heard_ms"]["a"], 1_700_000_000_123_i64);
         // A file of an older lighthouse (no record) loads; none is written without one.
         std::fs::write(
             &file.0,
@@ -366,6 +368,7 @@ mod tests {
         .unwrap();
         let (d, snap) = load_state(&file.0).unwrap().unwrap();
         assert_eq!(d.best_step, Some(3));
+        assert!(d.last_heard_ms.is_empty());
         assert_eq!(snap, None);
         save_state(&file.0, durable, None, None).unwrap();
         assert!(!std::fs::read_to_string(&file.0)

@@ -260,17 +260,32 @@ impl Shared {
             .clone()
             .map(StateWriter::start)
             .transpose()?;
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         let engine = match durable {
             Some(durable) => {
+                let (quorum_id, best_step) = (durable.quorum_id, durable.best_step);
+                let holders = durable.holders.len();
+                let mut engine = QuorumEngine::restored(opts, initial_id, now, durable);
+                engine.anchor_wall_clock(now, unix_ms);
+                let wait = engine.remembered_wait(now);
                 info!(
-                    quorum_id = ?durable.quorum_id,
-                    best_step = ?durable.best_step,
-                    holders = durable.holders.len(),
-                    "continuing from the state file"
+                    quorum_id = ?quorum_id,
+                    best_step = ?best_step,
+                    holders,
+                    remembered_waited_for = wait.len(),
+                    longest_wait = ?wait.iter().map(|(_, left)| *left).max(),
+                    "continuing from the state file (a remembered replica is waited for until \
+                     the progress wait after it was last heard)"
                 );
-                QuorumEngine::restored(opts, initial_id, now, durable)
+                engine
             }
-            None => QuorumEngine::new(opts, initial_id, now),
+            None => {
+                let mut engine = QuorumEngine::new(opts, initial_id, now);
+                engine.anchor_wall_clock(now, unix_ms);
+                engine
+            }
         };
         let mut state = State {
             engine,
