@@ -275,7 +275,10 @@ impl Shared {
                     best_step = ?best_step,
                     holders,
                     remembered_waited_for = wait.len(),
-                    longest_wait = ?wait.iter().map(|(_, left)| *left).max(),
+                    longest_wait_s = wait
+                        .iter()
+                        .map(|(_, left)| left.as_secs_f64())
+                        .fold(0.0, f64::max),
                     "continuing from the state file (a remembered replica is waited for until \
                      the progress wait after it was last heard)"
                 );
