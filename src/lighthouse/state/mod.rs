@@ -468,13 +468,23 @@ impl Shared {
     fn deliver<'a>(&'a self, state: &mut State, mut quorum: Quorum) -> Option<Told<'a>> {
         quorum.created = Some(timestamp(SystemTime::now()));
         let stable_since = state.engine.stable_since();
-        info!(
-            quorum_id = quorum.quorum_id,
-            revision = quorum.revision,
-            members = quorum.participants.len(),
-            "quorum issued"
-        );
         let changed = state.last.as_ref().map(|l| l.quorum.quorum_id) != Some(quorum.quorum_id);
+        // A new quorum is news; the same one again (every step of a steady job) is not.
+        if changed {
+            info!(
+                quorum_id = quorum.quorum_id,
+                revision = quorum.revision,
+                members = quorum.participants.len(),
+                "quorum issued"
+            );
+        } else {
+            debug!(
+                quorum_id = quorum.quorum_id,
+                revision = quorum.revision,
+                members = quorum.participants.len(),
+                "quorum issued again"
+            );
+        }
         for r in state.engine.take_regressions() {
             // Loud: the job's progress went back (see the no-regression rule).
             warn!(
