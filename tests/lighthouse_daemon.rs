@@ -1,5 +1,8 @@
 //! The `torchft_lighthouse` binary as a real process: address logging, HTTP, signals, bad flags.
 
+#[allow(dead_code)] // only its TempDir is used here
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -299,4 +302,87 @@ fn a_killed_lighthouse_s_successor_answers_the_next_quorum_request_at_once() {
     assert_eq!(again, addr);
     let q = rt.block_on(c.quorum(member, ask)).unwrap();
     assert_eq!(q.participants.len(), 1);
+}
+
+#[test]
+fn a_lighthouse_sigkilled_more_often_than_the_progress_wait_still_gives_up_on_a_dead_holder() {
+    // a commits step 4 and dies; the lighthouse is then SIGKILLed and restarted on the same
+    // address every 1.5 s, with its state file, while b asks at step 3. Each life waits for
+    // a only until the progress wait (4 s) after a was last heard, not after its own start
+    // (which no life would outlive): b gets a quorum, and not before then.
+    let dir = common::TempDir::new("sigkilled");
+    let state = dir.0.join("lighthouse.state");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let args = [
+        "--min_replicas",
+        "1",
+        "--join_timeout_ms",
+        "0",
+        "--heartbeat_timeout_ms",
+        "500",
+        "--progress_wait_ms",
+        "4000",
+        "--state_file",
+        state.to_str().unwrap(),
+    ];
+    let member = |id: &str, step| torchft::proto::QuorumMember {
+        replica_id: id.into(),
+        address: format!("http://{id}.example:1"),
+        store_address: format!("{id}.example:2"),
+        world_size: 1,
+        step,
+        ..Default::default()
+    };
+    let ask = Duration::from_secs(10);
+    let (mut life, addr) = spawn(&[&args[..], &["--bind", "127.0.0.1:0"]].concat());
+    let c = rt
+        .block_on(torchft::client::LighthouseClient::connect(&addr, ask))
+        .unwrap();
+    let q = rt.block_on(c.quorum(member("a", 3), ask)).unwrap();
+    let committed = Instant::now();
+    let refused = rt
+        .block_on(c.commit("a", q.quorum_id, 4, 0.0, ask))
+        .unwrap();
+    assert_eq!(refused, None);
+    let bind = addr.trim_start_matches("http://").to_string();
+    let mut issued = None;
+    for n in 1..=8 {
+        life.0.kill().unwrap(); // SIGKILL
+        life.0.wait().unwrap();
+        life = spawn(&[&args[..], &["--bind", &bind]].concat()).0;
+        let beats = {
+            let c = c.clone();
+            rt.spawn(async move {
+                loop {
+                    let _ = c.heartbeat("b", Duration::from_secs(1)).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        let got = rt.block_on(c.quorum(member("b", 3), Duration::from_millis(1_500)));
+        beats.abort();
+        match got {
+            Ok(q) => {
+                issued = Some((n, q, committed.elapsed()));
+                break;
+            }
+            Err(e) => assert!(e.is_timeout(), "life {n}: {e}"),
+        }
+    }
+    drop(life);
+    let (n, q, after) = issued.expect("no quorum while the lighthouse kept being killed");
+    let ids: Vec<&str> = q
+        .participants
+        .iter()
+        .map(|m| m.replica_id.as_str())
+        .collect();
+    assert_eq!(ids, ["b"]);
+    assert!(
+        after >= Duration::from_millis(3_995),
+        "a given up on {after:?} after it was last heard (life {n})"
+    );
 }
