@@ -45,6 +45,8 @@ pub struct Durable {
     /// files, and for a replica whose time is unknown). A restarted lighthouse waits for a
     /// remembered replica until `progress_wait` after then, not after its own start: a
     /// lighthouse restarted more often than `progress_wait` still gives up on a dead holder.
+    /// The lighthouse rewrites the file at least every second while it runs, so these times
+    /// lag the replicas' last heartbeats by about that much at most.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub last_heard_ms: BTreeMap<String, i64>,
 }

@@ -339,6 +339,7 @@ mod tests {
     use crate::lighthouse::health::hub::Hub;
     use crate::lighthouse::LighthouseOptions;
     use crate::security::Security;
+    use std::time::Duration;
 
     #[test]
     fn the_state_file_keeps_the_latest_snapshot_and_older_files_still_load() {
@@ -436,6 +437,43 @@ mod tests {
             assert_eq!(d.quorum_id, Some(issued.quorum.quorum_id));
             assert_eq!(snap, Some(record(9)));
         }
+    }
+
+    #[tokio::test]
+    async fn the_state_file_keeps_up_with_when_the_holders_were_last_heard() {
+        // A stalled job changes nothing durable, yet its holders are still heard: the file
+        // says so within about a second, so a restart would not give up on them too early.
+        let file = TempFile::new();
+        let o = LighthouseOptions {
+            state_file: Some(file.0.clone()),
+            ..opts()
+        };
+        let hub = Hub::new(Default::default(), o.heartbeat_timeout, o.min_replicas).unwrap();
+        let shared = Shared::with_hub(o, 10, hub, Security::none()).unwrap();
+        let rxs: Vec<_> = [member("a", 12), member("b", 12)]
+            .into_iter()
+            .map(|m| shared.join(m, 0).unwrap().1)
+            .collect();
+        for rx in rxs {
+            rx.await.unwrap().unwrap();
+        }
+        let heard = |id: &str| {
+            let (d, _) = load_state(&file.0).unwrap().unwrap();
+            d.last_heard_ms.get(id).copied()
+        };
+        let first = heard("a").expect("a holder's time is saved with the quorum");
+        let b_first = heard("b").expect("b's too");
+        let started = std::time::Instant::now();
+        let mut later = first;
+        while started.elapsed() < Duration::from_secs(10) && later < first + 1_000 {
+            shared.heartbeat("a", None, None, None, None).unwrap();
+            shared.tick();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            later = heard("a").unwrap();
+        }
+        assert!(later >= first + 1_000, "still {} ms", later - first);
+        // b, silent all along, keeps the time it was last heard.
+        assert_eq!(heard("b"), Some(b_first));
     }
 
     fn contents(step: i64) -> Contents {

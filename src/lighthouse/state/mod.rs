@@ -37,6 +37,10 @@ use file::{load_state, Contents, StateWriter};
 
 /// How often the goodput accounts of a job of more than 256 groups are saved at most.
 const GOODPUT_SAVE_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+/// How stale the state file's `last_heard_ms` may grow while nothing else changes (a stalled
+/// job): a restarted lighthouse measures its wait for a remembered holder from it, so a
+/// stale time would give up on a holder that was heard since, too early.
+const LAST_HEARD_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
 use sessions::Session;
 pub(crate) use sessions::SessionStream;
 
@@ -94,6 +98,8 @@ struct State {
     last: Option<Arc<Issued>>,
     /// The engine's durable revision last handed to the state file's writer.
     saved_revision: u64,
+    /// When the engine's durable state was last handed to the writer (None: not yet).
+    saved_at: Option<std::time::Instant>,
     /// The telemetry's snapshot revision last handed to the state file's writer.
     saved_snapshot_revision: u64,
     /// The goodput accounts last encoded for the state file: their revision, when, and the
@@ -299,6 +305,7 @@ impl Shared {
             shutting_down: false,
             last: None,
             saved_revision: 0,
+            saved_at: None,
             saved_snapshot_revision: 0,
             saved_goodput: None,
             hold_announced: false,
@@ -339,9 +346,14 @@ impl Shared {
             None => goodput_revision > 0,
             Some((rev, at, _)) => *rev != goodput_revision && now.duration_since(*at) >= every,
         };
+        // The times the replicas were last heard move without a revision.
+        let heard_due = state
+            .saved_at
+            .is_none_or(|at| now.duration_since(at) >= LAST_HEARD_REFRESH);
         if revision == state.saved_revision
             && snapshot_revision == state.saved_snapshot_revision
             && !goodput_due
+            && !heard_due
             && !writer.failed()
         {
             return Some(writer.submitted());
@@ -364,6 +376,7 @@ impl Shared {
             goodput: state.saved_goodput.as_ref().map(|(_, _, v)| v.clone()),
         });
         state.saved_revision = revision;
+        state.saved_at = Some(now);
         state.saved_snapshot_revision = snapshot_revision;
         Some(seq)
     }
