@@ -538,6 +538,35 @@ mod tests {
         assert_eq!(r[0].alive_holders, ["a"]);
     }
 
+    #[test]
+    fn a_replacing_incarnation_remembered_too_ends_the_wait_for_the_one_it_replaced() {
+        // The previous life heard g1's new incarnation at step 0 after the old one (holder of
+        // 1411) died, and saved both. Once the new one is heard again, the old one is gone
+        // for good, as when the new one is heard for the first time.
+        const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
+        const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
+        let d = Durable {
+            quorum_id: Some(40),
+            members: vec![OLD.into()],
+            best_step: Some(1411),
+            holders: vec![OLD.into()],
+            others: vec![(NEW.into(), 0)],
+            ..Durable::default()
+        };
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
+        e.heartbeat(NEW, t0).unwrap();
+        assert!(!e.durable().holders.contains(&OLD.to_string()));
+        let t = t0 + Duration::from_secs(6); // past the startup hold
+        e.heartbeat(NEW, t).unwrap();
+        e.join(at(NEW, 0), t).unwrap();
+        let q = e.tick(t).expect("nobody left to wait for");
+        assert_eq!(ids(&q), [NEW]);
+        let r = e.take_regressions();
+        assert_eq!((r[0].from_step, r[0].to_step), (1411, 0));
+        assert!(r[0].alive_holders.is_empty());
+    }
+
     /// The wall clock of the lives below, in milliseconds since the Unix epoch.
     const WALL: i64 = 1_800_000_000_000;
 

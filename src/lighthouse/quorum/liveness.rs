@@ -112,8 +112,9 @@ impl QuorumEngine {
     }
 
     /// Records that `replica_id` is alive at `now` and runs `f` on its record (created, and
-    /// its group's superseded incarnations forgotten, when it is new). One lookup and no
-    /// allocation for a replica already known: this runs on every request.
+    /// its group's superseded incarnations forgotten, when it is new or heard for the first
+    /// time in this life). One lookup and no allocation for a replica already known: this
+    /// runs on every request.
     pub(super) fn touch<R>(
         &mut self,
         replica_id: &str,
@@ -131,8 +132,17 @@ impl QuorumEngine {
             }
         }
         if let Some(rec) = self.heartbeats.get_mut(replica_id) {
+            let restored = !rec.heard;
             refresh(rec, &mut self.healthy, now);
-            return f(rec);
+            if !restored {
+                return f(rec);
+            }
+            // Remembered from the state file too (e.g. at step 0 after a restart), and heard
+            // now: its group's other remembered incarnations are gone as well.
+            self.forget_superseded(replica_id);
+            if let Some(rec) = self.heartbeats.get_mut(replica_id) {
+                return f(rec);
+            }
         }
         self.forget_superseded(replica_id);
         let rec = self
