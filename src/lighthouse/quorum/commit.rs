@@ -567,6 +567,39 @@ mod tests {
         assert!(r[0].alive_holders.is_empty());
     }
 
+    #[test]
+    fn a_remembered_holder_heard_then_replaced_by_its_group_is_not_waited_for() {
+        // g1's incarnation that holds 1411 is heard once by the restarted lighthouse, then
+        // stopped before it reopens its session (so it may still come back), then killed and
+        // replaced: its group's new incarnation ends the wait for it.
+        const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
+        const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
+        const G0: &str = "g0:33333333-3333-3333-3333-333333333333";
+        let d = Durable {
+            quorum_id: Some(40),
+            members: vec![OLD.into()],
+            best_step: Some(1411),
+            holders: vec![OLD.into()],
+            ..Durable::default()
+        };
+        let t0 = Instant::now();
+        let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
+        e.heartbeat(OLD, t0).unwrap();
+        let t = t0 + Duration::from_secs(6); // past the startup hold and OLD's heartbeats
+        join_at(&mut e, &[G0], 0, t);
+        assert!(e.tick(t).is_none());
+        assert_eq!(
+            waiting_for(&e, t, 1411),
+            OLD,
+            "stopped, it may still come back"
+        );
+        e.heartbeat(NEW, t).unwrap();
+        e.join(at(NEW, 0), t).unwrap();
+        let q = e.tick(t).expect("replaced, it will not");
+        assert_eq!(ids(&q), [G0, NEW]);
+        assert_eq!(e.take_regressions()[0].from_step, 1411);
+    }
+
     /// The wall clock of the lives below, in milliseconds since the Unix epoch.
     const WALL: i64 = 1_800_000_000_000;
 

@@ -153,11 +153,13 @@ impl QuorumEngine {
         f(rec)
     }
 
-    /// A replica group runs one incarnation at a time (`{name}:{uuid}`): once a new one of
-    /// `replica_id`'s group is heard, the group's incarnations remembered only from a
-    /// previous life of the lighthouse (not heard in this one) are gone for good. Nobody
-    /// waits for them: a lighthouse restarted more often than `progress_wait` would
-    /// otherwise wait for a dead incarnation forever.
+    /// A replica group runs one incarnation at a time (`{name}:{uuid}`): once `replica_id`
+    /// is heard (new, or remembered and heard for the first time in this life), the group's
+    /// other incarnations remembered from a previous life of the lighthouse are gone for
+    /// good. Nobody waits for them: one not heard in this life is forgotten, and one heard
+    /// and silent since (stopped before its manager reopened its session, then replaced) is
+    /// no longer waited for as a remembered one. A lighthouse restarted often would otherwise
+    /// wait the whole progress wait for a dead incarnation, again and again.
     pub(super) fn forget_superseded(&mut self, replica_id: &str) {
         if self.restored_by_group.is_empty() {
             return; // nothing restored (or all of it settled): the common case
@@ -172,15 +174,18 @@ impl QuorumEngine {
         let mut gone = Vec::new();
         let mut still = Vec::new();
         for id in restored {
-            match self.heartbeats.get(&id) {
-                Some(rec) if rec.restored_until.is_some() && !rec.heard => {
-                    if rec.session {
-                        still.push(id);
-                    } else {
-                        gone.push(id);
-                    }
-                }
-                _ => {} // heard from since, or forgotten: no longer only restored
+            let Some(rec) = self.heartbeats.get_mut(&id) else {
+                continue; // forgotten
+            };
+            if rec.restored_until.is_none() {
+                continue; // its session says whether it lives
+            }
+            if id == replica_id {
+                still.push(id); // the one heard now, until a later one replaces it
+            } else if rec.heard {
+                rec.restored_until = None; // its heartbeats alone say whether it lives
+            } else {
+                gone.push(id);
             }
         }
         if !still.is_empty() {
