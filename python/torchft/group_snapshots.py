@@ -37,6 +37,10 @@ SNAPSHOT_FLUSH_S = 1.0
 #: How often a rank waiting for group rank 0's choice says so.
 _WAIT_LOG_S = 10.0
 
+#: Ends the error of a snapshot refused because the parity check found its group's state
+#: diverged (in its ``snapshot_failed`` event too).
+DIVERGED_SNAPSHOT = "a diverged state never becomes a snapshot"
+
 
 def parity_confirmation(
     verdicts: Callable[[], tuple[bool, int, int]], parity_on: Callable[[], bool]
@@ -65,8 +69,8 @@ def parity_confirmation(
         if diverged >= step:
             raise SnapshotError(
                 f"the parity check found this group's state different from the other groups' "
-                f"at step {diverged}, at or after the snapshot's step {step}: a diverged state "
-                "never becomes a snapshot"
+                f"at step {diverged}, at or after the snapshot's step {step}: "
+                f"{DIVERGED_SNAPSHOT}"
             )
         if ok >= step:
             return f"confirmed by the parity check of step {ok}"

@@ -143,6 +143,7 @@ class Report:
             )
             for t in self.total_losses:
                 unfinished = t.get("unfinished") or []
+                diverged = t.get("diverged") or []
                 reported = t.get("reported")
                 lines.append(
                     f"  best step {t['best']} -> snapshot {t['snapshot']}: {t['lost']} lost"
@@ -151,6 +152,7 @@ class Report:
                         if unfinished
                         else ""
                     )
+                    + (f"; snapshots of {diverged} refused as diverged" if diverged else "")
                     + (f"; newest reported complete {reported[0]}" if reported else "")
                     + (" (with the lighthouse" if t["lighthouse"] else "")
                     + (", state file deleted)" if t["wiped"] else ")" if t["lighthouse"] else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from torchft.chaos.report import Report
+from torchft.group_snapshots import DIVERGED_SNAPSHOT
 
 
 class Records(Protocol):
@@ -120,10 +121,12 @@ def judge_total_losses(
         # The newest snapshot may be cut short by the kill (its write or parity check in
         # flight); see must_be_complete for the older ones.
         since = kills[i - 1]["t"] if i > 0 else float("-inf")
-        bound, unfinished = must_be_complete(commits, (since, t), best, every)
+        refused = refused_as_diverged(run.events, (since, t))
+        bound, unfinished, diverged = must_be_complete(commits, (since, t), best, every, refused)
         reported = reported_complete(run.events, (since, t), best)
         rep.total_losses[-1]["bound"] = bound
         rep.total_losses[-1]["unfinished"] = unfinished
+        rep.total_losses[-1]["diverged"] = diverged
         rep.total_losses[-1]["reported"] = reported
         if reported is not None and snap < reported[0]:
             rep.violations.append(
@@ -132,11 +135,16 @@ def judge_total_losses(
                 f"{t - reported[1]:.2f}s before the kill: a complete snapshot was lost"
             )
         elif snap < bound:
+            excused = []
+            if unfinished:
+                excused.append(f"the writers of {unfinished} did not reach the next snapshot step")
+            if diverged:
+                excused.append(f"the snapshots of {diverged} were refused as diverged")
             why = (
                 f"more than two snapshot intervals ({every})"
-                if not unfinished
+                if not excused
                 else f"older than snapshot {bound}, the newest that must have been complete "
-                f"(the writers of {unfinished} did not reach the next snapshot step)"
+                f"({'; '.join(excused)})"
             )
             rep.violations.append(
                 f"total loss at best step {best} resumed from snapshot {snap}: {lost} steps "
@@ -150,13 +158,35 @@ def judge_total_losses(
             )
 
 
+def refused_as_diverged(events: list[dict[str, Any]], window: tuple[float, float]) -> set[int]:
+    """The snapshot steps whose writer reported between the total losses at ``window[0]``
+    and ``window[1]`` that the product refused them: the parity check had found the
+    writer's state diverged (a bit flip), and a diverged state never becomes a snapshot."""
+    since, t = window
+    return {
+        e["step"]
+        for e in events
+        if e.get("kind") == "snapshot_failed"
+        and isinstance(e.get("step"), int)
+        and isinstance(e.get("ts"), (int, float))
+        and since < e["ts"] < t
+        and str(e.get("error", "")).endswith(DIVERGED_SNAPSHOT)
+    }
+
+
 def must_be_complete(
-    commits: list[dict[str, Any]], window: tuple[float, float], best: int, every: int
-) -> tuple[int, list[int]]:
+    commits: list[dict[str, Any]],
+    window: tuple[float, float],
+    best: int,
+    every: int,
+    refused: set[int] | frozenset[int] = frozenset(),
+) -> tuple[int, list[int], list[int]]:
     """The newest snapshot step at or below ``best`` that must have been complete at a total
     loss at ``window[1]``, judged from the commits after the previous total loss at
-    ``window[0]`` (the processes of this life), and the snapshot steps between it and the
-    one before ``best``'s that were not.
+    ``window[0]`` (the processes of this life), the snapshot steps between it and the one
+    before ``best``'s whose writers did not reach the next one, and those the product
+    refused as diverged (``refused``: their writer's state was found diverged, so they
+    never become complete, whoever went on).
 
     Exactly one group writes a snapshot step: the one whose participating rank at that
     step's commit was ``(step // every) % participants``. A writer that went on to commit
@@ -169,8 +199,13 @@ def must_be_complete(
     since, t = window
     life = [c for c in commits if since < c["t"] < t]
     newest = best // every * every
+    diverged: list[int] = []
     if not any(c.get("participating_rank") is not None for c in life):
-        return max(newest - every, 0), []
+        step = newest - every
+        while step > 0 and step in refused:
+            diverged.append(step)
+            step -= every
+        return max(step, 0), [], diverged
     reached: dict[int, int] = {}
     by_step: dict[int, list[dict[str, Any]]] = {}
     for c in life:
@@ -179,6 +214,10 @@ def must_be_complete(
     unfinished: list[int] = []
     step = newest - every
     while step > 0:
+        if step in refused:
+            diverged.append(step)
+            step -= every
+            continue
         at = by_step.get(step, [])
         writers = [
             c
@@ -187,10 +226,10 @@ def must_be_complete(
             and c["participating_rank"] == (step // every) % max(c["participants"], 1)
         ]
         if not at or any(reached[w["pid"]] >= step + every for w in writers):
-            return step, unfinished
+            return step, unfinished, diverged
         unfinished.append(step)
         step -= every
-    return 0, unfinished
+    return 0, unfinished, diverged
 
 
 def reported_complete(
