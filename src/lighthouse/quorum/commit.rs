@@ -474,22 +474,31 @@ mod tests {
         assert!(e.durable().holders.contains(&LIVE.to_string()));
     }
 
+    /// g1's old incarnation, remembered as the holder of step 1411 of quorum 40; its new one
+    /// and g0's.
+    const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
+    const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
+    const G0: &str = "g0:33333333-3333-3333-3333-333333333333";
+
+    /// A state file whose best step, 1411, only [`OLD`] held, and that remembers `others`.
+    fn g1_replaced(others: Vec<(String, i64)>) -> Durable {
+        Durable {
+            quorum_id: Some(40),
+            members: vec![OLD.into()],
+            best_step: Some(1411),
+            holders: vec![OLD.into()],
+            others,
+            ..Durable::default()
+        }
+    }
+
     #[test]
     fn a_restarted_lighthouse_does_not_wait_for_an_incarnation_its_group_replaced() {
         // g1's old incarnation held 1411 (remembered by the state file); its group now runs
         // a new incarnation at step 0. Waiting for the old one (progress_wait after every
         // restart of the lighthouse) would stall the job for as long as the lighthouse keeps
         // being restarted: the regression is decided at once, as every holder is gone.
-        const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
-        const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
-        const G0: &str = "g0:33333333-3333-3333-3333-333333333333";
-        let d = Durable {
-            quorum_id: Some(40),
-            members: vec![OLD.into()],
-            best_step: Some(1411),
-            holders: vec![OLD.into()],
-            ..Durable::default()
-        };
+        let d = g1_replaced(vec![]);
         let t0 = Instant::now();
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
         // A plain id shares no group with it: still remembered.
@@ -543,16 +552,7 @@ mod tests {
         // The previous life heard g1's new incarnation at step 0 after the old one (holder of
         // 1411) died, and saved both. Once the new one is heard again, the old one is gone
         // for good, as when the new one is heard for the first time.
-        const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
-        const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
-        let d = Durable {
-            quorum_id: Some(40),
-            members: vec![OLD.into()],
-            best_step: Some(1411),
-            holders: vec![OLD.into()],
-            others: vec![(NEW.into(), 0)],
-            ..Durable::default()
-        };
+        let d = g1_replaced(vec![(NEW.into(), 0)]);
         let t0 = Instant::now();
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
         e.heartbeat(NEW, t0).unwrap();
@@ -572,16 +572,7 @@ mod tests {
         // g1's incarnation that holds 1411 is heard once by the restarted lighthouse, then
         // stopped before it reopens its session (so it may still come back), then killed and
         // replaced: its group's new incarnation ends the wait for it.
-        const OLD: &str = "g1:11111111-1111-1111-1111-111111111111";
-        const NEW: &str = "g1:22222222-2222-2222-2222-222222222222";
-        const G0: &str = "g0:33333333-3333-3333-3333-333333333333";
-        let d = Durable {
-            quorum_id: Some(40),
-            members: vec![OLD.into()],
-            best_step: Some(1411),
-            holders: vec![OLD.into()],
-            ..Durable::default()
-        };
+        let d = g1_replaced(vec![]);
         let t0 = Instant::now();
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
         e.heartbeat(OLD, t0).unwrap();
