@@ -40,15 +40,15 @@ pub struct Durable {
     /// lighthouse still waits for the best of these (absent in older state files).
     #[serde(default)]
     pub others: Vec<(String, i64)>,
-    /// When each replica of `holders` and `others` was last heard, in milliseconds since the
-    /// Unix epoch, by this life of the lighthouse or an earlier one (absent in older state
-    /// files, and for a replica whose time is unknown). A restarted lighthouse waits for a
-    /// remembered replica until `progress_wait` after then, not after its own start: a
-    /// lighthouse restarted more often than `progress_wait` still gives up on a dead holder.
-    /// The lighthouse rewrites the file at least every second while it runs, so these times
-    /// lag the replicas' last heartbeats by about that much at most.
+    /// How long each replica of `holders` and `others` had been silent while a lighthouse
+    /// ran, in milliseconds: this life's silence plus what earlier lives saw, the time no
+    /// lighthouse was up not counted (absent in older state files). A restarted lighthouse
+    /// waits for a remembered replica only for what is left of `progress_wait`: a lighthouse
+    /// restarted more often than that still gives up on a dead holder, and one down for long
+    /// still waits for a holder stopped meanwhile. The file is rewritten at least every
+    /// second while the lighthouse runs, so a life's silence is saved within about that.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub last_heard_ms: BTreeMap<String, i64>,
+    pub silent_ms: BTreeMap<String, u64>,
 }
 
 /// Most replicas below the best step a state file remembers.
@@ -57,9 +57,9 @@ pub const MAX_DURABLE_OTHERS: usize = 64;
 impl QuorumEngine {
     /// A fresh engine started at `now` that continues a previous life of the lighthouse,
     /// whose [`QuorumEngine::durable`] state was `durable`: a commit under a quorum other
-    /// than its last one is refused, and the holders of its best step are waited for (up to
-    /// `progress_wait` from `now`, or from when they were last heard once
-    /// [`QuorumEngine::anchor_wall_clock`] is called) like silent replicas that may come back.
+    /// than its last one is refused, and the holders of its best step are waited for (for
+    /// what the silence the earlier lives saw left of `progress_wait`, from `now`) like
+    /// silent replicas that may come back.
     pub fn restored(
         opts: LighthouseOptions,
         initial_quorum_id: i64,
@@ -80,19 +80,24 @@ impl QuorumEngine {
         }
         if let Some(step) = durable.best_step.filter(|s| *s >= 0) {
             e.high_water = Some(step);
-            let until = now.checked_add(e.opts.progress_wait).unwrap_or(now);
+            let wait = e.opts.progress_wait;
             let remembered = durable.holders.into_iter().map(|id| (id, step)).chain(
                 durable
                     .others
                     .into_iter()
                     .filter(|(_, s)| *s >= 0 && *s < step),
             );
-            let mut last_heard = durable.last_heard_ms;
+            let mut silent = durable.silent_ms;
             for (id, held) in remembered {
                 if e.heartbeats.contains_key(&id) {
                     continue;
                 }
-                let heard_ms = last_heard.remove(&id);
+                let silent_before =
+                    Duration::from_millis(silent.remove(&id).unwrap_or(0)).min(wait);
+                // Far in the future rather than no wait at all, should it overflow.
+                let until = now
+                    .checked_add(wait - silent_before)
+                    .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365));
                 e.restored_by_group
                     .entry(crate::telemetry::base_id(&id).to_string())
                     .or_default()
@@ -103,36 +108,13 @@ impl QuorumEngine {
                         step: Some(held),
                         restored_until: Some(until),
                         heard: false,
-                        heard_ms,
+                        silent_before,
                         ..HeartbeatRecord::new(now)
                     },
                 );
             }
         }
         e
-    }
-
-    /// Ties the engine's clock to the wall clock: `now` is `unix_ms` milliseconds after the
-    /// Unix epoch. The durable state then says when each remembered replica was last heard,
-    /// and a restored engine waits for a remembered replica only until `progress_wait` after
-    /// then (never longer than after its own start, should the wall clock have gone back), so
-    /// a chain of short lives gives up on a dead holder as one long life would. A replica the
-    /// state file has no time for counts as heard now. O(known replicas); call it once, at
-    /// the start.
-    pub fn anchor_wall_clock(&mut self, now: Instant, unix_ms: i64) {
-        self.wall_anchor = Some((now, unix_ms));
-        let wait_ms = i64::try_from(self.opts.progress_wait.as_millis()).unwrap_or(i64::MAX);
-        for rec in self.heartbeats.values_mut() {
-            if rec.heard || rec.restored_until.is_none() {
-                continue;
-            }
-            let heard = *rec.heard_ms.get_or_insert(unix_ms);
-            let left = heard
-                .saturating_add(wait_ms)
-                .saturating_sub(unix_ms)
-                .clamp(0, wait_ms);
-            rec.restored_until = now.checked_add(Duration::from_millis(left as u64));
-        }
     }
 
     /// The replicas remembered from an earlier life, not heard in this one, that may still
@@ -151,29 +133,20 @@ impl QuorumEngine {
         left
     }
 
-    /// `at` on the wall clock (milliseconds since the Unix epoch), if it is anchored.
-    fn wall_ms(&self, at: Instant) -> Option<i64> {
-        let (anchor, ms) = self.wall_anchor?;
-        let ms_of = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        Some(match at.checked_duration_since(anchor) {
-            Some(after) => ms.saturating_add(ms_of(after)),
-            None => ms.saturating_sub(ms_of(anchor - at)),
+    /// How long `id` has been silent at `now` while a lighthouse ran: since it was last
+    /// heard in this life or, if not heard in it, what earlier lives saw plus this life.
+    fn silent_for(&self, id: &str, now: Instant) -> Option<Duration> {
+        let rec = self.heartbeats.get(id)?;
+        Some(if rec.heard {
+            now.saturating_duration_since(rec.last_seen)
+        } else {
+            rec.silent_before + now.saturating_duration_since(self.started)
         })
     }
 
-    /// When `id` was last heard, on the wall clock, by this life or (if not heard in it) an
-    /// earlier one.
-    fn last_heard_ms(&self, id: &str) -> Option<i64> {
-        let rec = self.heartbeats.get(id)?;
-        if rec.heard {
-            self.wall_ms(rec.last_seen)
-        } else {
-            rec.heard_ms
-        }
-    }
-
-    /// The state to keep across a restart of the lighthouse (O(known replicas)).
-    pub fn durable(&self) -> Durable {
+    /// The state to keep across a restart of the lighthouse, as of `now` (O(known
+    /// replicas)).
+    pub fn durable(&self, now: Instant) -> Durable {
         let (quorum_id, mut members) = match (&self.previous, &self.restored_quorum) {
             (Some(q), _) => (
                 Some(q.quorum_id),
@@ -205,10 +178,16 @@ impl QuorumEngine {
             .collect();
         others.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         others.truncate(MAX_DURABLE_OTHERS);
-        let last_heard_ms = holders
+        let silent_ms = holders
             .iter()
             .chain(others.iter().map(|(id, _)| id))
-            .filter_map(|id| Some((id.clone(), self.last_heard_ms(id)?)))
+            .filter_map(|id| {
+                let silent = self.silent_for(id, now)?;
+                Some((
+                    id.clone(),
+                    u64::try_from(silent.as_millis()).unwrap_or(u64::MAX),
+                ))
+            })
             .collect();
         Durable {
             quorum_id,
@@ -216,7 +195,7 @@ impl QuorumEngine {
             best_step: self.high_water,
             holders,
             others,
-            last_heard_ms,
+            silent_ms,
         }
     }
 
@@ -418,7 +397,7 @@ mod tests {
         e.commit("a", qid, 101, t0).unwrap();
         e.lost("a", t0);
         e.lost("c", t0);
-        let d = e.durable();
+        let d = e.durable(t0);
         assert_eq!((d.best_step, d.holders.clone()), (Some(101), vec![]));
         assert_eq!(d.others, vec![("b".to_string(), 100)]);
         // Older state files have no `others`: they still load.
@@ -471,7 +450,7 @@ mod tests {
         let ages = e.heartbeat_ages(t1);
         assert_eq!(ages, vec![(LIVE.to_string(), Duration::ZERO)]);
         // Left out of the ages is not forgotten: the live one is still a remembered holder.
-        assert!(e.durable().holders.contains(&LIVE.to_string()));
+        assert!(e.durable(t1).holders.contains(&LIVE.to_string()));
     }
 
     /// g1's old incarnation, remembered as the holder of step 1411 of quorum 40; its new one
@@ -503,11 +482,11 @@ mod tests {
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
         // A plain id shares no group with it: still remembered.
         e.heartbeat("g1", t0).unwrap();
-        assert!(e.durable().holders.contains(&OLD.to_string()));
+        assert!(e.durable(t0).holders.contains(&OLD.to_string()));
         let mut t = t0 + Duration::from_secs(6); // past the startup hold
         e.join(at(NEW, 0), t).unwrap();
         e.join(at(G0, 0), t).unwrap();
-        assert!(!e.durable().holders.contains(&OLD.to_string()));
+        assert!(!e.durable(t).holders.contains(&OLD.to_string()));
         let q = loop {
             if let Some(q) = e.tick(t) {
                 break q;
@@ -556,7 +535,7 @@ mod tests {
         let t0 = Instant::now();
         let mut e = QuorumEngine::restored(progress_opts(), 50, t0, d);
         e.heartbeat(NEW, t0).unwrap();
-        assert!(!e.durable().holders.contains(&OLD.to_string()));
+        assert!(!e.durable(t0).holders.contains(&OLD.to_string()));
         let t = t0 + Duration::from_secs(6); // past the startup hold
         e.heartbeat(NEW, t).unwrap();
         e.join(at(NEW, 0), t).unwrap();
@@ -591,28 +570,23 @@ mod tests {
         assert_eq!(e.take_regressions()[0].from_step, 1411);
     }
 
-    /// The wall clock of the lives below, in milliseconds since the Unix epoch.
-    const WALL: i64 = 1_800_000_000_000;
-
     #[test]
     fn lighthouse_lives_shorter_than_the_progress_wait_give_up_on_a_dead_holder_in_time() {
-        // a announces 101 and dies at once. The lighthouse is then restarted every 7 s:
-        // past its startup hold (5 s), but within the progress wait (10 s) of its start.
-        // b and c ask at 100 throughout. Waiting progress_wait from each life's start, no
-        // life would ever issue; measured from when a was last heard, the job waits for a
-        // exactly as one long life would, then regresses once.
+        // a announces 101 and dies at once. The lighthouse is then restarted every 7.5 s
+        // (down 0.5 s, up 7 s: past its startup hold of 5 s, but within the progress wait of
+        // 10 s of its start). b and c ask at 100 throughout. Waiting the progress wait from
+        // each life's start, no life would ever issue; counting the silence each life saw,
+        // the job waits for a as one long life would (but for the time no lighthouse ran),
+        // then regresses once.
         let (mut e, t0) = running(100);
-        e.anchor_wall_clock(t0, WALL);
         let qid = e.previous().unwrap().quorum_id;
         e.commit("a", qid, 101, t0).unwrap();
-        let mut d = e.durable();
-        assert_eq!(d.last_heard_ms.get("a"), Some(&WALL));
-        let a_given_up = t0 + progress_opts().progress_wait;
+        let mut d = e.durable(t0);
+        assert_eq!(d.silent_ms.get("a"), Some(&0));
         let mut issued = None;
         for life in 0..4u32 {
-            let start = t0 + Duration::from_millis(500) + Duration::from_secs(7) * life;
+            let start = t0 + Duration::from_millis(7_500) * life + Duration::from_millis(500);
             let mut e = QuorumEngine::restored(progress_opts(), 50, start, d);
-            e.anchor_wall_clock(start, WALL + (start - t0).as_millis() as i64);
             join_at(&mut e, &["b", "c"], 100, start);
             let mut t = start;
             while t < start + Duration::from_secs(7) && issued.is_none() {
@@ -620,23 +594,21 @@ mod tests {
                 e.heartbeat("b", t).unwrap();
                 e.heartbeat("c", t).unwrap();
                 if let Some(q) = e.tick(t) {
-                    issued = Some((q, t, e.take_regressions()));
+                    issued = Some((q, life, t - start, e.take_regressions()));
                 }
             }
-            d = e.durable();
-            // The time a was last heard passes unchanged from life to life.
+            d = e.durable(t);
             if issued.is_none() {
-                assert_eq!(d.last_heard_ms.get("a"), Some(&WALL), "life {life}");
+                // The silence each life saw adds up; the time between lives does not.
+                let seen = u64::from(life + 1) * 7_000;
+                assert_eq!(d.silent_ms.get("a"), Some(&seen), "life {life}");
             }
         }
-        let (q, t, regressions) = issued.expect("a chain of short lives stalled the job");
+        let (q, life, into_life, regressions) =
+            issued.expect("a chain of short lives stalled the job");
         assert_eq!(ids(&q), ["b", "c"]);
-        assert!(t >= a_given_up, "gave up on a {:?} early", a_given_up - t);
-        assert!(
-            t < a_given_up + Duration::from_secs(6),
-            "{:?} late",
-            t - a_given_up
-        );
+        // Life 1 has 3 s of the wait left, within its startup hold: it issues at the hold's end.
+        assert_eq!((life, into_life), (1, Duration::from_secs(5)));
         assert_eq!(regressions.len(), 1);
         assert_eq!(
             (regressions[0].from_step, regressions[0].to_step),
@@ -645,19 +617,18 @@ mod tests {
     }
 
     #[test]
-    fn a_remembered_holder_is_waited_for_from_when_it_was_last_heard_within_the_bound() {
+    fn a_remembered_holder_is_waited_for_what_its_silence_left_of_the_progress_wait() {
         let (d, _, t0) = before_restart();
-        let t = t0 + Duration::from_secs(1);
+        // However long the lighthouse was down: only the silence a lighthouse saw counts.
+        let t = t0 + Duration::from_secs(90);
         let wait = progress_opts().progress_wait;
-        let restart = |last_heard: Option<i64>| {
+        let restart = |silent_ms: Option<u64>| {
             let mut d = d.clone();
-            d.last_heard_ms = last_heard
+            d.silent_ms = silent_ms
                 .map(|ms| ("a".to_string(), ms))
                 .into_iter()
                 .collect();
-            let mut e = QuorumEngine::restored(progress_opts(), 50, t, d);
-            e.anchor_wall_clock(t, WALL);
-            e
+            QuorumEngine::restored(progress_opts(), 50, t, d)
         };
         let a_left = |e: &QuorumEngine| {
             let left = e.remembered_wait(t);
@@ -665,8 +636,8 @@ mod tests {
                 .find(|(id, _)| id == "a")
                 .map(|(_, left)| left)
         };
-        // Heard 3 s before this life began: 7 s left, and the verdict says so.
-        let mut e = restart(Some(WALL - 3_000));
+        // Silent for 3 s while a lighthouse ran: 7 s left, and the verdict says so.
+        let mut e = restart(Some(3_000));
         assert_eq!(a_left(&e), Some(Duration::from_secs(7)));
         join_at(&mut e, &["b", "c"], 100, t);
         let later = waits(&mut e, t, 55, &["b", "c"]);
@@ -676,20 +647,20 @@ mod tests {
             }
             v => panic!("unexpected verdict {v}"),
         }
-        // Heard longer ago than the progress wait: not waited for (the startup hold still
-        // hears every replica that lives).
-        assert_eq!(a_left(&restart(Some(WALL - 10_000))), None);
-        // A wall clock that went back never makes the wait longer than progress_wait.
-        assert_eq!(a_left(&restart(Some(WALL + 60_000))), Some(wait));
-        // An older state file says nothing: a counts as heard at this life's start, which
-        // the next life learns from this one.
+        // This life's silence adds to the earlier lives'.
+        assert_eq!(e.durable(later).silent_ms.get("a"), Some(&8_500));
+        // Silent for the whole progress wait already: not waited for (the startup hold
+        // still hears every replica that lives).
+        assert_eq!(a_left(&restart(Some(10_000))), None);
+        // An older state file says nothing: the whole wait, and this life's silence counts.
         let e = restart(None);
         assert_eq!(a_left(&e), Some(wait));
-        assert_eq!(e.durable().last_heard_ms.get("a"), Some(&WALL));
-        // Heard again in this life: its own last heartbeat counts.
-        let mut e = restart(Some(WALL - 3_000));
+        let at = t + Duration::from_secs(4);
+        assert_eq!(e.durable(at).silent_ms.get("a"), Some(&4_000));
+        // Heard again in this life: silent only since its last heartbeat.
+        let mut e = restart(Some(3_000));
         e.heartbeat("a", t + Duration::from_secs(2)).unwrap();
-        assert_eq!(e.durable().last_heard_ms.get("a"), Some(&(WALL + 2_000)));
+        assert_eq!(e.durable(at).silent_ms.get("a"), Some(&2_000));
     }
 
     #[test]
@@ -756,7 +727,7 @@ mod tests {
             e.commit("c", qid, 101, t).unwrap(),
             CommitVerdict::Refused(_)
         ));
-        let d2 = e.durable();
+        let d2 = e.durable(t);
         assert_eq!(
             (d2.quorum_id, d2.members),
             (Some(q.quorum_id), vec!["a".into(), "b".into()])
@@ -775,7 +746,7 @@ mod tests {
         assert!(r1 > r0);
         e.lost("a", t);
         assert!(e.durable_revision() > r1);
-        assert_eq!(e.durable().holders, Vec::<String>::new());
+        assert_eq!(e.durable(t).holders, Vec::<String>::new());
     }
 
     #[test]

@@ -34,9 +34,8 @@ pub(super) struct HeartbeatRecord {
     pub(super) restored_until: Option<Instant>,
     /// Heard from in this life of the lighthouse (false only for restored records).
     pub(super) heard: bool,
-    /// For a restored record: when an earlier life last heard it, in milliseconds since the
-    /// Unix epoch (None if the state file did not say).
-    pub(super) heard_ms: Option<i64>,
+    /// For a restored record: how long earlier lives of the lighthouse saw it silent.
+    pub(super) silent_before: Duration,
 }
 
 impl HeartbeatRecord {
@@ -49,7 +48,7 @@ impl HeartbeatRecord {
             session: false,
             restored_until: None,
             heard: true,
-            heard_ms: None,
+            silent_before: Duration::ZERO,
         }
     }
 
@@ -162,7 +161,7 @@ impl QuorumEngine {
     /// wait the whole progress wait for a dead incarnation, again and again.
     pub(super) fn forget_superseded(&mut self, replica_id: &str) {
         if self.restored_by_group.is_empty() {
-            return; // nothing restored (or all of it settled): the common case
+            return; // nothing restored (or all of it settled): a job's first lighthouse
         }
         let base = crate::telemetry::base_id(replica_id);
         if base == replica_id {

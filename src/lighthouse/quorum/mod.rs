@@ -124,8 +124,9 @@ pub struct QuorumEngine {
     /// Holders given up on: replica id → the step they held then (not waited for again at
     /// that step).
     waived: IdMap<i64>,
-    /// Records restored from the state file and not heard from yet, by group (base id): a
-    /// new incarnation's arrival finds its group's old ones here instead of scanning every
+    /// Records restored from the state file and still waited for as such, by group (base
+    /// id): not heard from yet, or the one incarnation of the group heard since. A new
+    /// incarnation's arrival finds its group's old ones here instead of scanning every
     /// record (which made a first round of n groups O(n²)).
     restored_by_group: IdMap<Vec<String>>,
     /// Regressions not yet collected by [`QuorumEngine::take_regressions`].
@@ -148,9 +149,6 @@ pub struct QuorumEngine {
     /// arrive after it, and must not make a dead group healthy again. Their heartbeats are
     /// ignored for one heartbeat timeout, or until they open a session or ask.
     ended: IdMap<Instant>,
-    /// An instant of the engine's clock and the wall clock then, in milliseconds since the
-    /// Unix epoch (see [`QuorumEngine::anchor_wall_clock`]); None: the wall clock is unknown.
-    wall_anchor: Option<(Instant, i64)>,
 }
 
 /// Rejects members the engine cannot reason about; nothing is changed on error.
@@ -214,7 +212,6 @@ impl QuorumEngine {
             dropped: Default::default(),
             parked: Default::default(),
             ended: Default::default(),
-            wall_anchor: None,
             opts,
         }
     }

@@ -292,7 +292,7 @@ pub(super) fn before_restart() -> (Durable, i64, Instant) {
     let (mut e, t) = running(100);
     let qid = e.previous().unwrap().quorum_id;
     assert_eq!(e.commit("a", qid, 101, t).unwrap(), CommitVerdict::Accepted);
-    let d = e.durable();
+    let d = e.durable(t);
     assert_eq!(d.quorum_id, Some(qid));
     assert_eq!(d.members, ["a", "b", "c"]);
     assert_eq!(

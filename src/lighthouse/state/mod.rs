@@ -37,10 +37,10 @@ use file::{load_state, Contents, StateWriter};
 
 /// How often the goodput accounts of a job of more than 256 groups are saved at most.
 const GOODPUT_SAVE_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
-/// How stale the state file's `last_heard_ms` may grow while nothing else changes (a stalled
-/// job): a restarted lighthouse measures its wait for a remembered holder from it, so a
-/// stale time would give up on a holder that was heard since, too early.
-const LAST_HEARD_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
+/// How stale the state file's `silent_ms` may grow while nothing else changes (a stalled
+/// job): a restarted lighthouse waits for a remembered holder for what its silence left of
+/// the progress wait, so silence it did not save is silence the next life waits for again.
+const SILENCE_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
 use sessions::Session;
 pub(crate) use sessions::SessionStream;
 
@@ -266,15 +266,11 @@ impl Shared {
             .clone()
             .map(StateWriter::start)
             .transpose()?;
-        let unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         let engine = match durable {
             Some(durable) => {
                 let (quorum_id, best_step) = (durable.quorum_id, durable.best_step);
                 let holders = durable.holders.len();
-                let mut engine = QuorumEngine::restored(opts, initial_id, now, durable);
-                engine.anchor_wall_clock(now, unix_ms);
+                let engine = QuorumEngine::restored(opts, initial_id, now, durable);
                 let wait = engine.remembered_wait(now);
                 info!(
                     quorum_id = ?quorum_id,
@@ -285,16 +281,12 @@ impl Shared {
                         .iter()
                         .map(|(_, left)| left.as_secs_f64())
                         .fold(0.0, f64::max),
-                    "continuing from the state file (a remembered replica is waited for until \
-                     the progress wait after it was last heard)"
+                    "continuing from the state file (a remembered replica is waited for what \
+                     its silence, while a lighthouse ran, left of the progress wait)"
                 );
                 engine
             }
-            None => {
-                let mut engine = QuorumEngine::new(opts, initial_id, now);
-                engine.anchor_wall_clock(now, unix_ms);
-                engine
-            }
+            None => QuorumEngine::new(opts, initial_id, now),
         };
         let mut state = State {
             engine,
@@ -346,10 +338,10 @@ impl Shared {
             None => goodput_revision > 0,
             Some((rev, at, _)) => *rev != goodput_revision && now.duration_since(*at) >= every,
         };
-        // The times the replicas were last heard move without a revision.
+        // The replicas' silences grow without a revision.
         let heard_due = state
             .saved_at
-            .is_none_or(|at| now.duration_since(at) >= LAST_HEARD_REFRESH);
+            .is_none_or(|at| now.duration_since(at) >= SILENCE_REFRESH);
         if revision == state.saved_revision
             && snapshot_revision == state.saved_snapshot_revision
             && !goodput_due
@@ -371,7 +363,7 @@ impl Shared {
             .hub
             .read(|t| (t.snapshot_revision(), t.snapshot().cloned()));
         let seq = writer.submit(Contents {
-            durable: state.engine.durable(),
+            durable: state.engine.durable(now),
             snapshot,
             goodput: state.saved_goodput.as_ref().map(|(_, _, v)| v.clone()),
         });
