@@ -667,7 +667,8 @@ def _writer_gone_run(
     a_out_after: int | None,
     how: str = "kill",
     reported: tuple[tuple[int, float], ...] = (),
-    failed: tuple[tuple[int, float, str], ...] = (),
+    failed: tuple[tuple[int, float, str, str], ...] = (),
+    flips: tuple[tuple[str, float], ...] = (),
 ) -> list[str]:
     """Groups a (participating rank 0) and b (rank 1) commit together with snapshots every 2
     steps (b writes 2 and 6, a writes 4); after committing ``a_out_after`` (None: never), a
@@ -675,8 +676,9 @@ def _writer_gone_run(
     commits on alone to step 7; ``how="pause"`` stops a for a moment only (it commits on
     with b). A kill_all at t=10 finds snapshot 2 the newest complete
     one; two new processes restore it and re-commit 3..7. ``reported``: the lighthouse's
-    ``snapshot_complete`` events, as (step, time); ``failed``: a's ``snapshot_failed``
-    events, as (step, time, error). Returns the checker's violations."""
+    ``snapshot_complete`` events, as (step, time); ``failed``: ``snapshot_failed``
+    events, as (step, time, error, group); ``flips``: bit flips injected, as (group, time).
+    Returns the checker's violations."""
     together = a_out_after if a_out_after is not None and how != "pause" else 7
     hist_a = [_commit("a", P1, s, 10, f"s{s}", s, participants=2, rank=0) for s in range(1, 8)]
     hist_b = [
@@ -705,6 +707,8 @@ def _writer_gone_run(
     faults.append(
         _fault("kill_all", ["a", "b"], 10.0, best_step=7, snapshot_step=2, snapshot_every=2)
     )
+    faults += [_fault("bitflip", [g], ft, best_step=int(ft)) for g, ft in flips]
+    faults.sort(key=lambda f: float(str(f["t"])))
     again: dict[str, list[dict[str, object]]] = {}
     for g, pid in (("a", P3), ("b", P4)):
         again[g] = [{"kind": "restore", "group": g, "pid": pid, "step": 2, "state": "s2", "t": 20}]
@@ -719,8 +723,8 @@ def _writer_gone_run(
         {"ts": ts, "kind": "snapshot_complete", "replica_id": "a", "step": step}
         for step, ts in reported
     ] + [
-        {"ts": ts, "kind": "snapshot_failed", "replica_id": "a", "step": step, "error": error}
-        for step, ts, error in failed
+        {"ts": ts, "kind": "snapshot_failed", "replica_id": g, "step": step, "error": error}
+        for step, ts, error, g in failed
     ]
     events = [{"seq": i + 1, **e} for i, e in enumerate(sorted(events, key=lambda e: e["ts"]))]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -759,23 +763,38 @@ def test_the_snapshot_excuse_needs_a_writer_that_stopped_short(
     assert rep.total_losses[0]["bound"] == 4 and rep.total_losses[0]["unfinished"] == []
 
 
-@pytest.mark.parametrize("diverged", [True, False], ids=["diverged", "timed-out"])
-def test_a_snapshot_refused_as_diverged_excuses_an_interval(tmp_path: Path, diverged: bool) -> None:
-    """Both groups alive to the total loss, but a's snapshot of step 4 was refused: the
-    parity check had found a's state diverged (a bit flip), and a diverged state never
-    becomes a snapshot. Resuming from 2 then loses no more than the product allows. A
-    snapshot that failed for another reason (its parity check never came) excuses
-    nothing."""
-    error = (
-        "not made complete: the parity check found this group's state different from the "
-        "other groups' at step 4, at or after the snapshot's step 4: " + DIVERGED_SNAPSHOT
-        if diverged
-        else "not made complete: parity did not confirm it within 90 s"
+_DIVERGED_4 = (
+    "not made complete: the parity check found this group's state different from the other "
+    "groups' at step 4, at or after the snapshot's step 4: " + DIVERGED_SNAPSHOT
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "group", "flipped", "excused"),
+    [
+        (_DIVERGED_4, "a", True, True),
+        (_DIVERGED_4, "a", False, False),
+        (_DIVERGED_4, "b", True, False),
+        ("not made complete: parity did not confirm it within 90 s", "a", True, False),
+    ],
+    ids=["diverged", "no-bit-flip", "not-the-writer", "timed-out"],
+)
+def test_a_snapshot_refused_as_diverged_excuses_an_interval(
+    tmp_path: Path, error: str, group: str, flipped: bool, excused: bool
+) -> None:
+    """Both groups alive to the total loss, but the snapshot of step 4 (written by a) was
+    refused: the parity check had found a's state diverged after a bit flip, and a
+    diverged state never becomes a snapshot. Resuming from 2 then loses no more than the
+    product allows. A refusal with no bit flip injected into its group, one reported by a
+    group that does not write that step, or a snapshot that failed for another reason
+    (its parity check never came) excuses nothing."""
+    flips = ((group, 4.2),) if flipped else ()
+    violations = _writer_gone_run(
+        tmp_path, a_out_after=None, failed=((4, 4.5, error, group),), flips=flips
     )
-    violations = _writer_gone_run(tmp_path, a_out_after=None, failed=((4, 4.5, error),))
     rep = check(tmp_path, target=7, min_replicas=1, groups=["a", "b"])
     loss = rep.total_losses[0]
-    if diverged:
+    if excused:
         assert violations == []
         assert (loss["bound"], loss["diverged"], loss["unfinished"]) == (2, [4], [])
         assert "snapshots of [4] refused as diverged" in rep.text()

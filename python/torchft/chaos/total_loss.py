@@ -121,7 +121,7 @@ def judge_total_losses(
         # The newest snapshot may be cut short by the kill (its write or parity check in
         # flight); see must_be_complete for the older ones.
         since = kills[i - 1]["t"] if i > 0 else float("-inf")
-        refused = refused_as_diverged(run.events, (since, t))
+        refused = refused_as_diverged(run.events, run.faults, (since, t))
         bound, unfinished, diverged = must_be_complete(commits, (since, t), best, every, refused)
         reported = reported_complete(run.events, (since, t), best)
         rep.total_losses[-1]["bound"] = bound
@@ -158,20 +158,33 @@ def judge_total_losses(
             )
 
 
-def refused_as_diverged(events: list[dict[str, Any]], window: tuple[float, float]) -> set[int]:
-    """The snapshot steps whose writer reported between the total losses at ``window[0]``
-    and ``window[1]`` that the product refused them: the parity check had found the
-    writer's state diverged (a bit flip), and a diverged state never becomes a snapshot."""
+def refused_as_diverged(
+    events: list[dict[str, Any]], faults: list[dict[str, Any]], window: tuple[float, float]
+) -> dict[int, set[str]]:
+    """The snapshot steps the product refused between the total losses at ``window[0]``
+    and ``window[1]`` because the parity check had found the writer's state diverged (a
+    diverged state never becomes a snapshot), with the groups that reported it: only a
+    group a bit flip was injected into before its report counts."""
     since, t = window
-    return {
-        e["step"]
-        for e in events
-        if e.get("kind") == "snapshot_failed"
-        and isinstance(e.get("step"), int)
-        and isinstance(e.get("ts"), (int, float))
-        and since < e["ts"] < t
-        and str(e.get("error", "")).endswith(DIVERGED_SNAPSHOT)
-    }
+    flipped: dict[str, float] = {}
+    for f in faults:
+        if f.get("fault") == "bitflip" and since < f["t"] < t:
+            for g in f.get("groups") or []:
+                flipped.setdefault(g, f["t"])
+    refused: dict[int, set[str]] = {}
+    for e in events:
+        step, ts, group = e.get("step"), e.get("ts"), e.get("replica_id")
+        if (
+            e.get("kind") == "snapshot_failed"
+            and isinstance(step, int)
+            and isinstance(ts, (int, float))
+            and since < ts < t
+            and str(e.get("error", "")).endswith(DIVERGED_SNAPSHOT)
+            and isinstance(group, str)
+            and flipped.get(group, float("inf")) <= ts
+        ):
+            refused.setdefault(step, set()).add(group)
+    return refused
 
 
 def must_be_complete(
@@ -179,14 +192,15 @@ def must_be_complete(
     window: tuple[float, float],
     best: int,
     every: int,
-    refused: set[int] | frozenset[int] = frozenset(),
+    refused: dict[int, set[str]] | None = None,
 ) -> tuple[int, list[int], list[int]]:
     """The newest snapshot step at or below ``best`` that must have been complete at a total
     loss at ``window[1]``, judged from the commits after the previous total loss at
     ``window[0]`` (the processes of this life), the snapshot steps between it and the one
     before ``best``'s whose writers did not reach the next one, and those the product
-    refused as diverged (``refused``: their writer's state was found diverged, so they
-    never become complete, whoever went on).
+    refused as diverged (``refused``: step -> the groups that reported it refused; only
+    the step's writer's report counts, and such a snapshot never becomes complete,
+    whoever went on).
 
     Exactly one group writes a snapshot step: the one whose participating rank at that
     step's commit was ``(step // every) % participants``. A writer that went on to commit
@@ -199,6 +213,7 @@ def must_be_complete(
     since, t = window
     life = [c for c in commits if since < c["t"] < t]
     newest = best // every * every
+    refused = refused or {}
     diverged: list[int] = []
     if not any(c.get("participating_rank") is not None for c in life):
         step = newest - every
@@ -214,10 +229,6 @@ def must_be_complete(
     unfinished: list[int] = []
     step = newest - every
     while step > 0:
-        if step in refused:
-            diverged.append(step)
-            step -= every
-            continue
         at = by_step.get(step, [])
         writers = [
             c
@@ -225,6 +236,10 @@ def must_be_complete(
             if c.get("participating_rank") is not None
             and c["participating_rank"] == (step // every) % max(c["participants"], 1)
         ]
+        if any(w.get("group") in refused.get(step, ()) for w in writers):
+            diverged.append(step)
+            step -= every
+            continue
         if not at or any(reached[w["pid"]] >= step + every for w in writers):
             return step, unfinished, diverged
         unfinished.append(step)
