@@ -726,7 +726,9 @@ def _writer_gone_run(
         {"ts": ts, "kind": "snapshot_failed", "replica_id": g, "step": step, "error": error}
         for step, ts, error, g in failed
     ]
-    events = [{"seq": i + 1, **e} for i, e in enumerate(sorted(events, key=lambda e: e["ts"]))]
+    events = [
+        {"seq": i + 1, **e} for i, e in enumerate(sorted(events, key=lambda e: float(str(e["ts"]))))
+    ]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return check(tmp_path, target=7, min_replicas=1, groups=["a", "b"]).violations
 
