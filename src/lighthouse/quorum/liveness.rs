@@ -52,24 +52,21 @@ impl HeartbeatRecord {
         }
     }
 
+    /// Its session is open or it was heard within `timeout` of `now`.
+    fn lives(&self, now: Instant, timeout: Duration) -> bool {
+        self.session || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout)
+    }
+
     /// Heard from within `timeout` of `now`, silent with its session still open, or known
     /// from a previous life of the lighthouse and not yet waited out.
     pub(super) fn may_come_back(&self, now: Instant, timeout: Duration) -> bool {
-        self.session
-            || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout)
-            || self.restored_until.is_some_and(|until| now < until)
+        self.lives(now, timeout) || self.restored_until.is_some_and(|until| now < until)
     }
 
-    /// Until when it may come back if nothing more is heard of it: None while its session is
-    /// open or its heartbeats are recent (it lives), else the end of its restored wait.
+    /// Until when it may come back if nothing more is heard of it: None while it lives (see
+    /// `lives`), else the end of its restored wait.
     pub(super) fn waited_for_until(&self, now: Instant, timeout: Duration) -> Option<Instant> {
-        let lives = self.session
-            || (self.heard && now.saturating_duration_since(self.last_seen) <= timeout);
-        if lives {
-            None
-        } else {
-            self.restored_until
-        }
+        self.restored_until.filter(|_| !self.lives(now, timeout))
     }
 }
 
