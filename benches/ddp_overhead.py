@@ -19,8 +19,16 @@ with their min and max, and each ratio is that of two medians. Targets (ours aga
 DDP): ratio <= 1.3 at H=256 and <= 1.05 at H=1024 (the step at its floor); exits 1 when one
 is missed. Upstream's ratio is printed beside ours, with no target.
 
+Every worker of every side runs with the same fixed glibc allocator thresholds
+(``--allocator pinned``, the default). With glibc's adaptive ones, whether a process hands
+its step's temporaries back to the kernel and faults them in again is settled by its early
+allocations, process by process and on either side: one that does spends about 3 ms more per
+step at H=1024 (about 2,000 page faults), a spread that has nothing to do with the code
+measured. ``--allocator default`` measures with glibc's own behaviour. Each side prints its
+minor page faults per step, which shows the regime a run was in.
+
 Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]
-[--no-upstream]``.
+[--no-upstream] [--allocator pinned|default]``.
 """
 
 from __future__ import annotations
@@ -68,6 +76,13 @@ def _write(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def worker_plain(args: argparse.Namespace) -> None:
     """One rank of plain torch DDP."""
     import torch
@@ -83,18 +98,21 @@ def worker_plain(args: argparse.Namespace) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     times = []
+    faults = 0
     for i in range(args.warmup + args.steps):
         x = torch.randn(32, 256, generator=gen)
         y = torch.randint(0, 10, (32,), generator=gen)
+        f0 = _minor_faults()
         start = time.perf_counter()
         optim.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optim.step()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            faults += _minor_faults() - f0
     dist.barrier()
     dist.destroy_process_group()
-    _write(args.result, {"times": times})
+    _write(args.result, {"times": times, "faults_per_step": faults / max(len(times), 1)})
 
 
 def worker_ft(args: argparse.Namespace) -> None:
@@ -121,12 +139,14 @@ def worker_ft(args: argparse.Namespace) -> None:
     manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
     gen = torch.Generator().manual_seed(rank_seed)
     times = []
+    faults = 0
     first_commit: float | None = None
     total = args.warmup + args.steps
     try:
         while manager.current_step() < total:
             x = torch.randn(32, 256, generator=gen)
             y = torch.randint(0, 10, (32,), generator=gen)
+            f0 = _minor_faults()
             start = time.perf_counter()
             optim.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
@@ -141,11 +161,12 @@ def worker_ft(args: argparse.Namespace) -> None:
                 _write(args.result + ".first", {"t": first_commit, "step": committed_step})
             if before >= args.warmup and committed:
                 times.append(elapsed)
+                faults += _minor_faults() - f0
             if args.progress:
                 _write(args.progress, {"step": committed_step})
     finally:
         manager.shutdown(wait=False)
-    _write(args.result, {"times": times})
+    _write(args.result, {"times": times, "faults_per_step": faults / max(len(times), 1)})
 
 
 def serve_lighthouse(min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> None:
@@ -221,6 +242,7 @@ def _spawn(mode: str, rank: int, store_port: int, extra: list[str], env_extra: d
             "MASTER_PORT": str(store_port),
             "PYTHONPATH": _pythonpath(mode == "upstream"),
             "OMP_NUM_THREADS": "1",
+            **_ALLOCATOR_ENV,
         }
     )
     if mode == "upstream":
@@ -245,9 +267,25 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
                 p.wait()
 
 
-def _median_of(paths: list[Path]) -> float:
-    medians = [statistics.median(json.loads(p.read_text())["times"]) for p in paths]
-    return max(medians)  # the slower rank bounds the step
+#: Per side (plain, ft, upstream), each run's minor page faults per step (its ranks' mean).
+_FAULTS: dict[str, list[float]] = {}
+#: Fixed glibc thresholds (bytes) for ``--allocator pinned``: no freed block is handed back
+#: to the kernel and none is served by its own mapping, so no step faults its memory in.
+PINNED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+#: The allocator environment every worker gets (set by ``main`` from ``--allocator``).
+_ALLOCATOR_ENV: dict[str, str] = {}
+
+
+def _median_of(paths: list[Path], side: str) -> float:
+    results = [json.loads(p.read_text()) for p in paths]
+    faults = [r.get("faults_per_step", 0.0) for r in results]
+    _FAULTS.setdefault(side, []).append(statistics.mean(faults))
+    return max(statistics.median(r["times"]) for r in results)  # the slower rank bounds the step
+
+
+def _faults(side: str) -> str:
+    runs = _FAULTS.pop(side, [])
+    return f"{statistics.median(runs):6.0f} faults/step" if runs else ""
 
 
 def run_plain(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
@@ -260,7 +298,7 @@ def run_plain(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
         _spawn("plain", r, store.port, [*common, "--result", str(results[r])], {}) for r in range(2)
     ]
     _wait(procs, 600)
-    return _median_of(results)
+    return _median_of(results, "plain")
 
 
 def run_ft(tmp: Path, hidden: int, steps: int, warmup: int, upstream: bool = False) -> float:
@@ -288,7 +326,7 @@ def run_ft(tmp: Path, hidden: int, steps: int, warmup: int, upstream: bool = Fal
         _wait(procs, 600)
     finally:
         lighthouse.close()
-    return _median_of(results)
+    return _median_of(results, mode)
 
 
 def run_recovery(tmp: Path, hidden: int) -> dict[str, float]:
@@ -368,6 +406,12 @@ def main() -> int:
     )
     parser.add_argument("--no-recovery", action="store_true")
     parser.add_argument(
+        "--allocator",
+        choices=["pinned", "default"],
+        default="pinned",
+        help="glibc allocator thresholds of every worker: fixed (pinned) or glibc's adaptive ones",
+    )
+    parser.add_argument(
         "--no-upstream", action="store_true", help="skip upstream's row even when installed"
     )
     args = parser.parse_args()
@@ -385,9 +429,12 @@ def main() -> int:
         return 0
 
     targets = {256: 1.3, 1024: 1.05}
+    if args.allocator == "pinned":
+        _ALLOCATOR_ENV.update(PINNED_ALLOCATOR)
     print(
         f"ddp_overhead: MLP 256->H->H->10, batch 32, AdamW, 2 processes, Gloo, {args.steps} steps"
-        f"; {args.rounds} runs per side, median of the runs' medians [min, max]"
+        f"; {args.rounds} runs per side, median of the runs' medians [min, max]; allocator "
+        f"thresholds {args.allocator}"
     )
     upstream = not args.no_upstream and (UPSTREAM / "torchft" / "__init__.py").exists()
     if not upstream and not args.no_upstream:
@@ -397,6 +444,7 @@ def main() -> int:
         tmp = Path(d)
         for hidden in args.hidden:
             plain_runs, ft_runs, up_runs = [], [], []
+            _FAULTS.clear()
             for _ in range(args.rounds):
                 plain_runs.append(run_plain(tmp, hidden, args.steps, args.warmup))
                 ft_runs.append(run_ft(tmp, hidden, args.steps, args.warmup))
@@ -418,16 +466,16 @@ def main() -> int:
                 ok = ok and ratio <= target
             print(
                 f"  H={hidden:5d}: plain DDP {plain * 1e3:7.2f} ms/step "
-                f"[{min(plain_runs) * 1e3:.2f}, {max(plain_runs) * 1e3:.2f}]   "
+                f"[{min(plain_runs) * 1e3:.2f}, {max(plain_runs) * 1e3:.2f}] {_faults('plain')}   "
                 f"torchft {ft * 1e3:7.2f} ms/step "
-                f"[{min(ft_runs) * 1e3:.2f}, {max(ft_runs) * 1e3:.2f}]   "
+                f"[{min(ft_runs) * 1e3:.2f}, {max(ft_runs) * 1e3:.2f}] {_faults('ft')}   "
                 f"ratio of medians {ratio:.3f} {verdict}"
             )
             if up_runs:
                 up = statistics.median(up_runs)
                 print(
                     f"           upstream 0.2.0 {up * 1e3:7.2f} ms/step "
-                    f"[{min(up_runs) * 1e3:.2f}, {max(up_runs) * 1e3:.2f}]   "
+                    f"[{min(up_runs) * 1e3:.2f}, {max(up_runs) * 1e3:.2f}] {_faults('upstream')}   "
                     f"ratio to plain {up / plain:.3f}   ours / upstream {ft / up:.3f}"
                 )
         if not args.no_recovery:
