@@ -177,7 +177,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         min_replicas=1,
         join_timeout_ms=300,
         quorum_tick_ms=20,
-        heartbeat_timeout_ms=1500,
+        # The daemon's default. A group whose heartbeats lapse for half of it (its lease)
+        # during a step votes no; at 1.5 s a 0.75 s scheduling gap on a loaded machine was
+        # enough at the run's last step: the peer committed and exited, and the group's
+        # retry, alone, could not heal from it. These tests kill with SIGKILL (seen at once
+        # by the lighthouse's session), never by heartbeat expiry.
+        heartbeat_timeout_ms=5000,
     )
     c = Cluster(tmp_path, lighthouse.address())
     try:
