@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from _manager_kit import (  # noqa: F401 - fixtures, found by pytest by name
     harness_fixture,
@@ -15,6 +16,7 @@ from _manager_kit import (  # noqa: F401 - fixtures, found by pytest by name
 )
 from torch.distributed import ReduceOp
 
+from torchft.ddp import DistributedDataParallel
 from torchft.manager import ExceptionWithTraceback, WorldSizeMode
 
 
@@ -173,3 +175,80 @@ def test_dynamic_mode_uses_all_at_max_step(harness: Any) -> None:
     m.start_quorum()
     assert m.num_participants() == 3
     assert m.participating_rank() == 2
+
+
+def _ddp_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _local_grads(x: torch.Tensor) -> list[torch.Tensor]:
+    model = _ddp_model()
+    model(x).pow(2).sum().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def test_ddp_with_a_manager_averages_in_the_reducer_as_the_quorum_changes(harness: Any) -> None:
+    """With a Manager, torch's reducer writes each gradient into its bucket already divided by
+    the step's participant count (read from the step's quorum, which changes from 2 to 4
+    groups here) and the bucket goes through the Manager as a SUM: no hook, no second pass.
+    Every peer sending the same gradients, the result is this group's own gradients."""
+    h = harness()
+    h.native.quorums = [
+        make_quorum(replica_world_size=2, max_world_size=2, quorum_id=1),
+        make_quorum(replica_world_size=4, max_world_size=4, quorum_id=2),
+    ]
+    model = _ddp_model()
+    ddp = DistributedDataParallel(h.manager, model, bucket_cap_mb=0.0001)
+    x = torch.randn(5, 8)
+    want = _local_grads(x)
+    for participants in (2, 4):
+        h.pg.sum_factor = float(participants)  # every peer sent this group's gradients
+        h.manager.start_quorum()
+        before = len(h.pg.allreduces)
+        model.zero_grad()
+        ddp(x).pow(2).sum().backward()
+        assert ddp.process_group.size() == participants
+        ops = [_allreduce_op(o) for o in h.pg.allreduces[before:]]
+        assert len(ops) >= 2 and set(ops) == {ReduceOp.SUM}  # several buckets, never AVG
+        for p, w in zip(model.parameters(), want, strict=True):
+            torch.testing.assert_close(p.grad, w)
+        assert h.manager.should_commit()
+
+
+def test_ddp_with_a_manager_sends_zeros_from_a_group_that_sits_out(harness: Any) -> None:
+    """A healing group's scaled gradients are replaced by zeros before the sum: with the peer
+    sending zeros too, its gradients after backward are zero."""
+    h = harness()
+    h.native.metadata_by_addr["http://src:1"] = "src"
+    h.transport.shared["src"] = (5, {"user": {}, "torchft": {"step": 5, "batches_committed": 9}})
+    h.native.quorums = [
+        make_quorum(
+            replica_rank=1,
+            replica_world_size=2,
+            max_step=5,
+            max_replica_rank=None,
+            max_world_size=1,
+            heal=True,
+            recover_src_manager_address="http://src:1",
+            recover_src_replica_rank=0,
+        )
+    ]
+    model = _ddp_model()
+    ddp = DistributedDataParallel(h.manager, model)
+    h.manager.start_quorum()
+    ddp(torch.randn(5, 8)).pow(2).sum().backward()
+    assert not h.manager.is_participating()
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_ddp_with_a_manager_refuses_another_comm_hook(harness: Any) -> None:
+    """The gradients' communication is the Manager's: a user's hook is refused, by name."""
+    h = harness()
+    ddp = DistributedDataParallel(h.manager, _ddp_model())
+    with pytest.raises(RuntimeError, match="through the Manager"):
+        ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+
+
+def _allreduce_op(opts: Any) -> Any:
+    return opts.reduceOp if hasattr(opts, "reduceOp") else opts

@@ -1,9 +1,13 @@
 """Data parallelism whose gradient averaging goes through the Manager.
 
-torch's ``DistributedDataParallel`` is kept for bucketing and overlap, but it is given a
-world-size-1 process group and a communication hook that hands every bucket to
-``manager.allreduce``: the replica dimension (which changes with every quorum) is owned by
-the Manager, which also swallows communication errors so backward never raises.
+torch's ``DistributedDataParallel`` is kept for bucketing and overlap; the replica dimension
+(which changes with every quorum) is owned by the Manager, which also swallows communication
+errors so backward never raises. With a ``Manager``, torch's reducer is given a process group
+whose size is the step's participant count and whose allreduce is the Manager's SUM: the
+reducer then divides each gradient as it copies it into its bucket, in the same pass (a
+communication hook would copy, and the average would be a second pass over the bucket).
+Anything else that quacks like a manager gets a group of one and a hook that hands every
+bucket to its ``allreduce``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
+from torch.distributed import AllreduceOptions, ReduceOp
 from torch.futures import Future
 from torch.nn import parallel
 
@@ -63,14 +68,20 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         for fixed in ("process_group", "broadcast_buffers", "init_sync"):
             if fixed in kwargs:
                 raise ValueError(f"{fixed!r} is managed by torchft and cannot be passed")
-        # The replica dimension goes through the manager; torch only sees a group of one.
+        # The replica dimension goes through the manager. A Manager's group is handed to the
+        # reducer itself (see _ManagerGroup); anything else that quacks like a manager gets a
+        # group of one and a communication hook.
+        from torchft.manager import Manager
+
+        fused = isinstance(manager, Manager)
+        group = _ManagerGroup(manager) if fused else ProcessGroupDummy(0, 1)
         with warnings.catch_warnings():
             # Newer torch deprecates broadcast_buffers, but it is still the only switch that
             # also skips the buffer sync at construction.
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
             super().__init__(
                 module,
-                process_group=ProcessGroupDummy(0, 1),
+                process_group=group,
                 broadcast_buffers=False,
                 init_sync=False,
                 **kwargs,
@@ -86,13 +97,15 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
             reducer._push_all_rebuilt_params()
             reducer._rebuild_buckets()
-        from torchft.manager import Manager
+        if not fused:
+            super().register_comm_hook(manager, _manager_comm_hook)
 
-        # A Manager's allreduce future holds the averaged tensor itself: handed to the reducer
-        # as it is, with no ``then`` whose callback would take the GIL on the backend's
-        # thread once more per bucket. Anything else that quacks like one is adapted.
-        hook = _manager_comm_hook_direct if isinstance(manager, Manager) else _manager_comm_hook
-        self.register_comm_hook(manager, hook)
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Refused: the gradients' communication is torchft's (through the Manager)."""
+        raise RuntimeError(
+            "torchft's DistributedDataParallel averages gradients through the Manager; it "
+            "takes no other communication hook"
+        )
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped DDP forward, timed as the step's forward phase (telemetry)."""
@@ -124,11 +137,41 @@ def _manager_comm_hook(state: Manager, bucket: GradBucket) -> Future[torch.Tenso
     return work.get_future().then(lambda fut: _first_tensor(fut.value()))
 
 
-def _manager_comm_hook_direct(state: Manager, bucket: GradBucket) -> Future[torch.Tensor]:
-    """As :func:`_manager_comm_hook`, for a ``Manager``, whose allreduce future already
-    holds the tensor: the future is the hook's result."""
-    future: Future[torch.Tensor] = state.allreduce(bucket.buffer()).get_future()
-    return future
+class _ManagerGroup(ProcessGroupDummy):
+    """The process group torch's reducer is given for a ``Manager``: no communication hook,
+    so the reducer's own path runs, which writes each gradient into its bucket already
+    divided by the group's ``size()`` (one pass, where a hook's path copies, then divides the
+    reduced bucket in a second pass) and allreduces the bucket through this group.
+
+    ``size()`` is the number of replica groups contributing to the step (the reducer reads it
+    at the first gradient of every backward): it waits for the step's quorum when one is
+    pending, as the first allreduce would. A floating-point allreduce (a gradient bucket) is
+    the Manager's SUM, which makes non-participants contribute zeros and never raises; any
+    other one (DDP's unused-parameter map) stays local, as with a group of one.
+    """
+
+    def __init__(self, manager: Manager) -> None:
+        super().__init__(0, 1)
+        self._manager = manager
+
+    def size(self) -> int:
+        """The replica groups contributing to the step (at least 1)."""
+        return self._manager._step_participants()
+
+    def allreduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        """A bucket's sum through the Manager; anything else as a group of one."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        op = opts.reduceOp if isinstance(opts, AllreduceOptions) else opts
+        if (
+            len(tensors) == 1
+            and (tensors[0].is_floating_point() or tensors[0].is_complex())
+            and (op is None or op == ReduceOp.SUM)
+        ):
+            return self._manager.allreduce(tensors[0], reduce_op=ReduceOp.SUM)
+        return super().allreduce(tensors, opts)
 
 
 # DDP validates the hook's annotations by identity, so they must be real objects rather than
@@ -138,7 +181,6 @@ _manager_comm_hook.__annotations__ = {
     "bucket": GradBucket,
     "return": Future[torch.Tensor],
 }
-_manager_comm_hook_direct.__annotations__ = dict(_manager_comm_hook.__annotations__)
 
 
 class PureDistributedDataParallel(nn.Module):

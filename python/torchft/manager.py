@@ -10,7 +10,7 @@ of its replica group whether the step commits.
 The step protocol, seen from one rank::
 
     manager.start_quorum()          # optimizer.zero_grad(); async, overlapped with forward
-    loss = model(batch); loss.backward()   # manager.allreduce(grad) through the DDP comm hook
+    loss = model(batch); loss.backward()   # each gradient bucket through manager.allreduce
     if manager.should_commit():     # optimizer.step(); vote of every rank in the group
         optimizer.step()
 
@@ -762,6 +762,17 @@ class Manager:
             return _DummyWork(tensor)
         self._pending_futures.append(reduced)
         return _FutureWork(reduced)
+
+    def _step_participants(self) -> int:
+        """The replica groups contributing to this step's collectives (at least 1), after
+        the step's quorum when one is pending (waited for as the first allreduce would;
+        errors are recorded, never raised)."""
+        if self._quorum_future is not None and self._errored is None:
+            try:
+                self.wait_quorum()
+            except Exception as e:
+                self.report_error(e)
+        return max(self._participating_replica_world_size, 1)
 
     # ------------------------------------------------------------------ commit
 
