@@ -106,12 +106,14 @@ def test_pg_errored_blocks_commit(harness: Any) -> None:
     assert not m.should_commit()
 
 
-def test_non_participant_sends_zeros_async(harness: Any) -> None:
-    """With async quorum a healing (behind) replica group sits out and contributes zeros."""
-    h = harness()
+def _behind(h: Any, user_state: dict[str, Any]) -> Any:
+    """Gives harness ``h`` a quorum in which its group is behind (step 5 at replica 0) and
+    heals from ``user_state`` in the background: it sits out the step."""
     h.native.metadata_by_addr["http://src:1"] = "src"
-    h.transport.shared["src"] = (5, {"user": {"default": {"w": torch.ones(3)}}, "torchft": {}})
-    h.transport.shared["src"][1]["torchft"] = {"step": 5, "batches_committed": 9}
+    h.transport.shared["src"] = (
+        5,
+        {"user": user_state, "torchft": {"step": 5, "batches_committed": 9}},
+    )
     h.native.quorums = [
         make_quorum(
             replica_rank=1,
@@ -124,6 +126,12 @@ def test_non_participant_sends_zeros_async(harness: Any) -> None:
             recover_src_replica_rank=0,
         )
     ]
+    return h
+
+
+def test_non_participant_sends_zeros_async(harness: Any) -> None:
+    """With async quorum a healing (behind) replica group sits out and contributes zeros."""
+    h = _behind(harness(), {"default": {"w": torch.ones(3)}})
     m = h.manager
     m.start_quorum()
     assert not m.is_participating()
@@ -219,21 +227,7 @@ def test_ddp_with_a_manager_averages_in_the_reducer_as_the_quorum_changes(harnes
 def test_ddp_with_a_manager_sends_zeros_from_a_group_that_sits_out(harness: Any) -> None:
     """A healing group's scaled gradients are replaced by zeros before the sum: with the peer
     sending zeros too, its gradients after backward are zero."""
-    h = harness()
-    h.native.metadata_by_addr["http://src:1"] = "src"
-    h.transport.shared["src"] = (5, {"user": {}, "torchft": {"step": 5, "batches_committed": 9}})
-    h.native.quorums = [
-        make_quorum(
-            replica_rank=1,
-            replica_world_size=2,
-            max_step=5,
-            max_replica_rank=None,
-            max_world_size=1,
-            heal=True,
-            recover_src_manager_address="http://src:1",
-            recover_src_replica_rank=0,
-        )
-    ]
+    h = _behind(harness(), {})
     model = _ddp_model()
     ddp = DistributedDataParallel(h.manager, model)
     h.manager.start_quorum()
