@@ -236,12 +236,38 @@ def test_ddp_with_a_manager_sends_zeros_from_a_group_that_sits_out(harness: Any)
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
 
 
-def test_ddp_with_a_manager_refuses_another_comm_hook(harness: Any) -> None:
-    """The gradients' communication is the Manager's: a user's hook is refused, by name."""
+def test_ddp_with_a_manager_refuses_another_comm_hook_and_join(harness: Any) -> None:
+    """The gradients' communication is the Manager's: a user's hook, a built-in one and
+    DDP's join (its collectives would run through the Manager outside any step) are refused,
+    by name, before anything runs."""
     h = harness()
     ddp = DistributedDataParallel(h.manager, _ddp_model())
     with pytest.raises(RuntimeError, match="through the Manager"):
         ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+    with pytest.raises(RuntimeError, match="through the Manager"):
+        ddp._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.ALLREDUCE)
+    with pytest.raises(RuntimeError, match="does not support join"):
+        ddp.join()
+    from torch.distributed.algorithms.join import Join
+
+    with pytest.raises(RuntimeError, match="does not support join"):
+        Join([ddp])
+    assert h.pg.allreduces == []
+
+
+def test_ddp_with_a_manager_after_an_error_neither_raises_nor_commits(harness: Any) -> None:
+    """A step that errored before backward: the reducer's collectives are skipped, backward
+    returns, and the vote is no."""
+    h = harness()
+    h.native.quorums = [make_quorum(replica_world_size=2, max_world_size=2)]
+    model = _ddp_model()
+    ddp = DistributedDataParallel(h.manager, model)
+    h.manager.start_quorum()
+    h.manager.report_error(RuntimeError("injected"))
+    ddp(torch.randn(5, 8)).pow(2).sum().backward()
+    assert h.pg.allreduces == []
+    assert all(p.grad is not None for p in model.parameters())
+    assert not h.manager.should_commit()
 
 
 def _allreduce_op(opts: Any) -> Any:

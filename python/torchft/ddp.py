@@ -101,11 +101,27 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             super().register_comm_hook(manager, _manager_comm_hook)
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        """Refused: the gradients' communication is torchft's (through the Manager)."""
+        """Refused: the gradients' communication is torchft's (through the Manager). DDP's
+        ``mixed_precision`` and optimizer-in-backward register one too, so they are refused
+        here as well."""
+        raise RuntimeError(_NO_HOOK)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """Refused, as :meth:`register_comm_hook`."""
+        raise RuntimeError(_NO_HOOK)
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: uneven inputs across replica groups are the quorum's business (a group
+        that stops training leaves it); DDP's join would run its own collectives through the
+        Manager outside any step."""
         raise RuntimeError(
-            "torchft's DistributedDataParallel averages gradients through the Manager; it "
-            "takes no other communication hook"
+            "torchft's DistributedDataParallel does not support join(): a replica group that "
+            "runs out of data stops calling the Manager and the others go on without it"
         )
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused, as :meth:`join` (``torch.distributed.algorithms.Join`` asks for it)."""
+        return self.join()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped DDP forward, timed as the step's forward phase (telemetry)."""
@@ -135,6 +151,12 @@ def _manager_comm_hook(state: Manager, bucket: GradBucket) -> Future[torch.Tenso
     buffer = bucket.buffer()
     work = state.allreduce(buffer)
     return work.get_future().then(lambda fut: _first_tensor(fut.value()))
+
+
+_NO_HOOK = (
+    "torchft's DistributedDataParallel averages gradients through the Manager and takes no "
+    "communication hook (DDP's mixed_precision and optimizer-in-backward install one)"
+)
 
 
 class _ManagerGroup(ProcessGroupDummy):

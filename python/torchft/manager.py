@@ -537,7 +537,8 @@ class Manager:
         quorum_timeout = timeout if timeout is not None else self._config.quorum_timeout
         if self._config.use_async_quorum:
             # The request is sent by the native client without waiting, and the answer is
-            # handled by the first wait_quorum (usually from the first allreduce): a helper
+            # handled by the first wait_quorum (from DDP's first gradient, or the first
+            # allreduce): a helper
             # thread woken at every step would fight the training thread for the GIL during
             # the forward pass.
             self._quorum_future = start_pending(
@@ -587,7 +588,7 @@ class Manager:
         if fut is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
         if fut.settled() if isinstance(fut, PendingQuorum) else fut.done():
-            # Already adopted (the step's first collective waited for it): nothing to time
+            # Already adopted (the step's backward waited for it): nothing to time
             # or mark busy; its outcome is raised as it is.
             fut.result()
             return
