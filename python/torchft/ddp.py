@@ -166,8 +166,8 @@ class _ManagerGroup(ProcessGroupDummy):
     reduced bucket in a second pass) and allreduces the bucket through this group.
 
     ``size()`` is the number of replica groups contributing to the step (the reducer reads it
-    at the first gradient of every backward): it waits for the step's quorum when one is
-    pending, as the first allreduce would. A floating-point allreduce (a gradient bucket) is
+    at the first gradient of every backward): it waits for the step's quorum, as the first
+    allreduce would. A floating-point allreduce (a gradient bucket) is
     the Manager's SUM, which makes non-participants contribute zeros and never raises; any
     other one (DDP's unused-parameter map) stays local, as with a group of one.
     """
@@ -177,8 +177,13 @@ class _ManagerGroup(ProcessGroupDummy):
         self._manager = manager
 
     def size(self) -> int:
-        """The replica groups contributing to the step (at least 1)."""
-        return self._manager._step_participants()
+        """The replica groups contributing to the step (at least 1). A quorum that failed
+        (or none started yet, as at construction) gives 1: the bucket's allreduce then finds
+        the failure again and records it, and the step does not commit."""
+        try:
+            return max(self._manager.num_participants(), 1)
+        except Exception:
+            return 1
 
     def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None

@@ -764,17 +764,6 @@ class Manager:
         self._pending_futures.append(reduced)
         return _FutureWork(reduced)
 
-    def _step_participants(self) -> int:
-        """The replica groups contributing to this step's collectives (at least 1), after
-        the step's quorum when one is pending (waited for as the first allreduce would;
-        errors are recorded, never raised)."""
-        if self._quorum_future is not None and self._errored is None:
-            try:
-                self.wait_quorum()
-            except Exception as e:
-                self.report_error(e)
-        return max(self._participating_replica_world_size, 1)
-
     # ------------------------------------------------------------------ commit
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
