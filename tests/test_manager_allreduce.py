@@ -270,5 +270,88 @@ def test_ddp_with_a_manager_after_an_error_neither_raises_nor_commits(harness: A
     assert not h.manager.should_commit()
 
 
+class _Branchy(torch.nn.Module):
+    """Two heads; ``use_b=False`` leaves the second unused (find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 16)
+        self.a = torch.nn.Linear(16, 4)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = self.body(x).relu()
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def _own_grads(batches: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor | None]:
+    """This group's gradients of ``batches`` accumulated, without DDP."""
+    model = _Branchy()
+    for x, use_b in batches:
+        model(x, use_b).pow(2).sum().backward()
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"gradient_as_bucket_view": True},
+        {"static_graph": True},
+        {"find_unused_parameters": True},
+    ],
+    ids=["bucket_view", "static_graph", "unused_params"],
+)
+def test_ddp_with_a_manager_averages_under_ddp_options(harness: Any, kwargs: Any) -> None:
+    """DDP's own options keep the reducer's averaging right through the Manager, over three
+    steps (static_graph's first differs from the rest), with several buckets; with
+    find_unused_parameters the second head is unused on the middle step. Every peer sending
+    the same gradients, each step's result is this group's own."""
+    h = harness()
+    h.native.quorums = [
+        make_quorum(replica_world_size=2, max_world_size=2, quorum_id=1, max_step=step)
+        for step in range(3)
+    ]
+    h.pg.sum_factor = 2.0
+    model = _Branchy()
+    ddp = DistributedDataParallel(h.manager, model, bucket_cap_mb=0.0001, **kwargs)
+    unused = "find_unused_parameters" in kwargs
+    for step in range(3):
+        x = torch.randn(5, 8)
+        use_b = not (unused and step == 1)
+        h.manager.start_quorum()
+        before = len(h.pg.allreduces)
+        model.zero_grad(set_to_none=False)
+        ddp(x, use_b).pow(2).sum().backward()
+        assert len(h.pg.allreduces) > before + 1, "the buckets went through the Manager"
+        assert ddp.process_group.size() == 2
+        want = _own_grads([(x, use_b)])
+        for p, w in zip(model.parameters(), want, strict=True):
+            torch.testing.assert_close(p.grad, torch.zeros_like(p) if w is None else w)
+        assert h.manager.should_commit()
+        assert h.manager.current_step() == step + 1
+
+
+def test_ddp_with_a_manager_no_sync_accumulates_then_averages_once(harness: Any) -> None:
+    """Inside ``no_sync`` nothing goes through the Manager and the gradients accumulate; the
+    next backward averages the accumulated gradients once."""
+    h = harness()
+    h.native.quorums = [make_quorum(replica_world_size=2, max_world_size=2, quorum_id=1)]
+    h.pg.sum_factor = 2.0
+    model = _Branchy()
+    ddp = DistributedDataParallel(h.manager, model)
+    x1, x2 = torch.randn(5, 8), torch.randn(5, 8)
+    h.manager.start_quorum()
+    model.zero_grad()
+    with ddp.no_sync():
+        ddp(x1).pow(2).sum().backward()
+    assert h.pg.allreduces == []
+    ddp(x2).pow(2).sum().backward()
+    assert h.pg.allreduces, "the synced backward went through the Manager"
+    for p, w in zip(model.parameters(), _own_grads([(x1, True), (x2, True)]), strict=True):
+        torch.testing.assert_close(p.grad, w)
+    assert h.manager.should_commit()
+
+
 def _allreduce_op(opts: Any) -> Any:
     return opts.reduceOp if hasattr(opts, "reduceOp") else opts
