@@ -275,14 +275,28 @@ class _Branchy(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Linear(8, 16)
-        self.a = torch.nn.Linear(16, 4)
-        self.b = torch.nn.Linear(16, 4)
+        with torch.random.fork_rng():  # the same weights every time; the inputs' RNG goes on
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(8, 16)
+            self.a = torch.nn.Linear(16, 4)
+            self.b = torch.nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
         h = self.body(x).relu()
         return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def _record_reduce_ops(manager: Any) -> list[Any]:
+    """The reduce op of every ``manager.allreduce`` from now on."""
+    ops: list[Any] = []
+    allreduce = manager.allreduce
+
+    def recording(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        ops.append(kwargs.get("reduce_op", args[1] if len(args) > 1 else ReduceOp.AVG))
+        return allreduce(tensor, *args, **kwargs)
+
+    manager.allreduce = recording
+    return ops
 
 
 def _own_grads(batches: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor | None]:
@@ -305,8 +319,9 @@ def _own_grads(batches: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor | 
 def test_ddp_with_a_manager_averages_under_ddp_options(harness: Any, kwargs: Any) -> None:
     """DDP's own options keep the reducer's averaging right through the Manager, over three
     steps (static_graph's first differs from the rest), with several buckets; with
-    find_unused_parameters the second head is unused on the middle step. Every peer sending
-    the same gradients, each step's result is this group's own."""
+    find_unused_parameters the second head is unused on the middle step (its gradient stays
+    zero). Every peer sending the same gradients, each step's result is this group's own, and
+    every bucket goes through the Manager as a SUM (the reducer divides)."""
     h = harness()
     h.native.quorums = [
         make_quorum(replica_world_size=2, max_world_size=2, quorum_id=1, max_step=step)
@@ -315,16 +330,18 @@ def test_ddp_with_a_manager_averages_under_ddp_options(harness: Any, kwargs: Any
     h.pg.sum_factor = 2.0
     model = _Branchy()
     ddp = DistributedDataParallel(h.manager, model, bucket_cap_mb=0.0001, **kwargs)
+    ops = _record_reduce_ops(h.manager)
     unused = "find_unused_parameters" in kwargs
-    for step in range(3):
-        x = torch.randn(5, 8)
+    inputs = [torch.randn(5, 8) for _ in range(3)]
+    assert not torch.equal(inputs[0], inputs[1])
+    for step, x in enumerate(inputs):
         use_b = not (unused and step == 1)
         h.manager.start_quorum()
         before = len(h.pg.allreduces)
         model.zero_grad(set_to_none=False)
         ddp(x, use_b).pow(2).sum().backward()
         assert len(h.pg.allreduces) > before + 1, "the buckets went through the Manager"
-        assert ddp.process_group.size() == 2
+        assert ops and set(ops) == {ReduceOp.SUM}, "the reducer divides; the Manager sums"
         want = _own_grads([(x, use_b)])
         for p, w in zip(model.parameters(), want, strict=True):
             torch.testing.assert_close(p.grad, torch.zeros_like(p) if w is None else w)
@@ -340,6 +357,7 @@ def test_ddp_with_a_manager_no_sync_accumulates_then_averages_once(harness: Any)
     h.pg.sum_factor = 2.0
     model = _Branchy()
     ddp = DistributedDataParallel(h.manager, model)
+    ops = _record_reduce_ops(h.manager)
     x1, x2 = torch.randn(5, 8), torch.randn(5, 8)
     h.manager.start_quorum()
     model.zero_grad()
@@ -348,6 +366,7 @@ def test_ddp_with_a_manager_no_sync_accumulates_then_averages_once(harness: Any)
     assert h.pg.allreduces == []
     ddp(x2).pow(2).sum().backward()
     assert h.pg.allreduces, "the synced backward went through the Manager"
+    assert set(ops) == {ReduceOp.SUM}
     for p, w in zip(model.parameters(), _own_grads([(x1, True), (x2, True)]), strict=True):
         torch.testing.assert_close(p.grad, w)
     assert h.manager.should_commit()
