@@ -58,14 +58,21 @@ def started(d: Path, group: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_killed_group_is_restarted_and_nothing_leaks(tmp_path: Path) -> None:
-    """SIGKILL of one group's worker restarts only that group; every process is gone after."""
-    launcher = _launcher(tmp_path, WORKER, max_restarts=2, on_line=lambda g, line: None)
+    """SIGKILL of one group's worker restarts only that group; every process is gone after,
+    and so is every directory the launch's torchruns made (none lands in the temp dir)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    launcher = _launcher(
+        tmp_path, WORKER, max_restarts=2, on_line=lambda g, line: None, env={"TMPDIR": str(temp)}
+    )
     code: list[int] = []
     try:
         launcher.start()
         runner = threading.Thread(target=lambda: code.append(launcher.run(timeout=100)))
         runner.start()
         wait_for(lambda: started(tmp_path, 0) and started(tmp_path, 1), 60, "both groups")
+        assert launcher.log_dir is not None
+        assert len(os.listdir(launcher.log_dir)) == 2, "each torchrun keeps its files there"
         first = started(tmp_path, 1)
         killed = launcher.kill_group(1, signal.SIGKILL)
         assert killed, "no worker process found for group 1"
@@ -81,6 +88,8 @@ def test_killed_group_is_restarted_and_nothing_leaks(tmp_path: Path) -> None:
         (tmp_path / "stop").touch()
         launcher.shutdown()
     assert _pids_with_marker(launcher.marker) == []
+    assert not os.path.exists(launcher.log_dir)
+    assert os.listdir(temp) == [], "a torchrun left files in the temp directory"
 
 
 CHATTY = textwrap.dedent(
@@ -215,6 +224,8 @@ def test_worker_restarted_inside_torchrun_finds_the_new_manager(tmp_path: Path) 
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
+                "--log-dir",  # else the agent leaves a directory in the system temp dir
+                str(tmp_path / "torchrun"),
                 "--standalone",
                 "--nnodes",
                 "1",

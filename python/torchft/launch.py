@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -252,6 +253,10 @@ class Launcher:
         self.marker = uuid.uuid4().hex
         self.groups = [GroupState(i) for i in range(replicas)]
         self.lighthouse: LighthouseProcess | None = None
+        #: Where every torchrun of this launch keeps its agent's files (the workers' error
+        #: files); made at the first torchrun, removed by shutdown. Without it each torchrun
+        #: makes a directory of its own in the system temp directory and leaves it there.
+        self.log_dir: str | None = None
         self._lock = threading.Lock()
         self._stopping = False
         self.standby = standby
@@ -304,10 +309,14 @@ class Launcher:
             self._spawn_ranks(g)
             return
         env = self._group_env(g)
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="torchft_launch_")
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--log-dir",
+            self.log_dir,
             "--standalone",
             "--nnodes",
             "1",
@@ -549,6 +558,8 @@ class Launcher:
                 pass
         if self.lighthouse is not None:
             self.lighthouse.stop()
+        if self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
