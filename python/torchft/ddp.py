@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
-from torch.distributed import AllreduceOptions, ReduceOp
+from torch.distributed import ReduceOp
 from torch.futures import Future
 from torch.nn import parallel
 
@@ -185,20 +185,18 @@ class _ManagerGroup(ProcessGroupDummy):
         except Exception:
             return 1
 
-    def allreduce(  # type: ignore[override]
-        self, tensors: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        """A bucket's sum through the Manager; anything else as a group of one."""
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        op = opts.reduceOp if isinstance(opts, AllreduceOptions) else opts
-        if (
-            len(tensors) == 1
-            and (tensors[0].is_floating_point() or tensors[0].is_complex())
-            and (op is None or op == ReduceOp.SUM)
-        ):
-            return self._manager.allreduce(tensors[0], reduce_op=ReduceOp.SUM)
-        return super().allreduce(tensors, opts)
+    def _dispatch(self, op: str, args: tuple[Any, ...]) -> Any:
+        """A bucket's sum through the Manager; anything else as a group of one (the base
+        class has already normalised the tensors and the options)."""
+        if op == "allreduce":
+            tensors, opts = args
+            if (
+                len(tensors) == 1
+                and (tensors[0].is_floating_point() or tensors[0].is_complex())
+                and opts.reduceOp == ReduceOp.SUM
+            ):
+                return self._manager.allreduce(tensors[0], reduce_op=ReduceOp.SUM)
+        return super()._dispatch(op, args)
 
 
 # DDP validates the hook's annotations by identity, so they must be real objects rather than

@@ -538,9 +538,8 @@ class Manager:
         if self._config.use_async_quorum:
             # The request is sent by the native client without waiting, and the answer is
             # handled by the first wait_quorum (from DDP's first gradient, or the first
-            # allreduce): a helper
-            # thread woken at every step would fight the training thread for the GIL during
-            # the forward pass.
+            # allreduce): a helper thread woken at every step would fight the training
+            # thread for the GIL during the forward pass.
             self._quorum_future = start_pending(
                 QuorumCall(
                     self._group,
