@@ -19,8 +19,8 @@
 //!   back, e.g. to a durable snapshot after every group died): its productive time moves to
 //!   `regressed`;
 //! - reports lost with a process that was killed are made up from the group's write-ahead
-//!   commit announcements: the time between two consecutive ones, less the step's quorum
-//!   wait (quorum: the one the announcement carried, else the median of the incarnation's
+//!   commit announcements: the time since the previous one (or since the end of a later
+//!   reported step that did not commit), less the step's quorum wait (quorum: the one the announcement carried, else the median of the incarnation's
 //!   last reported steps), is productive; a step that is not the one after the last step
 //!   accounted (the group healed in between) is `heal`.
 //!
@@ -502,6 +502,12 @@ impl Goodput {
                 life.last_step = Some(step);
             }
         }
+        if !r.committed {
+            // A step made up later from an announcement spans from the end of this one, not
+            // from the commit before it: the time between is this step's, accounted here.
+            let end = if r.unix_s > 0.0 { r.unix_s } else { unix };
+            life.last_at = Some(life.last_at.map_or(end, |at| at.max(end)));
+        }
         if first {
             // Start-up: recovery.
             return;
@@ -777,6 +783,34 @@ mod tests {
             "{f:?}"
         );
         assert_eq!(f.accounts.steps_committed, before.steps_committed + 2);
+    }
+
+    #[test]
+    fn a_made_up_step_spans_from_the_last_reported_step_that_did_not_commit() {
+        // Reported up to step 3; then stalled 9.4 s in a step that did not commit, another
+        // that did not, the commit of step 4, and killed before its report was sent.
+        let mut g = Goodput::default();
+        for s in 0..3 {
+            g.on_commit("g", "g:1", s + 1, 10.0 + s as f64, Some(0.0));
+            g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 10.0 + s as f64);
+        }
+        let before = g.group_figures("g", 30.0).unwrap().accounts;
+        g.on_step("g", &step("g:1", 3, false, 9.4, 0.0), 21.4);
+        g.on_step("g", &stamped(step("g:1", 3, false, 0.4, 0.0), 21.8), 22.3);
+        g.on_commit("g", "g:1", 4, 22.0, Some(0.0));
+        g.ended("g", "g:1");
+        let f = g.group_figures("g", 30.0).unwrap();
+        // The discarded steps are counted once, as discarded; the made-up step is the time
+        // since the last of them ended (as its rank stamped it), not since step 3's commit.
+        assert!(
+            close(f.accounts.discarded_s - before.discarded_s, 9.8),
+            "{f:?}"
+        );
+        assert!(
+            close(f.accounts.productive_s - before.productive_s, 0.2),
+            "{f:?}"
+        );
+        assert_eq!(f.accounts.steps_committed, before.steps_committed + 1);
     }
 
     #[test]
