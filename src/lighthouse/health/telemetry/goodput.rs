@@ -20,9 +20,10 @@
 //!   `regressed`;
 //! - reports lost with a process that was killed are made up from the group's write-ahead
 //!   commit announcements: the time since the previous one (or since the end of a later
-//!   reported step that did not commit), less the step's quorum wait (quorum: the one the announcement carried, else the median of the incarnation's
-//!   last reported steps), is productive; a step that is not the one after the last step
-//!   accounted (the group healed in between) is `heal`.
+//!   reported step that did not commit), less the step's quorum wait (quorum: the one the
+//!   announcement carried, else the median of the incarnation's last reported steps), is
+//!   productive; a step that is not the one after the last step accounted (the group healed
+//!   in between) is `heal`.
 //!
 //! `wall = productive + quorum + discarded + heal + recovery + regressed`; the goodput
 //! ratio is `productive / wall`. Bounded: a group keeps its last [`RECENT`] committed steps
@@ -686,6 +687,17 @@ mod tests {
         r
     }
 
+    /// A group whose incarnation `g:1` announced and reported steps `0..n`, one a second
+    /// from 10 s.
+    fn reported(n: i64) -> Goodput {
+        let mut g = Goodput::default();
+        for s in 0..n {
+            g.on_commit("g", "g:1", s + 1, 10.0 + s as f64, Some(0.0));
+            g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 10.0 + s as f64);
+        }
+        g
+    }
+
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
     }
@@ -766,11 +778,7 @@ mod tests {
     fn a_made_up_step_after_a_jump_is_not_productive() {
         // Reported up to step 4; then stopped for 5 s, a step that did not commit, a heal
         // to step 5 and the commit of step 6, and killed before any of it was reported.
-        let mut g = Goodput::default();
-        for s in 0..4 {
-            g.on_commit("g", "g:1", s + 1, 10.0 + s as f64, Some(0.0));
-            g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 10.0 + s as f64);
-        }
+        let mut g = reported(4);
         let before = g.group_figures("g", 30.0).unwrap().accounts;
         g.on_commit("g", "g:1", 6, 18.5, Some(0.0));
         g.on_commit("g", "g:1", 7, 19.0, Some(0.0));
@@ -789,11 +797,7 @@ mod tests {
     fn a_made_up_step_spans_from_the_last_reported_step_that_did_not_commit() {
         // Reported up to step 3; then stalled 9.4 s in a step that did not commit, another
         // that did not, the commit of step 4, and killed before its report was sent.
-        let mut g = Goodput::default();
-        for s in 0..3 {
-            g.on_commit("g", "g:1", s + 1, 10.0 + s as f64, Some(0.0));
-            g.on_step("g", &step("g:1", s, true, 1.0, 0.0), 10.0 + s as f64);
-        }
+        let mut g = reported(3);
         let before = g.group_figures("g", 30.0).unwrap().accounts;
         g.on_step("g", &step("g:1", 3, false, 9.4, 0.0), 21.4);
         g.on_step("g", &stamped(step("g:1", 3, false, 0.4, 0.0), 21.8), 22.3);
