@@ -85,9 +85,13 @@ def main() -> None:
                         break
             except (FileNotFoundError, ValueError):
                 pass
-            if os.path.exists(args.hang_file):
+            seconds = None
+            try:
                 with open(args.hang_file) as f:
                     seconds = float(f.read())
+            except (FileNotFoundError, ValueError):
+                pass  # no hang asked for, or the file is being written: read at the next step
+            if seconds is not None:
                 os.remove(args.hang_file)
                 record(hang=seconds, step=manager.current_step())
                 time.sleep(seconds)  # the loop is stuck; heartbeats go on
