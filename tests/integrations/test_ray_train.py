@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -63,7 +65,16 @@ def test_replacement_heals_from_the_running_survivor(tmp_path: Path) -> None:
         f"--result-dir={results}",
         f"--storage-path={tmp_path / 'storage'}",
     ]
-    env = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+    # Ray's session directory (logs, sockets) goes to a directory of the test's own, removed
+    # afterwards. It is short because Ray puts Unix sockets under it (their paths have a
+    # small length limit), so it is not under pytest's tmp_path.
+    ray_tmp = tempfile.mkdtemp(prefix="ray")
+    env = {
+        **os.environ,
+        "RAY_DISABLE_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "RAY_TMPDIR": ray_tmp,
+    }
     log = tmp_path / "ray_train.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -83,6 +94,7 @@ def test_replacement_heals_from_the_running_survivor(tmp_path: Path) -> None:
                     pass
             if proc.poll() is None:
                 proc.wait(timeout=30)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     tail = log.read_text()[-6000:]
     assert code == 0, f"example exited with {code}:\n{tail}"
 
