@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -264,4 +265,93 @@ def test_max_retries_exceeded_raises_runtime_error() -> None:
         assert manager.current_step() == 0
     finally:
         manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+def _ddp_group(lighthouse: str, replica_id: str, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """A replica group of one rank training a small MLP with torchft DDP and AdamW (state
+    registered for healing); returns ``(manager, ddp, optimizer, store)``."""
+    from torch import nn
+
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        load_state_dict=None,
+        state_dict=None,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=replica_id,
+        **kwargs,
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-2))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optim.load_state_dict, optim.state_dict)
+    return manager, ddp, optim, store
+
+
+def _ddp_step(ddp: Any, optim: Any, step: int) -> None:
+    """One training step; its batch depends only on ``step``."""
+    gen = torch.Generator().manual_seed(step)
+    optim.zero_grad()
+    ddp(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+    optim.step()
+
+
+@pytest.mark.timeout(90)
+def test_quorum_timeout_inside_ddp_backward_leaves_the_state_and_the_next_steps_work() -> None:
+    """DDP's reducer asks the step's participant count at its first gradient, which waits
+    for the quorum: a quorum that times out there (one group, min_replicas=2) does not raise
+    out of backward, the step does not apply (TimeoutError from the optimizer step, the
+    parameters and the step count unchanged), a second backward works (the reducer was left
+    ready for it), and once a second group joins both commit with one state."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    timeouts = {"quorum_timeout": timedelta(seconds=1.5), "timeout": timedelta(seconds=5)}
+    groups = [_ddp_group(lighthouse.address(), "rg0", min_replica_size=1, **timeouts)]
+    try:
+        manager, ddp, optim, _ = groups[0]
+        before = [p.detach().clone() for p in ddp.parameters()]
+        for _ in range(2):
+            optim.zero_grad()
+            started = time.monotonic()
+            loss = ddp(torch.randn(4, 8)).pow(2).sum()
+            loss.backward()  # the quorum times out inside: recorded, not raised
+            assert time.monotonic() - started < 5.0
+            with pytest.raises(TimeoutError):
+                optim.step()
+            assert manager.current_step() == 0
+            for p, b in zip(ddp.parameters(), before, strict=True):
+                assert torch.equal(p.detach(), b)
+        # A second group joins: both train together from step 0 (its start) on.
+        groups.append(_ddp_group(lighthouse.address(), "rg1", min_replica_size=1, **timeouts))
+
+        def train(group: tuple[Any, Any, Any, Any]) -> list[torch.Tensor]:
+            m, d, o, _ = group
+            deadline = time.monotonic() + 45
+            while m.current_step() < 3:
+                assert time.monotonic() < deadline, f"stuck at step {m.current_step()}"
+                try:
+                    _ddp_step(d, o, m.current_step())
+                except TimeoutError:
+                    pass  # a quorum round that began before the other group asked
+            moments = [v for st in o.state_dict()["state"].values() for v in st.values()]
+            return [t.detach().clone() for t in [*d.state_dict().values(), *moments]]
+
+        with ThreadPoolExecutor(2) as pool:
+            states = list(pool.map(train, groups))
+        assert [g[0].current_step() for g in groups] == [3, 3]
+        assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+        assert not all(
+            torch.equal(p.detach(), b) for p, b in zip(ddp.parameters(), before, strict=True)
+        )
+    finally:
+        for g in groups:
+            g[0].shutdown(wait=False)
         lighthouse.shutdown()
