@@ -68,6 +68,46 @@ def test_checker_flags_a_fork_while_the_holder_lives_and_accepts_one_after_it_di
     assert "ended itself: held hung" in rep.regressions[0]
 
 
+def test_a_killed_holder_is_dead_from_its_kill_not_from_when_its_exit_was_reaped(
+    tmp_path: Path,
+) -> None:
+    """The lighthouse sees a SIGKILLed holder die as its connections close, and the others
+    may re-commit its step at once; the supervisor reaps the exit up to a poll later. A
+    re-commit after the kill is an unavoidable regression (the process ran no code after
+    the signal), one before the kill a violation, and an exit record without the kill's
+    instant (an older run) is judged by its reaped exit, as before."""
+    A, C = 10**6 + 621, 10**6 + 622  # pids surely not running here
+
+    def run(killed_at: float | None) -> list[str]:
+        exit_a = _killed("a", A, 5.1)
+        if killed_at is not None:
+            exit_a["killed_at"] = killed_at
+        _run(
+            tmp_path,
+            {
+                "a": [_commit("a", A, 1, 10, "s1", 1.0), _commit("a", A, 2, 10, "a2", 2.0)],
+                "c": [
+                    _commit("c", C, 1, 10, "s1", 1.0),
+                    _commit("c", C, 2, 12, "c2", 5.0),
+                    _finish("c", C, 2, "c2", 7.0),
+                ],
+            },
+            [_start("a", A, 0.0), exit_a, *_life("c", C, 0.0, 8.0)],
+        )
+        kill = _fault("kill_one", ["a"], 4.9, best=2, best_left=1)
+        _write(tmp_path / "faults.jsonl", [kill])
+        rep = check(tmp_path, target=2, min_replicas=1, groups=["c"])
+        return [v for v in rep.violations if "regress" in v] + rep.regressions
+
+    said = run(4.95)
+    assert len(said) == 1 and said[0].startswith("step 2 re-committed by c"), said
+    assert "kill_one of ['a'] took the last live holders of step 2" in said[0], said
+    said = run(5.05)  # killed after c re-committed: a live holder was bypassed
+    assert any(v.startswith("progress regressed: c") for v in said), said
+    said = run(None)  # reaped after the re-commit, no kill instant: alive until then
+    assert any(v.startswith("progress regressed: c") for v in said), said
+
+
 def test_a_holder_stopped_as_diverged_holds_no_progress_from_its_last_commit(
     tmp_path: Path,
 ) -> None:

@@ -148,6 +148,9 @@ class _Proc:
     phase: Path
     started: float
     killed: bool = False
+    #: When the SIGKILL was sent (wall time): from then on the process runs no more code, so
+    #: it can neither commit nor serve what it held, whenever its exit is reaped.
+    killed_at: float | None = None
 
 
 class Chaos:
@@ -333,6 +336,7 @@ class Chaos:
                         "pid": p.proc.pid,
                         "rc": rc,
                         "killed": p.killed,
+                        **({"killed_at": p.killed_at} if p.killed_at is not None else {}),
                     },
                 )
                 asked = rc in (RESTART_EXIT, HUNG_EXIT, DIVERGED_EXIT) and not p.killed
@@ -356,6 +360,8 @@ class Chaos:
             os.killpg(p.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if p.killed_at is None:
+            p.killed_at = time.time()
 
     # ---- faults ------------------------------------------------------------------------
 
@@ -855,11 +861,7 @@ class Chaos:
                 timer.cancel()
             for p in self.procs.values():
                 if p.proc.poll() is None:
-                    p.killed = True
-                    try:
-                        os.killpg(p.proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    self._kill(p.group)
         for p in list(self.procs.values()):
             p.proc.wait(timeout=30)
         self._reap()

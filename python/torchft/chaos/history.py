@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from torchft.chaos.goodput import compare, harness_goodput, lighthouse_goodput, read_voted
-from torchft.chaos.regressions import diverged_stops, regression_cause
+from torchft.chaos.regressions import death_times, diverged_stops, regression_cause
 from torchft.chaos.report import DIVERGED_EXIT, HUNG_EXIT, RESTART_EXIT, Recovery, Report
 from torchft.chaos.total_loss import judge_total_losses
 
@@ -351,7 +351,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     rep.commits = len(commits)
     rep.bitflips = len(flips)
     carriers = _Carriers(flips, commits)
-    death: dict[int, float] = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
+    death = death_times(procs)
     # A process stopped as diverged holds no progress from its stop on: the lighthouse
     # stopped it because no majority vouched for its state, and no group heals from or
     # restores a state so judged. Progress it alone held is not progress a holder may come

@@ -1,10 +1,11 @@
 """What the chaos checker accepts as the cause of a regression of progress.
 
 Progress regresses (a step is committed again with another state) only when every holder
-of the newer state is gone. A holder is gone when it died, and also when the lighthouse
-stopped it as diverged with no majority behind its state: from then on no group heals from
-or restores that state, however long the stopped process takes to exit (or whatever kills
-it first).
+of the newer state is gone. A holder is gone when it died (a process the injector killed:
+when the SIGKILL was sent, see :func:`death_times`), and also when the lighthouse stopped
+it as diverged with no majority behind its state: from then on no group heals from or
+restores that state, however long the stopped process takes to exit (or whatever kills it
+first).
 """
 
 from __future__ import annotations
@@ -15,6 +16,23 @@ from torchft.chaos.report import DIVERGED_EXIT, HUNG_EXIT, RESTART_EXIT
 
 #: How long after a kill's record a killed process's own last history lines may come.
 KILL_TRAIL_S = 1.0
+
+
+def death_times(procs: list[dict[str, Any]]) -> dict[int, float]:
+    """When each process that ended was dead, by pid: for one the injector SIGKILLed, when
+    it sent the signal (``killed_at``: the process ran no code after it, so it could neither
+    commit nor serve what it held; the lighthouse sees it die as its connections close,
+    while the supervisor reaps the exit up to a poll interval later), else when its exit was
+    reaped. A record without ``killed_at`` (an older run) gives its reaped exit."""
+    out: dict[int, float] = {}
+    for r in procs:
+        if r["kind"] != "exit":
+            continue
+        t = float(r["t"])
+        if r.get("killed") and r.get("killed_at") is not None:
+            t = min(t, float(r["killed_at"]))
+        out[r["pid"]] = t
+    return out
 
 
 def diverged_stops(

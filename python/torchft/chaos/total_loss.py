@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from torchft.chaos.regressions import death_times
 from torchft.chaos.report import Report
 from torchft.group_snapshots import DIVERGED_SNAPSHOT
 
@@ -46,7 +47,7 @@ def judge_total_losses(
     commits, procs = run.commits, run.procs
     kills = [f for f in run.faults if f["fault"] == "kill_all"]
     started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
-    gone = {r["pid"]: r["t"] for r in procs if r["kind"] == "exit"}
+    gone = death_times(procs)
     for pid, (at, _) in stopped.items():
         gone[pid] = min(gone.get(pid, at), at)
     for r in run.restores:
