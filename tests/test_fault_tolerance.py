@@ -191,7 +191,7 @@ def test_one_sided_failure_heals_the_failed_group(cluster: Cluster) -> None:
 # --------------------------------------------------------------------------- in-process
 
 
-def _manager(store: TCPStore, lighthouse: str, **kwargs: Any) -> Any:
+def _manager(store: TCPStore, lighthouse: str, replica_id: str = "solo", **kwargs: Any) -> Any:
     from torchft import Manager, ProcessGroupGloo
 
     return Manager(
@@ -203,7 +203,7 @@ def _manager(store: TCPStore, lighthouse: str, **kwargs: Any) -> Any:
         store_addr="127.0.0.1",
         store_port=store.port,
         lighthouse_addr=lighthouse,
-        replica_id="solo",
+        replica_id=replica_id,
         **kwargs,
     )
 
@@ -273,23 +273,12 @@ def _ddp_group(lighthouse: str, replica_id: str, **kwargs: Any) -> tuple[Any, An
     registered for healing); returns ``(manager, ddp, optimizer, store)``."""
     from torch import nn
 
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import DistributedDataParallel, Optimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
-        load_state_dict=None,
-        state_dict=None,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=replica_id,
-        **kwargs,
-    )
+    manager = _manager(store, lighthouse, replica_id, **kwargs)
     ddp = DistributedDataParallel(manager, model)
     optim = Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-2))
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
