@@ -411,9 +411,11 @@ impl LighthouseClient {
     /// lighthouse (it leaves the round, as a dropped call does). A stream kept from an
     /// earlier request may have died with its connection since (the lighthouse restarted or
     /// was killed): when it ends, or fails in its transport, without an answer from the
-    /// lighthouse, the request goes once more, on a new stream. An error the lighthouse
-    /// answered (its own deadline, a refusal, its stop) is returned as a call's would be,
-    /// never retried here.
+    /// lighthouse, the request goes once more, on a new stream. Opening that stream may fail
+    /// in its transport too, on the dead connection the channel has not yet seen close (a
+    /// race with the old lighthouse's stop): it is opened once more, on the connection the
+    /// channel then makes. An error the lighthouse answered (its own deadline, a refusal,
+    /// its stop) is returned as a call's would be, never retried here.
     async fn quorum_on_stream(
         &self,
         req: &LighthouseQuorumRequest,
@@ -421,6 +423,8 @@ impl LighthouseClient {
     ) -> Option<std::result::Result<crate::proto::LighthouseQuorumResponse, Status>> {
         // After a kept stream failed, the request goes on a new one, or as a call.
         let mut fresh_only = false;
+        // A new stream whose opening failed in its transport is opened once more.
+        let mut reopened = false;
         loop {
             let (kept, claim) = {
                 let mut link = self.quorums.lock().unwrap_or_else(|e| e.into_inner());
@@ -467,6 +471,13 @@ impl LighthouseClient {
                         Err(s) if s.code() == tonic::Code::Unimplemented => {
                             claim.release(QuorumLink::Unsupported);
                             return None;
+                        }
+                        // A status tonic made from a transport error carries it as its
+                        // source; one the lighthouse sent has none.
+                        Err(s) if !reopened && std::error::Error::source(&s).is_some() => {
+                            reopened = true;
+                            fresh_only = true;
+                            continue;
                         }
                         Err(s) => return Some(Err(s)),
                     }
