@@ -75,13 +75,10 @@ def test_a_killed_holder_is_dead_from_its_kill_not_from_when_its_exit_was_reaped
     may re-commit its step at once; the supervisor reaps the exit up to a poll later. A
     re-commit after the kill is an unavoidable regression (the process ran no code after
     the signal), one before the kill a violation, and an exit record without the kill's
-    instant (an older run) is judged by its reaped exit, as before. Where the lighthouse's
-    event log says when it issued the re-committing quorum, the holder must have been dead
-    by then: a quorum issued before the kill bypassed a live holder, whenever its commit
-    line came."""
+    instant (an older run) is judged by its reaped exit, as before."""
     A, C = 10**6 + 621, 10**6 + 622  # pids surely not running here
 
-    def run(killed_at: float | None, issued: float | None = None) -> list[str]:
+    def run(killed_at: float | None) -> list[str]:
         exit_a = _killed("a", A, 5.1)
         if killed_at is not None:
             exit_a["killed_at"] = killed_at
@@ -99,8 +96,6 @@ def test_a_killed_holder_is_dead_from_its_kill_not_from_when_its_exit_was_reaped
         )
         kill = _fault("kill_one", ["a"], 4.9, best=2, best_left=1)
         _write(tmp_path / "faults.jsonl", [kill])
-        events = [{"kind": "quorum_changed", "quorum_id": 12, "ts": issued}] if issued else []
-        _write(tmp_path / "events.jsonl", events)
         rep = check(tmp_path, target=2, min_replicas=1, groups=["c"])
         return [v for v in rep.violations if "regress" in v] + rep.regressions
 
@@ -111,13 +106,6 @@ def test_a_killed_holder_is_dead_from_its_kill_not_from_when_its_exit_was_reaped
     assert any(v.startswith("progress regressed: c") for v in said), said
     said = run(None)  # reaped after the re-commit, no kill instant: alive until then
     assert any(v.startswith("progress regressed: c") for v in said), said
-    said = run(4.95, issued=4.97)  # the lighthouse issued c's quorum after the kill
-    assert len(said) == 1 and said[0].startswith("step 2 re-committed by c"), said
-    said = run(4.95, issued=4.93)  # ... before it: a live holder was bypassed
-    assert any(
-        v.startswith("progress regressed: c") and "its quorum was issued while they were" in v
-        for v in said
-    ), said
 
 
 def test_a_holder_stopped_as_diverged_holds_no_progress_from_its_last_commit(

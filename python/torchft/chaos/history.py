@@ -388,14 +388,6 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     # the later state (one that had committed this step or a later one) was dead by then;
     # a stopped process is not dead. After a fork the new state is the step's reference:
     # the groups that go on from a regression commit it together.
-    # When the lighthouse first issued each quorum (its event log, where there is one): a
-    # quorum that re-commits a step was decided then, so every holder of the step must have
-    # been gone by then, not only by the re-commit's line.
-    issued: dict[int, float] = {}
-    for ev in run.events:
-        if ev.get("kind") == "quorum_changed" and "quorum_id" in ev and "ts" in ev:
-            q_id, ts = int(ev["quorum_id"]), float(ev["ts"])
-            issued[q_id] = min(issued.get(q_id, ts), ts)
     first_state: dict[int, str] = {}
     first_q: dict[int, int] = {}  # step -> the quorum of its reference commit
     last_step: dict[int, int] = {}  # pid -> its latest committed step so far
@@ -411,11 +403,10 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                 f"step {own}: a process's progress went back"
             )
         if first != state:
-            decided = min(c["t"], issued.get(c["quorum_id"], c["t"]))
             ahead = sorted(
                 pid
                 for pid, s in last_step.items()
-                if s >= step and pid != c["pid"] and gone.get(pid, float("inf")) > decided
+                if s >= step and pid != c["pid"] and gone.get(pid, float("inf")) > c["t"]
             )
             # A second state in the same quorum that bit flips explain (the quorum rule
             # above) is not a regression of progress.
@@ -424,11 +415,10 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
             if not flipped:
                 first_state[step], first_q[step] = state, c["quorum_id"]
             if ahead and not flipped:
-                when = "" if decided == c["t"] else " (its quorum was issued while they were)"
                 rep.violations.append(
                     f"progress regressed: {c['group']} (pid {c['pid']}, quorum "
                     f"{c['quorum_id']}) committed step {step} with a new state while pids "
-                    f"{ahead} holding step >= {step} (best {best}) were alive{when}"
+                    f"{ahead} holding step >= {step} (best {best}) were alive"
                 )
             elif not ahead and not any(lo <= step <= hi for lo, hi in covered):
                 # One regression re-commits a range of steps: reported (and its steps lost
