@@ -356,12 +356,13 @@ class Chaos:
         if p is None:
             return
         p.killed = True
+        if p.killed_at is None:
+            # Read before the signal goes out: nobody can see the process die before it.
+            p.killed_at = time.time()
         try:
             os.killpg(p.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if p.killed_at is None:
-            p.killed_at = time.time()
 
     # ---- faults ------------------------------------------------------------------------
 

@@ -20,10 +20,11 @@ KILL_TRAIL_S = 1.0
 
 def death_times(procs: list[dict[str, Any]]) -> dict[int, float]:
     """When each process that ended was dead, by pid: for one the injector SIGKILLed, when
-    it sent the signal (``killed_at``: the process ran no code after it, so it could neither
-    commit nor serve what it held; the lighthouse sees it die as its connections close,
-    while the supervisor reaps the exit up to a poll interval later), else when its exit was
-    reaped. A record without ``killed_at`` (an older run) gives its reaped exit."""
+    it sent the signal (``killed_at``, read just before it: the process ran no code after
+    it, so it could neither commit nor serve what it held; the lighthouse sees it die as its
+    connections close, while the supervisor reaps the exit up to a poll interval later),
+    else when its exit was reaped. A record without ``killed_at`` (an older run) gives its
+    reaped exit."""
     out: dict[int, float] = {}
     for r in procs:
         if r["kind"] != "exit":
