@@ -49,6 +49,36 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _run_example(cmd: list[str], ray_tmp: str, tmp_path: Path) -> tuple[int | None, str]:
+    """Runs the example with Ray's session directory under ``ray_tmp``; returns its exit code
+    (None past the timeout) and the tail of its log. Nothing of the run (driver, Ray's
+    cluster) outlives it."""
+    env = {
+        **os.environ,
+        "RAY_DISABLE_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "RAY_TMPDIR": ray_tmp,
+    }
+    log = tmp_path / "ray_train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=840)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            for pid in _session_pids(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if proc.poll() is None:
+                proc.wait(timeout=30)
+    return code, log.read_text()[-6000:]
+
+
 @pytest.mark.timeout(900)
 def test_replacement_heals_from_the_running_survivor(tmp_path: Path) -> None:
     """The replacement of a failed group heals from the survivor while it trains, trains
@@ -68,34 +98,11 @@ def test_replacement_heals_from_the_running_survivor(tmp_path: Path) -> None:
     # Ray's session directory (logs, sockets) goes to a directory of the test's own, removed
     # afterwards. It is short because Ray puts Unix sockets under it (their paths have a
     # small length limit), so it is not under pytest's tmp_path.
-    ray_tmp = tempfile.mkdtemp(prefix="ray")
-    env = {
-        **os.environ,
-        "RAY_DISABLE_USAGE_STATS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "RAY_TMPDIR": ray_tmp,
-    }
-    log = tmp_path / "ray_train.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=840)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            # Whatever happened, nothing of the run (driver, Ray's cluster) outlives the test.
-            leftovers = _session_pids(proc.pid)
-            for pid in leftovers:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if proc.poll() is None:
-                proc.wait(timeout=30)
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-    tail = log.read_text()[-6000:]
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    try:
+        code, tail = _run_example(cmd, ray_tmp, tmp_path)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0, f"example exited with {code}:\n{tail}"
 
     records = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
