@@ -269,15 +269,23 @@ def test_max_retries_exceeded_raises_runtime_error() -> None:
         lighthouse.shutdown()
 
 
-def _ddp_group(lighthouse: str, replica_id: str, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
-    """A replica group of one rank training a small MLP with torchft DDP and AdamW (state
-    registered for healing); returns ``(manager, ddp, optimizer, store)``."""
-    from torch import nn
+def _mlp() -> torch.nn.Module:
+    """The small MLP of the DDP tests, with the same initial weights every time."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
+
+def _batch(step: int) -> torch.Tensor:
+    """The batch of ``step`` (the same in every group and every try of the step)."""
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _ddp_group(lighthouse: str, replica_id: str, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """A replica group of one rank training :func:`_mlp` with torchft DDP and AdamW (state
+    registered for healing); returns ``(manager, ddp, optimizer, store)``."""
     from torchft import DistributedDataParallel, Optimizer
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = _mlp()
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = _manager(store, lighthouse, replica_id, **kwargs)
     ddp = DistributedDataParallel(manager, model)
@@ -288,10 +296,9 @@ def _ddp_group(lighthouse: str, replica_id: str, **kwargs: Any) -> tuple[Any, An
 
 
 def _ddp_step(ddp: Any, optim: Any, step: int) -> None:
-    """One training step; its batch depends only on ``step``."""
-    gen = torch.Generator().manual_seed(step)
+    """One training step on :func:`_batch` of ``step``."""
     optim.zero_grad()
-    ddp(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+    ddp(_batch(step)).pow(2).sum().backward()
     optim.step()
 
 
@@ -351,14 +358,10 @@ def test_quorum_timeout_inside_ddp_backward_leaves_the_state_and_the_next_steps_
         # The commits are plain AdamW steps on the average of the two groups' gradients (the
         # same batch in both, so the gradient itself): a participant count left wrong by the
         # timed-out steps would scale the sum alike in both groups, and only this shows it.
-        torch.manual_seed(0)
-        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        ref = _mlp()
         ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         for step in range(final):
-            ref_optim.zero_grad()
-            gen = torch.Generator().manual_seed(step)
-            ref(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
-            ref_optim.step()
+            _ddp_step(ref, ref_optim, step)
         for p, r in zip(ddp.parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.detach(), r.detach())
     finally:

@@ -147,10 +147,14 @@ class _Proc:
     store: TCPStore
     phase: Path
     started: float
-    killed: bool = False
     #: When the SIGKILL was sent (wall time): from then on the process runs no more code, so
     #: it can neither commit nor serve what it held, whenever its exit is reaped.
     killed_at: float | None = None
+
+    @property
+    def killed(self) -> bool:
+        """Whether the supervisor has sent this process its SIGKILL."""
+        return self.killed_at is not None
 
 
 class Chaos:
@@ -355,7 +359,6 @@ class Chaos:
         p = self.procs.get(group)
         if p is None:
             return
-        p.killed = True
         if p.killed_at is None:
             # Read before the signal goes out: nobody can see the process die before it.
             p.killed_at = time.time()

@@ -29,10 +29,9 @@ def death_times(procs: list[dict[str, Any]]) -> dict[int, float]:
     for r in procs:
         if r["kind"] != "exit":
             continue
+        killed_at = r.get("killed_at")  # written only for a process the injector killed
         t = float(r["t"])
-        if r.get("killed") and r.get("killed_at") is not None:
-            t = min(t, float(r["killed_at"]))
-        out[r["pid"]] = t
+        out[r["pid"]] = t if killed_at is None else min(t, float(killed_at))
     return out
 
 
