@@ -402,6 +402,11 @@ class RankTelemetry:
         if not self.enabled:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)
+        if first_fwd is not None and first_fwd < started:
+            # Marks from before this step began were left in the thread by something that
+            # never reported them (an earlier Manager of this thread, a forward outside any
+            # step): they are not this step's phases.
+            first_fwd = None
         input_s = backward_s = 0.0
         if first_fwd is not None:
             # Before the first forward: the previous step's optimizer step, the quorum wait
