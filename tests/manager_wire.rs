@@ -9,7 +9,9 @@ use torchft::client::in_process;
 use torchft::error::Error;
 use torchft::lighthouse::{LighthouseOptions, LighthouseServer};
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
-use torchft::proto::{ManagerQuorumRequest, ManagerQuorumResponse};
+use torchft::proto::{
+    ManagerQuorumRequest, ManagerQuorumResponse, TelemetryBatch, TelemetryReport,
+};
 
 const CONNECT: Duration = Duration::from_secs(5);
 const LONG: Duration = Duration::from_secs(10);
@@ -548,6 +550,23 @@ async fn in_process_calls_answer_as_the_network_does() {
         }
         let a = local.should_commit(3, 4, true, LONG).await.unwrap_err();
         let b = net.should_commit(3, 4, true, LONG).await.unwrap_err();
+        assert_eq!(a.to_string(), b.to_string());
+        // Telemetry batches: taken alike, and a malformed one refused alike.
+        let report = |replica_id: &str| TelemetryReport {
+            replica_id: replica_id.into(),
+            group_world_size: 1,
+            step: 1,
+            ..Default::default()
+        };
+        let batch = |r: TelemetryReport| TelemetryBatch {
+            reports: vec![r],
+            ..Default::default()
+        };
+        assert_eq!(local.report(batch(report("a")), LONG).await.unwrap(), 1);
+        assert_eq!(net.report(batch(report("a")), LONG).await.unwrap(), 1);
+        let a = local.report(batch(report("")), LONG).await.unwrap_err();
+        let b = net.report(batch(report("")), LONG).await.unwrap_err();
+        assert!(matches!(a, Error::InvalidArgument(_)), "{a}");
         assert_eq!(a.to_string(), b.to_string());
         // Once the server stops, an in-process call fails at once, as a network one does.
         g.server.shutdown().await;

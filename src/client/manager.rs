@@ -172,6 +172,15 @@ impl ManagerClient {
 
     /// Sends a batch of this rank's telemetry reports; returns how many were accepted.
     pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
+        if let Some(local) = self.in_process() {
+            if let Some(refused) = local.refuse_size(&batch) {
+                return Err(Error::from(refused));
+            }
+            let call = local.service().report(with_timeout(batch, timeout));
+            return Self::bounded("report", timeout, call)
+                .await
+                .map(|r| r.accepted);
+        }
         self.call("report", batch, timeout, |mut c, r| async move {
             c.report(r).await
         })
