@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from torchft.config import env_flag
-from torchft.system_metrics import HostSampler
+from torchft.system_metrics import SAMPLE_EVERY_S, HostSampler
 
 if TYPE_CHECKING:
     from torchft.coordination import NativeManagerClient
@@ -150,7 +150,10 @@ def _overlap(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
 
 
 class _Process:
-    """This process's CPU seconds, resident memory and host load (cheap: read per step)."""
+    """This process's CPU seconds (per step), resident memory and host load (read at most
+    every :data:`~torchft.system_metrics.SAMPLE_EVERY_S` and reused in between, as the host's
+    metrics are: the kernel updates the load average every few seconds, and a step's report
+    needs neither to the microsecond)."""
 
     def __init__(self) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -161,11 +164,21 @@ class _Process:
         except OSError:
             pass  # not Linux: resident memory is reported as 0
         self._cpu = time.process_time()
+        self._at = -float("inf")
+        self._rss = 0
+        self._load = 0.0
 
     def sample(self) -> tuple[float, int, float]:
-        """CPU seconds since the previous sample, resident bytes now, load per CPU."""
+        """CPU seconds since the previous sample, resident bytes, load per CPU."""
         cpu = time.process_time()
         cpu_s, self._cpu = max(0.0, cpu - self._cpu), cpu
+        now = time.monotonic()
+        if now - self._at >= SAMPLE_EVERY_S:
+            self._at = now
+            self._rss, self._load = self._memory_and_load()
+        return cpu_s, self._rss, self._load
+
+    def _memory_and_load(self) -> tuple[int, float]:
         rss = 0
         if self._statm is not None:
             try:
@@ -176,7 +189,7 @@ class _Process:
             load = os.getloadavg()[0] / self._cpus
         except OSError:
             load = 0.0
-        return cpu_s, rss, load
+        return rss, load
 
     def close(self) -> None:
         fd, self._statm = self._statm, None
