@@ -14,7 +14,11 @@ step, the control plane (the two parts below; the allreduce is not counted):
 
 Configurations, alternated trial by trial in the same run (fresh processes each trial):
 
-- ``ours``: our lighthouse and our managers;
+- ``ours``: our lighthouse and our managers, telemetry off (``TORCHFT_TELEMETRY=0``, as in
+  every configuration but the next: upstream has none);
+- ``ours/telemetry``: ``ours`` with telemetry on, as a job runs by default: each step's
+  report queued by the rank, forwarded in batches by the manager server and taken in by the
+  lighthouse (what telemetry costs the control plane, no target of its own);
 - ``upstream``: upstream 0.2.0's (``make bench`` installs it under ``.venv/upstream``);
 - ``ours/upstream-lh``: our managers against upstream's lighthouse, which has neither the
   write-ahead commit nor the quorum stream: our path without that round trip (what the
@@ -39,8 +43,8 @@ is missed (2 when upstream is not installed, unless ``--allow-missing-upstream``
 without judging the times (the bounded version ``make test`` runs).
 
 Usage: ``python benches/step_control.py [--trials 5] [--steps 2000] [--warmup 200] [--json]
-[--check] [--allow-missing-upstream] [--configs ours upstream ours/upstream-lh
-ours/native-calls raw-sockets]``
+[--check] [--allow-missing-upstream] [--configs ours ours/telemetry upstream
+ours/upstream-lh ours/native-calls raw-sockets]``
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ TARGET_MS = 0.3
 CONFIGS = {
     # name: (lighthouse is upstream's, managers are upstream's)
     "ours": (False, False),
+    "ours/telemetry": (False, False),
     "upstream": (True, True),
     "ours/upstream-lh": (True, False),
     "ours/native-calls": (False, False),
@@ -72,6 +77,8 @@ CONFIGS = {
 }
 #: Configurations whose groups make the native calls directly (no Python Manager).
 NATIVE_CALLS = {"ours/native-calls"}
+#: Configurations that run with telemetry on (the default of a job).
+TELEMETRY_ON = {"ours/telemetry"}
 #: Configurations with a raw socket hub in place of the lighthouse.
 RAW = {"raw-sockets"}
 #: Groups per trial (the hub's barrier waits for this many).
@@ -275,8 +282,13 @@ def _native_group(
         dist.destroy_process_group()
 
 
-def _env(upstream: bool) -> dict[str, str]:
-    env = dict(os.environ, RUST_LOG="error", TORCHFT_TELEMETRY="0", OMP_NUM_THREADS="1")
+def _env(upstream: bool, telemetry: bool = False) -> dict[str, str]:
+    env = dict(
+        os.environ,
+        RUST_LOG="error",
+        TORCHFT_TELEMETRY="1" if telemetry else "0",
+        OMP_NUM_THREADS="1",
+    )
     path = [str(ROOT / "python"), env.get("PYTHONPATH", "")]
     if upstream:
         path.insert(0, str(UPSTREAM))
@@ -314,7 +326,7 @@ def _trial(config: str, steps: int, warmup: int) -> list[dict[str, Any]]:
                              str(warmup), "--result", str(results[i])],
                             stderr=errors,
                             text=True,
-                            env=_env(mgr_upstream),
+                            env=_env(mgr_upstream, config in TELEMETRY_ON),
                         )
                     )  # fmt: skip
                 deadline = time.monotonic() + 300 + steps * 0.05
@@ -440,6 +452,9 @@ def main() -> int:
             f"ours' quorum against upstream's lighthouse (a Quorum call per step there): "
             f"{saved:+.3f} ms less per step"
         )
+    if "ours/telemetry" in summary and "ours" in summary:
+        cost = summary["ours/telemetry"]["median_ms"] - summary["ours"]["median_ms"]
+        print(f"telemetry's share (ours/telemetry - ours): {cost:+.3f} ms per step")
     if "ours/native-calls" in summary and "ours" in summary:
         cost = summary["ours"]["median_ms"] - summary["ours/native-calls"]["median_ms"]
         print(f"the Python Manager's share of ours: {cost:+.3f} ms per step")

@@ -32,7 +32,7 @@ def test_step_control_benchmark_small_version() -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"ours", "ours/native-calls", "raw-sockets"} <= set(summary), text
+    assert {"ours", "ours/telemetry", "ours/native-calls", "raw-sockets"} <= set(summary), text
     for row in summary.values():
         # Both parts of the control plane were measured in every configuration run.
         assert row["quorum_ms"] > 0 and row["vote_ms"] > 0, text
