@@ -135,6 +135,21 @@ def test_phases_split_the_busy_time_and_leave_out_the_waits() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_resident_memory_is_read_at_every_step() -> None:
+    """Memory grown between two steps shows in the second report at once (a memory-growing
+    straggler is named from a window of reports)."""
+    rec = Recorder()
+    t = _tel(rec)
+    _end(t)
+    before = rec.reports[-1]["rss_bytes"]
+    grown = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written: resident
+    _end(t)
+    after = rec.reports[-1]["rss_bytes"]
+    assert after - before >= 60 << 20, (before, after)
+    del grown
+
+
+@pytest.mark.timeout(30)
 def test_unfinished_collective_is_closed_at_step_end() -> None:
     rec = Recorder()
     t = _tel(rec)

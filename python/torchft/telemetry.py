@@ -150,10 +150,10 @@ def _overlap(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
 
 
 class _Process:
-    """This process's CPU seconds (per step), resident memory and host load (read at most
-    every :data:`~torchft.system_metrics.SAMPLE_EVERY_S` and reused in between, as the host's
-    metrics are: the kernel updates the load average every few seconds, and a step's report
-    needs neither to the microsecond)."""
+    """This process's CPU seconds and resident memory (read per step: the lighthouse names a
+    memory-growing straggler from 8 reports) and the host's load (read at most every
+    :data:`~torchft.system_metrics.SAMPLE_EVERY_S` and reused in between, as the host's
+    metrics are: the kernel updates the load average only every few seconds)."""
 
     def __init__(self) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -165,31 +165,26 @@ class _Process:
             pass  # not Linux: resident memory is reported as 0
         self._cpu = time.process_time()
         self._at = -float("inf")
-        self._rss = 0
         self._load = 0.0
 
     def sample(self) -> tuple[float, int, float]:
         """CPU seconds since the previous sample, resident bytes, load per CPU."""
         cpu = time.process_time()
         cpu_s, self._cpu = max(0.0, cpu - self._cpu), cpu
-        now = time.monotonic()
-        if now - self._at >= SAMPLE_EVERY_S:
-            self._at = now
-            self._rss, self._load = self._memory_and_load()
-        return cpu_s, self._rss, self._load
-
-    def _memory_and_load(self) -> tuple[int, float]:
         rss = 0
         if self._statm is not None:
             try:
                 rss = int(os.pread(self._statm, 128, 0).split()[1]) * self._page
             except (OSError, ValueError, IndexError):
                 rss = 0
-        try:
-            load = os.getloadavg()[0] / self._cpus
-        except OSError:
-            load = 0.0
-        return rss, load
+        now = time.monotonic()
+        if now - self._at >= SAMPLE_EVERY_S:
+            self._at = now
+            try:
+                self._load = os.getloadavg()[0] / self._cpus
+            except OSError:
+                self._load = 0.0
+        return cpu_s, rss, self._load
 
     def close(self) -> None:
         fd, self._statm = self._statm, None
