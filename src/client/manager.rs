@@ -3,8 +3,8 @@
 //!
 //! One HTTP/2 channel per client, shared by its clones; every call carries its deadline to the
 //! server and is also bounded locally, so no call blocks past its timeout. The per-step calls
-//! (quorum, commit vote) to a server in this same process skip the network (see
-//! [`super::in_process`]).
+//! (quorum, commit vote) and the telemetry batches to a server in this same process skip the
+//! network (see [`super::in_process`]).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use super::{in_process, rpc_error};
 use crate::error::{Error, Result};
 use crate::net::with_timeout;
 use crate::proto::manager_service_client::ManagerServiceClient;
+use crate::proto::manager_service_server::ManagerService;
 use crate::proto::{
     CheckpointMetadataRequest, KillRequest, LostEvent, ManagerQuorumRequest, ManagerQuorumResponse,
     ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
@@ -73,6 +74,28 @@ impl ManagerClient {
         Self::bounded(what, timeout, call).await
     }
 
+    /// `req` to the handler (`handler` calls it) of `local`, the server in this process:
+    /// checked against the server's size limit as the network path checks it, and bounded by
+    /// `timeout`.
+    async fn call_local<Req, T, F, Fut>(
+        local: in_process::InProcess,
+        what: &str,
+        req: Req,
+        timeout: Duration,
+        handler: F,
+    ) -> Result<T>
+    where
+        Req: prost::Message,
+        F: FnOnce(Arc<dyn ManagerService>, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        if let Some(refused) = local.refuse_size(&req) {
+            return Err(Error::from(refused));
+        }
+        let call = handler(local.service().clone(), with_timeout(req, timeout));
+        Self::bounded(what, timeout, call).await
+    }
+
     /// Awaits one call (over the network or in process), bounded by `timeout`; a failed
     /// status becomes the error Python sees.
     async fn bounded<T>(
@@ -97,11 +120,8 @@ impl ManagerClient {
     ) -> Result<ManagerQuorumResponse> {
         const WHAT: &str = "manager quorum";
         if let Some(local) = self.in_process() {
-            if let Some(refused) = local.refuse_size(&req) {
-                return Err(Error::from(refused));
-            }
-            let call = local.service().quorum(with_timeout(req, timeout));
-            return Self::bounded(WHAT, timeout, call).await;
+            let handler = |svc: Arc<dyn ManagerService>, r| async move { svc.quorum(r).await };
+            return Self::call_local(local, WHAT, req, timeout, handler).await;
         }
         self.call(
             WHAT,
@@ -155,11 +175,9 @@ impl ManagerClient {
             digest,
         };
         if let Some(local) = self.in_process() {
-            if let Some(refused) = local.refuse_size(&req) {
-                return Err(Error::from(refused));
-            }
-            let call = local.service().should_commit(with_timeout(req, timeout));
-            return Self::bounded("should_commit", timeout, call)
+            let handler =
+                |svc: Arc<dyn ManagerService>, r| async move { svc.should_commit(r).await };
+            return Self::call_local(local, "should_commit", req, timeout, handler)
                 .await
                 .map(|r| r.should_commit);
         }
@@ -173,11 +191,8 @@ impl ManagerClient {
     /// Sends a batch of this rank's telemetry reports; returns how many were accepted.
     pub async fn report(&self, batch: TelemetryBatch, timeout: Duration) -> Result<u32> {
         if let Some(local) = self.in_process() {
-            if let Some(refused) = local.refuse_size(&batch) {
-                return Err(Error::from(refused));
-            }
-            let call = local.service().report(with_timeout(batch, timeout));
-            return Self::bounded("report", timeout, call)
+            let handler = |svc: Arc<dyn ManagerService>, r| async move { svc.report(r).await };
+            return Self::call_local(local, "report", batch, timeout, handler)
                 .await
                 .map(|r| r.accepted);
         }
