@@ -1,7 +1,7 @@
-"""The step control-plane benchmark, small: its groups (ours, upstream's, ours against
-upstream's lighthouse, our native calls without the Python Manager, the raw-sockets floor)
-still run a step the way the benchmark times it, and every step commits. No timing is
-asserted."""
+"""The step control-plane benchmark, small: its groups (ours, ours with telemetry on,
+upstream's, ours against upstream's lighthouse, our native calls without the Python Manager,
+the raw-sockets floor) still run a step the way the benchmark times it, and every step
+commits. No timing is asserted."""
 
 from __future__ import annotations
 

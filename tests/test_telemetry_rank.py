@@ -135,6 +135,24 @@ def test_phases_split_the_busy_time_and_leave_out_the_waits() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_an_earlier_managers_last_optimizer_step_is_not_the_next_ones() -> None:
+    """The optimizer step after a Manager's last report leaves its time in the thread; the
+    next Manager built in that thread does not report it as its first step's."""
+    o0 = time.perf_counter()
+    time.sleep(0.02)
+    telemetry.optimizer_done(o0)  # the earlier Manager's last step, after its report
+    rec = Recorder()
+    t = _tel(rec)
+    f0 = time.perf_counter()
+    time.sleep(0.01)
+    telemetry.forward_done(f0)  # this Manager's first step
+    _end(t)
+    r = rec.reports[-1]
+    assert r["optimizer_s"] == 0.0, r
+    assert 0.01 <= r["forward_s"] < 0.04, r
+
+
+@pytest.mark.timeout(30)
 def test_resident_memory_is_read_at_every_step() -> None:
     """Memory grown between two steps shows in the second report at once (a memory-growing
     straggler is named from a window of reports)."""

@@ -12,7 +12,7 @@ Where the busy time went is measured from the hooks torchft owns, on the trainin
 :func:`optimizer_done` in the optimizer wrapper): the input time before the first forward
 (data loading and user code outside torchft), the forward passes, the backward (from the
 last forward to the optimizer step) and the optimizer's own step, beside the process's CPU
-seconds, resident memory and the host's load (and, sampled once a second by
+seconds and resident memory (and, sampled at most once a second, the host's load and, by
 :mod:`torchft.system_metrics`, the host's memory, network throughput and CPU steal and the
 GPU's utilisation and memory). The lighthouse names a straggler's cause from
 them (docs/telemetry.md). A script that uses neither wrapper reports the phases as 0.
@@ -272,6 +272,10 @@ class RankTelemetry:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._last_end = time.perf_counter()
+        # The building thread (the training thread) may hold marks of an earlier Manager:
+        # its last optimizer step runs after that Manager's last report, and has no time
+        # stamp to tell it from this Manager's.
+        _clock.take()
         self._quorum_wait = 0.0
         # The step's quorum waits as (start, end), to take them out of the phases they fall in.
         self._quorum_spans: list[tuple[float, float]] = []
@@ -411,9 +415,10 @@ class RankTelemetry:
             return
         busy = max(0.0, step_s - quorum_wait - collective - should_commit_s)
         if first_fwd is not None and first_fwd < started:
-            # Marks from before this step began were left in the thread by something that
-            # never reported them (an earlier Manager of this thread, a forward outside any
-            # step): they are not this step's phases.
+            # The thread's first forward mark predates this step: it holds marks of something
+            # that never reported them (a Manager of another thread's making, a forward
+            # outside any step), mixed with this step's own. Which are which is lost, so the
+            # step reports no phases rather than wrong ones (its busy time stands).
             first_fwd = None
         input_s = backward_s = 0.0
         if first_fwd is not None:
