@@ -1,6 +1,7 @@
 """The host's and the GPU's side of a rank's step reports, sampled at most once a second.
 
-Each step report carries the host's memory (total and available), its network throughput
+Each step report carries the host's load average (1 minute, per CPU), its memory (total and
+available), its network throughput
 over the interfaces other than loopback, the share of its CPU time the hypervisor stole, and
 the rank's GPU utilisation and memory through NVML. Reading ``/proc`` costs tens of
 microseconds, so a sample is taken at most every :data:`SAMPLE_EVERY_S` and reused by the steps
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -133,7 +135,9 @@ class HostSampler:
         self._net: tuple[int, int, float] | None = None
         self._cpu: tuple[int, int] | None = None
         self._gpu = _Gpu()
+        self._cpus = os.cpu_count() or 1
         self._last: dict[str, Any] = {
+            "host_load": 0.0,
             "host_mem_total_bytes": 0,
             "host_mem_available_bytes": 0,
             "net_rx_bytes_per_s": 0.0,
@@ -152,6 +156,11 @@ class HostSampler:
             return self._last
         self._at = now
         out = dict(self._last)
+        try:
+            # The kernel updates it only every few seconds.
+            out["host_load"] = os.getloadavg()[0] / self._cpus
+        except OSError:
+            out["host_load"] = 0.0
         text = _read("/proc/meminfo")
         if text is not None:
             total, available = meminfo(text)

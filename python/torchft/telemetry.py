@@ -12,9 +12,9 @@ Where the busy time went is measured from the hooks torchft owns, on the trainin
 :func:`optimizer_done` in the optimizer wrapper): the input time before the first forward
 (data loading and user code outside torchft), the forward passes, the backward (from the
 last forward to the optimizer step) and the optimizer's own step, beside the process's CPU
-seconds and resident memory (and, sampled at most once a second, the host's load and, by
-:mod:`torchft.system_metrics`, the host's memory, network throughput and CPU steal and the
-GPU's utilisation and memory). The lighthouse names a straggler's cause from
+seconds and resident memory (and, sampled once a second by :mod:`torchft.system_metrics`,
+the host's load, memory, network throughput and CPU steal and the GPU's utilisation and
+memory). The lighthouse names a straggler's cause from
 them (docs/telemetry.md). A script that uses neither wrapper reports the phases as 0.
 
 Turn it off per process with ``TORCHFT_TELEMETRY=0`` or ``Manager(telemetry=False)``. The
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from torchft.config import env_flag
-from torchft.system_metrics import SAMPLE_EVERY_S, HostSampler
+from torchft.system_metrics import HostSampler
 
 if TYPE_CHECKING:
     from torchft.coordination import NativeManagerClient
@@ -150,25 +150,20 @@ def _overlap(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
 
 
 class _Process:
-    """This process's CPU seconds and resident memory (read per step: the lighthouse names a
-    memory-growing straggler from 8 reports) and the host's load (read at most every
-    :data:`~torchft.system_metrics.SAMPLE_EVERY_S` and reused in between, as the host's
-    metrics are: the kernel updates the load average only every few seconds)."""
+    """This process's CPU seconds and resident memory, read per step (the lighthouse names a
+    memory-growing straggler from 8 reports)."""
 
     def __init__(self) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._cpus = os.cpu_count() or 1
         self._statm: int | None = None
         try:
             self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
             pass  # not Linux: resident memory is reported as 0
         self._cpu = time.process_time()
-        self._at = -float("inf")
-        self._load = 0.0
 
-    def sample(self) -> tuple[float, int, float]:
-        """CPU seconds since the previous sample, resident bytes, load per CPU."""
+    def sample(self) -> tuple[float, int]:
+        """CPU seconds since the previous sample, resident bytes."""
         cpu = time.process_time()
         cpu_s, self._cpu = max(0.0, cpu - self._cpu), cpu
         rss = 0
@@ -177,14 +172,7 @@ class _Process:
                 rss = int(os.pread(self._statm, 128, 0).split()[1]) * self._page
             except (OSError, ValueError, IndexError):
                 rss = 0
-        now = time.monotonic()
-        if now - self._at >= SAMPLE_EVERY_S:
-            self._at = now
-            try:
-                self._load = os.getloadavg()[0] / self._cpus
-            except OSError:
-                self._load = 0.0
-        return cpu_s, rss, self._load
+        return cpu_s, rss
 
     def close(self) -> None:
         fd, self._statm = self._statm, None
@@ -433,7 +421,7 @@ class RankTelemetry:
                 # waits for the slowest group.
                 waits = _overlap(spans + coll_spans, last_fwd_end, backward_end)
                 backward_s = max(0.0, backward_end - last_fwd_end - waits)
-        cpu_s, rss, load = self._process.sample()
+        cpu_s, rss = self._process.sample()
         self._send(
             phase="step",
             step=step,
@@ -458,7 +446,6 @@ class RankTelemetry:
             optimizer_s=optimizer_s if first_fwd is not None else 0.0,
             cpu_s=cpu_s,
             rss_bytes=rss,
-            host_load=load,
             **self._host.sample(),
         )
 

@@ -3,11 +3,11 @@
 //! Group rank 0 hosts its group's manager server and is also one of its clients: every step
 //! it asks that server for the quorum (and, in groups of several ranks, casts its vote
 //! there), and its telemetry reports go there in batches. Over gRPC that is a loopback round
-//! trip per call (HTTP/2 framing, protobuf both
-//! ways, a socket hop and the wake-ups of both sides) in the middle of the step. A server
-//! registers here under the address it advertises; a [`super::ManagerClient`] dialled to
-//! that address calls the server's handlers directly instead, with the same request (its
-//! deadline included), the same handler code and the same errors.
+//! trip per call (HTTP/2 framing, protobuf both ways, a socket hop and the wake-ups of both
+//! sides) in the middle of the step. A server registers here under the address it
+//! advertises; a [`super::ManagerClient`] dialled to that address calls the server's handlers
+//! directly instead, with the same request (its deadline included), the same handler code
+//! and the same errors.
 //!
 //! What the network path checks before a handler runs is checked here too: a client whose
 //! token the server would refuse goes over the network (and is refused there), and a request
