@@ -548,7 +548,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::checkpoint::server::{DataServer, EnterError, Offer, OfferHooks, Source};
+    use crate::checkpoint::server::{
+        DataServer, EnterError, Offer, OfferHooks, Source, DIRECT_WRITE_BYTES,
+    };
     use crate::security::Token;
 
     /// The owner's hooks: an optional state version (bumped by a write), compared with the
@@ -657,8 +659,16 @@ mod tests {
     fn fetches_memory_and_staged_tensors_over_parallel_streams() {
         let token = Token::new("s3cret").unwrap();
         let server = DataServer::bind("127.0.0.1", Some(token), Duration::from_secs(5)).unwrap();
+        // The first tensor spans three of a direct stream's writes, the last one partial.
+        let len = |i: usize| {
+            if i == 0 {
+                2 * DIRECT_WRITE_BYTES + 5
+            } else {
+                (3 << 20) + i
+            }
+        };
         let data: Vec<Vec<u8>> = (0..5)
-            .map(|i| (0..(3 << 20) + i).map(|k| (k * 7 + i) as u8).collect())
+            .map(|i| (0..len(i)).map(|k| (k * 7 + i) as u8).collect())
             .collect();
         let staged_len = (2 << 20) + 3;
         offer(&server, &data, staged_len);
