@@ -27,6 +27,12 @@ step at H=1024 (about 2,000 page faults), a spread that has nothing to do with t
 measured. ``--allocator default`` measures with glibc's own behaviour. Each side prints its
 minor page faults per step, which shows the regime a run was in.
 
+Each side also prints where its CPU goes: milliseconds per step and process (the timed
+steps' window, the ranks' mean, the median over runs) in all and by thread kind, the
+training thread (``main``), Gloo's I/O loop and worker threads, the native runtime
+(``torchft-rt``) and Python's helper threads (``python``), torchft's each against plain
+DDP's. On a machine whose cores the two processes fill, the step time follows that CPU.
+
 Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]
 [--no-upstream] [--allocator pinned|default]``.
 """
@@ -83,6 +89,40 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds this process has used, by thread kind: ``main`` (the training thread),
+    each other thread's name as the OS knows it (``gloo_tcp_loop``, ``pt_gloo_runloop``,
+    ``torchft-rt``; Python's own threads are all ``python``), summed over the threads of that
+    name, and ``all`` for the whole process (threads that already exited included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(stat: str) -> float:
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    out: dict[str, float] = {}
+    pid = os.getpid()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile: counted in "all"
+            continue
+        kind = "main" if int(tid) == pid else stat.split("(", 1)[1].rsplit(")", 1)[0]
+        out[kind] = out.get(kind, 0.0) + cpu(stat)
+    with open("/proc/self/stat") as f:
+        out["all"] = cpu(f.read())
+    return out
+
+
+def _cpu_per_step(before: dict[str, float] | None, steps: int) -> dict[str, float]:
+    """Milliseconds of CPU per step by thread kind since ``before`` (see :func:`_thread_cpu`)."""
+    if before is None or steps <= 0:
+        return {}
+    after = _thread_cpu()
+    return {k: (v - before.get(k, 0.0)) * 1e3 / steps for k, v in after.items()}
+
+
 def worker_plain(args: argparse.Namespace) -> None:
     """One rank of plain torch DDP."""
     import torch
@@ -99,7 +139,10 @@ def worker_plain(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(rank)
     times = []
     faults = 0
+    cpu0 = None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            cpu0 = _thread_cpu()
         x = torch.randn(32, 256, generator=gen)
         y = torch.randint(0, 10, (32,), generator=gen)
         f0 = _minor_faults()
@@ -110,9 +153,13 @@ def worker_plain(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             faults += _minor_faults() - f0
+    cpu = _cpu_per_step(cpu0, args.steps)
     dist.barrier()
     dist.destroy_process_group()
-    _write(args.result, {"times": times, "faults_per_step": faults / max(len(times), 1)})
+    _write(
+        args.result,
+        {"times": times, "faults_per_step": faults / max(len(times), 1), "cpu_ms": cpu},
+    )
 
 
 def worker_ft(args: argparse.Namespace) -> None:
@@ -142,8 +189,13 @@ def worker_ft(args: argparse.Namespace) -> None:
     faults = 0
     first_commit: float | None = None
     total = args.warmup + args.steps
+    cpu0 = None
+    window = 0  # steps run (committed or not) since cpu0
     try:
         while manager.current_step() < total:
+            if cpu0 is None and manager.current_step() >= args.warmup:
+                cpu0 = _thread_cpu()
+            window += cpu0 is not None
             x = torch.randn(32, 256, generator=gen)
             y = torch.randint(0, 10, (32,), generator=gen)
             f0 = _minor_faults()
@@ -164,9 +216,13 @@ def worker_ft(args: argparse.Namespace) -> None:
                 faults += _minor_faults() - f0
             if args.progress:
                 _write(args.progress, {"step": committed_step})
+        cpu = _cpu_per_step(cpu0, window)
     finally:
         manager.shutdown(wait=False)
-    _write(args.result, {"times": times, "faults_per_step": faults / max(len(times), 1)})
+    _write(
+        args.result,
+        {"times": times, "faults_per_step": faults / max(len(times), 1), "cpu_ms": cpu},
+    )
 
 
 def serve_lighthouse(min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> None:
@@ -276,11 +332,45 @@ PINNED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHO
 _ALLOCATOR_ENV: dict[str, str] = {}
 
 
+#: Per side, each run's CPU milliseconds per step by thread kind (its ranks' mean).
+_CPU: dict[str, list[dict[str, float]]] = {}
+
+
 def _median_of(paths: list[Path], side: str) -> float:
     results = [json.loads(p.read_text()) for p in paths]
     faults = [r.get("faults_per_step", 0.0) for r in results]
     _FAULTS.setdefault(side, []).append(statistics.mean(faults))
+    cpus = [r["cpu_ms"] for r in results if r.get("cpu_ms")]
+    if cpus:
+        kinds = {k for c in cpus for k in c}
+        _CPU.setdefault(side, []).append(
+            {k: statistics.mean(c.get(k, 0.0) for c in cpus) for k in kinds}
+        )
     return max(statistics.median(r["times"]) for r in results)  # the slower rank bounds the step
+
+
+def _cpu_line(side: str, base: str | None = None) -> str:
+    """Where ``side``'s CPU per step and process goes (medians over the runs), by thread kind,
+    each against ``base``'s when given, largest difference first; empty without data."""
+    runs, base_runs = _CPU.get(side, []), _CPU.get(base, []) if base else []
+    if not runs or (base and not base_runs):
+        return ""
+
+    def med(rs: list[dict[str, float]], kind: str) -> float:
+        return statistics.median(r.get(kind, 0.0) for r in rs) if rs else 0.0
+
+    def vs(kind: str) -> str:
+        return f" ({med(runs, kind) - med(base_runs, kind):+.2f})" if base else ""
+
+    kinds = {k for r in runs + base_runs for k in r} - {"all"}
+    order = sorted(kinds, key=lambda k: (med(base_runs, k) - med(runs, k), k))
+    parts = ", ".join(
+        f"{k} {med(runs, k):.2f}{vs(k)}"
+        for k in order
+        if max(med(runs, k), med(base_runs, k)) >= 0.01
+    )
+    against = f" against {base}" if base else ""
+    return f"{med(runs, 'all'):.2f} ms{vs('all')}{against}: {parts}"
 
 
 def _faults(side: str) -> str:
@@ -445,6 +535,7 @@ def main() -> int:
         for hidden in args.hidden:
             plain_runs, ft_runs, up_runs = [], [], []
             _FAULTS.clear()
+            _CPU.clear()
             for _ in range(args.rounds):
                 plain_runs.append(run_plain(tmp, hidden, args.steps, args.warmup))
                 ft_runs.append(run_ft(tmp, hidden, args.steps, args.warmup))
@@ -471,6 +562,10 @@ def main() -> int:
                 f"[{min(ft_runs) * 1e3:.2f}, {max(ft_runs) * 1e3:.2f}] {_faults('ft')}   "
                 f"ratio of medians {ratio:.3f} {verdict}"
             )
+            for side, base in (("plain", None), ("ft", "plain"), ("upstream", "plain")):
+                line = _cpu_line(side, base)
+                if line:
+                    print(f"           CPU per step and process, {side}: {line}")
             if up_runs:
                 up = statistics.median(up_runs)
                 print(
