@@ -30,8 +30,10 @@ minor page faults per step, which shows the regime a run was in.
 Each side also prints where its CPU goes: milliseconds per step and process (the timed
 steps' window, the ranks' mean, the median over runs) in all and by thread kind, the
 training thread (``main``), Gloo's I/O loop and worker threads, the native runtime
-(``torchft-rt``) and Python's helper threads (``python``), torchft's each against plain
-DDP's. On a machine whose cores the two processes fill, the step time follows that CPU.
+(``torchft-rt``) and the threads named as the process (``python``: Python's helper threads
+and unnamed native ones), torchft's each against plain DDP's. On a machine whose cores the
+processes fill, the step time follows that CPU; torchft's lighthouse, a third process that
+answers every step's quorum and commit, is not in these figures.
 
 Usage: ``python benches/ddp_overhead.py [--steps N] [--warmup N] [--hidden 256 1024]
 [--no-upstream] [--allocator pinned|default]``.
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import select
 import signal
 import statistics
@@ -84,43 +87,47 @@ def _write(path: str, payload: dict[str, Any]) -> None:
 
 def _minor_faults() -> int:
     """This process's minor page faults so far."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds this process has used, by thread kind: ``main`` (the training thread),
-    each other thread's name as the OS knows it (``gloo_tcp_loop``, ``pt_gloo_runloop``,
-    ``torchft-rt``; Python's own threads are all ``python``), summed over the threads of that
-    name, and ``all`` for the whole process (threads that already exited included)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def cpu(stat: str) -> float:
-        fields = stat.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-
-    out: dict[str, float] = {}
+def _thread_cpu() -> dict[str, tuple[str, float]]:
+    """CPU seconds each live thread of this process has used, by thread id with its kind:
+    ``main`` (the training thread, which calls this), else its name as the OS knows it
+    (``gloo_tcp_loop``, ``pt_gloo_runloop``, ``torchft-rt``; Python's own threads and unnamed
+    native ones carry the process's name, ``python``); and ``all``, the whole process's
+    (threads that already exited included). Nanosecond clocks: the scheduler's for the other
+    threads, the thread's own CPU clock for this one."""
+    out: dict[str, tuple[str, float]] = {}
     pid = os.getpid()
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # exited meanwhile: counted in "all"
+        if int(tid) == pid:
             continue
-        kind = "main" if int(tid) == pid else stat.split("(", 1)[1].rsplit(")", 1)[0]
-        out[kind] = out.get(kind, 0.0) + cpu(stat)
-    with open("/proc/self/stat") as f:
-        out["all"] = cpu(f.read())
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except OSError:  # exited meanwhile: counted in "all" only
+            continue
+        out[tid] = (name, ns / 1e9)
+    out[str(pid)] = ("main", time.thread_time())  # called from the training thread
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["all"] = ("all", usage.ru_utime + usage.ru_stime)
     return out
 
 
-def _cpu_per_step(before: dict[str, float] | None, steps: int) -> dict[str, float]:
-    """Milliseconds of CPU per step by thread kind since ``before`` (see :func:`_thread_cpu`)."""
+def _cpu_per_step(before: dict[str, tuple[str, float]] | None, steps: int) -> dict[str, float]:
+    """Milliseconds of CPU per step by thread kind since ``before`` (see :func:`_thread_cpu`):
+    each thread's own difference, so one that started or ended in between only adds what it
+    used inside the window (an exited one's share shows in ``all`` only)."""
     if before is None or steps <= 0:
         return {}
-    after = _thread_cpu()
-    return {k: (v - before.get(k, 0.0)) * 1e3 / steps for k, v in after.items()}
+    out: dict[str, float] = {}
+    for key, (kind, seconds) in _thread_cpu().items():
+        start = before.get(key)
+        used = seconds - (start[1] if start is not None and start[0] == kind else 0.0)
+        out[kind] = out.get(kind, 0.0) + used * 1e3 / steps
+    return out
 
 
 def worker_plain(args: argparse.Namespace) -> None:
@@ -351,7 +358,8 @@ def _median_of(paths: list[Path], side: str) -> float:
 
 def _cpu_line(side: str, base: str | None = None) -> str:
     """Where ``side``'s CPU per step and process goes (medians over the runs), by thread kind,
-    each against ``base``'s when given, largest difference first; empty without data."""
+    each against ``base``'s when given, the largest increase first; empty without data. Each
+    figure is its own median, so the kinds need not add up to ``all``."""
     runs, base_runs = _CPU.get(side, []), _CPU.get(base, []) if base else []
     if not runs or (base and not base_runs):
         return ""
@@ -547,6 +555,7 @@ def main() -> int:
                         print(f"  upstream run failed ({e}); its row is left out")
                         upstream = False
                         up_runs.clear()
+                        _CPU.pop("upstream", None)
             plain = statistics.median(plain_runs)
             ft = statistics.median(ft_runs)
             ratio = ft / plain
@@ -562,10 +571,8 @@ def main() -> int:
                 f"[{min(ft_runs) * 1e3:.2f}, {max(ft_runs) * 1e3:.2f}] {_faults('ft')}   "
                 f"ratio of medians {ratio:.3f} {verdict}"
             )
-            for side, base in (("plain", None), ("ft", "plain"), ("upstream", "plain")):
-                line = _cpu_line(side, base)
-                if line:
-                    print(f"           CPU per step and process, {side}: {line}")
+            for side, base in (("plain", None), ("ft", "plain")):
+                print(f"           CPU per step and process, {side}: {_cpu_line(side, base)}")
             if up_runs:
                 up = statistics.median(up_runs)
                 print(
@@ -573,6 +580,8 @@ def main() -> int:
                     f"[{min(up_runs) * 1e3:.2f}, {max(up_runs) * 1e3:.2f}] {_faults('upstream')}   "
                     f"ratio to plain {up / plain:.3f}   ours / upstream {ft / up:.3f}"
                 )
+                line = _cpu_line("upstream", "plain")
+                print(f"           CPU per step and process, upstream: {line}")
         if not args.no_recovery:
             rec = run_recovery(tmp, args.hidden[0])
             print(

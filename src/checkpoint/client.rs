@@ -659,7 +659,9 @@ mod tests {
     fn fetches_memory_and_staged_tensors_over_parallel_streams() {
         let token = Token::new("s3cret").unwrap();
         let server = DataServer::bind("127.0.0.1", Some(token), Duration::from_secs(5)).unwrap();
-        // The first tensor spans three of a direct stream's writes, the last one partial.
+        // The first tensor spans three of a direct stream's writes, the last one partial; no
+        // two 256-byte blocks of a tensor are alike, so a chunk sent twice or out of place
+        // shows.
         let len = |i: usize| {
             if i == 0 {
                 2 * DIRECT_WRITE_BYTES + 5
@@ -667,11 +669,17 @@ mod tests {
                 (3 << 20) + i
             }
         };
+        let byte = |i: usize, k: usize| ((k ^ (k >> 8) ^ (k >> 16)).wrapping_mul(7) + i) as u8;
         let data: Vec<Vec<u8>> = (0..5)
-            .map(|i| (0..len(i)).map(|k| (k * 7 + i) as u8).collect())
+            .map(|i| (0..len(i)).map(|k| byte(i, k)).collect())
             .collect();
         let staged_len = (2 << 20) + 3;
-        offer(&server, &data, staged_len);
+        let entered = Arc::new(AtomicU64::new(0));
+        let hooks = Hooks {
+            entered: entered.clone(),
+            ..Hooks::default()
+        };
+        offer_with(&server, &data, staged_len, hooks);
         let mut out: Vec<Vec<u8>> = data.iter().map(|v| vec![0u8; v.len()]).collect();
         out.push(vec![0u8; staged_len]);
         let dests = dests_of(&mut out);
@@ -685,6 +693,8 @@ mod tests {
         .unwrap();
         assert_eq!(n, out.iter().map(|v| v.len() as u64).sum::<u64>());
         assert_eq!(&out[..5], &data[..]);
+        // One stream per range, none fetched again: every direct tensor's checksum held.
+        assert_eq!(entered.load(Ordering::SeqCst), 3);
         let expect: Vec<u8> = (0..staged_len).map(|k| (5 + k) as u8).collect();
         assert_eq!(out[5], expect);
 
@@ -1045,6 +1055,88 @@ mod tests {
         assert!(took >= budget && took < budget * 5, "failed after {took:?}");
         let _ = done_tx.send(());
         stalling.join().unwrap();
+        server.shutdown();
+    }
+
+    /// Hooks telling when the stream that entered lets go of the state.
+    struct Released(Mutex<std::sync::mpsc::Sender<Instant>>);
+    struct ReleaseGuard(std::sync::mpsc::Sender<Instant>);
+    impl Drop for ReleaseGuard {
+        fn drop(&mut self) {
+            let _ = self.0.send(Instant::now());
+        }
+    }
+    impl OfferHooks for Released {
+        fn enter(&self) -> Result<Box<dyn Send>, EnterError> {
+            Ok(Box::new(ReleaseGuard(self.0.lock().unwrap().clone())))
+        }
+        fn stage(&self, _: usize, _: u64, _: &mut [u8]) -> Result<(), String> {
+            Err("nothing is staged".into())
+        }
+    }
+
+    #[test]
+    fn a_receiver_draining_slowly_but_steadily_is_cut_at_the_streams_deadline() {
+        let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![3u8; 6 * DIRECT_WRITE_BYTES]];
+        let timeout = Duration::from_secs(1);
+        let sources = vec![Source::Memory {
+            addr: data[0].as_ptr() as usize,
+            len: data[0].len(),
+        }];
+        let (tx, released) = std::sync::mpsc::channel();
+        let hooks = Box::new(Released(Mutex::new(tx)));
+        // SAFETY: `data` outlives the server.
+        let o = unsafe { Offer::new(3, "g1".into(), sources, timeout, hooks) };
+        server.offer(o);
+        // A small receive buffer, read 16 KiB every 20 ms (under 1 MB/s): one direct write
+        // takes seconds to drain, always making progress.
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.set_recv_buffer_size(64 << 10).unwrap();
+        sock.connect(&server.local_addr().into()).unwrap();
+        let mut stream: TcpStream = sock.into();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let req = Request {
+            token: None,
+            step: 3,
+            gen: "g1".into(),
+            start: 0,
+            end: 1,
+            direct: true,
+        };
+        let t0 = Instant::now();
+        wire::write_request(&mut stream, &req).unwrap();
+        let (status, _) = wire::read_reply(&mut stream).unwrap();
+        assert_eq!(status, wire::STATUS_OK);
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 16 << 10];
+        let at = loop {
+            if let Ok(at) = released.try_recv() {
+                break at;
+            }
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    panic!("the stream ended, {got} bytes read, the state still held")
+                }
+                Ok(n) => got += n,
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the stream never let go"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let held = at - t0;
+        // The stream let go at its deadline (give or take a socket timeout refresh), not
+        // once the write in progress drained.
+        assert!(
+            held < timeout * 3,
+            "the state was held {held:?} ({got} bytes read by then)"
+        );
+        assert!(got < data[0].len(), "the whole tensor arrived: {got} bytes");
         server.shutdown();
     }
 
