@@ -202,7 +202,8 @@ def worker_ft(args: argparse.Namespace) -> None:
         while manager.current_step() < total:
             if cpu0 is None and manager.current_step() >= args.warmup:
                 cpu0 = _thread_cpu()
-            window += cpu0 is not None
+            if cpu0 is not None:
+                window += 1
             x = torch.randn(32, 256, generator=gen)
             y = torch.randint(0, 10, (32,), generator=gen)
             f0 = _minor_faults()

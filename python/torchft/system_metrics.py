@@ -1,12 +1,11 @@
 """The host's and the GPU's side of a rank's step reports, sampled at most once a second.
 
 Each step report carries the host's load average (1 minute, per CPU), its memory (total and
-available), its network throughput
-over the interfaces other than loopback, the share of its CPU time the hypervisor stole, and
-the rank's GPU utilisation and memory through NVML. Reading ``/proc`` costs tens of
-microseconds, so a sample is taken at most every :data:`SAMPLE_EVERY_S` and reused by the steps
-in between. Fail-open: a source that cannot be read reports 0 (the GPU: ``gpu`` false) and is
-not tried again.
+available), its network throughput over the interfaces other than loopback, the share of its
+CPU time the hypervisor stole, and the rank's GPU utilisation and memory through NVML.
+Reading ``/proc`` costs tens of microseconds, so a sample is taken at most every
+:data:`SAMPLE_EVERY_S` and reused by the steps in between. Fail-open: a source that cannot
+be read reports 0 (the GPU: ``gpu`` false) and is not tried again.
 
 The GPU is looked at only once CUDA is initialised in this process (a rank that trains on the
 CPU has none), through the ``pynvml`` module of NVIDIA's ``nvidia-ml-py`` package; without it,

@@ -561,6 +561,17 @@ mod tests {
         /// Streams wait in `enter` until the flag is set (holding their stream slot).
         gate: Option<Arc<(Mutex<bool>, std::sync::Condvar)>>,
         entered: Arc<AtomicU64>,
+        /// Told when a stream that entered lets go of the state (its guard is dropped).
+        released: Option<Mutex<std::sync::mpsc::Sender<Instant>>>,
+    }
+    /// A stream's hold on the state; tells `released`, if any, when it ends.
+    struct Guard(Option<std::sync::mpsc::Sender<Instant>>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            if let Some(tx) = &self.0 {
+                let _ = tx.send(Instant::now());
+            }
+        }
     }
     impl OfferHooks for Hooks {
         fn enter(&self) -> Result<Box<dyn Send>, EnterError> {
@@ -575,7 +586,12 @@ mod tests {
                 Some((now, offered)) if now.load(Ordering::SeqCst) != *offered => {
                     Err(EnterError::Changed("written since".into()))
                 }
-                _ => Ok(Box::new(())),
+                _ => {
+                    let released = self.released.as_ref();
+                    Ok(Box::new(Guard(
+                        released.map(|tx| tx.lock().unwrap().clone()),
+                    )))
+                }
             }
         }
         fn stage(&self, index: usize, offset: u64, out: &mut [u8]) -> Result<(), String> {
@@ -1058,23 +1074,6 @@ mod tests {
         server.shutdown();
     }
 
-    /// Hooks telling when the stream that entered lets go of the state.
-    struct Released(Mutex<std::sync::mpsc::Sender<Instant>>);
-    struct ReleaseGuard(std::sync::mpsc::Sender<Instant>);
-    impl Drop for ReleaseGuard {
-        fn drop(&mut self) {
-            let _ = self.0.send(Instant::now());
-        }
-    }
-    impl OfferHooks for Released {
-        fn enter(&self) -> Result<Box<dyn Send>, EnterError> {
-            Ok(Box::new(ReleaseGuard(self.0.lock().unwrap().clone())))
-        }
-        fn stage(&self, _: usize, _: u64, _: &mut [u8]) -> Result<(), String> {
-            Err("nothing is staged".into())
-        }
-    }
-
     #[test]
     fn a_receiver_draining_slowly_but_steadily_is_cut_at_the_streams_deadline() {
         let server = DataServer::bind("127.0.0.1", None, Duration::from_secs(5)).unwrap();
@@ -1085,7 +1084,10 @@ mod tests {
             len: data[0].len(),
         }];
         let (tx, released) = std::sync::mpsc::channel();
-        let hooks = Box::new(Released(Mutex::new(tx)));
+        let hooks = Box::new(Hooks {
+            released: Some(Mutex::new(tx)),
+            ..Hooks::default()
+        });
         // SAFETY: `data` outlives the server.
         let o = unsafe { Offer::new(3, "g1".into(), sources, timeout, hooks) };
         server.offer(o);
