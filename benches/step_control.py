@@ -36,8 +36,13 @@ Configurations, alternated trial by trial in the same run (fresh processes each 
 
 A row is the median over trials of the slower group's per-trial median of the control plane
 per step, with the min and max over trials, the p90 of all steps, the same medians of its two
-parts, and the allreduce's for reference. Target: ours <= 0.3 ms per step; exits 1 when it
-is missed (2 when upstream is not installed, unless ``--allow-missing-upstream``).
+parts, the allreduce's for reference, and the CPU the group's training thread used per
+whole step (quorum, allreduce and vote: the Python and the native calls it runs itself, not
+what it waits for; read between steps, outside the timed parts). On a machine with few cores
+every thread's CPU is on the step's critical path, so ``ours`` against ``ours/native-calls``
+in that column shows how much of the Python Manager's share is CPU. Target: ours <= 0.3 ms
+per step; exits 1 when it is missed (2 when upstream is not installed, unless
+``--allow-missing-upstream``).
 
 ``--check`` runs one short trial of each configuration and checks that every step committed,
 without judging the times (the bounded version ``make test`` runs).
@@ -215,11 +220,20 @@ def _time_steps(
     result: str,
 ) -> None:
     """Runs ``warmup + steps`` steps (quorum and vote of step ``i``, an allreduce between) and writes the
-    timed steps' parts in milliseconds, their control plane (quorum + vote) and how many
-    committed to ``result`` (JSON)."""
-    parts: dict[str, list[float]] = {"total": [], "quorum": [], "vote": [], "allreduce": []}
+    timed steps' parts in milliseconds, their control plane (quorum + vote), the CPU the
+    calling (training) thread used in each whole step (``cpu``: quorum, allreduce and vote;
+    read between steps, outside the timed parts) and how many committed to ``result``
+    (JSON)."""
+    parts: dict[str, list[float]] = {
+        "total": [],
+        "quorum": [],
+        "vote": [],
+        "allreduce": [],
+        "cpu": [],
+    }
     committed = 0
     for i in range(warmup + steps):
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         quorum(i)
         t1 = time.perf_counter()
@@ -227,12 +241,14 @@ def _time_steps(
         t2 = time.perf_counter()
         ok = vote(i)
         t3 = time.perf_counter()
+        c1 = time.thread_time()
         if i >= warmup:
             committed += bool(ok)
             parts["quorum"].append((t1 - t0) * 1e3)
             parts["allreduce"].append((t2 - t1) * 1e3)
             parts["vote"].append((t3 - t2) * 1e3)
             parts["total"].append(parts["quorum"][-1] + parts["vote"][-1])
+            parts["cpu"].append((c1 - c0) * 1e3)
     Path(result).write_text(json.dumps({**parts, "committed": committed}))
 
 
@@ -415,12 +431,12 @@ def main() -> int:
     incomplete = []
     print(
         f"{'':18} {'control ms: median':>18} {'[min, max]':>17} {'p90':>7} {'quorum':>7} "
-        f"{'vote':>7} {'(allreduce)':>11}"
+        f"{'vote':>7} {'(allreduce)':>11} {'thread CPU':>10}"
     )
     for c in configs:
         per_trial = {
             part: [max(statistics.median(g[part]) for g in groups) for groups in runs[c]]
-            for part in ("total", "quorum", "vote", "allreduce")
+            for part in ("total", "quorum", "vote", "allreduce", "cpu")
         }
         every = [s for groups in runs[c] for g in groups for s in g["total"]]
         med = statistics.median(per_trial["total"])
@@ -432,11 +448,13 @@ def main() -> int:
             "quorum_ms": statistics.median(per_trial["quorum"]),
             "vote_ms": statistics.median(per_trial["vote"]),
             "allreduce_ms": statistics.median(per_trial["allreduce"]),
+            "thread_cpu_ms": statistics.median(per_trial["cpu"]),
         }
         s = summary[c]
         print(
             f"{c:18} {med:18.3f} [{s['min_ms']:6.3f}, {s['max_ms']:6.3f}] {s['p90_ms']:7.3f} "
-            f"{s['quorum_ms']:7.3f} {s['vote_ms']:7.3f} {s['allreduce_ms']:11.3f}"
+            f"{s['quorum_ms']:7.3f} {s['vote_ms']:7.3f} {s['allreduce_ms']:11.3f} "
+            f"{s['thread_cpu_ms']:10.3f}"
         )
         if any(g["committed"] != args.steps for groups in runs[c] for g in groups):
             incomplete.append(c)
@@ -456,8 +474,13 @@ def main() -> int:
         cost = summary["ours/telemetry"]["median_ms"] - summary["ours"]["median_ms"]
         print(f"telemetry's share (ours/telemetry - ours): {cost:+.3f} ms per step")
     if "ours/native-calls" in summary and "ours" in summary:
-        cost = summary["ours"]["median_ms"] - summary["ours/native-calls"]["median_ms"]
-        print(f"the Python Manager's share of ours: {cost:+.3f} ms per step")
+        ours, native = summary["ours"], summary["ours/native-calls"]
+        cost = ours["median_ms"] - native["median_ms"]
+        cpu = ours["thread_cpu_ms"] - native["thread_cpu_ms"]
+        print(
+            f"the Python Manager's share of ours: {cost:+.3f} ms per step; the training "
+            f"thread's CPU per whole step (quorum, allreduce, vote): {cpu:+.3f} ms"
+        )
     if "raw-sockets" in summary and "ours" in summary:
         floor = summary["raw-sockets"]["median_ms"]
         print(

@@ -37,4 +37,6 @@ def test_step_control_benchmark_small_version() -> None:
         # Both parts of the control plane were measured in every configuration run.
         assert row["quorum_ms"] > 0 and row["vote_ms"] > 0, text
         assert row["median_ms"] > 0, text
+        # The training thread's CPU per whole step was read around every step.
+        assert row["thread_cpu_ms"] > 0, text
     assert "not every step committed" not in out.stdout, text
