@@ -4,34 +4,16 @@ bench`; these check what it prints is computed right.)"""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from _bench_kit import burn, load_bench
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "ddp_overhead_bench", REPO / "benches" / "ddp_overhead.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _burn(seconds: float) -> None:
-    """Uses about ``seconds`` of this thread's CPU."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
+    return load_bench("ddp_overhead")
 
 
 @pytest.mark.timeout(60)
@@ -40,16 +22,16 @@ def test_cpu_per_step_splits_the_window_by_thread() -> None:
     stop = threading.Event()
 
     def helper_that_stays() -> None:
-        _burn(0.1)
+        burn(0.1)
         stop.wait()
 
     stays = threading.Thread(target=helper_that_stays)
     before = bench._thread_cpu()
     stays.start()
-    exits = threading.Thread(target=_burn, args=(0.1,))
+    exits = threading.Thread(target=burn, args=(0.1,))
     exits.start()
     exits.join()
-    _burn(0.1)
+    burn(0.1)
     time.sleep(0.3)  # the staying helper has burnt its share by now
     try:
         per_step = bench._cpu_per_step(before, 10)  # milliseconds per step, over 10 steps

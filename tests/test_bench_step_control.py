@@ -6,7 +6,6 @@ only."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _bench_kit import BENCHES, burn, load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,21 +49,8 @@ def test_step_control_benchmark_small_version() -> None:
 
 
 def _bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(REPO / "benches"))  # the bench imports its helpers
-    spec = importlib.util.spec_from_file_location(
-        "step_control_bench", REPO / "benches" / "step_control.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _burn(seconds: float) -> None:
-    """Uses about ``seconds`` of this thread's CPU."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
+    monkeypatch.syspath_prepend(str(BENCHES))  # the bench imports its sibling helpers
+    return load_bench("step_control")
 
 
 @pytest.mark.timeout(60)
@@ -85,7 +72,7 @@ def test_thread_cpu_per_step_counts_only_the_steps_own_thread_and_work(
     result = tmp_path / "steps.json"
     try:
         bench._time_steps(
-            lambda _: _burn(0.002),
+            lambda _: burn(0.002),
             lambda: time.sleep(0.005),
             lambda _: True,
             20,
