@@ -31,7 +31,7 @@ pub const PIECE_BYTES: usize = 256 << 10;
 /// Bytes a `direct` stream checksums and then hands to the socket, straight from the
 /// tensor's memory (no copy, so no buffer to keep small): the kernel's copy finds the chunk
 /// the checksum pass read in the last-level cache as long as the streams' chunks fit in it
-/// (four streams' 16 MiB in the 32 MiB of the machine measured; a core's 2 MiB L2 holds only
+/// (four streams' 16 MiB in the 32 MiB of the machine measured; a core's 1 MiB L2 holds only
 /// part of one), and a stream makes 16 times fewer writes than with [`PIECE_BYTES`]. In
 /// `benches/checkpoint_wire.py` (1 GiB, one stream, two cores), 256 KiB writes measured
 /// 0.50-0.84 of the raw copy's throughput in 5 runs, with single receives from 0.16 to
