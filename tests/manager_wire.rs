@@ -579,3 +579,76 @@ async fn in_process_calls_answer_as_the_network_does() {
     })
     .await;
 }
+
+/// `may_commit_blocking` on a thread outside any runtime, as a hosting rank's training
+/// thread calls it: the thread drives the announcement's own connection.
+fn commit_on_own_thread(g: &std::sync::Arc<Group>, step: i64) -> torchft::error::Result<bool> {
+    let g = g.clone();
+    std::thread::spawn(move || g.server.may_commit_blocking(step, LONG))
+        .join()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_ranks_own_thread_commit_is_gated_like_the_shared_one_and_outlives_a_restart() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let bind = lh.local_addr().to_string();
+        let g = std::sync::Arc::new(group("a", &lh.address(), 1).await);
+        round(&g, 0, LONG).await[0].as_ref().unwrap();
+        let blocking = |step| {
+            let g = g.clone();
+            tokio::task::spawn_blocking(move || commit_on_own_thread(&g, step))
+        };
+        assert!(
+            blocking(0).await.unwrap().unwrap(),
+            "accepted in its quorum"
+        );
+
+        // The lighthouse restarts on the same address: the connection the thread drives
+        // died with it, and the next announcement reaches the new one.
+        lh.shutdown().await;
+        drop(lh);
+        let lh = lighthouse_on(&bind, 1).await;
+        // Heartbeats find the new daemon first (a few periods), or the lease would rightly
+        // fence the next step.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        round(&g, 1, LONG).await[0].as_ref().unwrap();
+        assert!(
+            blocking(1).await.unwrap().unwrap(),
+            "accepted by the restarted lighthouse"
+        );
+        // The shared connection's answer to the same announcement is the same.
+        assert!(g.server.may_commit(1, LONG).await.unwrap());
+
+        lh.shutdown().await;
+
+        // A lighthouse that cannot be reached: the announcement retries until its deadline,
+        // then says no, as the shared connection's does.
+        let dead =
+            std::sync::Arc::new(group("b", &format!("http://127.0.0.1:{}", dead_port()), 1).await);
+        let short = Duration::from_millis(600);
+        let d = dead.clone();
+        let started = Instant::now();
+        let down = tokio::task::spawn_blocking(move || {
+            std::thread::spawn(move || d.server.may_commit_blocking(2, short))
+                .join()
+                .unwrap()
+        });
+        assert!(!down.await.unwrap().unwrap(), "no lighthouse, no commit");
+        let took = started.elapsed();
+        assert!(took >= short - Duration::from_millis(50), "{took:?}");
+        assert!(took < short + Duration::from_secs(2), "{took:?}");
+        assert!(!dead.server.may_commit(2, short).await.unwrap());
+        dead.server.shutdown().await;
+
+        // Inside a runtime it cannot block: it says so instead of stalling a worker.
+        let err = g.server.may_commit_blocking(3, LONG).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("outside any tokio runtime")),
+            "{err}"
+        );
+        g.server.shutdown().await;
+    })
+    .await;
+}

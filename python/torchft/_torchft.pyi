@@ -234,8 +234,10 @@ class ManagerServer:
     def may_commit(self, step: int, timeout: timedelta) -> bool:
         """Whether this group may commit ``step`` (its committed step count before the
         commit): its lease held and the lighthouse accepted the write-ahead announcement
-        (retried up to ``timeout`` while the lighthouse is unreachable). Raises ValueError if
-        ``step`` is negative, StateDivergedError once the parity check stopped the group."""
+        (retried up to ``timeout`` while the lighthouse is unreachable). The calling thread
+        (GIL released) drives the announcement's own connection while it waits. Raises
+        ValueError if ``step`` is negative, StateDivergedError once the parity check stopped
+        the group."""
     def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
         """Takes the hosting rank's digest of its committed state after ``step`` (runtime
         state parity). Raises ValueError for a step below 1, a rank outside the group, or a

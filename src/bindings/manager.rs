@@ -155,7 +155,8 @@ impl PyManagerServer {
 
     /// Whether this group may commit `step` (its committed step count before the commit):
     /// its lease held and the lighthouse accepted the write-ahead announcement (retried up
-    /// to `timeout` while the lighthouse is unreachable). Single-rank groups ask this.
+    /// to `timeout` while the lighthouse is unreachable). Single-rank groups ask this. The
+    /// calling thread (GIL released) drives the announcement's connection while it waits.
     fn may_commit(
         &self,
         py: Python<'_>,
@@ -167,7 +168,8 @@ impl PyManagerServer {
                 "step must not be negative, got {step}"
             )));
         }
-        Ok(block_on(py, self.server.may_commit(step, timeout))?)
+        // Waits on this thread, which drives the announcement's connection itself.
+        Ok(py.detach(|| self.server.may_commit_blocking(step, timeout))?)
     }
 
     /// Takes this (hosting) rank's digest of its committed state after `step` (runtime

@@ -68,13 +68,36 @@ pub fn uri(addr: &str, security: &Security) -> Result<String> {
 /// The endpoint for `addr` with the transport settings every torchft client uses (TCP no
 /// delay, HTTP/2 keep-alive) and TLS as `security` says.
 pub fn endpoint(addr: &str, connect_timeout: Duration, security: &Security) -> Result<Endpoint> {
+    build_endpoint(addr, connect_timeout, security, true)
+}
+
+/// As [`endpoint`], without HTTP/2 keep-alive pings: for a connection that is driven only
+/// while its owner waits on a call (between calls nothing would answer a ping in time, and a
+/// late answer would close a healthy connection). Each call's own deadline bounds it instead.
+pub fn quiet_endpoint(
+    addr: &str,
+    connect_timeout: Duration,
+    security: &Security,
+) -> Result<Endpoint> {
+    build_endpoint(addr, connect_timeout, security, false)
+}
+
+fn build_endpoint(
+    addr: &str,
+    connect_timeout: Duration,
+    security: &Security,
+    keep_alive: bool,
+) -> Result<Endpoint> {
     let uri = uri(addr, security)?;
     let mut endpoint = Endpoint::from_shared(uri.clone())
         .map_err(|e| Error::InvalidArgument(format!("invalid address {addr:?}: {e}")))?
         .connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20));
+        .tcp_nodelay(true);
+    if keep_alive {
+        endpoint = endpoint
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20));
+    }
     if let Some(ca) = &security.tls.ca {
         let read =
             |what: &str, p: &std::path::Path| super::read_named(what, p, |p| std::fs::read(p));

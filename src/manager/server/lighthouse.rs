@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{shutting_down, Inner};
+use crate::client::LighthouseClient;
 use crate::error::{Error, Result};
 use crate::manager::compute::compute_quorum_results;
 use crate::manager::gather::ReadyRound;
@@ -33,6 +34,18 @@ impl Inner {
     /// refusal (the quorum was replaced, or the group was declared lost in it) and a
     /// lighthouse unreachable until `timeout` are a "no": the group rejoins and heals.
     pub(super) async fn announce_commit(&self, step: i64, timeout: Duration) -> bool {
+        self.announce_commit_via(&self.lighthouse, step, timeout)
+            .await
+    }
+
+    /// [`Inner::announce_commit`] over `lighthouse` (this server's shared connection, or
+    /// the hosting rank's own: see `own_link`).
+    pub(super) async fn announce_commit_via(
+        &self,
+        lighthouse: &LighthouseClient,
+        step: i64,
+        timeout: Duration,
+    ) -> bool {
         if self.commit_unsupported.load(Ordering::Relaxed) {
             return true;
         }
@@ -50,8 +63,7 @@ impl Inner {
                     "cannot reach the lighthouse to announce the commit; not committing");
                 return false;
             }
-            let answer = self
-                .lighthouse
+            let answer = lighthouse
                 .commit(&self.opts.replica_id, quorum_id, step + 1, wait, remaining)
                 .await;
             let status = match answer {

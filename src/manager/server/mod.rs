@@ -23,6 +23,7 @@
 mod events;
 mod heartbeat;
 mod lighthouse;
+mod own_link;
 mod service;
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
@@ -36,6 +37,7 @@ use tracing::{debug, error, info, warn};
 
 use self::events::EventLog;
 use self::heartbeat::{heartbeat_loop, session_loop, Lease};
+use self::own_link::OwnLink;
 use self::service::Service;
 use super::commit::CommitBarrier;
 use super::gather::QuorumGather;
@@ -77,6 +79,9 @@ struct Inner {
     lighthouse_addr: String,
     /// Keeps the last quorum received, so the lighthouse can answer in compact form.
     lighthouse: LighthouseClient,
+    /// The commit announcements of a hosting rank that votes alone, on a connection its
+    /// thread drives while it waits (see [`ManagerServer::may_commit_blocking`]).
+    own_link: OwnLink,
     gather: QuorumGather,
     barrier: CommitBarrier,
     events: EventLog,
@@ -186,6 +191,7 @@ impl ManagerServer {
         let lighthouse =
             LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref())
                 .with_job(&opts.job)?;
+        let own_link = OwnLink::new(&opts)?;
 
         let listener = tokio::net::TcpListener::bind(&opts.bind)
             .await
@@ -205,6 +211,7 @@ impl ManagerServer {
             address: address.clone(),
             lighthouse_addr,
             lighthouse,
+            own_link,
             shutdown: shutdown_rx.clone(),
             reports: ReportQueue::default(),
             committed_step: AtomicI64::new(-1),
@@ -354,13 +361,35 @@ impl ManagerServer {
     /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
     /// groups get the same gate through `ShouldCommit`.
     pub async fn may_commit(&self, step: i64, timeout: Duration) -> Result<bool> {
+        self.may_commit_via(&self.inner.lighthouse, step, timeout)
+            .await
+    }
+
+    /// [`ManagerServer::may_commit`] for the hosting rank's own thread, outside any tokio
+    /// runtime: blocks until the answer, the announcement going on a connection of this
+    /// server's that the waiting thread drives itself (see `own_link`): the round trip
+    /// wakes no runtime thread on either way. Same answers, retries and deadline.
+    ///
+    /// # Errors
+    /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
+    pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
+        let link = &self.inner.own_link;
+        link.block_on(self.may_commit_via(&link.lighthouse, step, timeout))?
+    }
+
+    async fn may_commit_via(
+        &self,
+        lighthouse: &LighthouseClient,
+        step: i64,
+        timeout: Duration,
+    ) -> Result<bool> {
         self.inner.visit();
         self.inner.check_diverged()?;
         if !self.inner.lease_held() {
             return Ok(false);
         }
         Ok(tokio::select! {
-            ok = self.inner.announce_commit(step, timeout) => ok,
+            ok = self.inner.announce_commit_via(lighthouse, step, timeout) => ok,
             _ = shutting_down(self.inner.shutdown.clone()) => false,
         })
     }
