@@ -601,14 +601,29 @@ async fn a_lone_ranks_own_thread_commit_is_gated_like_the_shared_one_and_outlive
             tokio::task::spawn_blocking(move || commit_on_own_thread(&g, step))
         };
         assert!(
+            !g.server.own_commit_link_open(),
+            "dialled on first use only"
+        );
+        assert!(
             blocking(0).await.unwrap().unwrap(),
             "accepted in its quorum"
         );
+        assert!(
+            g.server.own_commit_link_open(),
+            "the announcement went on its own link"
+        );
 
-        // The lighthouse restarts on the same address: the connection the thread drives
-        // died with it, and the next announcement reaches the new one.
+        // The lighthouse stops gracefully: its session with the group ends first, the group
+        // closes the link nothing drives between commits, and the stop does not wait for it
+        // (it would wait out its grace for the answer to its last ping).
+        let started = Instant::now();
         lh.shutdown().await;
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(3), "graceful stop took {took:?}");
         drop(lh);
+        assert!(!g.server.own_commit_link_open());
+
+        // Restarted on the same address: the next announcement dials it.
         let lh = lighthouse_on(&bind, 1).await;
         // Heartbeats find the new daemon first (a few periods), or the lease would rightly
         // fence the next step.
@@ -620,11 +635,11 @@ async fn a_lone_ranks_own_thread_commit_is_gated_like_the_shared_one_and_outlive
         );
         // The shared connection's answer to the same announcement is the same.
         assert!(g.server.may_commit(1, LONG).await.unwrap());
-
         lh.shutdown().await;
 
         // A lighthouse that cannot be reached: the announcement retries until its deadline,
-        // then says no, as the shared connection's does.
+        // then says no, as the shared connection's does, and the link is closed (a silent
+        // connection would not be noticed otherwise).
         let dead =
             std::sync::Arc::new(group("b", &format!("http://127.0.0.1:{}", dead_port()), 1).await);
         let short = Duration::from_millis(600);
@@ -639,6 +654,7 @@ async fn a_lone_ranks_own_thread_commit_is_gated_like_the_shared_one_and_outlive
         let took = started.elapsed();
         assert!(took >= short - Duration::from_millis(50), "{took:?}");
         assert!(took < short + Duration::from_secs(2), "{took:?}");
+        assert!(!dead.server.own_commit_link_open());
         assert!(!dead.server.may_commit(2, short).await.unwrap());
         dead.server.shutdown().await;
 

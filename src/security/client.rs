@@ -65,7 +65,7 @@ pub fn uri(addr: &str, security: &Security) -> Result<String> {
     Ok(uri)
 }
 
-/// The endpoint for `addr` with the transport settings every torchft client uses (TCP no
+/// The endpoint for `addr` with the transport settings torchft's clients use (TCP no
 /// delay, HTTP/2 keep-alive) and TLS as `security` says.
 pub fn endpoint(addr: &str, connect_timeout: Duration, security: &Security) -> Result<Endpoint> {
     build_endpoint(addr, connect_timeout, security, true)
@@ -73,7 +73,9 @@ pub fn endpoint(addr: &str, connect_timeout: Duration, security: &Security) -> R
 
 /// As [`endpoint`], without HTTP/2 keep-alive pings: for a connection that is driven only
 /// while its owner waits on a call (between calls nothing would answer a ping in time, and a
-/// late answer would close a healthy connection). Each call's own deadline bounds it instead.
+/// late answer would close a healthy connection). Without them a dead peer is not detected:
+/// each call's deadline bounds that call, and the owner must close a connection that may be
+/// dead (the manager server's own commit link does).
 pub fn quiet_endpoint(
     addr: &str,
     connect_timeout: Duration,

@@ -183,7 +183,7 @@ pub(super) async fn session_loop(inner: Arc<Inner>, mut heartbeats: oneshot::Rec
                 info!(lighthouse = %inner.lighthouse_addr, "lighthouse session open");
                 failing = false;
                 backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-                loop {
+                let ended = loop {
                     let next = tokio::select! {
                         m = stream.message() => Some(m),
                         _ = shutdown.wait_for(|down| *down) => None,
@@ -206,7 +206,15 @@ pub(super) async fn session_loop(inner: Arc<Inner>, mut heartbeats: oneshot::Rec
                         Ok(None) => break "the lighthouse closed it".to_string(),
                         Err(status) => break status.message().to_string(),
                     }
-                }
+                };
+                // The lighthouse stopping ends its sessions first; a dead connection ends
+                // this one too. Either way the hosting rank's own commit connection, which
+                // nothing drives between commits, is closed now (see `own_link`): the
+                // lighthouse's graceful stop does not wait on it, and the next commit dials
+                // anew. (A session that never opens, as with an upstream lighthouse, which
+                // has none, closes nothing.)
+                inner.own_link.close();
+                ended
             }
             Err(status) => status.message().to_string(),
         };

@@ -28,6 +28,18 @@ const QUORUM_WAIT_NOTE_AFTER: Duration = Duration::from_secs(3);
 /// ... and again this often while it keeps waiting.
 const QUORUM_WAIT_NOTE_EVERY: Duration = Duration::from_secs(10);
 
+/// How a write-ahead commit announcement ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Announced {
+    /// The lighthouse recorded it (or takes no announcements): the group may commit.
+    Accepted,
+    /// Refused, by the lighthouse or before asking it: the group does not commit.
+    Refused,
+    /// No answer before the deadline: the group does not commit, and the connection it
+    /// went on may be dead.
+    Unreached,
+}
+
 impl Inner {
     /// The write-ahead commit: tells the lighthouse this group is about to commit `step + 1`
     /// under its quorum; true if the lighthouse accepted (or predates announcements). A
@@ -36,18 +48,19 @@ impl Inner {
     pub(super) async fn announce_commit(&self, step: i64, timeout: Duration) -> bool {
         self.announce_commit_via(&self.lighthouse, step, timeout)
             .await
+            == Announced::Accepted
     }
 
     /// [`Inner::announce_commit`] over `lighthouse` (this server's shared connection, or
-    /// the hosting rank's own: see `own_link`).
+    /// the hosting rank's own: see `own_link`), saying how it ended.
     pub(super) async fn announce_commit_via(
         &self,
         lighthouse: &LighthouseClient,
         step: i64,
         timeout: Duration,
-    ) -> bool {
+    ) -> Announced {
         if self.commit_unsupported.load(Ordering::Relaxed) {
-            return true;
+            return Announced::Accepted;
         }
         let quorum_id = self.quorum_id.load(Ordering::Relaxed);
         let wait = match *self.step_wait.lock().unwrap_or_else(|e| e.into_inner()) {
@@ -61,17 +74,17 @@ impl Inner {
             if remaining.is_zero() {
                 warn!(step, quorum_id, lighthouse = %self.lighthouse_addr,
                     "cannot reach the lighthouse to announce the commit; not committing");
-                return false;
+                return Announced::Unreached;
             }
             let answer = lighthouse
                 .commit(&self.opts.replica_id, quorum_id, step + 1, wait, remaining)
                 .await;
             let status = match answer {
-                Ok(None) => return true,
+                Ok(None) => return Announced::Accepted,
                 Ok(Some(reason)) => {
                     warn!(step, quorum_id, reason = %reason,
                         "the lighthouse refused the commit; rejoining to heal");
-                    return false;
+                    return Announced::Refused;
                 }
                 Err(status) => status,
             };
@@ -83,13 +96,13 @@ impl Inner {
                              upstream lighthouse): committing without them, so a group frozen \
                              mid-step may commit a step the others redid");
                     }
-                    return true;
+                    return Announced::Accepted;
                 }
                 tonic::Code::InvalidArgument
                 | tonic::Code::Unauthenticated
                 | tonic::Code::PermissionDenied => {
                     warn!(step, error = %status.message(), "commit announcement refused");
-                    return false;
+                    return Announced::Refused;
                 }
                 _ => {
                     let delay = backoff.next_delay();

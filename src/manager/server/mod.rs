@@ -37,6 +37,7 @@ use tracing::{debug, error, info, warn};
 
 use self::events::EventLog;
 use self::heartbeat::{heartbeat_loop, session_loop, Lease};
+use self::lighthouse::Announced;
 use self::own_link::OwnLink;
 use self::service::Service;
 use super::commit::CommitBarrier;
@@ -80,7 +81,8 @@ struct Inner {
     /// Keeps the last quorum received, so the lighthouse can answer in compact form.
     lighthouse: LighthouseClient,
     /// The commit announcements of a hosting rank that votes alone, on a connection its
-    /// thread drives while it waits (see [`ManagerServer::may_commit_blocking`]).
+    /// thread drives while it waits (see [`ManagerServer::may_commit_blocking`]); opened on
+    /// first use, closed when the lighthouse session ends.
     own_link: OwnLink,
     gather: QuorumGather,
     barrier: CommitBarrier,
@@ -361,8 +363,10 @@ impl ManagerServer {
     /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
     /// groups get the same gate through `ShouldCommit`.
     pub async fn may_commit(&self, step: i64, timeout: Duration) -> Result<bool> {
-        self.may_commit_via(&self.inner.lighthouse, step, timeout)
-            .await
+        let announced = self
+            .may_commit_via(&self.inner.lighthouse, step, timeout)
+            .await?;
+        Ok(announced == Announced::Accepted)
     }
 
     /// [`ManagerServer::may_commit`] for the hosting rank's own thread, outside any tokio
@@ -374,7 +378,19 @@ impl ManagerServer {
     /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
     pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
         let link = &self.inner.own_link;
-        link.block_on(self.may_commit_via(&link.lighthouse, step, timeout))?
+        let announced = link.run(|lighthouse| async move {
+            self.may_commit_via(&lighthouse, step, timeout).await
+        })??;
+        if announced == Announced::Unreached {
+            // Nothing else would notice a connection that went silent: dial anew next time.
+            link.close();
+        }
+        Ok(announced == Announced::Accepted)
+    }
+
+    /// Whether the hosting rank's own commit connection is open (for tests).
+    pub fn own_commit_link_open(&self) -> bool {
+        self.inner.own_link.is_open()
     }
 
     async fn may_commit_via(
@@ -382,15 +398,15 @@ impl ManagerServer {
         lighthouse: &LighthouseClient,
         step: i64,
         timeout: Duration,
-    ) -> Result<bool> {
+    ) -> Result<Announced> {
         self.inner.visit();
         self.inner.check_diverged()?;
         if !self.inner.lease_held() {
-            return Ok(false);
+            return Ok(Announced::Refused);
         }
         Ok(tokio::select! {
-            ok = self.inner.announce_commit_via(lighthouse, step, timeout) => ok,
-            _ = shutting_down(self.inner.shutdown.clone()) => false,
+            announced = self.inner.announce_commit_via(lighthouse, step, timeout) => announced,
+            _ = shutting_down(self.inner.shutdown.clone()) => Announced::Refused,
         })
     }
 
@@ -445,6 +461,7 @@ impl ManagerServer {
             self.inner.flush_reports().await;
         }
         let _ = self.shutdown_tx.send(true);
+        self.inner.own_link.close();
         self.inner.gather.fail_all();
         self.inner.barrier.fail_all();
         let tasks: Vec<JoinHandle<()>> = {

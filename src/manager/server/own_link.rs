@@ -5,62 +5,86 @@
 //! that round trip takes two hand-offs between threads: the request wakes a runtime thread
 //! to write it, and the answer, read by that thread, wakes the training thread again. On a
 //! machine whose cores the job keeps busy, each wake-up waits for a core. Here the
-//! connection lives on a runtime of its own with no threads: the waiting thread drives it
-//! itself (writes the request, reads the answer), so nothing else has to be scheduled.
+//! connection lives on a runtime without worker threads: the waiting thread drives it
+//! itself (writes the request, reads the answer), so nothing else has to be scheduled (a
+//! lighthouse named by host name is resolved on a blocking thread when it is dialled).
+//!
+//! Between two waits nothing drives the connection, so it cannot answer the lighthouse, nor
+//! notice by itself that the lighthouse is gone. The server therefore closes it (drops its
+//! runtime, which closes the socket) when that is what the lighthouse needs or when it may
+//! be dead: when the open lighthouse session on the shared connection ends (a lighthouse
+//! stopping ends its sessions first, and its graceful stop then finds this connection
+//! closed instead of waiting out its grace for the answer to its last ping; a connection
+//! the shared link's keep-alive finds dead ends it too), when an announcement gets no
+//! answer before its deadline, and at the server's shutdown. The next announcement dials
+//! anew.
 
 use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::runtime::{Builder, Runtime};
+use tonic::transport::Endpoint;
 
 use crate::client::LighthouseClient;
 use crate::error::{Error, Result};
 use crate::manager::ManagerOptions;
+use crate::security::Token;
 
-/// A lighthouse client on a runtime that only the thread waiting on it drives.
+/// The connection, opened on first use (multi-rank groups never use it).
 pub(super) struct OwnLink {
+    endpoint: Endpoint,
+    token: Option<Token>,
+    job: String,
+    open: Mutex<Option<Arc<Link>>>,
+}
+
+/// One connection and the runtime it lives on.
+struct Link {
     /// Always `Some` until dropped (taken to shut it down without blocking).
     rt: Option<Runtime>,
-    /// Commits only: its connection is idle, and undriven, between two waits.
-    pub(super) lighthouse: LighthouseClient,
+    lighthouse: LighthouseClient,
 }
 
 impl std::fmt::Debug for OwnLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OwnLink").finish_non_exhaustive()
+        let open = self
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some();
+        f.debug_struct("OwnLink").field("open", &open).finish()
     }
 }
 
 impl OwnLink {
-    /// A lazy connection to the lighthouse of `opts` (dialled by the first call). No HTTP/2
-    /// keep-alive: between two waits nothing answers a ping; each call's deadline bounds it.
+    /// The lighthouse of `opts`, not dialled yet. No HTTP/2 keep-alive: between two waits
+    /// nothing would answer a ping (see the module's documentation for what replaces it).
     pub(super) fn new(opts: &ManagerOptions) -> Result<Self> {
-        let rt = Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| Error::Unavailable(format!("cannot start the commit runtime: {e}")))?;
         let endpoint = crate::security::client::quiet_endpoint(
             &opts.lighthouse_addr,
             opts.connect_timeout,
             &opts.security,
         )
         .map_err(|e| Error::InvalidArgument(format!("lighthouse address: {}", e.message())))?;
-        let lighthouse = {
-            // The lazy channel starts its worker on the runtime entered here.
-            let _entered = rt.enter();
-            LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref())
-                .with_job(&opts.job)?
-        };
         Ok(Self {
-            rt: Some(rt),
-            lighthouse,
+            endpoint,
+            token: opts.security.token.clone(),
+            job: opts.job.clone(),
+            open: Mutex::new(None),
         })
     }
 
-    /// Runs `fut` to completion on this thread, driving the link's connection meanwhile.
+    /// Runs `call` with the link's client to completion on this thread, which drives the
+    /// connection meanwhile (dialled first if it is not open).
     ///
     /// # Errors
-    /// `InvalidArgument` when called from inside a tokio runtime (which cannot block).
-    pub(super) fn block_on<F: Future>(&self, fut: F) -> Result<F::Output> {
+    /// `InvalidArgument` when called from inside a tokio runtime (whose threads must not
+    /// block); `Unavailable` when the link's runtime cannot start.
+    pub(super) fn run<F, Fut>(&self, call: F) -> Result<Fut::Output>
+    where
+        F: FnOnce(LighthouseClient) -> Fut,
+        Fut: Future,
+    {
         if tokio::runtime::Handle::try_current().is_ok() {
             return Err(Error::InvalidArgument(
                 "may_commit_blocking waits on the calling thread: call it from outside any \
@@ -68,14 +92,57 @@ impl OwnLink {
                     .into(),
             ));
         }
-        match &self.rt {
-            Some(rt) => Ok(rt.block_on(fut)),
+        let link = self.link()?;
+        match &link.rt {
+            Some(rt) => Ok(rt.block_on(call(link.lighthouse.clone()))),
             None => Err(Error::Shutdown),
         }
     }
+
+    /// Closes the connection, if open: its runtime and tasks are dropped, which closes the
+    /// socket (at once, or when a call running on it returns). The next call dials anew.
+    pub(super) fn close(&self) {
+        let link = self
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(link);
+    }
+
+    /// Whether a connection is open (for tests).
+    pub(super) fn is_open(&self) -> bool {
+        self.open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    fn link(&self) -> Result<Arc<Link>> {
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(link) = &*open {
+            return Ok(link.clone());
+        }
+        let rt = Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Unavailable(format!("cannot start the commit runtime: {e}")))?;
+        let lighthouse = {
+            // The lazy channel starts its worker on the runtime entered here.
+            let _entered = rt.enter();
+            LighthouseClient::from_channel(self.endpoint.connect_lazy(), self.token.as_ref())
+                .with_job(&self.job)?
+        };
+        let link = Arc::new(Link {
+            rt: Some(rt),
+            lighthouse,
+        });
+        *open = Some(link.clone());
+        Ok(link)
+    }
 }
 
-impl Drop for OwnLink {
+impl Drop for Link {
     fn drop(&mut self) {
         // The last owner may be a task of the shared runtime, where blocking is not allowed.
         if let Some(rt) = self.rt.take() {
