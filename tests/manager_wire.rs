@@ -668,3 +668,75 @@ async fn a_lone_ranks_own_thread_commit_is_gated_like_the_shared_one_and_outlive
     })
     .await;
 }
+
+/// A TCP relay to `target` whose connections can be silenced one by one (a middlebox that
+/// drops a connection's packets without closing it): the relay's address, and the sender
+/// that silences the `n`-th connection accepted (counted from 0) when it is sent `n`.
+async fn silencing_relay(
+    target: std::net::SocketAddr,
+) -> (String, tokio::sync::watch::Sender<i64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = format!("http://{}", listener.local_addr().unwrap());
+    let (silence, silenced) = tokio::sync::watch::channel(-1i64);
+    tokio::spawn(async move {
+        for n in 0i64.. {
+            let Ok((mut down, _)) = listener.accept().await else {
+                return;
+            };
+            let mut silenced = silenced.clone();
+            tokio::spawn(async move {
+                let Ok(mut up) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let silent = tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut down, &mut up) => false,
+                    r = silenced.wait_for(|s| *s == n) => r.is_ok(),
+                };
+                if silent {
+                    // Both sockets stay open; nothing passes any more.
+                    std::future::pending::<()>().await;
+                }
+            });
+        }
+    });
+    (addr, silence)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_ranks_commit_connection_that_goes_silent_is_replaced_within_the_deadline() {
+    bounded(async {
+        let lh = lighthouse(1).await;
+        let (relay, silence) = silencing_relay(lh.local_addr()).await;
+        let g = std::sync::Arc::new(group("a", &relay, 1).await);
+        // Connection 0 is the server's shared one (heartbeats, the session, quorums).
+        round(&g, 0, LONG).await[0].as_ref().unwrap();
+        let blocking = |step, timeout| {
+            let g = g.clone();
+            tokio::task::spawn_blocking(move || {
+                std::thread::spawn(move || g.server.may_commit_blocking(step, timeout))
+                    .join()
+                    .unwrap()
+            })
+        };
+        assert!(blocking(0, LONG).await.unwrap().unwrap());
+        // Connection 1, the own commit connection, goes silent; heartbeats still pass on 0,
+        // so the lease holds and nothing but the announcement's own wait can notice.
+        silence.send(1).unwrap();
+        let deadline = torchft::manager::OWN_LINK_TRY * 3;
+        let started = Instant::now();
+        assert!(
+            blocking(1, deadline).await.unwrap().unwrap(),
+            "the announcement is sent again on a new connection and accepted"
+        );
+        let took = started.elapsed();
+        assert!(took >= torchft::manager::OWN_LINK_TRY, "{took:?}");
+        assert!(took < deadline, "{took:?}");
+        g.server.shutdown().await;
+        // Once shut down, no connection is dialled any more.
+        let after = blocking(2, LONG).await.unwrap();
+        assert!(after.is_err(), "{after:?}");
+        assert!(!g.server.own_commit_link_open());
+        lh.shutdown().await;
+    })
+    .await;
+}

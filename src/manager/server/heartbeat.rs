@@ -211,12 +211,19 @@ pub(super) async fn session_loop(inner: Arc<Inner>, mut heartbeats: oneshot::Rec
                 // this one too. Either way the hosting rank's own commit connection, which
                 // nothing drives between commits, is closed now (see `own_link`): the
                 // lighthouse's graceful stop does not wait on it, and the next commit dials
-                // anew. (A session that never opens, as with an upstream lighthouse, which
-                // has none, closes nothing.)
+                // anew.
                 inner.own_link.close();
                 ended
             }
-            Err(status) => status.message().to_string(),
+            Err(status) => {
+                if status.code() != tonic::Code::Unimplemented {
+                    // The lighthouse is stopping, restarting or unreachable: the own commit
+                    // connection is closed as when an open session ends (an upstream
+                    // lighthouse, which has no sessions, closes nothing).
+                    inner.own_link.close();
+                }
+                status.message().to_string()
+            }
         };
         if !failing {
             warn!(lighthouse = %inner.lighthouse_addr, reason = %ended,

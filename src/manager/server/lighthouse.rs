@@ -46,13 +46,25 @@ impl Inner {
     /// refusal (the quorum was replaced, or the group was declared lost in it) and a
     /// lighthouse unreachable until `timeout` are a "no": the group rejoins and heals.
     pub(super) async fn announce_commit(&self, step: i64, timeout: Duration) -> bool {
-        self.announce_commit_via(&self.lighthouse, step, timeout)
-            .await
-            == Announced::Accepted
+        let announced = self
+            .announce_commit_via(&self.lighthouse, step, timeout)
+            .await;
+        if announced == Announced::Unreached {
+            self.warn_unreached(step);
+        }
+        announced == Announced::Accepted
+    }
+
+    /// Says that the announcement of `step` found no lighthouse before its deadline.
+    pub(super) fn warn_unreached(&self, step: i64) {
+        warn!(step, quorum_id = self.quorum_id.load(Ordering::Relaxed),
+            lighthouse = %self.lighthouse_addr,
+            "cannot reach the lighthouse to announce the commit; not committing");
     }
 
     /// [`Inner::announce_commit`] over `lighthouse` (this server's shared connection, or
-    /// the hosting rank's own: see `own_link`), saying how it ended.
+    /// the hosting rank's own: see `own_link`), saying how it ended (an unreached lighthouse
+    /// is the caller's to log).
     pub(super) async fn announce_commit_via(
         &self,
         lighthouse: &LighthouseClient,
@@ -72,8 +84,6 @@ impl Inner {
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
-                warn!(step, quorum_id, lighthouse = %self.lighthouse_addr,
-                    "cannot reach the lighthouse to announce the commit; not committing");
                 return Announced::Unreached;
             }
             let answer = lighthouse

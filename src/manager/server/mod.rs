@@ -59,6 +59,12 @@ const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bound on the last telemetry flush at shutdown or kill.
 const REPORT_FLUSH: Duration = Duration::from_secs(1);
 
+/// The longest one try of a single-rank group's commit announcement waits on its own
+/// connection, which no keep-alive watches, before that connection is closed and the
+/// announcement is sent again on a new one (the shared connection's keep-alive would find a
+/// silent connection dead within 30 s).
+pub const OWN_LINK_TRY: Duration = Duration::from_secs(10);
+
 /// How long a graceful shutdown waits for open connections before closing them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -82,7 +88,7 @@ struct Inner {
     lighthouse: LighthouseClient,
     /// The commit announcements of a hosting rank that votes alone, on a connection its
     /// thread drives while it waits (see [`ManagerServer::may_commit_blocking`]); opened on
-    /// first use, closed when the lighthouse session ends.
+    /// first use, closed when it may be in the way or dead (see `own_link`).
     own_link: OwnLink,
     gather: QuorumGather,
     barrier: CommitBarrier,
@@ -360,8 +366,9 @@ impl ManagerServer {
     /// Whether this group may commit the step `step` (its committed step count before the
     /// commit): its lease held, and the lighthouse accepted the write-ahead announcement of
     /// `step + 1` under the group's quorum (retried until `timeout` while the lighthouse is
-    /// unreachable). Single-rank groups, which vote locally, ask this; the ranks of larger
-    /// groups get the same gate through `ShouldCommit`.
+    /// unreachable). Single-rank groups, which vote locally, ask this (their training thread
+    /// through [`ManagerServer::may_commit_blocking`]); the ranks of larger groups get the
+    /// same gate through `ShouldCommit`.
     pub async fn may_commit(&self, step: i64, timeout: Duration) -> Result<bool> {
         let announced = self
             .may_commit_via(&self.inner.lighthouse, step, timeout)
@@ -372,20 +379,41 @@ impl ManagerServer {
     /// [`ManagerServer::may_commit`] for the hosting rank's own thread, outside any tokio
     /// runtime: blocks until the answer, the announcement going on a connection of this
     /// server's that the waiting thread drives itself (see `own_link`): the round trip
-    /// wakes no runtime thread on either way. Same answers, retries and deadline.
+    /// wakes no runtime thread on either way. Same answers and deadline; a try that gets no
+    /// answer within [`OWN_LINK_TRY`] closes the connection, which may have gone silent,
+    /// and the next try dials anew (an announcement may be repeated).
     ///
     /// # Errors
     /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
     pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
+        own_link::outside_runtime()?;
         let link = &self.inner.own_link;
-        let announced = link.run(|lighthouse| async move {
-            self.may_commit_via(&lighthouse, step, timeout).await
-        })??;
-        if announced == Announced::Unreached {
-            // Nothing else would notice a connection that went silent: dial anew next time.
+        if self.inner.commit_unsupported.load(Ordering::Relaxed) {
+            // No announcement to send (an upstream lighthouse): the gate is local, and the
+            // link, if one was opened to find that out, is closed.
             link.close();
+            return crate::runtime::get().block_on(self.may_commit(step, timeout));
         }
-        Ok(announced == Announced::Accepted)
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let attempt = remaining.min(OWN_LINK_TRY);
+            let announced = link.run(|lighthouse| async move {
+                self.may_commit_via(&lighthouse, step, attempt).await
+            })??;
+            if self.inner.commit_unsupported.load(Ordering::Relaxed) {
+                link.close();
+            }
+            if announced != Announced::Unreached {
+                return Ok(announced == Announced::Accepted);
+            }
+            // Nothing else would notice a connection that went silent: dial anew.
+            link.close();
+            if Instant::now() >= deadline {
+                self.inner.warn_unreached(step);
+                return Ok(false);
+            }
+        }
     }
 
     /// Whether the hosting rank's own commit connection is open (for tests).
@@ -461,7 +489,7 @@ impl ManagerServer {
             self.inner.flush_reports().await;
         }
         let _ = self.shutdown_tx.send(true);
-        self.inner.own_link.close();
+        self.inner.own_link.close_for_good();
         self.inner.gather.fail_all();
         self.inner.barrier.fail_all();
         let tasks: Vec<JoinHandle<()>> = {

@@ -11,15 +11,22 @@
 //!
 //! Between two waits nothing drives the connection, so it cannot answer the lighthouse, nor
 //! notice by itself that the lighthouse is gone. The server therefore closes it (drops its
-//! runtime, which closes the socket) when that is what the lighthouse needs or when it may
-//! be dead: when the open lighthouse session on the shared connection ends (a lighthouse
-//! stopping ends its sessions first, and its graceful stop then finds this connection
-//! closed instead of waiting out its grace for the answer to its last ping; a connection
-//! the shared link's keep-alive finds dead ends it too), when an announcement gets no
-//! answer before its deadline, and at the server's shutdown. The next announcement dials
-//! anew.
+//! runtime, which closes the socket) when it may be in the way or dead:
+//! - when the open lighthouse session on the shared connection ends, or a new one fails to
+//!   open: a lighthouse stopping ends its sessions first, and the group closes this
+//!   connection a round trip later, so the lighthouse's graceful stop does not wait out its
+//!   grace for the answer to its last ping; a connection the shared link's keep-alive finds
+//!   dead ends the session too;
+//! - when a try of an announcement gets no answer within
+//!   [`OWN_LINK_TRY`](super::OWN_LINK_TRY): the announcement is sent again on a new
+//!   connection;
+//! - once the lighthouse turns out to take no announcements (an upstream one);
+//! - for good at the server's shutdown.
+//!
+//! Otherwise the next announcement dials anew.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::runtime::{Builder, Runtime};
@@ -36,6 +43,8 @@ pub(super) struct OwnLink {
     token: Option<Token>,
     job: String,
     open: Mutex<Option<Arc<Link>>>,
+    /// Set at the server's shutdown: no connection is opened any more.
+    shut: AtomicBool,
 }
 
 /// One connection and the runtime it lives on.
@@ -71,6 +80,7 @@ impl OwnLink {
             token: opts.security.token.clone(),
             job: opts.job.clone(),
             open: Mutex::new(None),
+            shut: AtomicBool::new(false),
         })
     }
 
@@ -85,13 +95,7 @@ impl OwnLink {
         F: FnOnce(LighthouseClient) -> Fut,
         Fut: Future,
     {
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(Error::InvalidArgument(
-                "may_commit_blocking waits on the calling thread: call it from outside any \
-                 tokio runtime (inside one, await may_commit)"
-                    .into(),
-            ));
-        }
+        outside_runtime()?;
         let link = self.link()?;
         match &link.rt {
             Some(rt) => Ok(rt.block_on(call(link.lighthouse.clone()))),
@@ -110,6 +114,13 @@ impl OwnLink {
         drop(link);
     }
 
+    /// Closes the connection and opens none any more (the server's shutdown): later calls
+    /// fail with `Shutdown`.
+    pub(super) fn close_for_good(&self) {
+        self.shut.store(true, Ordering::SeqCst);
+        self.close();
+    }
+
     /// Whether a connection is open (for tests).
     pub(super) fn is_open(&self) -> bool {
         self.open
@@ -120,6 +131,9 @@ impl OwnLink {
 
     fn link(&self) -> Result<Arc<Link>> {
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.shut.load(Ordering::SeqCst) {
+            return Err(Error::Shutdown);
+        }
         if let Some(link) = &*open {
             return Ok(link.clone());
         }
@@ -140,6 +154,18 @@ impl OwnLink {
         *open = Some(link.clone());
         Ok(link)
     }
+}
+
+/// `InvalidArgument` on a thread inside a tokio runtime, whose threads must not block.
+pub(super) fn outside_runtime() -> Result<()> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(Error::InvalidArgument(
+            "may_commit_blocking waits on the calling thread: call it from outside any tokio \
+             runtime (inside one, await may_commit)"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 impl Drop for Link {
