@@ -387,6 +387,9 @@ impl ManagerServer {
     /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
     pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
         own_link::outside_runtime()?;
+        if *self.inner.shutdown.borrow() {
+            return Ok(false); // as `may_commit` answers once the server is shut down
+        }
         let link = &self.inner.own_link;
         if self.inner.commit_unsupported.load(Ordering::Relaxed) {
             // No announcement to send (an upstream lighthouse): the gate is local, and the
