@@ -693,8 +693,9 @@ async fn silencing_relay(
                     r = silenced.wait_for(|s| *s == n) => r.is_ok(),
                 };
                 if silent {
-                    // Both sockets stay open; nothing passes any more.
-                    std::future::pending::<()>().await;
+                    // Both sockets stay open, nothing passes any more, until the relay's
+                    // owner drops the sender.
+                    while silenced.changed().await.is_ok() {}
                 }
             });
         }
@@ -719,6 +720,7 @@ async fn a_lone_ranks_commit_connection_that_goes_silent_is_replaced_within_the_
             })
         };
         assert!(blocking(0, LONG).await.unwrap().unwrap());
+        assert!(g.server.own_commit_link_open());
         // Connection 1, the own commit connection, goes silent; heartbeats still pass on 0,
         // so the lease holds and nothing but the announcement's own wait can notice.
         silence.send(1).unwrap();
@@ -726,16 +728,26 @@ async fn a_lone_ranks_commit_connection_that_goes_silent_is_replaced_within_the_
         let started = Instant::now();
         assert!(
             blocking(1, deadline).await.unwrap().unwrap(),
-            "the announcement is sent again on a new connection and accepted"
+            "the announcement is sent again on the shared connection and accepted"
         );
         let took = started.elapsed();
         assert!(took >= torchft::manager::OWN_LINK_TRY, "{took:?}");
         assert!(took < deadline, "{took:?}");
+        assert!(
+            !g.server.own_commit_link_open(),
+            "the silent connection was closed"
+        );
+        // The next announcement dials a new connection, which answers.
+        let started = Instant::now();
+        assert!(blocking(2, LONG).await.unwrap().unwrap());
+        assert!(started.elapsed() < torchft::manager::OWN_LINK_TRY);
+        assert!(g.server.own_commit_link_open());
         g.server.shutdown().await;
         // Once shut down, the answer is no, as the shared path's, and nothing is dialled.
-        assert!(!blocking(2, LONG).await.unwrap().unwrap());
-        assert!(!g.server.may_commit(2, LONG).await.unwrap());
+        assert!(!blocking(3, LONG).await.unwrap().unwrap());
+        assert!(!g.server.may_commit(3, LONG).await.unwrap());
         assert!(!g.server.own_commit_link_open());
+        drop(silence); // the silenced connection closes
         lh.shutdown().await;
     })
     .await;

@@ -59,10 +59,10 @@ const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bound on the last telemetry flush at shutdown or kill.
 const REPORT_FLUSH: Duration = Duration::from_secs(1);
 
-/// The longest one try of a single-rank group's commit announcement waits on its own
+/// The longest a single-rank group's commit announcement waits on the rank's own
 /// connection, which no keep-alive watches, before that connection is closed and the
-/// announcement is sent again on a new one (the shared connection's keep-alive would find a
-/// silent connection dead within 30 s).
+/// announcement is sent again on the shared connection (whose keep-alive finds a silent
+/// connection dead within 30 s).
 pub const OWN_LINK_TRY: Duration = Duration::from_secs(10);
 
 /// How long a graceful shutdown waits for open connections before closing them.
@@ -379,14 +379,17 @@ impl ManagerServer {
     /// [`ManagerServer::may_commit`] for the hosting rank's own thread, outside any tokio
     /// runtime: blocks until the answer, the announcement going on a connection of this
     /// server's that the waiting thread drives itself (see `own_link`): the round trip
-    /// wakes no runtime thread on either way. Same answers and deadline; a try that gets no
-    /// answer within [`OWN_LINK_TRY`] closes the connection, which may have gone silent,
-    /// and the next try dials anew (an announcement may be repeated).
+    /// wakes no runtime thread on either way. Same answers and deadline. A first try that
+    /// gets no answer within [`OWN_LINK_TRY`] closes that connection, which may have gone
+    /// silent (no keep-alive watches it), and the announcement is sent again, for the rest
+    /// of the deadline, on the shared connection, as `may_commit` sends it (a lighthouse
+    /// slower than that is still heard; an announcement may be repeated).
     ///
     /// # Errors
     /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
     pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
         own_link::outside_runtime()?;
+        let shared = || crate::runtime::get().block_on(self.may_commit(step, timeout));
         if *self.inner.shutdown.borrow() {
             return Ok(false); // as `may_commit` answers once the server is shut down
         }
@@ -395,28 +398,36 @@ impl ManagerServer {
             // No announcement to send (an upstream lighthouse): the gate is local, and the
             // link, if one was opened to find that out, is closed.
             link.close();
-            return crate::runtime::get().block_on(self.may_commit(step, timeout));
+            return shared();
         }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            let attempt = remaining.min(OWN_LINK_TRY);
-            let announced = link.run(|lighthouse| async move {
-                self.may_commit_via(&lighthouse, step, attempt).await
-            })??;
-            if self.inner.commit_unsupported.load(Ordering::Relaxed) {
-                link.close();
-            }
-            if announced != Announced::Unreached {
-                return Ok(announced == Announced::Accepted);
-            }
-            // Nothing else would notice a connection that went silent: dial anew.
+        let started = Instant::now();
+        let first = timeout.min(OWN_LINK_TRY);
+        let announced = match link
+            .run(|lighthouse| async move { self.may_commit_via(&lighthouse, step, first).await })
+        {
+            Ok(announced) => announced?,
+            // Shut down meanwhile: the answer is no, as above.
+            Err(Error::Shutdown) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        if self.inner.commit_unsupported.load(Ordering::Relaxed) {
             link.close();
-            if Instant::now() >= deadline {
-                self.inner.warn_unreached(step);
-                return Ok(false);
-            }
         }
+        if announced != Announced::Unreached {
+            return Ok(announced == Announced::Accepted);
+        }
+        // Nothing else would notice a connection that went silent: the next commit dials
+        // anew, and this one goes on the shared connection, which keep-alive watches.
+        link.close();
+        let remaining = timeout.saturating_sub(started.elapsed());
+        if remaining.is_zero() {
+            self.inner.warn_unreached(step);
+            return Ok(false);
+        }
+        info!(step, waited = ?first,
+            "no answer to the commit announcement on the rank's own connection; closed it, \
+             sending again on the shared connection");
+        crate::runtime::get().block_on(self.may_commit(step, remaining))
     }
 
     /// Whether the hosting rank's own commit connection is open (for tests).

@@ -17,13 +17,13 @@
 //!   connection a round trip later, so the lighthouse's graceful stop does not wait out its
 //!   grace for the answer to its last ping; a connection the shared link's keep-alive finds
 //!   dead ends the session too;
-//! - when a try of an announcement gets no answer within
-//!   [`OWN_LINK_TRY`](super::OWN_LINK_TRY): the announcement is sent again on a new
+//! - when an announcement gets no answer on it within
+//!   [`OWN_LINK_TRY`](super::OWN_LINK_TRY): the announcement is sent again on the shared
 //!   connection;
 //! - once the lighthouse turns out to take no announcements (an upstream one);
 //! - for good at the server's shutdown.
 //!
-//! Otherwise the next announcement dials anew.
+//! After any of these but the last, the next announcement dials anew.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -89,7 +89,8 @@ impl OwnLink {
     ///
     /// # Errors
     /// `InvalidArgument` when called from inside a tokio runtime (whose threads must not
-    /// block); `Unavailable` when the link's runtime cannot start.
+    /// block); `Unavailable` when the link's runtime cannot start; `Shutdown` after
+    /// [`OwnLink::close_for_good`].
     pub(super) fn run<F, Fut>(&self, call: F) -> Result<Fut::Output>
     where
         F: FnOnce(LighthouseClient) -> Fut,

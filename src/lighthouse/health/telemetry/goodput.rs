@@ -445,7 +445,9 @@ impl Goodput {
         let g = self.group(name, unix);
         g.finished_at = None;
         let life = g.life(incarnation);
-        if step <= life.filled_upto {
+        if step <= life.filled_upto || life.announced.back().is_some_and(|m| m.step >= step) {
+            // Made up already, or announced again (a group repeats an announcement it got
+            // no answer to): one step, one mark.
             return;
         }
         life.announced.push_back(Mark {
@@ -747,6 +749,30 @@ mod tests {
             g.group_figures("g", 20.0).unwrap().accounts.productive_s,
             2.75
         ));
+    }
+
+    #[test]
+    fn an_announcement_repeated_adds_no_step() {
+        let feed = |repeat: bool| {
+            let mut g = Goodput::default();
+            g.on_commit("g", "g:1", 1, 10.0, None);
+            g.on_step("g", &step("g:1", 0, true, 1.0, 0.0), 10.0);
+            g.on_commit("g", "g:1", 2, 11.0, None);
+            if repeat {
+                // Sent again on a new connection after a try that got no answer.
+                g.on_commit("g", "g:1", 2, 21.0, None);
+            }
+            g.on_commit("g", "g:1", 3, 22.0, None);
+            g.ended("g", "g:1");
+            g.group_figures("g", 30.0).unwrap().accounts
+        };
+        let (once, twice) = (feed(false), feed(true));
+        assert_eq!(twice.steps_committed, once.steps_committed);
+        assert!(
+            close(twice.productive_s, once.productive_s),
+            "{twice:?} {once:?}"
+        );
+        assert!(close(twice.quorum_s, once.quorum_s), "{twice:?} {once:?}");
     }
 
     #[test]
