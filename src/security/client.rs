@@ -68,7 +68,18 @@ pub fn uri(addr: &str, security: &Security) -> Result<String> {
 /// The endpoint for `addr` with the transport settings torchft's clients use (TCP no
 /// delay, HTTP/2 keep-alive) and TLS as `security` says.
 pub fn endpoint(addr: &str, connect_timeout: Duration, security: &Security) -> Result<Endpoint> {
-    build_endpoint(addr, connect_timeout, security, true)
+    Ok(with_keep_alive(quiet_endpoint(
+        addr,
+        connect_timeout,
+        security,
+    )?))
+}
+
+/// `endpoint` with the HTTP/2 keep-alive pings every other torchft client uses.
+pub fn with_keep_alive(endpoint: Endpoint) -> Endpoint {
+    endpoint
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20))
 }
 
 /// As [`endpoint`], without HTTP/2 keep-alive pings: for a connection that is driven only
@@ -81,25 +92,11 @@ pub fn quiet_endpoint(
     connect_timeout: Duration,
     security: &Security,
 ) -> Result<Endpoint> {
-    build_endpoint(addr, connect_timeout, security, false)
-}
-
-fn build_endpoint(
-    addr: &str,
-    connect_timeout: Duration,
-    security: &Security,
-    keep_alive: bool,
-) -> Result<Endpoint> {
     let uri = uri(addr, security)?;
     let mut endpoint = Endpoint::from_shared(uri.clone())
         .map_err(|e| Error::InvalidArgument(format!("invalid address {addr:?}: {e}")))?
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true);
-    if keep_alive {
-        endpoint = endpoint
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(20));
-    }
     if let Some(ca) = &security.tls.ca {
         let read =
             |what: &str, p: &std::path::Path| super::read_named(what, p, |p| std::fs::read(p));

@@ -189,17 +189,19 @@ impl ManagerServer {
             p.topology.check_group(p.group, opts.world_size)?;
         }
         let tls = crate::security::server::acceptor(&opts.security)?;
-        let endpoint = crate::security::client::endpoint(
+        // Read once (TLS files included): the shared connection adds keep-alive to it.
+        let quiet = crate::security::client::quiet_endpoint(
             &opts.lighthouse_addr,
             opts.connect_timeout,
             &opts.security,
         )
         .map_err(|e| Error::InvalidArgument(format!("lighthouse address: {}", e.message())))?;
+        let endpoint = crate::security::client::with_keep_alive(quiet.clone());
         let lighthouse_addr = endpoint.uri().to_string();
         let lighthouse =
             LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref())
                 .with_job(&opts.job)?;
-        let own_link = OwnLink::new(&opts)?;
+        let own_link = OwnLink::new(quiet, &opts);
 
         let listener = tokio::net::TcpListener::bind(&opts.bind)
             .await
@@ -389,7 +391,6 @@ impl ManagerServer {
     /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
     pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
         own_link::outside_runtime()?;
-        let shared = || crate::runtime::get().block_on(self.may_commit(step, timeout));
         if *self.inner.shutdown.borrow() {
             return Ok(false); // as `may_commit` answers once the server is shut down
         }
@@ -398,7 +399,7 @@ impl ManagerServer {
             // No announcement to send (an upstream lighthouse): the gate is local, and the
             // link, if one was opened to find that out, is closed.
             link.close();
-            return shared();
+            return crate::runtime::get().block_on(self.may_commit(step, timeout));
         }
         let started = Instant::now();
         let first = timeout.min(OWN_LINK_TRY);
@@ -410,10 +411,10 @@ impl ManagerServer {
             Err(Error::Shutdown) => return Ok(false),
             Err(e) => return Err(e),
         };
-        if self.inner.commit_unsupported.load(Ordering::Relaxed) {
-            link.close();
-        }
         if announced != Announced::Unreached {
+            if self.inner.commit_unsupported.load(Ordering::Relaxed) {
+                link.close(); // found out just now: never used again
+            }
             return Ok(announced == Announced::Accepted);
         }
         // Nothing else would notice a connection that went silent: the next commit dials

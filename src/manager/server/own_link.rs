@@ -66,22 +66,17 @@ impl std::fmt::Debug for OwnLink {
 }
 
 impl OwnLink {
-    /// The lighthouse of `opts`, not dialled yet. No HTTP/2 keep-alive: between two waits
-    /// nothing would answer a ping (see the module's documentation for what replaces it).
-    pub(super) fn new(opts: &ManagerOptions) -> Result<Self> {
-        let endpoint = crate::security::client::quiet_endpoint(
-            &opts.lighthouse_addr,
-            opts.connect_timeout,
-            &opts.security,
-        )
-        .map_err(|e| Error::InvalidArgument(format!("lighthouse address: {}", e.message())))?;
-        Ok(Self {
+    /// The lighthouse at `endpoint` (without keep-alive: between two waits nothing would
+    /// answer a ping; see the module's documentation for what replaces it), with the token
+    /// and job of `opts`; not dialled yet.
+    pub(super) fn new(endpoint: Endpoint, opts: &ManagerOptions) -> Self {
+        Self {
             endpoint,
             token: opts.security.token.clone(),
             job: opts.job.clone(),
             open: Mutex::new(None),
             shut: AtomicBool::new(false),
-        })
+        }
     }
 
     /// Runs `call` with the link's client to completion on this thread, which drives the
