@@ -25,8 +25,9 @@ Configurations, alternated trial by trial in the same run (fresh processes each 
   commit costs, from the votes) and with a new Quorum call per step to upstream's quorum
   engine (the quorums: the stream and the two lighthouses' own costs together);
 - ``ours/native-calls``: our lighthouse, and in each group the native calls the Manager makes
-  on this path (``_quorum_start`` + ``wait``, ``may_commit``) with a plain Gloo allreduce
-  between them, no Python ``Manager``: what the Manager's Python adds is ``ours`` minus this;
+  on this path (the manager server's ``_quorum_start`` + ``wait``, ``may_commit``) with a
+  plain Gloo allreduce between them, no Python ``Manager``: what the Manager's Python adds
+  is ``ours`` minus this;
 - ``raw-sockets``: the floor of the exchanges themselves: in place of the lighthouse a hub
   process with one loopback TCP connection (``TCP_NODELAY``) per group, and per step a
   one-byte barrier across the groups (the quorum: answered when both groups asked) and a
@@ -266,7 +267,7 @@ def _native_group(
     import torch
     import torch.distributed as dist
 
-    from torchft.coordination import ManagerClient, ManagerServer
+    from torchft.coordination import ManagerServer
 
     timeout = timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
@@ -283,11 +284,11 @@ def _native_group(
         connect_timeout=timeout,
         quorum_retries=0,
     )
-    client = ManagerClient(server.address(), timeout)
     grad = torch.ones(1024)
     try:
         _time_steps(
-            lambda i: client._quorum_start(
+            # A group of one rank starts its quorum on the server, as the Manager does.
+            lambda i: server._quorum_start(
                 group_rank=0, step=i, checkpoint_metadata="", shrink_only=False, timeout=timeout
             ).wait(),
             lambda: dist.all_reduce(grad),

@@ -102,6 +102,7 @@ class FakeNative:
     lease: bool = True
     log_context: tuple[str, int] | None = None
     busy_calls: list[bool] = field(default_factory=list)
+    server_quorum_starts: int = 0
 
     def __post_init__(self) -> None:
         native = self
@@ -124,6 +125,15 @@ class FakeNative:
 
             def may_commit(self, step: int, timeout: timedelta) -> bool:
                 return native.lease
+
+            def _quorum_start(
+                self, request: Any = None, timeout: timedelta | None = None, **fields: Any
+            ) -> FakePending:
+                # A group of one rank starts its quorum here (Manager._quorum_sender).
+                native.server_quorum_starts += 1
+                return ManagerClient(self.address(), timedelta(0))._quorum_start(
+                    request, timeout, **fields
+                )
 
             def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
                 native.digests.append((group_rank, step, digest))

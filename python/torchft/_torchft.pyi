@@ -238,6 +238,11 @@ class ManagerServer:
         (GIL released) drives the announcement's own connection while it waits. Raises
         ValueError if ``step`` is negative, StateDivergedError once the parity check stopped
         the group."""
+    def _quorum_start(self, *args: Any, **fields: Any) -> PendingQuorum:
+        """``ManagerClient._quorum_start`` for the hosting rank of a group of one rank: the
+        request goes on a connection to the lighthouse that the calling thread drives (GIL
+        released) until it is written, and again in ``PendingQuorum.wait``. Same arguments,
+        answers and errors; raises TorchFTError in a group of several ranks."""
     def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
         """Takes the hosting rank's digest of its committed state after ``step`` (runtime
         state parity). Raises ValueError for a step below 1, a rank outside the group, or a

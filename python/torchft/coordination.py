@@ -79,6 +79,13 @@ class NativeManagerServer(Protocol):
         the write-ahead commit announcement."""
         ...
 
+    def _quorum_start(
+        self, request: QuorumRequest | None = None, timeout: timedelta | None = None, **fields: Any
+    ) -> NativePendingQuorum:
+        """``NativeManagerClient._quorum_start`` for the hosting rank of a group of one rank
+        (the request goes on a lighthouse connection the calling thread drives)."""
+        ...
+
     def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
         """Takes the hosting rank's digest of its committed state after ``step``."""
         ...

@@ -66,6 +66,7 @@ from torchft.quorum_group import (
     QuorumCall,
     QuorumGroup,
     participation,
+    quorum_sender,
     run_quorum,
     start_pending,
 )
@@ -536,7 +537,7 @@ class Manager:
                 logger.exception("state digest of step %d not taken", self._step)
         quorum_timeout = timeout if timeout is not None else self._config.quorum_timeout
         if self._config.use_async_quorum:
-            # The request is sent by the native client without waiting, and the answer is
+            # The request is sent natively without waiting, and the answer is
             # handled by the first wait_quorum (from DDP's first gradient, or the first
             # allreduce): a helper thread woken at every step would fight the training
             # thread for the GIL during the forward pass.
@@ -547,9 +548,9 @@ class Manager:
                     self.report_error,
                     quorum_timeout,
                 ),
-                lambda: self._rpc()._quorum_start(
-                    **self._quorum_request(shrink_only, quorum_timeout)
-                ),
+                lambda: quorum_sender(
+                    self._manager, self._group_world_size, self._rpc
+                )._quorum_start(**self._quorum_request(shrink_only, quorum_timeout)),
                 self._executor,
                 allow_heal,
             )

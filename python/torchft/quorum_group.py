@@ -28,6 +28,7 @@ from torchft.errors import QuorumTimeoutError
 if TYPE_CHECKING:
     from torchft.config import ManagerConfig
     from torchft.coordination import (
+        NativeManagerClient,
         NativeManagerServer,
         NativePendingQuorum,
         NativeQuorumResult,
@@ -493,6 +494,20 @@ def start_pending(
         done.set_result(None)
         return done
     return PendingQuorum(pending, call, executor, allow_heal)
+
+
+def quorum_sender(
+    server: NativeManagerServer | None,
+    group_world_size: int,
+    client: Callable[[], NativeManagerClient],
+) -> NativeManagerClient | NativeManagerServer:
+    """Where a rank starts its async quorum request: the manager server itself when the rank
+    hosts it and the group has no other rank (the request then goes on a lighthouse
+    connection the calling thread drives: no runtime thread is woken on either way), else
+    its manager client (``client()``, which raises once the Manager is shut down)."""
+    if server is not None and group_world_size == 1:
+        return server
+    return client()
 
 
 def participation(

@@ -172,6 +172,25 @@ impl PyManagerServer {
         Ok(py.detach(|| self.server.may_commit_blocking(step, timeout))?)
     }
 
+    /// `ManagerClient._quorum_start` for the hosting rank of a group of one rank: the
+    /// request goes on a connection to the lighthouse that the calling thread drives (GIL
+    /// released) until the request is written and again in `PendingQuorum.wait`, so no
+    /// runtime thread is woken on either way. Same arguments, answers and errors; raises
+    /// TorchFTError in a group of several ranks (their ranks use the client's).
+    #[pyo3(signature = (*args, **fields))]
+    fn _quorum_start(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyTuple>,
+        fields: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PendingQuorum> {
+        let (req, timeout) = quorum_call(py, args, fields)?;
+        let own = py.detach(|| self.server.quorum_start_blocking(req, timeout))?;
+        Ok(PendingQuorum {
+            pending: Mutex::new(Some(Pending::Own(own))),
+        })
+    }
+
     /// Takes this (hosting) rank's digest of its committed state after `step` (runtime
     /// state parity). Raises ValueError for a step below 1, a rank outside the group, or a
     /// digest that is empty or longer than 64 bytes.
@@ -359,7 +378,7 @@ impl PyManagerClient {
         let client = self.client.clone();
         let handle = crate::runtime::get().spawn(async move { client.quorum(req, timeout).await });
         Ok(PendingQuorum {
-            handle: Mutex::new(Some(handle)),
+            pending: Mutex::new(Some(Pending::Spawned(handle))),
         })
     }
 
@@ -461,20 +480,38 @@ impl PyManagerClient {
     }
 }
 
-/// A quorum request started by `ManagerClient._quorum_start`, answered once.
+/// A quorum request started by `ManagerClient._quorum_start` (or a single-rank group's
+/// `ManagerServer._quorum_start`), answered once.
 #[pyclass(module = "torchft._torchft", frozen)]
 pub struct PendingQuorum {
-    handle: Mutex<Option<JoinHandle<crate::error::Result<ManagerQuorumResponse>>>>,
+    pending: Mutex<Option<Pending>>,
+}
+
+/// Where a started quorum request runs.
+enum Pending {
+    /// A task of the process's runtime.
+    Spawned(JoinHandle<crate::error::Result<ManagerQuorumResponse>>),
+    /// On the hosting rank's own connection, driven by the thread that waits.
+    Own(crate::manager::OwnQuorum),
 }
 
 #[pymethods]
 impl PendingQuorum {
     /// Whether the answer (or error) has arrived, so `wait` would not block.
-    fn done(&self) -> bool {
-        match self.handle.lock() {
-            Ok(guard) => guard.as_ref().is_none_or(|h| h.is_finished()),
-            Err(_) => true,
-        }
+    fn done(&self, py: Python<'_>) -> bool {
+        // Without the GIL throughout: reading an answer drives the connection, and the lock
+        // is never waited for while holding the GIL another caller may need.
+        py.detach(|| {
+            let Ok(guard) = self.pending.lock() else {
+                return true;
+            };
+            match guard.as_ref() {
+                None => true,
+                Some(Pending::Spawned(h)) => h.is_finished(),
+                // Reads an answer that already came (only its callers drive the connection).
+                Some(Pending::Own(own)) => own.is_done(),
+            }
+        })
     }
 
     /// Waits for the answer with the GIL released; same errors as `_quorum`.
@@ -482,17 +519,20 @@ impl PendingQuorum {
     /// The request carries its own deadline, so this never blocks past it. May be called
     /// only once.
     fn wait(&self, py: Python<'_>) -> PyResult<QuorumResult> {
-        let handle = self
-            .handle
+        let pending = self
+            .pending
             .lock()
             .map_err(|_| PyRuntimeError::new_err("pending quorum lock poisoned"))?
             .take()
             .ok_or_else(|| PyRuntimeError::new_err("pending quorum was already waited for"))?;
-        match block_on(py, handle) {
-            Ok(resp) => Ok(QuorumResult::from(resp?)),
-            Err(e) => Err(TorchFTError::new_err(format!(
-                "quorum request task failed: {e}"
-            ))),
+        match pending {
+            Pending::Spawned(handle) => match block_on(py, handle) {
+                Ok(resp) => Ok(QuorumResult::from(resp?)),
+                Err(e) => Err(TorchFTError::new_err(format!(
+                    "quorum request task failed: {e}"
+                ))),
+            },
+            Pending::Own(own) => Ok(QuorumResult::from(py.detach(|| own.wait())?)),
         }
     }
 }

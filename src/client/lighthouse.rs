@@ -307,6 +307,15 @@ impl LighthouseClient {
         Ok(self)
     }
 
+    /// This client sharing `other`'s quorum cache (the last quorum received, and its id):
+    /// a quorum either receives is the one the other's next request and heartbeats name.
+    /// For two connections of one group to the same lighthouse, asking one at a time.
+    pub fn sharing_quorums_with(mut self, other: &LighthouseClient) -> Self {
+        self.known = other.known.clone();
+        self.last_quorum_id = other.last_quorum_id.clone();
+        self
+    }
+
     /// The job (room) this client's requests name (empty: the default room).
     pub fn job(&self) -> &str {
         &self.job

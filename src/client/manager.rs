@@ -20,6 +20,9 @@ use crate::proto::{
     ShouldCommitRequest, TelemetryBatch, WatchEventsRequest,
 };
 use crate::security::client::AuthChannel;
+
+/// What a quorum call is called in its errors.
+const QUORUM: &str = "manager quorum";
 use crate::security::Token;
 
 /// A connection to one manager server. Cheap to clone (clones share the channel).
@@ -111,6 +114,16 @@ impl ManagerClient {
         }
     }
 
+    /// [`ManagerClient::quorum`] of a server in this process.
+    pub(crate) async fn quorum_local(
+        local: in_process::InProcess,
+        req: ManagerQuorumRequest,
+        timeout: Duration,
+    ) -> Result<ManagerQuorumResponse> {
+        let handler = |svc: Arc<dyn ManagerService>, r| async move { svc.quorum(r).await };
+        Self::call_local(local, QUORUM, req, timeout, handler).await
+    }
+
     /// Asks for this rank's part of the next quorum; waits until the whole group and the
     /// lighthouse have answered, or `timeout`.
     pub async fn quorum(
@@ -118,13 +131,11 @@ impl ManagerClient {
         req: ManagerQuorumRequest,
         timeout: Duration,
     ) -> Result<ManagerQuorumResponse> {
-        const WHAT: &str = "manager quorum";
         if let Some(local) = self.in_process() {
-            let handler = |svc: Arc<dyn ManagerService>, r| async move { svc.quorum(r).await };
-            return Self::call_local(local, WHAT, req, timeout, handler).await;
+            return Self::quorum_local(local, req, timeout).await;
         }
         self.call(
-            WHAT,
+            QUORUM,
             req,
             timeout,
             |mut c, r| async move { c.quorum(r).await },

@@ -26,7 +26,7 @@ pub mod topology;
 pub(crate) use crate::client::rpc_error;
 pub use crate::client::ManagerClient;
 pub use compute::compute_quorum_results;
-pub use server::{ManagerServer, ParityVerdicts, OWN_LINK_TRY};
+pub use server::{ManagerServer, OwnQuorum, ParityVerdicts, OWN_LINK_TRY};
 
 /// Deadline applied to a request that arrives without one (a gRPC caller may omit it).
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);

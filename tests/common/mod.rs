@@ -1,5 +1,8 @@
 //! Helpers shared by the integration tests: each test file declares `mod common;`.
 
+#[allow(dead_code)] // only the manager wire tests start groups
+pub mod groups;
+
 use std::future::Future;
 use std::time::Duration;
 

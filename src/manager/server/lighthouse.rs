@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
-use super::{shutting_down, Inner};
+use super::own_link::Attempt;
+use super::{shutting_down, Inner, OWN_LINK_TRY};
 use crate::client::LighthouseClient;
 use crate::error::{Error, Result};
 use crate::manager::compute::compute_quorum_results;
@@ -27,6 +28,13 @@ const QUORUM_WAIT_NOTE_AFTER: Duration = Duration::from_secs(3);
 
 /// ... and again this often while it keeps waiting.
 const QUORUM_WAIT_NOTE_EVERY: Duration = Duration::from_secs(10);
+
+tokio::task_local! {
+    /// Set while a single-rank group's quorum runs on its hosting rank's thread (see
+    /// [`super::ManagerServer::quorum_start_blocking`]): the lighthouse request goes on the
+    /// rank's own connection first.
+    pub(super) static OWN_QUORUM: Attempt;
+}
 
 /// How a write-ahead commit announcement ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,8 +158,15 @@ impl Inner {
         }
     }
 
-    /// Asks the lighthouse for the quorum of `round`, retrying with backoff.
-    async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<Quorum> {
+    /// Asks the lighthouse for the quorum of `round`, retrying with backoff. Returns the
+    /// quorum and when the request it answers was sent.
+    ///
+    /// Inside [`OWN_QUORUM`], the first request goes on the hosting rank's own connection
+    /// for at most [`OWN_LINK_TRY`]: if it gets no answer by then, fails in its transport,
+    /// or the connection is closed under it, the connection is closed and the request goes
+    /// again at once on the shared one, for the rest of the deadline (not counted as a
+    /// retry: nothing says the lighthouse failed).
+    async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<(Quorum, Instant)> {
         let member = QuorumMember {
             replica_id: self.opts.replica_id.clone(),
             address: self.address.clone(),
@@ -162,6 +177,7 @@ impl Inner {
             commit_failures: round.commit_failures,
             data: member_data(self.opts.placement.as_ref()),
         };
+        let mut own = OWN_QUORUM.try_with(Attempt::clone).ok();
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         let mut attempt: u64 = 0;
         let asked = Instant::now();
@@ -175,34 +191,61 @@ impl Inner {
                 )));
             }
             let started = Instant::now();
+            let via_own = own.take();
+            let (lighthouse, budget) = match &via_own {
+                Some(o) => (&o.lighthouse, remaining.min(OWN_LINK_TRY)),
+                None => (&self.lighthouse, remaining),
+            };
             // Without a topology file, the lighthouse can answer in the sparse form: a few
             // members per group instead of all of them (see `manager::sparse`).
             let call = async {
                 if self.opts.placement.is_none() && self.opts.sparse_quorum {
-                    self.lighthouse
-                        .quorum_status_sparse(member.clone(), round.init_sync, remaining)
+                    lighthouse
+                        .quorum_status_sparse(member.clone(), round.init_sync, budget)
                         .await
                         .map(Arc::unwrap_or_clone)
                 } else {
-                    self.lighthouse
-                        .quorum_status(member.clone(), remaining)
-                        .await
+                    lighthouse.quorum_status(member.clone(), budget).await
                 }
             };
-            tokio::pin!(call);
+            let closed = async {
+                match &via_own {
+                    Some(o) => o.closed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(call, closed);
             let answer = loop {
                 tokio::select! {
-                    answer = &mut call => break answer,
+                    answer = &mut call => break Some(answer),
+                    _ = &mut closed => break None,
                     _ = tokio::time::sleep_until(next_note) => {
                         self.note_quorum_wait(round, asked.elapsed());
                         next_note += QUORUM_WAIT_NOTE_EVERY;
                     }
                 }
             };
-            let err = match answer {
-                Ok(quorum) => return Ok(quorum),
-                Err(status) => rpc_error(status, started, remaining),
+            // A status tonic made from a transport error carries it as its source; one the
+            // lighthouse sent has none.
+            let (err, link_failed) = match answer {
+                Some(Ok(quorum)) => return Ok((quorum, started)),
+                Some(Err(status)) => {
+                    let transport = std::error::Error::source(&status).is_some();
+                    (rpc_error(status, started, budget), transport)
+                }
+                None => (
+                    Error::Unavailable("the rank's own connection was closed".into()),
+                    true,
+                ),
             };
+            let capped = budget < remaining && matches!(err, Error::Timeout(_));
+            if via_own.is_some() && (link_failed || capped) {
+                self.own_link.close();
+                info!(step = round.step, error = %err,
+                    "no answer to the quorum request on the rank's own connection; closed it, \
+                     sending again on the shared connection");
+                continue;
+            }
             match err {
                 Error::Timeout(_) | Error::InvalidArgument(_) | Error::FailedPrecondition(_) => {
                     return Err(err)
@@ -263,14 +306,23 @@ impl Inner {
             _ = shutting_down(self.shutdown.clone()) => Err(Error::Shutdown),
         };
         match result {
-            Ok(quorum) => {
+            Ok((quorum, sent)) => {
                 self.quorum_id.store(quorum.quorum_id, Ordering::Relaxed);
                 // A step whose vote was ended by a lost member is retried in this quorum.
                 self.barrier.new_quorum();
+                // The commit lease counts a lapse after this time against the quorum. On the
+                // hosting rank's thread the answer is read when the rank next waits, maybe
+                // well after it came: then the request's sending is the bound known to be
+                // no later than the answer (a lapse while it was asked for fences the step).
+                let at = if OWN_QUORUM.try_with(|_| ()).is_ok() {
+                    sent
+                } else {
+                    Instant::now()
+                };
                 self.lease
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .quorum_at = Some(Instant::now());
+                    .quorum_at = Some(at);
                 let sparse = quorum.sparse.is_some();
                 debug!(
                     quorum_id = quorum.quorum_id,

@@ -146,6 +146,32 @@ pub struct ParityVerdicts {
     pub diverged_step: i64,
 }
 
+/// A quorum request started by [`ManagerServer::quorum_start_blocking`]; dropped unanswered,
+/// it is cancelled.
+pub struct OwnQuorum(own_link::Started<Result<crate::proto::ManagerQuorumResponse>>);
+
+impl std::fmt::Debug for OwnQuorum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnQuorum").finish_non_exhaustive()
+    }
+}
+
+impl OwnQuorum {
+    /// Waits for the answer on this thread (outside any tokio runtime), which drives the
+    /// connection meanwhile; bounded by the request's deadline.
+    ///
+    /// # Errors
+    /// As `ManagerClient::quorum`; `InvalidArgument` inside a tokio runtime.
+    pub fn wait(self) -> Result<crate::proto::ManagerQuorumResponse> {
+        self.0.wait()?
+    }
+
+    /// Whether the answer is in (an answer already arrived is read first, without waiting).
+    pub fn is_done(&self) -> bool {
+        self.0.is_done()
+    }
+}
+
 /// Formats `http://host:port` (`https://` for a TLS server), bracketing IPv6 literals.
 fn http_address(hostname: &str, port: u16, tls: bool) -> String {
     let scheme = if tls { "https" } else { "http" };
@@ -201,7 +227,7 @@ impl ManagerServer {
         let lighthouse =
             LighthouseClient::from_channel(endpoint.connect_lazy(), opts.security.token.as_ref())
                 .with_job(&opts.job)?;
-        let own_link = OwnLink::new(quiet, &opts);
+        let own_link = OwnLink::new(quiet, &opts, &lighthouse);
 
         let listener = tokio::net::TcpListener::bind(&opts.bind)
             .await
@@ -390,7 +416,7 @@ impl ManagerServer {
     /// # Errors
     /// As `may_commit`; `InvalidArgument` when called from inside a tokio runtime.
     pub fn may_commit_blocking(&self, step: i64, timeout: Duration) -> Result<bool> {
-        own_link::outside_runtime()?;
+        own_link::outside_runtime("may_commit_blocking", "await may_commit")?;
         if *self.inner.shutdown.borrow() {
             return Ok(false); // as `may_commit` answers once the server is shut down
         }
@@ -429,6 +455,44 @@ impl ManagerServer {
             "no answer to the commit announcement on the rank's own connection; closed it, \
              sending again on the shared connection");
         crate::runtime::get().block_on(self.may_commit(step, remaining))
+    }
+
+    /// Starts this rank's quorum request, as `ManagerClient::quorum` to this server would, on
+    /// the calling thread (outside any tokio runtime) of a group whose only rank is the
+    /// hosting one: the lighthouse request goes on the connection that thread drives (see
+    /// `own_link`, and [`ManagerServer::may_commit_blocking`] for the other request on it),
+    /// and this returns once it is written. [`OwnQuorum::wait`] drives that connection again
+    /// until the answer. Same answers, errors and deadline as the client's call; a first
+    /// try on that connection that gets no answer within [`OWN_LINK_TRY`], or loses the
+    /// connection, is sent again on the shared one for the rest of the deadline.
+    ///
+    /// # Errors
+    /// `InvalidArgument` in a group of several ranks (their round is answered once all
+    /// have asked, on the server's tasks) or inside a tokio runtime; `Shutdown` once the
+    /// server shuts down.
+    pub fn quorum_start_blocking(
+        &self,
+        req: crate::proto::ManagerQuorumRequest,
+        timeout: Duration,
+    ) -> Result<OwnQuorum> {
+        own_link::outside_runtime("quorum_start_blocking", "await ManagerClient::quorum")?;
+        ensure!(
+            self.inner.opts.world_size == 1,
+            "quorum_start_blocking is for a group of one rank (this one has {}); its ranks ask \
+             through a ManagerClient",
+            self.inner.opts.world_size
+        );
+        // The registration ends when the server starts shutting down.
+        let local =
+            crate::client::in_process::find(&self.address, self.inner.opts.security.token.as_ref())
+                .ok_or(Error::Shutdown)?;
+        let started = self.inner.own_link.start(move |attempt| {
+            lighthouse::OWN_QUORUM.scope(
+                attempt,
+                crate::client::ManagerClient::quorum_local(local, req, timeout),
+            )
+        })?;
+        Ok(OwnQuorum(started))
     }
 
     /// Whether the hosting rank's own commit connection is open (for tests).

@@ -1,13 +1,21 @@
-//! The write-ahead commit's own connection for a hosting rank that votes alone.
+//! The own lighthouse connection of a hosting rank that is its group's only rank.
 //!
-//! A single-rank group's training thread asks [`super::ManagerServer::may_commit_blocking`]
-//! once per step and waits for the lighthouse's answer. Over the server's shared connection
-//! that round trip takes two hand-offs between threads: the request wakes a runtime thread
-//! to write it, and the answer, read by that thread, wakes the training thread again. On a
+//! A single-rank group's training thread asks the lighthouse twice per step: for the quorum
+//! ([`super::ManagerServer::quorum_start_blocking`], sent at the step's start and waited
+//! for later) and for the write-ahead commit
+//! ([`super::ManagerServer::may_commit_blocking`]). Over the server's shared connection each
+//! round trip takes two hand-offs between threads: the request wakes a runtime thread to
+//! write it, and the answer, read by that thread, wakes the training thread again. On a
 //! machine whose cores the job keeps busy, each wake-up waits for a core. Here the
-//! connection lives on a runtime without worker threads: the waiting thread drives it
+//! connection lives on a runtime without worker threads: the training thread drives it
 //! itself (writes the request, reads the answer), so nothing else has to be scheduled (a
 //! lighthouse named by host name is resolved on a blocking thread when it is dialled).
+//!
+//! A quorum is started, not waited for: the thread drives the connection until the request
+//! is written (the link counts the bytes it writes, and stops once a write is followed by a
+//! pass with nothing more to do), and drives it again when it waits for the answer. The
+//! answer may so be read well after it arrived; the server then dates the quorum from when
+//! its request was sent (see `lighthouse`), which the commit lease needs.
 //!
 //! Between two waits nothing drives the connection, so it cannot answer the lighthouse, nor
 //! notice by itself that the lighthouse is gone. The server therefore closes it (drops its
@@ -17,20 +25,26 @@
 //!   connection a round trip later, so the lighthouse's graceful stop does not wait out its
 //!   grace for the answer to its last ping; a connection the shared link's keep-alive finds
 //!   dead ends the session too;
-//! - when an announcement gets no answer on it within
-//!   [`OWN_LINK_TRY`](super::OWN_LINK_TRY): the announcement is sent again on the shared
-//!   connection;
+//! - when an announcement or a quorum request gets no answer on it within
+//!   [`OWN_LINK_TRY`](super::OWN_LINK_TRY), or fails in its transport: the request is sent
+//!   again on the shared connection (a quorum request in flight on a connection closed for
+//!   any reason is too);
 //! - once the lighthouse turns out to take no announcements (an upstream one);
 //! - for good at the server's shutdown.
 //!
 //! After any of these but the last, the next announcement dials anew.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 
+use hyper_util::rt::TokioIo;
 use tokio::runtime::{Builder, Runtime};
-use tonic::transport::Endpoint;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::{Endpoint, Uri};
 
 use crate::client::LighthouseClient;
 use crate::error::{Error, Result};
@@ -42,6 +56,8 @@ pub(super) struct OwnLink {
     endpoint: Endpoint,
     token: Option<Token>,
     job: String,
+    /// The server's shared client, whose quorum cache the link's client shares.
+    shared: LighthouseClient,
     open: Mutex<Option<Arc<Link>>>,
     /// Set at the server's shutdown: no connection is opened any more.
     shut: AtomicBool,
@@ -52,6 +68,84 @@ struct Link {
     /// Always `Some` until dropped (taken to shut it down without blocking).
     rt: Option<Runtime>,
     lighthouse: LighthouseClient,
+    /// Bytes written on the connection so far.
+    written: Arc<AtomicU64>,
+    /// Set when the link is closed: a request still in flight on it gives up.
+    closed: watch::Sender<bool>,
+}
+
+/// What a request started on the link ([`OwnLink::start`]) runs with.
+#[derive(Clone)]
+pub(super) struct Attempt {
+    /// The link's client (it shares the server's quorum cache: see `OwnLink::new`).
+    pub(super) lighthouse: LighthouseClient,
+    closed: watch::Receiver<bool>,
+}
+
+impl Attempt {
+    /// Resolves once the link is closed (a request on it will not be answered there).
+    pub(super) async fn closed(&self) {
+        let mut rx = self.closed.clone();
+        let _ = rx.wait_for(|closed| *closed).await;
+    }
+}
+
+/// Most passes of the link's runtime a start drives while waiting for its request to be
+/// written (each is one poll of the connection's socket without waiting): a connection
+/// still being dialled sends the request when the caller next waits instead.
+const FLUSH_PASSES: usize = 16;
+
+/// A request started on the link and left running; the caller drives the link again to
+/// wait for its answer. Dropped unanswered, the request is cancelled.
+pub(super) struct Started<T: Send + 'static> {
+    link: Arc<Link>,
+    handle: Option<JoinHandle<T>>,
+}
+
+impl<T: Send + 'static> Started<T> {
+    /// Waits for the answer on this thread, which drives the link meanwhile.
+    ///
+    /// # Errors
+    /// `InvalidArgument` inside a tokio runtime; `Unavailable` if the request's task failed.
+    pub(super) fn wait(mut self) -> Result<T> {
+        outside_runtime(
+            "waiting for a started quorum",
+            "await ManagerClient::quorum",
+        )?;
+        let (Some(rt), Some(handle)) = (&self.link.rt, self.handle.take()) else {
+            return Err(Error::Shutdown);
+        };
+        rt.block_on(handle)
+            .map_err(|e| Error::Unavailable(format!("the quorum request's task failed: {e}")))
+    }
+
+    /// Whether the answer is in: drives the link for one pass (without waiting) first, so
+    /// an answer that arrived is read.
+    pub(super) fn is_done(&self) -> bool {
+        let Some(handle) = &self.handle else {
+            return true;
+        };
+        if !handle.is_finished() && may_block() {
+            if let Some(rt) = &self.link.rt {
+                rt.block_on(tokio::task::yield_now());
+            }
+        }
+        handle.is_finished()
+    }
+}
+
+impl<T: Send + 'static> Drop for Started<T> {
+    fn drop(&mut self) {
+        let Some(handle) = self.handle.take() else {
+            return;
+        };
+        handle.abort();
+        // Let the task see its cancellation (it may hold the link's quorum stream); from
+        // inside a runtime, it does when the link is next driven or closed.
+        if let (Some(rt), true) = (&self.link.rt, may_block()) {
+            let _ = rt.block_on(handle);
+        }
+    }
 }
 
 impl std::fmt::Debug for OwnLink {
@@ -68,30 +162,83 @@ impl std::fmt::Debug for OwnLink {
 impl OwnLink {
     /// The lighthouse at `endpoint` (without keep-alive: between two waits nothing would
     /// answer a ping; see the module's documentation for what replaces it), with the token
-    /// and job of `opts`; not dialled yet.
-    pub(super) fn new(endpoint: Endpoint, opts: &ManagerOptions) -> Self {
+    /// and job of `opts`; not dialled yet. Its client shares `shared`'s quorum cache (the
+    /// last quorum received, which the next request and the heartbeats name), so either
+    /// connection may carry a group's next quorum request.
+    pub(super) fn new(
+        endpoint: Endpoint,
+        opts: &ManagerOptions,
+        shared: &LighthouseClient,
+    ) -> Self {
         Self {
             endpoint,
             token: opts.security.token.clone(),
             job: opts.job.clone(),
+            shared: shared.clone(),
             open: Mutex::new(None),
             shut: AtomicBool::new(false),
         }
+    }
+
+    /// Starts `call` on the link (dialled first if it is not open) and drives the link on
+    /// this thread until its request is written, then returns: the request goes on while
+    /// the caller does other work, and [`Started::wait`] drives the link again for the
+    /// answer.
+    ///
+    /// # Errors
+    /// `Unavailable` when the link's runtime cannot start; `Shutdown` after
+    /// [`OwnLink::close_for_good`]. The caller checks it runs outside any runtime.
+    pub(super) fn start<F, Fut>(&self, call: F) -> Result<Started<Fut::Output>>
+    where
+        F: FnOnce(Attempt) -> Fut,
+        Fut: Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        let link = self.link()?;
+        let Some(rt) = &link.rt else {
+            return Err(Error::Shutdown);
+        };
+        let attempt = Attempt {
+            lighthouse: link.lighthouse.clone(),
+            closed: link.closed.subscribe(),
+        };
+        let mut last = link.written.load(Ordering::Relaxed);
+        let handle = rt.spawn(call(attempt));
+        rt.block_on(async {
+            // Each pass runs every task the last one woke and polls the socket once: the
+            // request is written once a pass wrote and the next one had nothing more to do.
+            let mut wrote = false;
+            for _ in 0..FLUSH_PASSES {
+                tokio::task::yield_now().await;
+                if handle.is_finished() {
+                    break;
+                }
+                let now = link.written.load(Ordering::Relaxed);
+                if now != last {
+                    last = now;
+                    wrote = true;
+                } else if wrote {
+                    break;
+                }
+            }
+        });
+        Ok(Started {
+            link,
+            handle: Some(handle),
+        })
     }
 
     /// Runs `call` with the link's client to completion on this thread, which drives the
     /// connection meanwhile (dialled first if it is not open).
     ///
     /// # Errors
-    /// `InvalidArgument` when called from inside a tokio runtime (whose threads must not
-    /// block); `Unavailable` when the link's runtime cannot start; `Shutdown` after
-    /// [`OwnLink::close_for_good`].
+    /// `Unavailable` when the link's runtime cannot start; `Shutdown` after
+    /// [`OwnLink::close_for_good`]. The caller checks it runs outside any runtime.
     pub(super) fn run<F, Fut>(&self, call: F) -> Result<Fut::Output>
     where
         F: FnOnce(LighthouseClient) -> Fut,
         Fut: Future,
     {
-        outside_runtime()?;
         let link = self.link()?;
         match &link.rt {
             Some(rt) => Ok(rt.block_on(call(link.lighthouse.clone()))),
@@ -99,15 +246,18 @@ impl OwnLink {
         }
     }
 
-    /// Closes the connection, if open: its runtime and tasks are dropped, which closes the
-    /// socket (at once, or when a call running on it returns). The next call dials anew.
+    /// Closes the connection, if open: a request in flight on it gives up (see
+    /// [`Attempt::closed`]), and its runtime and tasks are dropped, which closes the socket
+    /// (at once, or once the calls still running on it return). The next call dials anew.
     pub(super) fn close(&self) {
         let link = self
             .open
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        drop(link);
+        if let Some(link) = link {
+            link.closed.send_replace(true);
+        }
     }
 
     /// Closes the connection and opens none any more (the server's shutdown): later calls
@@ -137,31 +287,43 @@ impl OwnLink {
             .enable_all()
             .build()
             .map_err(|e| Error::Unavailable(format!("cannot start the commit runtime: {e}")))?;
+        let written = Arc::new(AtomicU64::new(0));
         let lighthouse = {
             // The lazy channel starts its worker on the runtime entered here.
             let _entered = rt.enter();
-            LighthouseClient::from_channel(self.endpoint.connect_lazy(), self.token.as_ref())
+            let channel = self
+                .endpoint
+                .connect_with_connector_lazy(CountingConnector(written.clone()));
+            LighthouseClient::from_channel(channel, self.token.as_ref())
                 .with_job(&self.job)?
+                .sharing_quorums_with(&self.shared)
         };
         let link = Arc::new(Link {
             rt: Some(rt),
             lighthouse,
+            written,
+            closed: watch::channel(false).0,
         });
         *open = Some(link.clone());
         Ok(link)
     }
 }
 
-/// `InvalidArgument` on a thread inside a tokio runtime, whose threads must not block.
-pub(super) fn outside_runtime() -> Result<()> {
+/// `InvalidArgument` on a thread inside a tokio runtime, whose threads must not block:
+/// `what` is the call refused, and `instead` what to do inside a runtime.
+pub(super) fn outside_runtime(what: &str, instead: &str) -> Result<()> {
     if tokio::runtime::Handle::try_current().is_ok() {
-        return Err(Error::InvalidArgument(
-            "may_commit_blocking waits on the calling thread: call it from outside any tokio \
-             runtime (inside one, await may_commit)"
-                .into(),
-        ));
+        return Err(Error::InvalidArgument(format!(
+            "{what} waits on the calling thread: call it from outside any tokio runtime \
+             (inside one, {instead})"
+        )));
     }
     Ok(())
+}
+
+/// Whether this thread is outside any tokio runtime (it may block on the link's).
+fn may_block() -> bool {
+    tokio::runtime::Handle::try_current().is_err()
 }
 
 impl Drop for Link {
@@ -170,5 +332,105 @@ impl Drop for Link {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+/// Dials plain TCP (no delay) like the endpoint's own connector, handing out connections
+/// that add the bytes they write to a counter ([`OwnLink::start`] watches it). The
+/// endpoint's TLS, if any, is layered on top by the channel.
+#[derive(Clone)]
+struct CountingConnector(Arc<AtomicU64>);
+
+impl tower::Service<Uri> for CountingConnector {
+    type Response = Counted;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<Counted>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let written = self.0.clone();
+        Box::pin(async move {
+            let host = uri
+                .host()
+                .ok_or_else(|| std::io::Error::other(format!("no host in {uri}")))?;
+            // A bracketed IPv6 literal is dialled without its brackets.
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let port = uri
+                .port_u16()
+                .unwrap_or(if uri.scheme_str() == Some("https") {
+                    443
+                } else {
+                    80
+                });
+            let stream = tokio::net::TcpStream::connect((host, port)).await?;
+            stream.set_nodelay(true)?;
+            Ok(Counted {
+                io: TokioIo::new(stream),
+                written,
+            })
+        })
+    }
+}
+
+/// A connection that counts the bytes written on it.
+struct Counted {
+    io: TokioIo<tokio::net::TcpStream>,
+    written: Arc<AtomicU64>,
+}
+
+impl Counted {
+    fn count(&self, n: usize) {
+        self.written.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+impl hyper::rt::Read for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = r {
+            self.count(n);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = r {
+            self.count(n);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
