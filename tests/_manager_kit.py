@@ -129,7 +129,7 @@ class FakeNative:
             def _quorum_start(
                 self, request: Any = None, timeout: timedelta | None = None, **fields: Any
             ) -> FakePending:
-                # A group of one rank starts its quorum here (Manager._quorum_sender).
+                # A group of one rank starts its quorum here (quorum_group.quorum_sender).
                 native.server_quorum_starts += 1
                 return ManagerClient(self.address(), timedelta(0))._quorum_start(
                     request, timeout, **fields

@@ -2,15 +2,19 @@
 //! thread drives: the write-ahead commit and the quorum request on it, and what closes it.
 
 mod common;
-use common::bounded;
 use common::groups::{
     dead_port, group, group_with, lighthouse, lighthouse_on, opts, req, round, Group, LONG,
 };
+use common::{bounded, serve_fake, FakeLighthouse};
 
 use std::time::{Duration, Instant};
 
+use tonic::{Request, Response, Status};
 use torchft::error::Error;
-use torchft::proto::ManagerQuorumResponse;
+use torchft::proto::{
+    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
+    LighthouseQuorumResponse, ManagerQuorumResponse, Quorum,
+};
 
 /// `may_commit_blocking` on a thread outside any runtime, as a hosting rank's training
 /// thread calls it: the thread drives the announcement's own connection.
@@ -221,6 +225,9 @@ async fn a_lone_ranks_own_thread_quorum_is_on_the_wire_before_it_is_waited_for()
         let b = group("b", &lh.address(), 1).await;
         for step in 0..3 {
             let started = start_on_own_thread(&a, step, LONG).await.unwrap();
+            // The first goes from the server's tasks (the own connection is dialled by the
+            // first commit announcement below), the others on the own connection.
+            assert_eq!(started.on_own_link(), step > 0, "step {step}");
             // Nobody drives a's connection now: b's answer proves a's request was written.
             let theirs = round(&b, step, LONG).await.remove(0).unwrap();
             assert_eq!(theirs.replica_world_size, 2, "step {step}");
@@ -240,6 +247,7 @@ async fn a_lone_ranks_own_thread_quorum_is_on_the_wire_before_it_is_waited_for()
             assert_eq!(mine.replica_world_size, 2);
             assert_eq!(mine.store_address, theirs.store_address);
             assert_eq!(mine.max_step, theirs.max_step);
+            assert!(commit_on_own_thread(&a, step).unwrap());
         }
         assert!(a.server.own_commit_link_open());
         // The handler's own checks answer as they do for the client's call.
@@ -261,7 +269,9 @@ async fn a_lone_ranks_own_thread_quorum_is_on_the_wire_before_it_is_waited_for()
         two.server.shutdown().await;
         // A request dropped unanswered is cancelled: its group leaves the lighthouse's round,
         // and the next one is answered.
-        drop(start_on_own_thread(&a, 3, LONG).await.unwrap());
+        let dropped = start_on_own_thread(&a, 3, LONG).await.unwrap();
+        assert!(dropped.on_own_link());
+        off_runtime(move || drop(dropped)).await;
         let started = start_on_own_thread(&a, 3, LONG).await.unwrap();
         round(&b, 3, LONG).await.remove(0).unwrap();
         assert_eq!(
@@ -296,15 +306,27 @@ async fn a_lone_ranks_quorum_in_flight_rides_out_a_lighthouse_restart() {
         let started = start_on_own_thread(&a, 0, LONG).await.unwrap();
         round(&b, 0, LONG).await.remove(0).unwrap();
         wait_on_own_thread(started).await.unwrap();
+        assert!(commit_on_own_thread(&a, 0).unwrap()); // dials the own connection
 
         // a's next request waits at the lighthouse (b has not asked) when it stops: the
         // request leaves the closed connection and is retried on the shared one until the
         // restarted lighthouse answers it with b.
         let started = start_on_own_thread(&a, 1, LONG).await.unwrap();
+        assert!(started.on_own_link());
         let waiting = tokio::spawn(wait_on_own_thread(started));
         tokio::time::sleep(Duration::from_millis(200)).await;
+        let began = Instant::now();
         lh.shutdown().await;
+        let took = began.elapsed();
+        assert!(took < Duration::from_secs(3), "graceful stop took {took:?}");
         drop(lh);
+        // The group sees its session end and closes its own connection.
+        for _ in 0..100 {
+            if !a.server.own_commit_link_open() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         assert!(!a.server.own_commit_link_open());
         tokio::time::sleep(Duration::from_millis(300)).await;
         let lh = lighthouse_on(&bind, 2).await;
@@ -312,10 +334,15 @@ async fn a_lone_ranks_quorum_in_flight_rides_out_a_lighthouse_restart() {
         let mine = waiting.await.unwrap().unwrap();
         assert_eq!(mine.quorum_id, theirs.quorum_id);
         assert_eq!(mine.replica_world_size, 2);
-        // The next request goes on a new own connection.
-        let started = start_on_own_thread(&a, 2, LONG).await.unwrap();
-        round(&b, 2, LONG).await.remove(0).unwrap();
-        wait_on_own_thread(started).await.unwrap();
+        // The next request goes from the server's tasks, and its commit announcement dials
+        // a new own connection, which the one after takes.
+        for step in 2..4 {
+            let started = start_on_own_thread(&a, step, LONG).await.unwrap();
+            assert_eq!(started.on_own_link(), step > 2);
+            round(&b, step, LONG).await.remove(0).unwrap();
+            wait_on_own_thread(started).await.unwrap();
+            assert!(commit_on_own_thread(&a, step).unwrap());
+        }
         assert!(a.server.own_commit_link_open());
         a.server.shutdown().await;
         b.server.shutdown().await;
@@ -326,16 +353,14 @@ async fn a_lone_ranks_quorum_in_flight_rides_out_a_lighthouse_restart() {
 
 /// A TCP relay to `target` whose connections can each be held (nothing passes either way,
 /// both sockets stay open) and let go: the relay's address, and the sender that holds the
-/// `n`-th connection accepted (counted from 0) while it says `Some(n)`.
-async fn holding_relay(
-    target: std::net::SocketAddr,
-) -> (String, tokio::sync::watch::Sender<Option<i64>>) {
+/// `n`-th connection accepted (counted from 0) while bit `n` of its value is set.
+async fn holding_relay(target: std::net::SocketAddr) -> (String, tokio::sync::watch::Sender<u64>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = format!("http://{}", listener.local_addr().unwrap());
-    let (hold, held) = tokio::sync::watch::channel(None::<i64>);
+    let (hold, held) = tokio::sync::watch::channel(0u64);
     tokio::spawn(async move {
-        for n in 0i64.. {
+        for n in 0u32.. {
             let Ok((down, _)) = listener.accept().await else {
                 return;
             };
@@ -358,7 +383,7 @@ async fn holding_relay(
                             Ok(0) | Err(_) => return,
                             Ok(k) => k,
                         };
-                        if held.wait_for(|h| *h != Some(n)).await.is_err() {
+                        if held.wait_for(|h| h & (1 << n) == 0).await.is_err() {
                             return;
                         }
                         if w.write_all(&buf[..k]).await.is_err() {
@@ -373,9 +398,9 @@ async fn holding_relay(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lone_ranks_quorum_read_late_is_dated_from_its_request() {
+async fn a_lone_ranks_quorum_answered_late_is_dated_from_its_request() {
     bounded(async {
-        let lh = lighthouse(1).await;
+        let lh = lighthouse(2).await;
         let (relay, hold) = holding_relay(lh.local_addr()).await;
         // Heartbeats at a slower pace than the other tests': each one cut short by the hold
         // below resets its stream, and a burst of resets makes the lighthouse close the
@@ -383,70 +408,196 @@ async fn a_lone_ranks_quorum_read_late_is_dated_from_its_request() {
         let mut o = opts("a", &relay, 1);
         o.heartbeat_interval = Duration::from_millis(300);
         let g = std::sync::Arc::new(group_with(o).await);
-        // Connection 0 is the shared one (heartbeats); the own one opens at the first start.
+        // The other group reaches the lighthouse directly.
+        let b = group("b", &lh.address(), 1).await;
+        // Connection 0 is the shared one (heartbeats); the first commit announcement opens
+        // the own one, connection 1.
         let started = start_on_own_thread(&g, 0, LONG).await.unwrap();
+        round(&b, 0, LONG).await.remove(0).unwrap();
         wait_on_own_thread(started).await.unwrap();
+        assert!(commit_on_own_thread(&g, 0).unwrap());
         assert!(g.server.lease_held());
 
-        // The answer to the next request arrives at once but is read only later; meanwhile
-        // the heartbeats lapse for longer than the lease (half the lighthouse's 2 s
-        // timeout). The lapse came after the answer arrived but before it was read: the
-        // lighthouse may have declared the group lost in that quorum, so it must not count
-        // as held for it.
+        // The lighthouse answers the next request while the group is fine, but the answer
+        // reaches it only after a lapse of its heartbeats longer than the lease (half the
+        // lighthouse's 2 s timeout): the lighthouse may have declared the group lost in that
+        // quorum meanwhile, so the lapse counts against it, though the answer came after.
         let started = start_on_own_thread(&g, 1, LONG).await.unwrap();
+        assert!(started.on_own_link());
         tokio::time::sleep(Duration::from_millis(100)).await;
-        hold.send(Some(0)).unwrap();
+        hold.send(0b10).unwrap(); // the own connection: its answer waits in the relay
+        round(&b, 1, LONG).await.remove(0).unwrap();
+        hold.send(0b11).unwrap(); // and the heartbeats
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        hold.send(None).unwrap();
-        // Heartbeats are acknowledged again (a few periods), which records the lapse.
+        hold.send(0b10).unwrap();
+        // Heartbeats are acknowledged again (a few periods), which records the lapse; then
+        // the answer comes through.
         tokio::time::sleep(Duration::from_millis(1000)).await;
+        hold.send(0).unwrap();
         wait_on_own_thread(started).await.unwrap();
         assert!(
             !g.server.lease_held(),
-            "a lapse before the answer was read fences the step"
+            "a lapse after the quorum was asked for fences the step"
         );
         // The next quorum, asked after the lapse, holds again.
         let started = start_on_own_thread(&g, 1, LONG).await.unwrap();
+        round(&b, 1, LONG).await.remove(0).unwrap();
         wait_on_own_thread(started).await.unwrap();
         assert!(g.server.lease_held());
         g.server.shutdown().await;
+        b.server.shutdown().await;
         lh.shutdown().await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lone_ranks_quorum_on_a_silent_connection_is_sent_again_within_the_deadline() {
+async fn a_lone_ranks_quorum_on_a_silent_connection_fails_that_request_only() {
     bounded(async {
         let lh = lighthouse(1).await;
         let (relay, hold) = holding_relay(lh.local_addr()).await;
         let g = std::sync::Arc::new(group("a", &relay, 1).await);
         let started = start_on_own_thread(&g, 0, LONG).await.unwrap();
         wait_on_own_thread(started).await.unwrap();
+        assert!(commit_on_own_thread(&g, 0).unwrap()); // dials connection 1, the own one
         assert!(g.server.own_commit_link_open());
-        // Connection 1, the own one, goes silent; the shared one still works.
-        hold.send(Some(1)).unwrap();
-        let deadline = torchft::manager::OWN_LINK_TRY * 3;
+        // Connection 1 goes silent; the shared one still works. A quorum may
+        // rightly wait long, so nothing cuts the request short: it times out at its
+        // deadline, and the silent connection is closed.
+        hold.send(0b10).unwrap();
+        let deadline = Duration::from_secs(2);
         let began = Instant::now();
         let started = start_on_own_thread(&g, 1, deadline).await.unwrap();
-        let answer = wait_on_own_thread(started).await.unwrap();
+        assert!(started.on_own_link());
+        let err = wait_on_own_thread(started).await.unwrap_err();
         let took = began.elapsed();
-        assert_eq!(answer.replica_world_size, 1);
-        assert!(took >= torchft::manager::OWN_LINK_TRY, "{took:?}");
-        assert!(took < deadline, "{took:?}");
+        assert!(matches!(err, Error::Timeout(_)), "{err}");
+        assert!(took >= deadline - Duration::from_millis(200), "{took:?}");
+        assert!(took < deadline + Duration::from_secs(2), "{took:?}");
         assert!(
             !g.server.own_commit_link_open(),
             "the silent connection was closed"
         );
-        // The next request dials a new connection, which answers at once.
+        // The next request goes on the shared connection at once, and the commit
+        // announcement dials a new own connection, which the request after that takes.
         let began = Instant::now();
-        let started = start_on_own_thread(&g, 2, LONG).await.unwrap();
-        wait_on_own_thread(started).await.unwrap();
-        assert!(began.elapsed() < torchft::manager::OWN_LINK_TRY);
+        for _ in 0..2 {
+            let started = start_on_own_thread(&g, 1, LONG).await.unwrap();
+            wait_on_own_thread(started).await.unwrap();
+            assert!(commit_on_own_thread(&g, 1).unwrap());
+        }
+        assert!(began.elapsed() < Duration::from_secs(2));
         assert!(g.server.own_commit_link_open());
         g.server.shutdown().await;
         drop(hold);
         lh.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_ranks_quorum_waited_for_after_its_deadline_gets_the_answer_that_came_in_time() {
+    bounded(async {
+        let lh = lighthouse(2).await;
+        let a = std::sync::Arc::new(group("a", &lh.address(), 1).await);
+        let b = group("b", &lh.address(), 1).await;
+        // A first step, whose commit announcement dials the own connection.
+        let started = start_on_own_thread(&a, 0, LONG).await.unwrap();
+        round(&b, 0, LONG).await.remove(0).unwrap();
+        wait_on_own_thread(started).await.unwrap();
+        assert!(commit_on_own_thread(&a, 0).unwrap());
+
+        // The rank comes back to wait only after its request's deadline (a forward pass
+        // longer than that): the answer came long before, unread, and wins over the deadline.
+        let deadline = Duration::from_millis(1000);
+        let started = start_on_own_thread(&a, 1, deadline).await.unwrap();
+        assert!(started.on_own_link());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let theirs = round(&b, 1, LONG).await.remove(0).unwrap();
+        tokio::time::sleep(deadline + Duration::from_millis(500)).await;
+        let mine = wait_on_own_thread(started).await.unwrap();
+        assert_eq!(mine.quorum_id, theirs.quorum_id);
+        // And steps as usual go on.
+        for step in 2..6 {
+            let started = start_on_own_thread(&a, step, LONG).await.unwrap();
+            assert!(started.on_own_link());
+            round(&b, step, LONG).await.remove(0).unwrap();
+            wait_on_own_thread(started).await.unwrap();
+        }
+        a.server.shutdown().await;
+        b.server.shutdown().await;
+        lh.shutdown().await;
+    })
+    .await;
+}
+
+/// A lighthouse as upstream's answers: single Quorum calls (a quorum of the asker alone)
+/// and heartbeats, nothing else (no quorum or commit stream, no announcements, no
+/// sessions). Records the peer each Quorum call came from.
+#[derive(Default)]
+struct UpstreamLike {
+    peers: std::sync::Mutex<Vec<std::net::SocketAddr>>,
+}
+
+#[tonic::async_trait]
+impl FakeLighthouse for std::sync::Arc<UpstreamLike> {
+    async fn quorum(
+        &self,
+        request: Request<LighthouseQuorumRequest>,
+    ) -> Result<Response<LighthouseQuorumResponse>, Status> {
+        if let Some(peer) = request.remote_addr() {
+            self.peers.lock().unwrap().push(peer);
+        }
+        let member = request
+            .into_inner()
+            .requester
+            .ok_or_else(|| Status::invalid_argument("no requester"))?;
+        Ok(Response::new(LighthouseQuorumResponse {
+            quorum: Some(Quorum {
+                quorum_id: 3,
+                participants: vec![member],
+                ..Default::default()
+            }),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        _request: Request<LighthouseHeartbeatRequest>,
+    ) -> Result<Response<LighthouseHeartbeatResponse>, Status> {
+        Ok(Response::new(LighthouseHeartbeatResponse::default()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_rank_on_an_upstream_lighthouse_keeps_its_own_connection_across_steps() {
+    bounded(async {
+        let lh = std::sync::Arc::new(UpstreamLike::default());
+        let (addr, stop, served) = serve_fake(lh.clone()).await;
+        let g = std::sync::Arc::new(group("a", &addr, 1).await);
+        for step in 0..5 {
+            let started = start_on_own_thread(&g, step, LONG).await.unwrap();
+            let answer = wait_on_own_thread(started).await.unwrap();
+            assert_eq!(answer.quorum_id, 3);
+            // No announcements there: the gate is local (and the lease holds).
+            let g2 = g.clone();
+            assert!(
+                off_runtime(move || g2.server.may_commit_blocking(step, LONG))
+                    .await
+                    .unwrap()
+            );
+            assert!(g.server.own_commit_link_open());
+        }
+        // Every quorum went as a single call (no stream there): the first on the shared
+        // connection, the others on the own one the first announcement dialled, kept from
+        // step to step (none was dialled again for a step).
+        let peers = lh.peers.lock().unwrap().clone();
+        assert_eq!(peers.len(), 5, "{peers:?}");
+        assert_ne!(peers[0], peers[1], "{peers:?}");
+        assert!(peers[1..].iter().all(|p| *p == peers[1]), "{peers:?}");
+        g.server.shutdown().await;
+        stop.send(true).unwrap();
+        served.await.unwrap();
     })
     .await;
 }

@@ -296,6 +296,20 @@ def test_single_rank_group_votes_locally(harness: Any) -> None:
     assert not m.should_commit()
     assert h.native.commit_calls == []
     assert m.current_step() == 1
+    # Its quorum requests start on the manager server it hosts (the own-link path).
+    assert h.native.server_quorum_starts == 2
+    assert len(h.native.quorum_calls) == 2
+
+
+def test_a_group_of_several_ranks_starts_its_quorum_through_the_client(harness: Any) -> None:
+    """Only a group of one rank starts its quorum on the server: the others' ranks gather in
+    the server's round through their clients."""
+    h = harness()
+    assert h.manager._group_world_size > 1
+    h.manager.start_quorum()
+    assert h.manager.should_commit()
+    assert h.native.server_quorum_starts == 0
+    assert len(h.native.quorum_calls) == 1
 
 
 def test_structured_log_records(harness: Any, caplog: pytest.LogCaptureFixture) -> None:

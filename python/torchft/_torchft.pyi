@@ -241,8 +241,10 @@ class ManagerServer:
     def _quorum_start(self, *args: Any, **fields: Any) -> PendingQuorum:
         """``ManagerClient._quorum_start`` for the hosting rank of a group of one rank: the
         request goes on a connection to the lighthouse that the calling thread drives (GIL
-        released) until it is written, and again in ``PendingQuorum.wait``. Same arguments,
-        answers and errors; raises TorchFTError in a group of several ranks."""
+        released) until it is written, and again in ``PendingQuorum.wait`` (a backstop thread
+        drives it meanwhile when the wait is long in coming; before that connection is made,
+        the request goes as a client's). Same arguments, answers and errors; raises
+        ValueError in a group of several ranks."""
     def _offer_digest(self, group_rank: int, step: int, digest: bytes) -> None:
         """Takes the hosting rank's digest of its committed state after ``step`` (runtime
         state parity). Raises ValueError for a step below 1, a rank outside the group, or a

@@ -176,7 +176,7 @@ impl PyManagerServer {
     /// request goes on a connection to the lighthouse that the calling thread drives (GIL
     /// released) until the request is written and again in `PendingQuorum.wait`, so no
     /// runtime thread is woken on either way. Same arguments, answers and errors; raises
-    /// TorchFTError in a group of several ranks (their ranks use the client's).
+    /// ValueError in a group of several ranks (their ranks use the client's).
     #[pyo3(signature = (*args, **fields))]
     fn _quorum_start(
         &self,

@@ -34,7 +34,8 @@ pub(super) struct Lease {
     last_ack_sent: Option<Instant>,
     /// When a gap longer than the lease was last seen.
     broken_at: Option<Instant>,
-    /// When the last quorum was received (the start of the current step's membership).
+    /// When the last quorum was received (the start of the current step's membership); for
+    /// an answer read late on the hosting rank's own connection, when its request was sent.
     pub(super) quorum_at: Option<Instant>,
 }
 
@@ -92,6 +93,9 @@ pub(super) async fn heartbeat_loop(inner: Arc<Inner>, _running: oneshot::Sender<
             _ = ticker.tick() => {}
             _ = shutdown.wait_for(|down| *down) => return,
         }
+        // A single-rank group's quorum request left undriven since the last tick (its rank
+        // busy elsewhere) is driven by a thread of its own until the rank waits for it.
+        inner.own_link.drive_unattended(period);
         let sent = Instant::now();
         let step = inner.committed_step.load(Ordering::Relaxed);
         let digest = inner

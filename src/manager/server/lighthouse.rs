@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::own_link::Attempt;
-use super::{shutting_down, Inner, OWN_LINK_TRY};
+use super::{shutting_down, Inner};
 use crate::client::LighthouseClient;
 use crate::error::{Error, Result};
 use crate::manager::compute::compute_quorum_results;
@@ -161,11 +161,13 @@ impl Inner {
     /// Asks the lighthouse for the quorum of `round`, retrying with backoff. Returns the
     /// quorum and when the request it answers was sent.
     ///
-    /// Inside [`OWN_QUORUM`], the first request goes on the hosting rank's own connection
-    /// for at most [`OWN_LINK_TRY`]: if it gets no answer by then, fails in its transport,
-    /// or the connection is closed under it, the connection is closed and the request goes
-    /// again at once on the shared one, for the rest of the deadline (not counted as a
-    /// retry: nothing says the lighthouse failed).
+    /// Inside [`OWN_QUORUM`], the first request goes on the hosting rank's own connection,
+    /// with the whole deadline (a quorum may rightly wait long for its members: no shorter
+    /// try is cut off). If it fails in its transport, or the connection is closed under it
+    /// (the lighthouse session ended: the lighthouse stopped, or the shared connection found
+    /// it dead), the request goes again at once on the shared connection (not counted as a
+    /// retry: nothing says the lighthouse failed). If it times out, the connection, which may
+    /// have gone silent, is closed: the next request dials anew.
     async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<(Quorum, Instant)> {
         let member = QuorumMember {
             replica_id: self.opts.replica_id.clone(),
@@ -192,20 +194,20 @@ impl Inner {
             }
             let started = Instant::now();
             let via_own = own.take();
-            let (lighthouse, budget) = match &via_own {
-                Some(o) => (&o.lighthouse, remaining.min(OWN_LINK_TRY)),
-                None => (&self.lighthouse, remaining),
+            let lighthouse = match &via_own {
+                Some(o) => &o.lighthouse,
+                None => &self.lighthouse,
             };
             // Without a topology file, the lighthouse can answer in the sparse form: a few
             // members per group instead of all of them (see `manager::sparse`).
             let call = async {
                 if self.opts.placement.is_none() && self.opts.sparse_quorum {
                     lighthouse
-                        .quorum_status_sparse(member.clone(), round.init_sync, budget)
+                        .quorum_status_sparse(member.clone(), round.init_sync, remaining)
                         .await
                         .map(Arc::unwrap_or_clone)
                 } else {
-                    lighthouse.quorum_status(member.clone(), budget).await
+                    lighthouse.quorum_status(member.clone(), remaining).await
                 }
             };
             let closed = async {
@@ -216,7 +218,9 @@ impl Inner {
             };
             tokio::pin!(call, closed);
             let answer = loop {
+                // An answer that is in wins, even when the connection was driven late.
                 tokio::select! {
+                    biased;
                     answer = &mut call => break Some(answer),
                     _ = &mut closed => break None,
                     _ = tokio::time::sleep_until(next_note) => {
@@ -231,20 +235,25 @@ impl Inner {
                 Some(Ok(quorum)) => return Ok((quorum, started)),
                 Some(Err(status)) => {
                     let transport = std::error::Error::source(&status).is_some();
-                    (rpc_error(status, started, budget), transport)
+                    (rpc_error(status, started, remaining), transport)
                 }
                 None => (
                     Error::Unavailable("the rank's own connection was closed".into()),
                     true,
                 ),
             };
-            let capped = budget < remaining && matches!(err, Error::Timeout(_));
-            if via_own.is_some() && (link_failed || capped) {
-                self.own_link.close();
-                info!(step = round.step, error = %err,
-                    "no answer to the quorum request on the rank's own connection; closed it, \
-                     sending again on the shared connection");
-                continue;
+            if let Some(o) = &via_own {
+                if link_failed && !*self.shutdown.borrow() {
+                    self.own_link.close_for(o);
+                    info!(step = round.step, error = %err,
+                        "the quorum request's own connection failed or was closed; sending it \
+                         again on the shared connection");
+                    continue;
+                }
+                if matches!(err, Error::Timeout(_)) {
+                    // Maybe a connection gone silent, which nothing else would notice.
+                    self.own_link.close_for(o);
+                }
             }
             match err {
                 Error::Timeout(_) | Error::InvalidArgument(_) | Error::FailedPrecondition(_) => {

@@ -62,7 +62,8 @@ const REPORT_FLUSH: Duration = Duration::from_secs(1);
 /// The longest a single-rank group's commit announcement waits on the rank's own
 /// connection, which no keep-alive watches, before that connection is closed and the
 /// announcement is sent again on the shared connection (whose keep-alive finds a silent
-/// connection dead within 30 s).
+/// connection dead within 30 s). Quorum requests on that connection have no such cap (they
+/// may rightly wait long for the other groups).
 pub const OWN_LINK_TRY: Duration = Duration::from_secs(10);
 
 /// How long a graceful shutdown waits for open connections before closing them.
@@ -148,11 +149,34 @@ pub struct ParityVerdicts {
 
 /// A quorum request started by [`ManagerServer::quorum_start_blocking`]; dropped unanswered,
 /// it is cancelled.
-pub struct OwnQuorum(own_link::Started<Result<crate::proto::ManagerQuorumResponse>>);
+pub struct OwnQuorum(Path);
+
+/// Where a started quorum request runs.
+enum Path {
+    /// On the hosting rank's own connection, driven by its waiter.
+    Own(own_link::Started<Result<crate::proto::ManagerQuorumResponse>>),
+    /// A task of the process's runtime, on the shared connection (the own connection is
+    /// not connected yet).
+    Spawned(Aborting),
+}
+
+/// A spawned quorum request, cancelled when dropped unanswered (as the own connection's).
+struct Aborting(Option<JoinHandle<Result<crate::proto::ManagerQuorumResponse>>>);
+
+impl Drop for Aborting {
+    fn drop(&mut self) {
+        if let Some(handle) = self.0.take() {
+            handle.abort();
+        }
+    }
+}
 
 impl std::fmt::Debug for OwnQuorum {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OwnQuorum").finish_non_exhaustive()
+        let own = matches!(self.0, Path::Own(_));
+        f.debug_struct("OwnQuorum")
+            .field("own_link", &own)
+            .finish_non_exhaustive()
     }
 }
 
@@ -163,12 +187,31 @@ impl OwnQuorum {
     /// # Errors
     /// As `ManagerClient::quorum`; `InvalidArgument` inside a tokio runtime.
     pub fn wait(self) -> Result<crate::proto::ManagerQuorumResponse> {
-        self.0.wait()?
+        match self.0 {
+            Path::Own(started) => started.wait()?,
+            Path::Spawned(mut spawned) => {
+                own_link::outside_runtime("OwnQuorum::wait", "await ManagerClient::quorum")?;
+                let Some(handle) = spawned.0.take() else {
+                    return Err(Error::Shutdown);
+                };
+                crate::runtime::get().block_on(handle).map_err(|e| {
+                    Error::Unavailable(format!("the quorum request's task failed: {e}"))
+                })?
+            }
+        }
     }
 
     /// Whether the answer is in (an answer already arrived is read first, without waiting).
     pub fn is_done(&self) -> bool {
-        self.0.is_done()
+        match &self.0 {
+            Path::Own(started) => started.is_done(),
+            Path::Spawned(spawned) => spawned.0.as_ref().is_none_or(|h| h.is_finished()),
+        }
+    }
+
+    /// Whether the request went on the hosting rank's own connection.
+    pub fn on_own_link(&self) -> bool {
+        matches!(self.0, Path::Own(_))
     }
 }
 
@@ -422,9 +465,8 @@ impl ManagerServer {
         }
         let link = &self.inner.own_link;
         if self.inner.commit_unsupported.load(Ordering::Relaxed) {
-            // No announcement to send (an upstream lighthouse): the gate is local, and the
-            // link, if one was opened to find that out, is closed.
-            link.close();
+            // No announcement to send (an upstream lighthouse): the gate is local. The link
+            // stays open for the group's quorum requests.
             return crate::runtime::get().block_on(self.may_commit(step, timeout));
         }
         let started = Instant::now();
@@ -438,9 +480,6 @@ impl ManagerServer {
             Err(e) => return Err(e),
         };
         if announced != Announced::Unreached {
-            if self.inner.commit_unsupported.load(Ordering::Relaxed) {
-                link.close(); // found out just now: never used again
-            }
             return Ok(announced == Announced::Accepted);
         }
         // Nothing else would notice a connection that went silent: the next commit dials
@@ -460,11 +499,15 @@ impl ManagerServer {
     /// Starts this rank's quorum request, as `ManagerClient::quorum` to this server would, on
     /// the calling thread (outside any tokio runtime) of a group whose only rank is the
     /// hosting one: the lighthouse request goes on the connection that thread drives (see
-    /// `own_link`, and [`ManagerServer::may_commit_blocking`] for the other request on it),
-    /// and this returns once it is written. [`OwnQuorum::wait`] drives that connection again
-    /// until the answer. Same answers, errors and deadline as the client's call; a first
-    /// try on that connection that gets no answer within [`OWN_LINK_TRY`], or loses the
-    /// connection, is sent again on the shared one for the rest of the deadline.
+    /// `own_link`, and [`ManagerServer::may_commit_blocking`] for the other request on it).
+    /// This drives it until the request is written, and returns; [`OwnQuorum::wait`] drives
+    /// it again until the answer (a request left undriven for longer than a heartbeat
+    /// interval is driven by a backstop thread meanwhile, so its answer is read in time). Same
+    /// answers, errors and deadline as the client's call; a request whose connection fails
+    /// or is closed under it is sent again on the shared connection for the rest of the
+    /// deadline. While that connection is not connected (it is dialled by the rank's commit
+    /// announcement), the request goes on the shared connection from the server's tasks,
+    /// as a client's does.
     ///
     /// # Errors
     /// `InvalidArgument` in a group of several ranks (their round is answered once all
@@ -486,13 +529,24 @@ impl ManagerServer {
         let local =
             crate::client::in_process::find(&self.address, self.inner.opts.security.token.as_ref())
                 .ok_or(Error::Shutdown)?;
+        if !self.inner.own_link.connected() {
+            // Not connected yet (the group's first step, or the first after the connection
+            // was closed): dialling it now would keep the request from the wire until the
+            // rank waits, maybe after a long first forward pass, while the other groups'
+            // round waits for it. It goes on the shared connection, as from a client; the
+            // rank's next commit announcement dials the own connection.
+            let call = crate::client::ManagerClient::quorum_local(local, req, timeout);
+            return Ok(OwnQuorum(Path::Spawned(Aborting(Some(
+                crate::runtime::get().spawn(call),
+            )))));
+        }
         let started = self.inner.own_link.start(move |attempt| {
             lighthouse::OWN_QUORUM.scope(
                 attempt,
                 crate::client::ManagerClient::quorum_local(local, req, timeout),
             )
         })?;
-        Ok(OwnQuorum(started))
+        Ok(OwnQuorum(Path::Own(started)))
     }
 
     /// Whether the hosting rank's own commit connection is open (for tests).

@@ -13,32 +13,39 @@
 //!
 //! A quorum is started, not waited for: the thread drives the connection until the request
 //! is written (the link counts the bytes it writes, and stops once a write is followed by a
-//! pass with nothing more to do), and drives it again when it waits for the answer. The
-//! answer may so be read well after it arrived; the server then dates the quorum from when
-//! its request was sent (see `lighthouse`), which the commit lease needs.
+//! pass with nothing more to do; the server starts quorums here only on a connection already
+//! made, which the commit announcements dial), and drives it again when it waits for the
+//! answer. Meanwhile the answer may come and wait unread: the server dates the quorum from
+//! when its request was sent (see `lighthouse`), which the commit lease needs. A request left
+//! undriven for longer than a heartbeat interval (its rank in a long forward pass) is driven
+//! by a backstop thread until the rank waits ([`OwnLink::drive_unattended`]), so its answer
+//! is read when it comes: its deadline and its waiting notes, timers that a late reading
+//! would race, hold as on the shared connection.
 //!
-//! Between two waits nothing drives the connection, so it cannot answer the lighthouse, nor
-//! notice by itself that the lighthouse is gone. The server therefore closes it (drops its
-//! runtime, which closes the socket) when it may be in the way or dead:
+//! Between two requests nothing drives the connection, so it cannot answer the lighthouse,
+//! nor notice by itself that the lighthouse is gone. The server therefore closes it (shuts
+//! its socket down and drops its runtime) when it may be in the way or dead:
 //! - when the open lighthouse session on the shared connection ends, or a new one fails to
 //!   open: a lighthouse stopping ends its sessions first, and the group closes this
 //!   connection a round trip later, so the lighthouse's graceful stop does not wait out its
 //!   grace for the answer to its last ping; a connection the shared link's keep-alive finds
-//!   dead ends the session too;
-//! - when an announcement or a quorum request gets no answer on it within
-//!   [`OWN_LINK_TRY`](super::OWN_LINK_TRY), or fails in its transport: the request is sent
-//!   again on the shared connection (a quorum request in flight on a connection closed for
-//!   any reason is too);
-//! - once the lighthouse turns out to take no announcements (an upstream one);
+//!   dead ends the session too. A quorum request in flight on it is sent again on the
+//!   shared connection;
+//! - when an announcement gets no answer on it within [`OWN_LINK_TRY`](super::OWN_LINK_TRY):
+//!   the announcement is sent again on the shared connection;
+//! - when a quorum request on it fails in its transport (it is sent again on the shared
+//!   connection) or times out (a quorum may rightly wait long for its members, so no
+//!   shorter try is cut off; a silent connection costs that one request);
 //! - for good at the server's shutdown.
 //!
-//! After any of these but the last, the next announcement dials anew.
+//! After any of these but the last, the next request dials anew.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
 use tokio::runtime::{Builder, Runtime};
@@ -70,8 +77,38 @@ struct Link {
     lighthouse: LighthouseClient,
     /// Bytes written on the connection so far.
     written: Arc<AtomicU64>,
+    /// The connection's sockets (one per dial), shut down when the link is closed.
+    sockets: Arc<Mutex<Vec<std::net::TcpStream>>>,
     /// Set when the link is closed: a request still in flight on it gives up.
     closed: watch::Sender<bool>,
+    /// A started request nobody drives (see [`OwnLink::drive_unattended`]).
+    unattended: Arc<Unattended>,
+}
+
+/// Since when a started request has been left without a thread driving its link (None: it
+/// is being waited for, or is done), and whether a backstop thread drives it now.
+#[derive(Default)]
+struct Unattended {
+    since: Mutex<Option<Instant>>,
+    /// Woken when the request is done or a waiter takes over.
+    attended: tokio::sync::Notify,
+    backstop: AtomicBool,
+}
+
+impl Unattended {
+    fn left(&self) {
+        *self.since.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+    }
+
+    /// A waiter takes over, or the request ended: a backstop driving the link stops.
+    fn taken(&self) {
+        *self.since.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.attended.notify_waiters();
+    }
+
+    fn since(&self) -> Option<Instant> {
+        *self.since.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// What a request started on the link ([`OwnLink::start`]) runs with.
@@ -89,6 +126,9 @@ impl Attempt {
         let _ = rx.wait_for(|closed| *closed).await;
     }
 }
+
+/// Longest a backstop thread drives the link before it checks again whether it still must.
+const BACKSTOP_SLICE: Duration = Duration::from_millis(20);
 
 /// Most passes of the link's runtime a start drives while waiting for its request to be
 /// written (each is one poll of the connection's socket without waiting): a connection
@@ -115,6 +155,7 @@ impl<T: Send + 'static> Started<T> {
         let (Some(rt), Some(handle)) = (&self.link.rt, self.handle.take()) else {
             return Err(Error::Shutdown);
         };
+        self.link.unattended.taken();
         rt.block_on(handle)
             .map_err(|e| Error::Unavailable(format!("the quorum request's task failed: {e}")))
     }
@@ -127,7 +168,11 @@ impl<T: Send + 'static> Started<T> {
         };
         if !handle.is_finished() && may_block() {
             if let Some(rt) = &self.link.rt {
+                self.link.unattended.taken();
                 rt.block_on(tokio::task::yield_now());
+                if !handle.is_finished() {
+                    self.link.unattended.left();
+                }
             }
         }
         handle.is_finished()
@@ -139,6 +184,7 @@ impl<T: Send + 'static> Drop for Started<T> {
         let Some(handle) = self.handle.take() else {
             return;
         };
+        self.link.unattended.taken();
         handle.abort();
         // Let the task see its cancellation (it may hold the link's quorum stream); from
         // inside a runtime, it does when the link is next driven or closed.
@@ -203,7 +249,13 @@ impl OwnLink {
             closed: link.closed.subscribe(),
         };
         let mut last = link.written.load(Ordering::Relaxed);
-        let handle = rt.spawn(call(attempt));
+        let request = call(attempt);
+        let unattended = link.unattended.clone();
+        let handle = rt.spawn(async move {
+            let answer = request.await;
+            unattended.taken();
+            answer
+        });
         rt.block_on(async {
             // Each pass runs every task the last one woke and polls the socket once: the
             // request is written once a pass wrote and the next one had nothing more to do.
@@ -222,10 +274,57 @@ impl OwnLink {
                 }
             }
         });
+        if !handle.is_finished() {
+            // Until its caller waits, a backstop may drive the link (see `drive_unattended`).
+            link.unattended.left();
+        }
         Ok(Started {
             link,
             handle: Some(handle),
         })
+    }
+
+    /// Drives the link on a thread of its own while a started request has been left
+    /// undriven for longer than `after` (its caller busy elsewhere, e.g. in a forward pass
+    /// longer than that), until the caller waits or the request ends: the answer is then
+    /// read when it comes, so the request's deadline and its waiting notes do not depend on
+    /// when the caller comes back. Called by the heartbeat loop; returns at once.
+    pub(super) fn drive_unattended(&self, after: Duration) {
+        let link = match &*self.open.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some(link) => link.clone(),
+            None => return,
+        };
+        let due = link
+            .unattended
+            .since()
+            .is_some_and(|since| since.elapsed() >= after);
+        if !due || link.unattended.backstop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("torchft-own-link".into())
+            .spawn({
+                let link = link.clone();
+                move || {
+                    if let Some(rt) = &link.rt {
+                        let u = &link.unattended;
+                        rt.block_on(async {
+                            // In slices: a waiter's arrival between the check and the wait
+                            // is seen within one.
+                            while u.since().is_some() {
+                                tokio::select! {
+                                    _ = u.attended.notified() => {}
+                                    _ = tokio::time::sleep(BACKSTOP_SLICE) => {}
+                                }
+                            }
+                        });
+                    }
+                    link.unattended.backstop.store(false, Ordering::SeqCst);
+                }
+            });
+        if spawned.is_err() {
+            link.unattended.backstop.store(false, Ordering::SeqCst);
+        }
     }
 
     /// Runs `call` with the link's client to completion on this thread, which drives the
@@ -257,6 +356,31 @@ impl OwnLink {
             .take();
         if let Some(link) = link {
             link.closed.send_replace(true);
+            // A started request may keep the runtime (and so the socket) alive until its
+            // caller comes back: the socket is shut down now, so the lighthouse sees it
+            // close at once (its graceful stop does not wait for it).
+            for s in link
+                .sockets
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+            {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
+    /// [`OwnLink::close`], if `attempt` runs on the connection open now (not on one closed
+    /// already, whose successor must stay).
+    pub(super) fn close_for(&self, attempt: &Attempt) {
+        let same = self
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|link| link.closed.subscribe().same_channel(&attempt.closed));
+        if same {
+            self.close();
         }
     }
 
@@ -265,6 +389,21 @@ impl OwnLink {
     pub(super) fn close_for_good(&self) {
         self.shut.store(true, Ordering::SeqCst);
         self.close();
+    }
+
+    /// Whether the link has a connection made (a request on it is written at once).
+    pub(super) fn connected(&self) -> bool {
+        self.open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|link| {
+                !link
+                    .sockets
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .is_empty()
+            })
     }
 
     /// Whether a connection is open (for tests).
@@ -286,14 +425,18 @@ impl OwnLink {
         let rt = Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| Error::Unavailable(format!("cannot start the commit runtime: {e}")))?;
+            .map_err(|e| Error::Unavailable(format!("cannot start the own link's runtime: {e}")))?;
         let written = Arc::new(AtomicU64::new(0));
+        let sockets = Arc::new(Mutex::new(Vec::new()));
         let lighthouse = {
             // The lazy channel starts its worker on the runtime entered here.
             let _entered = rt.enter();
             let channel = self
                 .endpoint
-                .connect_with_connector_lazy(CountingConnector(written.clone()));
+                .connect_with_connector_lazy(CountingConnector {
+                    written: written.clone(),
+                    sockets: sockets.clone(),
+                });
             LighthouseClient::from_channel(channel, self.token.as_ref())
                 .with_job(&self.job)?
                 .sharing_quorums_with(&self.shared)
@@ -302,7 +445,9 @@ impl OwnLink {
             rt: Some(rt),
             lighthouse,
             written,
+            sockets,
             closed: watch::channel(false).0,
+            unattended: Arc::default(),
         });
         *open = Some(link.clone());
         Ok(link)
@@ -339,7 +484,11 @@ impl Drop for Link {
 /// that add the bytes they write to a counter ([`OwnLink::start`] watches it). The
 /// endpoint's TLS, if any, is layered on top by the channel.
 #[derive(Clone)]
-struct CountingConnector(Arc<AtomicU64>);
+struct CountingConnector {
+    written: Arc<AtomicU64>,
+    /// Where each connection's socket is kept (a duplicate handle) for `OwnLink::close`.
+    sockets: Arc<Mutex<Vec<std::net::TcpStream>>>,
+}
 
 impl tower::Service<Uri> for CountingConnector {
     type Response = Counted;
@@ -351,7 +500,8 @@ impl tower::Service<Uri> for CountingConnector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let written = self.0.clone();
+        let written = self.written.clone();
+        let sockets = self.sockets.clone();
         Box::pin(async move {
             let host = uri
                 .host()
@@ -367,6 +517,12 @@ impl tower::Service<Uri> for CountingConnector {
                 });
             let stream = tokio::net::TcpStream::connect((host, port)).await?;
             stream.set_nodelay(true)?;
+            let plain = stream.into_std()?;
+            sockets
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(plain.try_clone()?);
+            let stream = tokio::net::TcpStream::from_std(plain)?;
             Ok(Counted {
                 io: TokioIo::new(stream),
                 written,

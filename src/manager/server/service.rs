@@ -64,6 +64,9 @@ impl ManagerService for Service {
                 // deadline below still bounds it.
                 let fut = inner.clone().answer_round(round);
                 return tokio::select! {
+                    // An answer that is in wins over the deadline (on the hosting rank's own
+                    // connection it may be read late).
+                    biased;
                     _ = fut => inner.await_answer(joined, deadline, timeout, &what).await,
                     _ = tokio::time::sleep_until(deadline) => Err(Error::timeout(&what, timeout)),
                 }
