@@ -221,7 +221,11 @@ async fn a_lone_ranks_own_thread_quorum_is_on_the_wire_before_it_is_waited_for()
         // Two groups needed: the other group's quorum forms only once this one's request
         // has reached the lighthouse.
         let lh = lighthouse(2).await;
-        let a = std::sync::Arc::new(group("a", &lh.address(), 1).await);
+        // Heartbeats (which may start a backstop driving a request left alone, after one
+        // interval) slower than b's round below may take if a's request is on the wire.
+        let mut o = opts("a", &lh.address(), 1);
+        o.heartbeat_interval = Duration::from_millis(700);
+        let a = std::sync::Arc::new(group_with(o).await);
         let b = group("b", &lh.address(), 1).await;
         for step in 0..3 {
             let started = start_on_own_thread(&a, step, LONG).await.unwrap();
@@ -229,7 +233,13 @@ async fn a_lone_ranks_own_thread_quorum_is_on_the_wire_before_it_is_waited_for()
             // first commit announcement below), the others on the own connection.
             assert_eq!(started.on_own_link(), step > 0, "step {step}");
             // Nobody drives a's connection now: b's answer proves a's request was written.
+            let began = Instant::now();
             let theirs = round(&b, step, LONG).await.remove(0).unwrap();
+            let took = began.elapsed();
+            assert!(
+                took < Duration::from_millis(500),
+                "step {step}: b waited {took:?}"
+            );
             assert_eq!(theirs.replica_world_size, 2, "step {step}");
             // The answer came meanwhile: `is_done` reads it without waiting.
             let mut done = false;
@@ -308,12 +318,12 @@ async fn a_lone_ranks_quorum_in_flight_rides_out_a_lighthouse_restart() {
         wait_on_own_thread(started).await.unwrap();
         assert!(commit_on_own_thread(&a, 0).unwrap()); // dials the own connection
 
-        // a's next request waits at the lighthouse (b has not asked) when it stops: the
-        // request leaves the closed connection and is retried on the shared one until the
-        // restarted lighthouse answers it with b.
+        // a's next request waits at the lighthouse (b has not asked) when it stops, and
+        // nobody waits for it: closing the connection under it starts a backstop thread,
+        // and the request is sent again on the shared connection until the restarted
+        // lighthouse answers it with b.
         let started = start_on_own_thread(&a, 1, LONG).await.unwrap();
         assert!(started.on_own_link());
-        let waiting = tokio::spawn(wait_on_own_thread(started));
         tokio::time::sleep(Duration::from_millis(200)).await;
         let began = Instant::now();
         lh.shutdown().await;
@@ -330,7 +340,9 @@ async fn a_lone_ranks_quorum_in_flight_rides_out_a_lighthouse_restart() {
         assert!(!a.server.own_commit_link_open());
         tokio::time::sleep(Duration::from_millis(300)).await;
         let lh = lighthouse_on(&bind, 2).await;
+        // b's round forms only with a's request, sent again while a is away.
         let theirs = round(&b, 1, LONG).await.remove(0).unwrap();
+        let waiting = tokio::spawn(wait_on_own_thread(started));
         let mine = waiting.await.unwrap().unwrap();
         assert_eq!(mine.quorum_id, theirs.quorum_id);
         assert_eq!(mine.replica_world_size, 2);
@@ -428,7 +440,7 @@ async fn a_lone_ranks_quorum_answered_late_is_dated_from_its_request() {
         hold.send(0b10).unwrap(); // the own connection: its answer waits in the relay
         round(&b, 1, LONG).await.remove(0).unwrap();
         hold.send(0b11).unwrap(); // and the heartbeats
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        tokio::time::sleep(Duration::from_millis(1300)).await;
         hold.send(0b10).unwrap();
         // Heartbeats are acknowledged again (a few periods), which records the lapse; then
         // the answer comes through.
@@ -496,36 +508,54 @@ async fn a_lone_ranks_quorum_on_a_silent_connection_fails_that_request_only() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lone_ranks_quorum_waited_for_after_its_deadline_gets_the_answer_that_came_in_time() {
+async fn a_lone_ranks_quorum_left_alone_past_its_deadline_is_read_in_time_by_a_backstop() {
     bounded(async {
         let lh = lighthouse(2).await;
         let a = std::sync::Arc::new(group("a", &lh.address(), 1).await);
         let b = group("b", &lh.address(), 1).await;
-        // A first step, whose commit announcement dials the own connection.
+        let c = std::sync::Arc::new(group("c", &lh.address(), 1).await);
+        // A first step of a and b, whose commit announcement dials a's own connection.
         let started = start_on_own_thread(&a, 0, LONG).await.unwrap();
-        round(&b, 0, LONG).await.remove(0).unwrap();
+        let first = round(&b, 0, LONG).await.remove(0).unwrap();
         wait_on_own_thread(started).await.unwrap();
         assert!(commit_on_own_thread(&a, 0).unwrap());
 
         // The rank comes back to wait only after its request's deadline (a forward pass
-        // longer than that): the answer came long before, unread, and wins over the deadline.
+        // longer than that). Meanwhile c joins, so the quorum is a new one: the server took
+        // it in without the rank (a backstop thread read the answer when it came), and the
+        // rank gets it, not a timeout.
         let deadline = Duration::from_millis(1000);
         let started = start_on_own_thread(&a, 1, deadline).await.unwrap();
         assert!(started.on_own_link());
+        let joining = tokio::spawn({
+            let c = c.clone();
+            async move { round(&c, 1, LONG).await.remove(0).unwrap() }
+        });
         tokio::time::sleep(Duration::from_millis(100)).await;
         let theirs = round(&b, 1, LONG).await.remove(0).unwrap();
+        assert_eq!(theirs.replica_world_size, 3);
+        assert_ne!(theirs.quorum_id, first.quorum_id);
+        joining.await.unwrap();
         tokio::time::sleep(deadline + Duration::from_millis(500)).await;
+        let seen = a.server.describe();
+        assert!(
+            seen.contains(&format!("quorum {};", theirs.quorum_id)),
+            "{seen}"
+        );
         let mine = wait_on_own_thread(started).await.unwrap();
         assert_eq!(mine.quorum_id, theirs.quorum_id);
         // And steps as usual go on.
         for step in 2..6 {
             let started = start_on_own_thread(&a, step, LONG).await.unwrap();
             assert!(started.on_own_link());
-            round(&b, step, LONG).await.remove(0).unwrap();
+            let (rb, rc) = tokio::join!(round(&b, step, LONG), round(&c, step, LONG));
+            rb[0].as_ref().unwrap();
+            rc[0].as_ref().unwrap();
             wait_on_own_thread(started).await.unwrap();
         }
         a.server.shutdown().await;
         b.server.shutdown().await;
+        c.server.shutdown().await;
         lh.shutdown().await;
     })
     .await;

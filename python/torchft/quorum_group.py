@@ -503,7 +503,7 @@ def quorum_sender(
 ) -> NativeManagerClient | NativeManagerServer:
     """Where a rank starts its async quorum request: the manager server itself when the rank
     hosts it and the group has no other rank (the request then goes on a lighthouse
-    connection the calling thread drives: no runtime thread is woken on either way), else
+    connection the calling thread drives: in a short step no other thread is woken), else
     its manager client (``client()``, which raises once the Manager is shut down)."""
     if server is not None and group_world_size == 1:
         return server

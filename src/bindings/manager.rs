@@ -175,7 +175,7 @@ impl PyManagerServer {
     /// `ManagerClient._quorum_start` for the hosting rank of a group of one rank: the
     /// request goes on a connection to the lighthouse that the calling thread drives (GIL
     /// released) until the request is written and again in `PendingQuorum.wait`, so no
-    /// runtime thread is woken on either way. Same arguments, answers and errors; raises
+    /// other thread is woken in a short step. Same arguments, answers and errors; raises
     /// ValueError in a group of several ranks (their ranks use the client's).
     #[pyo3(signature = (*args, **fields))]
     fn _quorum_start(

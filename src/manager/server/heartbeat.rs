@@ -212,10 +212,10 @@ pub(super) async fn session_loop(inner: Arc<Inner>, mut heartbeats: oneshot::Rec
                     }
                 };
                 // The lighthouse stopping ends its sessions first; a dead connection ends
-                // this one too. Either way the hosting rank's own commit connection, which
-                // nothing drives between commits, is closed now (see `own_link`): the
-                // lighthouse's graceful stop does not wait on it, and the next commit dials
-                // anew.
+                // this one too. Either way the hosting rank's own connection, which nothing
+                // drives between requests, is closed now (see `own_link`): the lighthouse's
+                // graceful stop does not wait on it, a quorum request on it is sent again on
+                // the shared connection, and the next commit announcement dials anew.
                 inner.own_link.close();
                 ended
             }

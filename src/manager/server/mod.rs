@@ -87,9 +87,11 @@ struct Inner {
     lighthouse_addr: String,
     /// Keeps the last quorum received, so the lighthouse can answer in compact form.
     lighthouse: LighthouseClient,
-    /// The commit announcements of a hosting rank that votes alone, on a connection its
-    /// thread drives while it waits (see [`ManagerServer::may_commit_blocking`]); opened on
-    /// first use, closed when it may be in the way or dead (see `own_link`).
+    /// The quorum requests and commit announcements of a hosting rank that is its group's
+    /// only rank, on a connection its thread drives (see
+    /// [`ManagerServer::quorum_start_blocking`], [`ManagerServer::may_commit_blocking`]);
+    /// dialled by the first announcement, closed when it may be in the way or dead (see
+    /// `own_link`).
     own_link: OwnLink,
     gather: QuorumGather,
     barrier: CommitBarrier,
@@ -529,27 +531,34 @@ impl ManagerServer {
         let local =
             crate::client::in_process::find(&self.address, self.inner.opts.security.token.as_ref())
                 .ok_or(Error::Shutdown)?;
-        if !self.inner.own_link.connected() {
-            // Not connected yet (the group's first step, or the first after the connection
-            // was closed): dialling it now would keep the request from the wire until the
-            // rank waits, maybe after a long first forward pass, while the other groups'
-            // round waits for it. It goes on the shared connection, as from a client; the
-            // rank's next commit announcement dials the own connection.
-            let call = crate::client::ManagerClient::quorum_local(local, req, timeout);
-            return Ok(OwnQuorum(Path::Spawned(Aborting(Some(
-                crate::runtime::get().spawn(call),
-            )))));
+        let started = self.inner.own_link.start({
+            let (local, req) = (local.clone(), req.clone());
+            move |attempt| {
+                lighthouse::OWN_QUORUM.scope(
+                    attempt,
+                    crate::client::ManagerClient::quorum_local(local, req, timeout),
+                )
+            }
+        });
+        match started {
+            Ok(started) => Ok(OwnQuorum(Path::Own(started))),
+            // Not connected (the group's first step, or the first after the connection was
+            // closed): dialling it now would keep the request from the wire until the rank
+            // waits, maybe after a long first forward pass, while the other groups' round
+            // waits for it. It goes on the shared connection, as from a client; the rank's
+            // next commit announcement dials the own connection.
+            Err(Error::Unavailable(_)) => {
+                let call = crate::client::ManagerClient::quorum_local(local, req, timeout);
+                Ok(OwnQuorum(Path::Spawned(Aborting(Some(
+                    crate::runtime::get().spawn(call),
+                )))))
+            }
+            Err(e) => Err(e),
         }
-        let started = self.inner.own_link.start(move |attempt| {
-            lighthouse::OWN_QUORUM.scope(
-                attempt,
-                crate::client::ManagerClient::quorum_local(local, req, timeout),
-            )
-        })?;
-        Ok(OwnQuorum(Path::Own(started)))
     }
 
-    /// Whether the hosting rank's own commit connection is open (for tests).
+    /// Whether the hosting rank's own connection (quorum requests, commit announcements) is
+    /// open (for tests).
     pub fn own_commit_link_open(&self) -> bool {
         self.inner.own_link.is_open()
     }

@@ -77,37 +77,71 @@ struct Link {
     lighthouse: LighthouseClient,
     /// Bytes written on the connection so far.
     written: Arc<AtomicU64>,
-    /// The connection's sockets (one per dial), shut down when the link is closed.
-    sockets: Arc<Mutex<Vec<std::net::TcpStream>>>,
+    /// The connection's live sockets (a duplicate handle per dial, dropped with its
+    /// connection), shut down when the link is closed.
+    sockets: Sockets,
     /// Set when the link is closed: a request still in flight on it gives up.
     closed: watch::Sender<bool>,
     /// A started request nobody drives (see [`OwnLink::drive_unattended`]).
     unattended: Arc<Unattended>,
 }
 
-/// Since when a started request has been left without a thread driving its link (None: it
-/// is being waited for, or is done), and whether a backstop thread drives it now.
+/// The link's latest started request: since when it has been left without a thread driving
+/// the link (None: it is being waited for, or is done), and whether a backstop thread drives
+/// the link now. A newer request takes the slot over: an older one's end or drop leaves it.
 #[derive(Default)]
 struct Unattended {
-    since: Mutex<Option<Instant>>,
+    slot: Mutex<Slot>,
     /// Woken when the request is done or a waiter takes over.
     attended: tokio::sync::Notify,
     backstop: AtomicBool,
 }
 
+#[derive(Default)]
+struct Slot {
+    request: u64,
+    since: Option<Instant>,
+    done: bool,
+}
+
 impl Unattended {
-    fn left(&self) {
-        *self.since.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A waiter takes over, or the request ended: a backstop driving the link stops.
-    fn taken(&self) {
-        *self.since.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    /// A new request: returns its number.
+    fn begin(&self) -> u64 {
+        let mut slot = self.slot();
+        *slot = Slot {
+            request: slot.request + 1,
+            since: None,
+            done: false,
+        };
+        slot.request
+    }
+
+    /// Request `n` is left undriven (unless it is done, or no longer the latest).
+    fn left(&self, n: u64) {
+        let mut slot = self.slot();
+        if slot.request == n && !slot.done {
+            slot.since = Some(Instant::now());
+        }
+    }
+
+    /// A waiter takes request `n` over (`done`: or it ended): a backstop stops driving.
+    fn taken(&self, n: u64, done: bool) {
+        {
+            let mut slot = self.slot();
+            if slot.request == n {
+                slot.since = None;
+                slot.done |= done;
+            }
+        }
         self.attended.notify_waiters();
     }
 
     fn since(&self) -> Option<Instant> {
-        *self.since.lock().unwrap_or_else(PoisonError::into_inner)
+        self.slot().since
     }
 }
 
@@ -127,18 +161,20 @@ impl Attempt {
     }
 }
 
-/// Longest a backstop thread drives the link before it checks again whether it still must.
-const BACKSTOP_SLICE: Duration = Duration::from_millis(20);
+/// Passes of the link's runtime `is_done` drives to read an answer that is in.
+const READ_PASSES: usize = 3;
 
 /// Most passes of the link's runtime a start drives while waiting for its request to be
-/// written (each is one poll of the connection's socket without waiting): a connection
-/// still being dialled sends the request when the caller next waits instead.
+/// written (each is one poll of the connection's socket without waiting); a request not
+/// written by then goes out when the link is next driven (its waiter, or a backstop).
 const FLUSH_PASSES: usize = 16;
 
 /// A request started on the link and left running; the caller drives the link again to
 /// wait for its answer. Dropped unanswered, the request is cancelled.
 pub(super) struct Started<T: Send + 'static> {
     link: Arc<Link>,
+    /// The request's number on its link (see `Unattended`).
+    n: u64,
     handle: Option<JoinHandle<T>>,
 }
 
@@ -155,24 +191,30 @@ impl<T: Send + 'static> Started<T> {
         let (Some(rt), Some(handle)) = (&self.link.rt, self.handle.take()) else {
             return Err(Error::Shutdown);
         };
-        self.link.unattended.taken();
+        self.link.unattended.taken(self.n, false);
         rt.block_on(handle)
             .map_err(|e| Error::Unavailable(format!("the quorum request's task failed: {e}")))
     }
 
-    /// Whether the answer is in: drives the link for one pass (without waiting) first, so
-    /// an answer that arrived is read.
+    /// Whether the answer is in: drives the link for a few passes (without waiting) first,
+    /// so an answer that arrived is read.
     pub(super) fn is_done(&self) -> bool {
         let Some(handle) = &self.handle else {
             return true;
         };
         if !handle.is_finished() && may_block() {
             if let Some(rt) = &self.link.rt {
-                self.link.unattended.taken();
-                rt.block_on(tokio::task::yield_now());
-                if !handle.is_finished() {
-                    self.link.unattended.left();
-                }
+                self.link.unattended.taken(self.n, false);
+                rt.block_on(async {
+                    // The socket is read in one pass, the answer handed on in the next.
+                    for _ in 0..READ_PASSES {
+                        tokio::task::yield_now().await;
+                        if handle.is_finished() {
+                            break;
+                        }
+                    }
+                });
+                self.link.unattended.left(self.n);
             }
         }
         handle.is_finished()
@@ -184,7 +226,7 @@ impl<T: Send + 'static> Drop for Started<T> {
         let Some(handle) = self.handle.take() else {
             return;
         };
-        self.link.unattended.taken();
+        self.link.unattended.taken(self.n, true);
         handle.abort();
         // Let the task see its cancellation (it may hold the link's quorum stream); from
         // inside a runtime, it does when the link is next driven or closed.
@@ -226,21 +268,24 @@ impl OwnLink {
         }
     }
 
-    /// Starts `call` on the link (dialled first if it is not open) and drives the link on
-    /// this thread until its request is written, then returns: the request goes on while
+    /// Starts `call` on the link's live connection and drives the link on this thread
+    /// until its request is written, then returns: the request goes on while
     /// the caller does other work, and [`Started::wait`] drives the link again for the
     /// answer.
     ///
     /// # Errors
-    /// `Unavailable` when the link's runtime cannot start; `Shutdown` after
-    /// [`OwnLink::close_for_good`]. The caller checks it runs outside any runtime.
+    /// `Unavailable` when the link has no live connection (`start` does not dial: see
+    /// `ManagerServer::quorum_start_blocking`). The caller checks it runs outside any
+    /// runtime.
     pub(super) fn start<F, Fut>(&self, call: F) -> Result<Started<Fut::Output>>
     where
         F: FnOnce(Attempt) -> Fut,
         Fut: Future + Send + 'static,
         Fut::Output: Send + 'static,
     {
-        let link = self.link()?;
+        let link = self.connected_link().ok_or(Error::Unavailable(
+            "the own connection is not connected".into(),
+        ))?;
         let Some(rt) = &link.rt else {
             return Err(Error::Shutdown);
         };
@@ -250,10 +295,11 @@ impl OwnLink {
         };
         let mut last = link.written.load(Ordering::Relaxed);
         let request = call(attempt);
+        let n = link.unattended.begin();
         let unattended = link.unattended.clone();
         let handle = rt.spawn(async move {
             let answer = request.await;
-            unattended.taken();
+            unattended.taken(n, true);
             answer
         });
         rt.block_on(async {
@@ -274,12 +320,11 @@ impl OwnLink {
                 }
             }
         });
-        if !handle.is_finished() {
-            // Until its caller waits, a backstop may drive the link (see `drive_unattended`).
-            link.unattended.left();
-        }
+        // Until its caller waits, a backstop may drive the link (see `drive_unattended`).
+        link.unattended.left(n);
         Ok(Started {
             link,
+            n,
             handle: Some(handle),
         })
     }
@@ -294,36 +339,12 @@ impl OwnLink {
             Some(link) => link.clone(),
             None => return,
         };
-        let due = link
+        if link
             .unattended
             .since()
-            .is_some_and(|since| since.elapsed() >= after);
-        if !due || link.unattended.backstop.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let spawned = std::thread::Builder::new()
-            .name("torchft-own-link".into())
-            .spawn({
-                let link = link.clone();
-                move || {
-                    if let Some(rt) = &link.rt {
-                        let u = &link.unattended;
-                        rt.block_on(async {
-                            // In slices: a waiter's arrival between the check and the wait
-                            // is seen within one.
-                            while u.since().is_some() {
-                                tokio::select! {
-                                    _ = u.attended.notified() => {}
-                                    _ = tokio::time::sleep(BACKSTOP_SLICE) => {}
-                                }
-                            }
-                        });
-                    }
-                    link.unattended.backstop.store(false, Ordering::SeqCst);
-                }
-            });
-        if spawned.is_err() {
-            link.unattended.backstop.store(false, Ordering::SeqCst);
+            .is_some_and(|since| since.elapsed() >= after)
+        {
+            backstop(link);
         }
     }
 
@@ -345,9 +366,10 @@ impl OwnLink {
         }
     }
 
-    /// Closes the connection, if open: a request in flight on it gives up (see
-    /// [`Attempt::closed`]), and its runtime and tasks are dropped, which closes the socket
-    /// (at once, or once the calls still running on it return). The next call dials anew.
+    /// Closes the connection, if open: its sockets are shut down, a request in flight on it
+    /// gives up (see [`Attempt::closed`]; one left undriven is driven by a backstop thread
+    /// meanwhile), and its runtime and tasks are dropped once the calls still running on it
+    /// return. The next announcement dials anew.
     pub(super) fn close(&self) {
         let link = self
             .open
@@ -356,10 +378,15 @@ impl OwnLink {
             .take();
         if let Some(link) = link {
             link.closed.send_replace(true);
+            // A request left on it is sent again on the shared connection by its task, which
+            // must be driven for that: now, not when its caller comes back.
+            if link.unattended.since().is_some() {
+                backstop(link.clone());
+            }
             // A started request may keep the runtime (and so the socket) alive until its
             // caller comes back: the socket is shut down now, so the lighthouse sees it
             // close at once (its graceful stop does not wait for it).
-            for s in link
+            for (_, s) in link
                 .sockets
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -391,19 +418,16 @@ impl OwnLink {
         self.close();
     }
 
-    /// Whether the link has a connection made (a request on it is written at once).
-    pub(super) fn connected(&self) -> bool {
-        self.open
+    /// The open link, if it has a live connection (one its channel still holds).
+    fn connected_link(&self) -> Option<Arc<Link>> {
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let link = open.as_ref()?;
+        let live = !link
+            .sockets
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .is_some_and(|link| {
-                !link
-                    .sockets
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .is_empty()
-            })
+            .is_empty();
+        live.then(|| link.clone())
     }
 
     /// Whether a connection is open (for tests).
@@ -427,7 +451,7 @@ impl OwnLink {
             .build()
             .map_err(|e| Error::Unavailable(format!("cannot start the own link's runtime: {e}")))?;
         let written = Arc::new(AtomicU64::new(0));
-        let sockets = Arc::new(Mutex::new(Vec::new()));
+        let sockets = Sockets::default();
         let lighthouse = {
             // The lazy channel starts its worker on the runtime entered here.
             let _entered = rt.enter();
@@ -487,8 +511,14 @@ impl Drop for Link {
 struct CountingConnector {
     written: Arc<AtomicU64>,
     /// Where each connection's socket is kept (a duplicate handle) for `OwnLink::close`.
-    sockets: Arc<Mutex<Vec<std::net::TcpStream>>>,
+    sockets: Sockets,
 }
+
+/// A link's live sockets by dial number.
+type Sockets = Arc<Mutex<Vec<(u64, std::net::TcpStream)>>>;
+
+/// Numbers the dials of all links.
+static DIALS: AtomicU64 = AtomicU64::new(0);
 
 impl tower::Service<Uri> for CountingConnector {
     type Response = Counted;
@@ -518,23 +548,38 @@ impl tower::Service<Uri> for CountingConnector {
             let stream = tokio::net::TcpStream::connect((host, port)).await?;
             stream.set_nodelay(true)?;
             let plain = stream.into_std()?;
+            let dial = DIALS.fetch_add(1, Ordering::Relaxed);
             sockets
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .push(plain.try_clone()?);
+                .push((dial, plain.try_clone()?));
             let stream = tokio::net::TcpStream::from_std(plain)?;
             Ok(Counted {
                 io: TokioIo::new(stream),
                 written,
+                dial,
+                sockets,
             })
         })
     }
 }
 
-/// A connection that counts the bytes written on it.
+/// A connection that counts the bytes written on it; leaves its link's live sockets when
+/// the channel drops it.
 struct Counted {
     io: TokioIo<tokio::net::TcpStream>,
     written: Arc<AtomicU64>,
+    dial: u64,
+    sockets: Sockets,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.sockets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(dial, _)| *dial != self.dial);
+    }
 }
 
 impl Counted {
@@ -588,5 +633,46 @@ impl hyper::rt::Write for Counted {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Drives `link` on a thread of its own until its latest started request is taken over by
+/// a waiter or ends (one such thread per link at a time); returns at once.
+fn backstop(link: Arc<Link>) {
+    if link.unattended.backstop.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    /// Clears the link's backstop mark when the thread ends, panicking or not.
+    struct Running(Arc<Link>);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.0.unattended.backstop.store(false, Ordering::SeqCst);
+        }
+    }
+    let running = Running(link.clone());
+    let spawned = std::thread::Builder::new()
+        .name("torchft-own-link".into())
+        .spawn(move || {
+            let link = running.0.clone();
+            let Some(rt) = &link.rt else {
+                return;
+            };
+            let u = &link.unattended;
+            rt.block_on(async {
+                loop {
+                    // Registered before the check, so a wake-up in between is not lost.
+                    let woken = u.attended.notified();
+                    tokio::pin!(woken);
+                    woken.as_mut().enable();
+                    if u.since().is_none() {
+                        break;
+                    }
+                    woken.await;
+                }
+            });
+            drop(running);
+        });
+    if spawned.is_err() {
+        link.unattended.backstop.store(false, Ordering::SeqCst);
     }
 }
