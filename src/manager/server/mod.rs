@@ -532,12 +532,21 @@ impl ManagerServer {
             crate::client::in_process::find(&self.address, self.inner.opts.security.token.as_ref())
                 .ok_or(Error::Shutdown)?;
         let started = self.inner.own_link.start({
-            let (local, req) = (local.clone(), req.clone());
-            move |attempt| {
-                lighthouse::OWN_QUORUM.scope(
-                    attempt,
-                    crate::client::ManagerClient::quorum_local(local, req, timeout),
-                )
+            let (local, req, inner) = (local.clone(), req.clone(), self.inner.clone());
+            move |attempt| async move {
+                let on = attempt.clone();
+                let answer = lighthouse::OWN_QUORUM
+                    .scope(
+                        attempt,
+                        crate::client::ManagerClient::quorum_local(local, req, timeout),
+                    )
+                    .await;
+                if matches!(answer, Err(Error::Timeout(_))) {
+                    // Whichever deadline ended it: the connection may have gone silent,
+                    // which nothing else would notice.
+                    inner.own_link.close_for(&on);
+                }
+                answer
             }
         });
         match started {
