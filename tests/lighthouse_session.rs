@@ -12,6 +12,7 @@
 
 mod common;
 use common::bounded;
+use common::groups;
 use common::TEST_TIMEOUT;
 
 use std::process::{Child, Command, Stdio};
@@ -348,18 +349,9 @@ async fn hang_is_lost_after_heartbeat_timeout_and_slow_is_not() {
     .await;
 }
 
+/// A single-rank group's options (see `groups::opts`).
 fn manager_opts(replica_id: &str, lighthouse_addr: &str) -> ManagerOptions {
-    ManagerOptions {
-        replica_id: replica_id.to_string(),
-        lighthouse_addr: lighthouse_addr.to_string(),
-        hostname: "127.0.0.1".to_string(),
-        bind: "127.0.0.1:0".to_string(),
-        store_addr: format!("{replica_id}-store:29500"),
-        world_size: 1,
-        heartbeat_interval: Duration::from_millis(50),
-        connect_timeout: CONNECT,
-        ..ManagerOptions::default()
-    }
+    groups::opts(replica_id, lighthouse_addr, 1)
 }
 
 fn rank_request(step: i64) -> ManagerQuorumRequest {

@@ -5,7 +5,7 @@ mod common;
 use common::groups::{
     dead_port, group, group_with, lighthouse, lighthouse_on, opts, req, round, Group, LONG,
 };
-use common::{bounded, serve_fake, FakeLighthouse};
+use common::{alone, bounded, requester, serve_fake, FakeLighthouse};
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use torchft::error::Error;
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, ManagerQuorumResponse, Quorum,
+    LighthouseQuorumResponse, ManagerQuorumResponse,
 };
 
 /// `may_commit_blocking` on a thread outside any runtime, as a hosting rank's training
@@ -578,17 +578,7 @@ impl FakeLighthouse for std::sync::Arc<UpstreamLike> {
         if let Some(peer) = request.remote_addr() {
             self.peers.lock().unwrap().push(peer);
         }
-        let member = request
-            .into_inner()
-            .requester
-            .ok_or_else(|| Status::invalid_argument("no requester"))?;
-        Ok(Response::new(LighthouseQuorumResponse {
-            quorum: Some(Quorum {
-                quorum_id: 3,
-                participants: vec![member],
-                ..Default::default()
-            }),
-        }))
+        Ok(alone(requester(request)?, 3))
     }
 
     async fn heartbeat(

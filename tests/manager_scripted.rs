@@ -1,7 +1,7 @@
 //! The manager against scripted lighthouses: what it sends, how often, retries, heartbeats.
 
 mod common;
-use common::{bounded, serve_fake, FakeLighthouse};
+use common::{alone, bounded, requester, serve_fake, FakeLighthouse};
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,8 +11,8 @@ use torchft::error::Error;
 use torchft::manager::{ManagerClient, ManagerOptions, ManagerServer};
 use torchft::proto::{
     LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
-    LighthouseQuorumResponse, ManagerQuorumRequest, Quorum, QuorumMember, TelemetryAck,
-    TelemetryBatch, TelemetryReport,
+    LighthouseQuorumResponse, ManagerQuorumRequest, QuorumMember, TelemetryAck, TelemetryBatch,
+    TelemetryReport,
 };
 
 /// A lighthouse whose heartbeat handler records the arrival and then hangs for a long time.
@@ -97,10 +97,7 @@ impl FakeLighthouse for RecordingLighthouse {
         &self,
         request: Request<LighthouseQuorumRequest>,
     ) -> Result<Response<LighthouseQuorumResponse>, Status> {
-        let member = request
-            .into_inner()
-            .requester
-            .ok_or_else(|| Status::invalid_argument("no requester"))?;
+        let member = requester(request)?;
         let n = {
             let mut reqs = self.requests.lock().unwrap();
             reqs.push(member.clone());
@@ -109,13 +106,7 @@ impl FakeLighthouse for RecordingLighthouse {
         if n <= self.fail_first {
             return Err(Status::unavailable(format!("scripted failure {n}")));
         }
-        Ok(Response::new(LighthouseQuorumResponse {
-            quorum: Some(Quorum {
-                quorum_id: 42,
-                participants: vec![member],
-                ..Default::default()
-            }),
-        }))
+        Ok(alone(member, 42))
     }
 
     async fn heartbeat(

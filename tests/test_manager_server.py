@@ -348,6 +348,9 @@ def test_bad_arguments_raise_value_error(
         with pytest.raises(ValueError):
             g.server._note_quorum_wait(step, seconds)
     g.server._note_quorum_wait(3, 0.25)
+    # Only a group of one rank starts its quorum on the server (the others use the client).
+    with pytest.raises(ValueError, match="one rank"):
+        g.server._quorum_start(_req(0, 0, "m"), LONG)
     with pytest.raises(ValueError):
         ManagerServer("b", lighthouse.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 0)
     with pytest.raises(ValueError):

@@ -13,8 +13,8 @@ use tonic::{Request, Response, Status, Streaming};
 use torchft::proto::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 use torchft::proto::{
     LighthouseCommitRequest, LighthouseCommitResponse, LighthouseHeartbeatRequest,
-    LighthouseHeartbeatResponse, LighthouseQuorumRequest, LighthouseQuorumResponse,
-    QuorumStreamRequest, SessionEvent, SessionRequest, TelemetryAck, TelemetryBatch,
+    LighthouseHeartbeatResponse, LighthouseQuorumRequest, LighthouseQuorumResponse, Quorum,
+    QuorumMember, QuorumStreamRequest, SessionEvent, SessionRequest, TelemetryAck, TelemetryBatch,
 };
 
 /// The longest one test may run: a hung test fails instead of stalling the suite.
@@ -90,6 +90,28 @@ pub trait FakeLighthouse: Send + Sync + 'static {
     ) -> Result<Response<Answers<LighthouseCommitResponse>>, Status> {
         not_here("commit stream")
     }
+}
+
+/// The member a Quorum call asks for (InvalidArgument when it names none).
+#[allow(dead_code)] // not every test file scripts a lighthouse
+pub fn requester(request: Request<LighthouseQuorumRequest>) -> Result<QuorumMember, Status> {
+    request
+        .into_inner()
+        .requester
+        .ok_or_else(|| Status::invalid_argument("no requester"))
+}
+
+/// An answer as upstream's lighthouse gives a lone group: quorum `quorum_id` of `member`
+/// alone.
+#[allow(dead_code)] // not every test file scripts a lighthouse
+pub fn alone(member: QuorumMember, quorum_id: i64) -> Response<LighthouseQuorumResponse> {
+    Response::new(LighthouseQuorumResponse {
+        quorum: Some(Quorum {
+            quorum_id,
+            participants: vec![member],
+            ..Default::default()
+        }),
+    })
 }
 
 /// The gRPC service of a [`FakeLighthouse`].
