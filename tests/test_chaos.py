@@ -662,6 +662,53 @@ def test_a_total_loss_check_can_fail(
     assert any(expected in v for v in violations), violations
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["finish-recorded", "not-recorded"])
+def test_a_restore_after_the_holders_finished_bypasses_no_one(
+    tmp_path: Path, recorded: bool
+) -> None:
+    """Groups a and b train to the target (step 6) and shut down cleanly while c's killed
+    process is away; their processes take a while to exit. c's new process, finding no one
+    left to heal from, restores the snapshot of step 4 and trains on to the target: the
+    finished processes held nothing then (the lighthouse recorded their clean shutdown),
+    so no live holder was bypassed. Without that record they count as holders until their
+    exit, and the same restore is a violation."""
+    hist = {
+        g: [_commit(g, pid, s, 10, f"s{s}", s + 0.01 * i, participants=3) for s in range(1, 7)]
+        + [_finish(g, pid, 6, "s6", 7.0 + 0.01 * i)]
+        for i, (g, pid) in enumerate((("a", P1), ("b", P2)))
+    }
+    hist["c.0"] = [_commit("c", P3, s, 10, f"s{s}", s + 0.02, participants=3) for s in (1, 2, 3, 4)]
+    hist["c.1"] = [
+        {"kind": "restore", "group": "c", "pid": P4, "step": 4, "state": "s4", "t": 8.2},
+        _commit("c", P4, 5, 11, "s5", 8.3),
+        _commit("c", P4, 6, 11, "s6", 8.4),
+        _finish("c", P4, 6, "s6", 8.5),
+    ]
+    _run(
+        tmp_path,
+        {"a.0": hist["a"], "b.0": hist["b"], "c.0": hist["c.0"], "c.1": hist["c.1"]},
+        [
+            *_life("a", P1, 0.0, 9.0),
+            *_life("b", P2, 0.0, 9.0),
+            _start("c", P3, 0.0),
+            _killed("c", P3, 4.5),
+            *_life("c", P4, 8.0, 9.5),
+        ],
+        [_fault("kill_one", ["c"], 4.5, best=4, best_left=4)],
+    )
+    events = [
+        {"seq": i + 1, "ts": 7.05 + 0.01 * i, "kind": "replica_finished", "replica_id": g}
+        for i, g in enumerate(("a", "b"))
+    ]
+    _write(tmp_path / "events.jsonl", events if recorded else [])
+    violations = check(tmp_path, target=6, min_replicas=1, groups=["a", "b", "c"]).violations
+    bypassed = [v for v in violations if "bypassed" in v]
+    if recorded:
+        assert bypassed == [], violations
+    else:
+        assert len(bypassed) == 1 and f"pid {P4}" in bypassed[0], violations
+
+
 def _writer_gone_run(
     tmp_path: Path,
     a_out_after: int | None,

@@ -25,12 +25,34 @@ class Records(Protocol):
     commits: list[dict[str, Any]]
     #: Every process's ``restore`` lines.
     restores: list[dict[str, Any]]
+    #: Every process's ``finish`` line (it trained to the target).
+    finishes: list[dict[str, Any]]
     #: The supervisor's ``start`` and ``exit`` records.
     procs: list[dict[str, Any]]
     #: The fault injector's records.
     faults: list[dict[str, Any]]
     #: The lighthouse's event log.
     events: list[dict[str, Any]]
+
+
+def left_finished(finishes: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[int, float]:
+    """When each process that trained to the target left the job, by pid: the lighthouse's
+    record of its group's clean shutdown (``replica_finished``) after its ``finish`` line.
+    From then on its manager is shut down: it serves no state to heal from, and the
+    lighthouse counts it as no holder (its exit may still take a while). A finish the
+    lighthouse did not record leaves the process a holder until its exit."""
+    out: dict[int, float] = {}
+    for f in finishes:
+        seen = [
+            float(e["ts"])
+            for e in events
+            if e.get("kind") == "replica_finished"
+            and e.get("replica_id") == f["group"]
+            and float(e.get("ts", 0.0)) >= float(f["t"])
+        ]
+        if seen:
+            out[f["pid"]] = min(seen)
+    return out
 
 
 def judge_total_losses(
@@ -43,12 +65,15 @@ def judge_total_losses(
     kill may cut the newest one short): with every writer going on, at most two intervals
     are lost. Any restore, after a total loss or after the last holders of newer steps died
     otherwise, holds a state committed at its step and never bypasses a live holder of that
-    step or a later one (a holder stopped as diverged holds nothing from its stop on)."""
+    step or a later one (a holder stopped as diverged holds nothing from its stop on, one
+    that finished nothing from its clean shutdown on: :func:`left_finished`)."""
     commits, procs = run.commits, run.procs
     kills = [f for f in run.faults if f["fault"] == "kill_all"]
     started = {r["pid"]: r["t"] for r in procs if r["kind"] == "start"}
     gone = death_times(procs)
     for pid, (at, _) in stopped.items():
+        gone[pid] = min(gone.get(pid, at), at)
+    for pid, at in left_finished(run.finishes, run.events).items():
         gone[pid] = min(gone.get(pid, at), at)
     for r in run.restores:
         # Never past a live holder: no process that had committed the step or a later one
