@@ -59,7 +59,8 @@ pub enum EventKind {
     /// The dashboard's kill action was used (`replica_id`, `incarnation`).
     KillRequested,
     /// A quorum continued from an older step than the best committed one known
-    /// (`quorum_id`, `from_step`, `to_step`, `steps_lost`, `alive_holders`, `unavoidable`).
+    /// (`quorum_id`, `from_step`, `to_step`, `resumes_from`, `steps_lost`, `alive_holders`,
+    /// `unavoidable`, `snapshot_step`).
     ProgressRegressed,
     /// A replica group's training loop stopped reaching its manager while its process lives
     /// and a round waits on it: the others go on without it (`replica_id`, `idle_s`,

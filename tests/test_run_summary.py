@@ -333,6 +333,16 @@ def test_timeline_entries() -> None:
     }
     assert by_kind["quorum_changed"]["detail"] == "quorum 7: 2 participants"
     assert by_kind["progress_regressed"]["detail"] == "step 30 -> 28 (2 steps lost)"
+    # A total loss resumed by fresh processes (asking at step 0) from a durable snapshot.
+    resumed = {"kind": "progress_regressed", "from_step": 30, "to_step": 0}
+    assert (
+        run_summary._detail({**resumed, "resumes_from": 20, "steps_lost": 10})
+        == "step 30 -> 0, resuming from the snapshot of step 20 (10 steps lost)"
+    )
+    assert (
+        run_summary._detail({**resumed, "resumes_from": 0, "steps_lost": 30})
+        == "step 30 -> 0 (30 steps lost)"
+    )
     assert by_kind["replica_lost"]["detail"] == "session ended"
     assert by_kind["replica_hung"]["detail"] == "configured"
     assert by_kind["replica_diverged"]["detail"] == "step 29: heal"

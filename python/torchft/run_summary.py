@@ -183,7 +183,9 @@ def _detail(event: dict[str, Any]) -> str:
         count = len(participants) if isinstance(participants, list) else 0
         text = f"quorum {field('quorum_id')}: {count} participants"
     elif kind == "progress_regressed":
-        text = f"step {field('from_step')} -> {field('to_step')} ({field('steps_lost')} steps lost)"
+        to, resumed = field("to_step"), field("resumes_from")
+        via = f", resuming from the snapshot of step {resumed}" if resumed not in ("", to) else ""
+        text = f"step {field('from_step')} -> {to}{via} ({field('steps_lost')} steps lost)"
     elif kind in ("snapshot_complete", "snapshot_failed"):
         error = field("error")
         text = f"step {field('step')}" + (f": {error}" if error else "")

@@ -847,6 +847,8 @@ mod tests {
         let event: serde_json::Value = serde_json::from_str(&found.expect("event")).unwrap();
         assert_eq!(event["from_step"], 40);
         assert_eq!(event["to_step"], 0);
+        // No durable snapshot: the job goes on from the quorum's own step.
+        assert_eq!(event["resumes_from"], 0);
         assert_eq!(event["steps_lost"], 40);
         assert_eq!(event["unavoidable"], true);
         assert_eq!(event["quorum_id"], issued[0].quorum.quorum_id);

@@ -233,8 +233,17 @@ impl Telemetry {
 
     /// A quorum continued from an older step than the best known: counted, and announced as
     /// a `progress_regressed` event.
+    ///
+    /// The job resumes from the latest complete durable snapshot when the quorum is behind
+    /// it (its groups restore the newest snapshot newer than every member's state before
+    /// they train: a total loss resumed by fresh processes asks at step 0), else from the
+    /// quorum's step; `steps_lost` counts from there.
     pub fn on_progress_regressed(&mut self, r: &super::Regression, now: Instant) {
         self.counters.progress_regressions += 1;
+        let snapshot_step = self.snapshot.as_ref().map(|s| s.step);
+        let resumes_from = snapshot_step
+            .filter(|s| (r.to_step..=r.from_step).contains(s))
+            .unwrap_or(r.to_step);
         self.emit(
             now,
             EventKind::ProgressRegressed,
@@ -242,12 +251,13 @@ impl Telemetry {
                 "quorum_id": r.quorum_id,
                 "from_step": r.from_step,
                 "to_step": r.to_step,
-                "steps_lost": r.from_step - r.to_step,
+                "resumes_from": resumes_from,
+                "steps_lost": r.from_step - resumes_from,
                 "alive_holders": r.alive_holders,
                 "unavoidable": r.alive_holders.is_empty(),
                 // Whether the regression landed on the latest durable snapshot (or how far
                 // from it), for the post-mortem.
-                "snapshot_step": self.snapshot.as_ref().map(|s| s.step),
+                "snapshot_step": snapshot_step,
             }),
         );
     }

@@ -54,12 +54,19 @@ pub fn timeline_detail(kind: &str, f: &Map<String, Value>) -> String {
                 .map_or(0, Vec::len);
             format!("quorum {}: {n} participants", s("quorum_id"))
         }
-        "progress_regressed" => format!(
-            "step {} -> {} ({} steps lost)",
-            s("from_step"),
-            s("to_step"),
-            s("steps_lost")
-        ),
+        "progress_regressed" => {
+            let (to, from_snapshot) = (s("to_step"), s("resumes_from"));
+            let resumed = if from_snapshot.is_empty() || from_snapshot == to {
+                String::new()
+            } else {
+                format!(", resuming from the snapshot of step {from_snapshot}")
+            };
+            format!(
+                "step {} -> {to}{resumed} ({} steps lost)",
+                s("from_step"),
+                s("steps_lost")
+            )
+        }
         "snapshot_complete" | "snapshot_failed" => {
             let error = s("error");
             if error.is_empty() {

@@ -308,6 +308,33 @@ mod tests {
         let e = j.t.take_events().remove(0);
         assert_eq!(e.kind, EventKind::ProgressRegressed);
         assert_eq!(e.fields["snapshot_step"], 30);
+        assert_eq!(
+            (
+                e.fields["resumes_from"].clone(),
+                e.fields["steps_lost"].clone()
+            ),
+            (30.into(), 10.into())
+        );
+        // Fresh processes after a total loss ask at step 0 and restore the snapshot first:
+        // the job goes on from step 30, not 0. A quorum past the snapshot goes on from its
+        // own step.
+        for (to_step, resumes_from) in [(0, 30), (35, 35)] {
+            let r = crate::lighthouse::health::Regression {
+                to_step,
+                ..r.clone()
+            };
+            j.t.on_progress_regressed(&r, j.now);
+            let e = j.t.take_events().remove(0);
+            assert_eq!(e.fields["resumes_from"], resumes_from, "to_step {to_step}");
+            assert_eq!(
+                e.fields["steps_lost"],
+                40 - resumes_from,
+                "to_step {to_step}"
+            );
+            let detail = super::super::report::timeline_detail("progress_regressed", &e.fields);
+            let said = format!("resuming from the snapshot of step {resumes_from}");
+            assert_eq!(detail.contains(&said), to_step == 0, "{detail}");
+        }
         // A restored record (from the state file) is shown, not announced or re-saved.
         let mut fresh = Telemetry::new(TelemetryOptions::default(), j.now, 0.0);
         fresh.on_progress_regressed(&r, j.now);
