@@ -296,7 +296,14 @@ class _Lighthouse:
             self._proc.wait()
 
 
-def _spawn(mode: str, rank: int, store_port: int, extra: list[str], env_extra: dict[str, str]):
+def _spawn(
+    mode: str,
+    rank: int,
+    store_port: int,
+    extra: list[str],
+    env_extra: dict[str, str],
+    script: Path = HERE,
+):
     env = dict(os.environ)
     env.update(
         {
@@ -313,7 +320,7 @@ def _spawn(mode: str, rank: int, store_port: int, extra: list[str], env_extra: d
         env["RUST_LOG"] = "error"  # upstream's managers log every step at INFO otherwise
     env.update(env_extra)
     worker_mode = "ft" if mode == "upstream" else mode
-    cmd = [sys.executable, str(HERE), "worker", "--mode", worker_mode, *extra]
+    cmd = [sys.executable, str(script), "worker", "--mode", worker_mode, *extra]
     return subprocess.Popen(cmd, env=env)
 
 
@@ -400,7 +407,18 @@ def run_plain(tmp: Path, hidden: int, steps: int, warmup: int) -> float:
     return _median_of(results, "plain")
 
 
-def run_ft(tmp: Path, hidden: int, steps: int, warmup: int, upstream: bool = False) -> float:
+def run_ft(
+    tmp: Path,
+    hidden: int,
+    steps: int,
+    warmup: int,
+    upstream: bool = False,
+    script: Path = HERE,
+    env_extra: dict[str, str] | None = None,
+) -> float:
+    """One run of the torchft side (or upstream's): a lighthouse and two replica groups;
+    the slower rank's median step. ``script`` runs the workers (as this file's ``worker``
+    command does), with ``env_extra`` in their environment."""
     from torch.distributed import TCPStore
 
     mode = "upstream" if upstream else "ft"
@@ -418,7 +436,8 @@ def run_ft(tmp: Path, hidden: int, steps: int, warmup: int, upstream: bool = Fal
                 0,
                 stores[r].port,
                 [*common, "--result", str(results[r]), "--replica-id", f"bench{r}"],
-                {**env, "BENCH_SEED": str(r)},
+                {**env, "BENCH_SEED": str(r), **(env_extra or {})},
+                script,
             )
             for r in range(2)
         ]
