@@ -7,8 +7,11 @@ each: the quorum's start (in ``zero_grad``) and its wait (at the first gradient 
 bucket's allreduce and its native issue, the commit vote, the step's telemetry report, the
 completion callbacks on the backend's thread, and for scale the forward pass and the wrapped
 optimizer's own step. Entries nest as indented (a parent includes its children). Figures are
-means over the steps after ``--warmup`` and over both ranks, then the median over ``--runs``
-runs; ``calls`` is per step.
+means over the loop's iterations after the first ``--warmup`` (committed or not; a step ends
+when the optimizer wrapper's step returns, and a completion callback that runs after that
+counts in the next) and over both ranks, then the median over ``--runs`` runs; ``calls`` is
+per step. A completion callback runs on the backend's thread, or inline on the training
+thread when its collective was done as it was chained.
 
 On a loaded machine a call costs several times what it does in a hot loop (the step's
 compute evicts the caches every call needs): this is why the profile is taken in the real
@@ -55,7 +58,7 @@ ENTRIES: list[tuple[str, str, str, str]] = [
         "_adopt",
     ),
     ("  ProcessGroup.allreduce (native issue)", "torch.distributed", "ProcessGroup", "allreduce"),
-    ("_Mirror._on_done (backend thread)", "torchft.work", "_Mirror", "_on_done"),
+    ("_Mirror._on_done (completion)", "torchft.work", "_Mirror", "_on_done"),
     ("OptimizerWrapper.step", "torchft.optim", "OptimizerWrapper", "step"),
     ("  Manager.should_commit", "torchft.manager", "Manager", "should_commit"),
     ("    vote (native)", "torchft.manager", "", "vote"),

@@ -38,9 +38,10 @@ class Records(Protocol):
 def left_finished(finishes: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[int, float]:
     """When each process that trained to the target left the job, by pid: the lighthouse's
     record of its group's clean shutdown (``replica_finished``) after its ``finish`` line.
-    From then on its manager is shut down: it serves no state to heal from, and the
-    lighthouse counts it as no holder (its exit may still take a while). A finish the
-    lighthouse did not record leaves the process a holder until its exit."""
+    It has left its training loop for good (the manager says so before it stops its
+    servers): it never asks for a quorum again, so no quorum can name it as a heal source,
+    though its exit may still take a while. A finish the lighthouse did not record leaves
+    the process a holder until its exit."""
     out: dict[int, float] = {}
     for f in finishes:
         seen = [

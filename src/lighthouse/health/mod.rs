@@ -31,4 +31,8 @@ pub struct Regression {
     /// (sorted). Empty when the regression was unavoidable: every holder of
     /// the newer state is gone.
     pub alive_holders: Vec<String>,
+    /// A member asked at step 0: a process still holding its start-up state, which
+    /// restores the newest durable snapshot newer than every member's step before it
+    /// trains (the job then goes on from that snapshot, not from `to_step`).
+    pub fresh: bool,
 }

@@ -440,7 +440,8 @@ impl QuorumEngine {
         {
             self.durable_revision += 1;
         }
-        self.account_progress(quorum_id, to_step, ahead);
+        let fresh = members.iter().any(|m| m.step == 0);
+        self.account_progress(quorum_id, to_step, ahead, fresh);
         self.revision += 1;
         let quorum = Quorum {
             quorum_id,

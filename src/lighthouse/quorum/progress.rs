@@ -209,12 +209,14 @@ impl QuorumEngine {
     }
 
     /// Records the progress of a quorum issued at `to_step`: holders still `ahead` of it are
-    /// given up on at their step, and a quorum behind the best step known is reported once.
+    /// given up on at their step, and a quorum behind the best step known is reported once
+    /// (`fresh`: a member asked at step 0, see [`Regression::fresh`]).
     pub(super) fn account_progress(
         &mut self,
         quorum_id: i64,
         to_step: i64,
         ahead: Vec<(String, i64)>,
+        fresh: bool,
     ) {
         let alive_holders: Vec<String> = ahead.iter().map(|(id, _)| id.clone()).collect();
         for (id, step) in ahead {
@@ -227,6 +229,7 @@ impl QuorumEngine {
                     to_step,
                     quorum_id,
                     alive_holders,
+                    fresh,
                 });
                 self.high_water = Some(to_step);
                 self.durable_revision += 1;
@@ -313,6 +316,7 @@ mod tests {
                 to_step: 0,
                 quorum_id: q.quorum_id,
                 alive_holders: vec!["c".into()],
+                fresh: true,
             }]
         );
         // Given up on at step 51: neither its heartbeats nor the next rounds wait for it again.
@@ -345,6 +349,7 @@ mod tests {
                 to_step: 0,
                 quorum_id: q.quorum_id,
                 alive_holders: vec![],
+                fresh: true,
             }]
         );
         e.join(at("a2", 1), t).unwrap();

@@ -235,14 +235,15 @@ impl Telemetry {
     /// a `progress_regressed` event.
     ///
     /// The job resumes from the latest complete durable snapshot when the quorum is behind
-    /// it (its groups restore the newest snapshot newer than every member's state before
-    /// they train: a total loss resumed by fresh processes asks at step 0), else from the
-    /// quorum's step; `steps_lost` counts from there.
+    /// it and has a fresh member (a process holding its start-up state, as after a total
+    /// loss, restores the newest snapshot newer than every member's step before it trains;
+    /// the others then heal from it), else from the quorum's step; `steps_lost` counts from
+    /// there (none when the snapshot is past `from_step`).
     pub fn on_progress_regressed(&mut self, r: &super::Regression, now: Instant) {
         self.counters.progress_regressions += 1;
         let snapshot_step = self.snapshot.as_ref().map(|s| s.step);
         let resumes_from = snapshot_step
-            .filter(|s| (r.to_step..=r.from_step).contains(s))
+            .filter(|s| r.fresh && *s > r.to_step)
             .unwrap_or(r.to_step);
         self.emit(
             now,
@@ -252,7 +253,7 @@ impl Telemetry {
                 "from_step": r.from_step,
                 "to_step": r.to_step,
                 "resumes_from": resumes_from,
-                "steps_lost": r.from_step - resumes_from,
+                "steps_lost": (r.from_step - resumes_from).max(0),
                 "alive_holders": r.alive_holders,
                 "unavoidable": r.alive_holders.is_empty(),
                 // Whether the regression landed on the latest durable snapshot (or how far

@@ -303,37 +303,39 @@ mod tests {
             to_step: 30,
             quorum_id: 9,
             alive_holders: Vec::new(),
+            fresh: false,
         };
         j.t.on_progress_regressed(&r, j.now);
         let e = j.t.take_events().remove(0);
         assert_eq!(e.kind, EventKind::ProgressRegressed);
         assert_eq!(e.fields["snapshot_step"], 30);
-        assert_eq!(
-            (
-                e.fields["resumes_from"].clone(),
-                e.fields["steps_lost"].clone()
-            ),
-            (30.into(), 10.into())
-        );
-        // Fresh processes after a total loss ask at step 0 and restore the snapshot first:
-        // the job goes on from step 30, not 0. A quorum past the snapshot goes on from its
-        // own step.
-        for (to_step, resumes_from) in [(0, 30), (35, 35)] {
+        // (from_step, to_step, a member asked at step 0) -> (resumes_from, steps_lost). Fresh
+        // processes (after a total loss) ask at step 0 and restore the snapshot first: the
+        // job goes on from step 30, not 0. Live groups behind the snapshot do not restore
+        // it: they go on from their own step. So does a quorum past the snapshot. A snapshot
+        // past the best step known (lowered by an earlier regression) loses nothing.
+        let cases = [
+            ((40, 30, false), (30, 10)),
+            ((40, 0, true), (30, 10)),
+            ((40, 20, false), (20, 20)),
+            ((40, 35, true), (35, 5)),
+            ((25, 0, true), (30, 0)),
+        ];
+        for ((from_step, to_step, fresh), (resumes_from, lost)) in cases {
             let r = crate::lighthouse::health::Regression {
+                from_step,
                 to_step,
+                fresh,
                 ..r.clone()
             };
             j.t.on_progress_regressed(&r, j.now);
             let e = j.t.take_events().remove(0);
-            assert_eq!(e.fields["resumes_from"], resumes_from, "to_step {to_step}");
-            assert_eq!(
-                e.fields["steps_lost"],
-                40 - resumes_from,
-                "to_step {to_step}"
-            );
+            let case = format!("from {from_step} to {to_step}, fresh {fresh}");
+            assert_eq!(e.fields["resumes_from"], resumes_from, "{case}");
+            assert_eq!(e.fields["steps_lost"], lost, "{case}");
             let detail = super::super::report::timeline_detail("progress_regressed", &e.fields);
             let said = format!("resuming from the snapshot of step {resumes_from}");
-            assert_eq!(detail.contains(&said), to_step == 0, "{detail}");
+            assert_eq!(detail.contains(&said), resumes_from != to_step, "{detail}");
         }
         // A restored record (from the state file) is shown, not announced or re-saved.
         let mut fresh = Telemetry::new(TelemetryOptions::default(), j.now, 0.0);
