@@ -99,9 +99,11 @@ def headless_chromium() -> Iterator[Any]:
     """Starts headless Chromium through chromedriver and yields the Selenium WebDriver.
 
     The browser runs with a fresh temporary profile, a 1280x800 window, a 30 s page-load
-    timeout and console logging enabled (see :func:`console_errors`). On exit (also when the
-    test fails) the driver quits, chromedriver stops, any browser process left on the
-    profile is killed and the profile is removed.
+    timeout and console logging enabled (see :func:`console_errors`), and its own temporary
+    directory (``TMPDIR``: the shared-memory files ``--disable-dev-shm-usage`` puts there,
+    which a killed browser leaves behind). On exit (also when the test fails) the driver
+    quits, chromedriver stops, any browser process left on the profile is killed and the
+    profile and that directory are removed.
 
     Yields:
         A ``selenium.webdriver.Chrome``.
@@ -109,7 +111,10 @@ def headless_chromium() -> Iterator[Any]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    user_data_dir = tempfile.mkdtemp(prefix="torchft-chromium-")
+    root = tempfile.mkdtemp(prefix="torchft-chromium-")
+    user_data_dir, tmp_dir = os.path.join(root, "profile"), os.path.join(root, "tmp")
+    os.mkdir(user_data_dir)
+    os.mkdir(tmp_dir)
     options = webdriver.ChromeOptions()
     options.binary_location = chromium_path()
     for arg in (
@@ -129,7 +134,11 @@ def headless_chromium() -> Iterator[Any]:
     ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    service = Service(executable_path=chromedriver_path(), log_output=subprocess.DEVNULL)
+    service = Service(
+        executable_path=chromedriver_path(),
+        log_output=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": tmp_dir},
+    )
 
     driver = None
     try:
@@ -146,7 +155,7 @@ def headless_chromium() -> Iterator[Any]:
         with contextlib.suppress(Exception):
             service.stop()
         _kill_leftovers(user_data_dir)
-        shutil.rmtree(user_data_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def console_entries(driver: Any) -> list[dict[str, Any]]:
