@@ -70,3 +70,17 @@ def test_summary_is_the_mean_per_step_after_warmup(monkeypatch: pytest.MonkeyPat
     # The warmup step is left out; a step without the entry counts zero for it.
     assert got[entry] == pytest.approx([1.0, 2.0, 1.0])
     assert got["vote (native)"] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "bad", [["--runs", "0"], ["--steps", "0"], ["--warmup", "-1"], ["--hidden", "0"]]
+)
+def test_bad_arguments_are_refused_before_anything_starts(bad: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benches" / "step_profile.py"), *bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "must be >= 1" in out.stderr and "step_profile:" not in out.stdout, out.stderr

@@ -166,8 +166,8 @@ impl Inner {
     /// try is cut off). If it fails in its transport, or the connection is closed under it
     /// (the lighthouse session ended: the lighthouse stopped, or the shared connection found
     /// it dead), the request goes again at once on the shared connection (not counted as a
-    /// retry: nothing says the lighthouse failed). If it times out, the connection, which may
-    /// have gone silent, is closed: the next request dials anew.
+    /// retry: nothing says the lighthouse failed). If it times out, its starter closes the
+    /// connection, which may have gone silent: the next request dials anew.
     async fn lighthouse_quorum(&self, round: &ReadyRound) -> Result<(Quorum, Instant)> {
         let member = QuorumMember {
             replica_id: self.opts.replica_id.clone(),
@@ -242,17 +242,15 @@ impl Inner {
                     true,
                 ),
             };
-            if let Some(o) = &via_own {
-                if link_failed && !*self.shutdown.borrow() {
+            // (One that timed out is closed by its starter, whichever deadline ended it: see
+            // `ManagerServer::quorum_start_blocking`.)
+            if let Some(o) = via_own.as_ref().filter(|_| link_failed) {
+                if !*self.shutdown.borrow() {
                     self.own_link.close_for(o);
                     info!(step = round.step, error = %err,
                         "the quorum request's own connection failed or was closed; sending it \
                          again on the shared connection");
                     continue;
-                }
-                if matches!(err, Error::Timeout(_)) {
-                    // Maybe a connection gone silent, which nothing else would notice.
-                    self.own_link.close_for(o);
                 }
             }
             match err {
