@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -198,6 +199,73 @@ def test_total_loss_two_rank_groups(cluster: Cluster, tmp_path: Path) -> None:
         logs = [g.logs[rank].read_text() for g in cluster.groups[2:]]
         assert all(f"loaded snapshot of step {resumed_from}" in t for t in logs)
     assert {r["group_rank"] for r in results} == {0, 1}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_live_laggard_resumes_from_a_newer_snapshot(
+    cluster: Cluster, tmp_path: Path, ranks: int
+) -> None:
+    """A live group behind a complete snapshot when the groups ahead of it die restores
+    that snapshot instead of redoing the steps since its own.
+
+    rg1 is stopped (SIGSTOP, every rank) while rg0 trains on alone past two more snapshots;
+    rg0 is then SIGKILLed and rg1 continued (SIGCONT). rg1 never left its processes (it had
+    trained), yet its first commit is the step after the newest snapshot, every rank loaded
+    its part of that snapshot, its state then is the one rg0 committed at the snapshot's
+    step, and the lighthouse counts the steps lost from it."""
+    snap_dir = tmp_path / "snapshots"
+    lead, lag = (start(cluster, f"rg{i}", ranks, snap_dir, seed=i) for i in range(2))
+    cluster.wait_until(lambda: min(lag.steps()) >= EVERY + 2, 90, "both groups training")
+    for p in lag.procs:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        stopped_at = max(lag.steps())
+        # Two snapshots past the laggard's step: the newest is at least two steps ahead.
+        cluster.wait_until(
+            lambda: (
+                bool(list_snapshots(snap_dir))
+                and list_snapshots(snap_dir)[0].step >= stopped_at + 2 * EVERY
+            ),
+            120,
+            "the leading group's snapshots past the stopped group's step",
+        )
+        newest = list_snapshots(snap_dir)[0].step
+        wait_status(
+            cluster,
+            lambda st: (st.get("snapshot") or {}).get("step", -1) >= newest,
+            f"the snapshot of step {newest}",
+        )
+        cluster.kill(lead)
+        killed_at = max(lead.steps())
+        newest = list_snapshots(snap_dir)[0].step
+    finally:
+        for p in lag.procs:
+            p.send_signal(signal.SIGCONT)
+    assert max(lag.steps()) == stopped_at
+    cluster.wait_until(lambda: min(lag.steps()) > newest, 90, "the laggard to commit again")
+    for rank in range(ranks):
+        after = [c for c in commits(rank_logs(cluster, "rg1", 0, rank)) if c[0] > stopped_at]
+        # Nothing between its own step and the snapshot's was redone.
+        assert after and after[0][0] == newest + 1, (stopped_at, newest, [c[0] for c in after])
+        text = lag.logs[rank].read_text()
+        assert f"loaded snapshot of step {newest}" in text
+        assert f"resumed from the snapshot of step {newest}" in text
+    # The state it resumed from is the one the job committed at that step.
+    held = {c[0]: (c[1], c[2]) for c in commits(rank_logs(cluster, "rg0", 0))}
+    state = load_rank([s for s in list_snapshots(snap_dir) if s.step == newest][0], 0)
+    assert (hash_state(state["user"]["model"]), hash_state(state["user"]["optim"])) == held[newest]
+    events = wait_status(
+        cluster,
+        lambda st: any(e["kind"] == "progress_regressed" for e in st.get("events", [])),
+        "the regression",
+    )["events"]
+    regressed = [e for e in events if e["kind"] == "progress_regressed"][-1]
+    assert regressed["resumes_from"] == newest, regressed
+    assert regressed["steps_lost"] == killed_at - newest, (killed_at, regressed)
+    target = newest + EVERY + 2
+    cluster.stop_at(target)
+    assert_identical(cluster.finish(120), target)
 
 
 @pytest.mark.timeout(240)

@@ -196,14 +196,18 @@ class GroupSnapshots:
         own_step: int,
         user_keys: set[str],
         template: Callable[[], dict[str, Any]],
+        startup: bool = True,
     ) -> tuple[Snapshot, dict[str, Any]] | None:
         """The newest usable snapshot newer than every live group's state and this rank's
         own, loaded (this rank's part), or None.
 
-        Call at each quorum answer while the process holds its start-up state, before
-        anything of the answer is acted on: every rank of the group reaches it. Group rank 0
+        Call at a quorum answer before anything of it is acted on, at the same answers on
+        every rank of the group (see :meth:`torchft.healing.Healer.restore`). Group rank 0
         chooses (and verifies) the snapshot and publishes the choice in the group's store
-        under the quorum's id, so every rank loads its part of the same one.
+        under the quorum's id, so every rank loads its part of the same one. A group that
+        no longer holds its start-up state (``startup`` False) takes only a snapshot at
+        least two steps ahead: the step that loads it does not commit, so one step ahead
+        would gain nothing.
 
         Raises:
             Exception: the choice or the load failed; the group's ranks may now disagree.
@@ -213,13 +217,14 @@ class GroupSnapshots:
         shared = self._world > 1
         chosen: Snapshot | None = None
         if self._rank == 0 and not (shared and self._store.check([key])):
-            floor = max(max_step, own_step)
+            live = max(max_step, own_step)
+            floor = live if startup else live + 1
             newest = list_snapshots(directory)
             if newest and newest[0].step > floor:
                 self._log_info(
                     "no live replica group is past step %d; newest snapshot is step %d: "
                     "checking it",
-                    floor,
+                    live,
                     newest[0].step,
                 )
                 chosen = choose_restore(newest, floor, self._world, user_keys)
@@ -252,6 +257,7 @@ class GroupSnapshots:
         snapshot: the wait is logged, and bounded by ``connect_timeout``)."""
         deadline = time.monotonic() + self._connect_timeout.total_seconds()
         told = time.monotonic() + 2.0
+        pause = 0.002  # rank 0 usually answers within milliseconds: poll fast, then back off
         while not self._store.check([key]):
             now = time.monotonic()
             if now >= deadline:
@@ -264,7 +270,8 @@ class GroupSnapshots:
                     deadline - now,
                 )
                 told = now + _WAIT_LOG_S
-            time.sleep(0.02)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
         choice: bytes = self._store.get(key)
         return choice.decode()
 

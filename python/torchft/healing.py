@@ -165,6 +165,8 @@ class Healer:
         # applies after the vote of the step that loaded it.
         self._pending: dict[str, Any] | None = None
         self._pending_restore: tuple[Snapshot, dict[str, Any]] | None = None
+        # The quorum whose answer last looked for a durable snapshot (see restore).
+        self._restore_quorum: int | None = None
         # The replica group being healed from, and the flag that ends the heal when the
         # lighthouse declares it lost.
         self._source: str | None = None
@@ -474,13 +476,24 @@ class Healer:
         """Loads the newest usable snapshot newer than every live group's state, if any
         (see :meth:`GroupSnapshots.restore`); it applies after this step's vote.
 
+        Looks at every quorum answer while the process holds its start-up state, and at
+        the first answer of each new quorum after that: a trained group falls behind a
+        snapshot only when the groups that held newer steps left, which changes the quorum
+        (a laggard whose leaders died resumes from their snapshot instead of redoing the
+        steps since its own). Every rank of the group gets the same answers, so every rank
+        looks at the same ones (group rank 0's choice is shared through the store).
+
         Raises:
             TornStateError: the choice or the load failed on this rank: the group's ranks
                 may now disagree, so none goes on; a restart of the group chooses again.
         """
+        startup = self._state.startup
+        if not startup and quorum_id == self._restore_quorum:
+            return None
+        self._restore_quorum = quorum_id
         try:
             loaded = snapshots.restore(
-                quorum_id, max_step, step, set(self._loaders), self._served_state
+                quorum_id, max_step, step, set(self._loaders), self._served_state, startup
             )
         except Exception as e:
             self._fatal = TornStateError(

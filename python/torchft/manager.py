@@ -656,9 +656,10 @@ class Manager:
         max_step: int = quorum.max_step
         heal: bool = bool(quorum.heal) and allow_heal
         restored = None
-        if self._snapshots is not None and self._healer.state.startup and allow_heal:
+        if self._snapshots is not None and allow_heal:
             # First, while nothing of this answer is acted on yet: every rank of the group
-            # reaches it, so the choice shared through the store is never waited for in vain.
+            # reaches it, so the choice shared through the store is never waited for in vain
+            # (the healer decides which answers look: see Healer.restore).
             restored = self._healer.restore(self._snapshots, quorum_id, max_step, self._step)
         # A failed in-place heal left this group's tensors partly overwritten: going on would
         # train, and later serve, a state no step ever had.

@@ -32,7 +32,8 @@ pub struct Regression {
     /// the newer state is gone.
     pub alive_holders: Vec<String>,
     /// A member asked at step 0: a process still holding its start-up state, which
-    /// restores the newest durable snapshot newer than every member's step before it
-    /// trains (the job then goes on from that snapshot, not from `to_step`).
+    /// restores any durable snapshot newer than every member's step before it trains, where
+    /// a group that has trained takes one only at least two steps ahead (the job then goes
+    /// on from that snapshot, not from `to_step`).
     pub fresh: bool,
 }

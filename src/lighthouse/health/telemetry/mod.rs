@@ -235,15 +235,18 @@ impl Telemetry {
     /// a `progress_regressed` event.
     ///
     /// The job resumes from the latest complete durable snapshot when the quorum is behind
-    /// it and has a fresh member (a process holding its start-up state, as after a total
-    /// loss, restores the newest snapshot newer than every member's step before it trains;
-    /// the others then heal from it), else from the quorum's step; `steps_lost` counts from
-    /// there (none when the snapshot is past `from_step`).
+    /// it, else from the quorum's step; `steps_lost` counts from there (none when the
+    /// snapshot is past `from_step`). Groups restore the newest snapshot newer than every
+    /// member's step at the first answer of a new quorum (a regression always is one): a
+    /// fresh member (a process holding its start-up state, as after a total loss) any newer
+    /// one, a group that has trained one at least two steps ahead (the step that loads it
+    /// does not commit, so one step ahead would gain nothing). The others heal from them.
     pub fn on_progress_regressed(&mut self, r: &super::Regression, now: Instant) {
         self.counters.progress_regressions += 1;
         let snapshot_step = self.snapshot.as_ref().map(|s| s.step);
+        let ahead = if r.fresh { 1 } else { 2 };
         let resumes_from = snapshot_step
-            .filter(|s| r.fresh && *s > r.to_step)
+            .filter(|s| *s >= r.to_step + ahead)
             .unwrap_or(r.to_step);
         self.emit(
             now,

@@ -311,13 +311,18 @@ mod tests {
         assert_eq!(e.fields["snapshot_step"], 30);
         // (from_step, to_step, a member asked at step 0) -> (resumes_from, steps_lost). Fresh
         // processes (after a total loss) ask at step 0 and restore the snapshot first: the
-        // job goes on from step 30, not 0. Live groups behind the snapshot do not restore
-        // it: they go on from their own step. So does a quorum past the snapshot. A snapshot
-        // past the best step known (lowered by an earlier regression) loses nothing.
+        // job goes on from step 30, not 0. Live groups behind the snapshot restore it too
+        // when it is at least two steps ahead of them (one step ahead gains nothing: the
+        // step that loads it does not commit), while a fresh member takes it one step ahead.
+        // A quorum past the snapshot goes on from its own step. A snapshot past the best step
+        // known (lowered by an earlier regression) loses nothing.
         let cases = [
             ((40, 30, false), (30, 10)),
             ((40, 0, true), (30, 10)),
-            ((40, 20, false), (20, 20)),
+            ((40, 20, false), (30, 10)),
+            ((40, 28, false), (30, 10)),
+            ((40, 29, false), (29, 11)),
+            ((40, 29, true), (30, 10)),
             ((40, 35, true), (35, 5)),
             ((25, 0, true), (30, 0)),
         ];
