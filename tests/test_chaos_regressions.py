@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _chaos_runs import (
     _commit,
     _exit,
@@ -264,3 +265,47 @@ def test_checker_judges_a_fork_inside_a_reported_regression_on_its_own(tmp_path:
         f"progress regressed: c (pid {p3}, quorum 12) committed step 3 with a new state "
         f"while pids [{p2}] holding step >= 3 (best 3) were alive"
     ]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["redone", "restored", "reported-late", "same-quorum"],
+)
+def test_a_live_laggard_must_resume_from_a_newer_snapshot(tmp_path: Path, case: str) -> None:
+    """b stops after step 3 while a trains on alone to step 10 (snapshot of step 8 reported
+    complete at t=8.5); a is killed, and b's next quorum (12) forms at t=11. Going on from
+    step 3 then redoes steps a restore of snapshot 8 would have kept: a violation. Restoring
+    it is not, nor going on from step 3 when the snapshot was reported only after the quorum
+    formed, nor when b's quorum never changed (it never looked again)."""
+    A, B = 10**6 + 611, 10**6 + 612  # pids surely not running here
+    hist_a = [_commit("a", A, s, 10 if s <= 3 else 11, f"s{s}", float(s)) for s in range(1, 11)]
+    hist_b = [_commit("b", B, s, 10, f"s{s}", s + 0.1) for s in range(1, 4)]
+    q = 11 if case == "same-quorum" else 12
+    if case == "restored":
+        hist_b.append(
+            {"kind": "restore", "group": "b", "pid": B, "step": 8, "state": "s8", "t": 11.5}
+        )
+        hist_b += [_commit("b", B, s, 13, f"t{s}", 11.5 + 0.1 * s) for s in range(9, 13)]
+    else:
+        hist_b += [_commit("b", B, s, q, f"t{s}", 11.5 + 0.1 * s) for s in range(4, 13)]
+    hist_b.append(_finish("b", B, 12, "t12", 14.0))
+    _run(
+        tmp_path,
+        {"a": hist_a, "b": hist_b},
+        [_start("a", A, 0.0), _killed("a", A, 10.5), *_life("b", B, 0.0, 14.5)],
+        [_fault("kill_one", ["a"], 10.5, best=10, best_left=3)],
+    )
+    reported_at = 11.2 if case == "reported-late" else 8.5
+    events = [
+        {"seq": 1, "ts": reported_at, "kind": "snapshot_complete", "step": 8},
+        {"seq": 2, "ts": 11.0, "kind": "quorum_changed", "quorum_id": 12},
+        {"seq": 3, "ts": 11.4, "kind": "quorum_changed", "quorum_id": 13},
+    ]
+    _write(tmp_path / "events.jsonl", sorted(events, key=lambda e: e["ts"]))
+    violations = check(tmp_path, target=12, min_replicas=1, groups=["b"]).violations
+    skipped = [v for v in violations if "snapshot was not restored" in v]
+    if case == "redone":
+        assert len(skipped) == 1, violations
+        assert "step 8" in skipped[0] and "from step 3" in skipped[0] and "5 steps" in skipped[0]
+    else:
+        assert skipped == [], violations

@@ -41,7 +41,7 @@ import torch
 from torchft.chaos.goodput import compare, harness_goodput, lighthouse_goodput, read_voted
 from torchft.chaos.regressions import death_times, diverged_stops, regression_cause
 from torchft.chaos.report import DIVERGED_EXIT, HUNG_EXIT, RESTART_EXIT, Recovery, Report
-from torchft.chaos.total_loss import judge_total_losses
+from torchft.chaos.total_loss import bypassed_snapshot, judge_total_losses
 
 __all__ = [
     "DIVERGED_EXIT",
@@ -391,6 +391,7 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
     first_state: dict[int, str] = {}
     first_q: dict[int, int] = {}  # step -> the quorum of its reference commit
     last_step: dict[int, int] = {}  # pid -> its latest committed step so far
+    previous: dict[int, dict[str, Any]] = {}  # pid -> its latest commit so far
     covered: list[tuple[int, int]] = []  # step ranges of regressions already reported
     for i, c in enumerate(commits):
         step, state = c["step"], c["state"]
@@ -441,7 +442,11 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                     f"step {step} re-committed by {c['group']} after every holder of it "
                     f"died (best step then {best}: {lost} steps lost; {why or 'UNEXPLAINED'})"
                 )
+                skipped = bypassed_snapshot(c, previous.get(c["pid"]), best, run.events, run.faults)
+                if skipped is not None:
+                    rep.violations.append(f"a newer durable snapshot was not restored: {skipped}")
         last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
+        previous[c["pid"]] = c
 
     _judge_participants(rep, by_q, min_replicas, groups)
 

@@ -78,10 +78,14 @@ def judge_total_losses(
         gone[pid] = min(gone.get(pid, at), at)
     for r in run.restores:
         # Never past a live holder: no process that had committed the step or a later one
-        # before the restoring process started lived on through its restore. (Groups that
-        # restored in the same round may commit before this one writes its line, which
-        # comes after the vote of the step that loaded the snapshot.)
-        born = started.get(r["pid"], r["t"])
+        # before the restoring process started (or, for one that had trained, before its
+        # last commit) lived on through its restore. (Groups that restored in the same
+        # round may commit before this one writes its line, which comes after the vote of
+        # the step that loaded the snapshot.)
+        born = max(
+            [started.get(r["pid"], r["t"])]
+            + [c["t"] for c in commits if c["pid"] == r["pid"] and c["t"] < r["t"]]
+        )
         holders = sorted(
             {
                 c["pid"]
@@ -296,3 +300,45 @@ def reported_complete(
         if since < ts < t and step <= best and (found is None or step > found[0]):
             found = (step, float(ts))
     return found
+
+
+def bypassed_snapshot(
+    commit: dict[str, Any],
+    previous: dict[str, Any] | None,
+    best: int,
+    events: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+) -> str | None:
+    """Why ``commit``, the first re-commit of a regression (every holder of its step gone),
+    should have come from a newer durable snapshot; None when it could not have.
+
+    A group looks for a snapshot at the first answer of each new quorum (every answer while
+    it holds its start-up state) and restores one at least two steps ahead of every member.
+    When the re-commit's quorum is not the one of the process's previous commit, the process
+    looked at it, after the quorum's member set formed (the ``quorum_changed`` event of the
+    newest quorum id at or below the re-commit's). A snapshot of a step from two past the
+    one it went on from up to ``best`` that the lighthouse had been told was complete before
+    then (its writer reports it once the manifest is written) was on disk when it looked;
+    going on from the older step instead lost the steps between them."""
+    if previous is not None and previous["quorum_id"] == commit["quorum_id"]:
+        return None
+    formed = [
+        e
+        for e in events
+        if e.get("kind") == "quorum_changed"
+        and isinstance(e.get("quorum_id"), int)
+        and e["quorum_id"] <= commit["quorum_id"]
+    ]
+    if not formed:
+        return None
+    at = float(max(formed, key=lambda e: e["quorum_id"])["ts"])
+    kills = [float(f["t"]) for f in faults if f["fault"] == "kill_all" and f["t"] < at]
+    found = reported_complete(events, (max(kills, default=float("-inf")), at), best)
+    if found is None or found[0] < commit["step"] + 1:
+        return None
+    return (
+        f"{commit['group']} (pid {commit['pid']}) went on from step {commit['step'] - 1} in "
+        f"quorum {commit['quorum_id']} although the lighthouse had been told {at - found[1]:.2f}s "
+        f"before that quorum formed that the snapshot of step {found[0]} was complete: "
+        f"{found[0] - commit['step'] + 1} steps redone that a restore would have kept"
+    )
