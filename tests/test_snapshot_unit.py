@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ import pytest
 import torch
 from _ft_worker import hash_state
 from test_config import resolve
+from torch.distributed import TCPStore
 
+from torchft.group_snapshots import GroupSnapshots
 from torchft.snapshot import (
     CORRUPT,
     MANIFEST,
@@ -460,3 +464,68 @@ def test_rank_0_makes_a_snapshot_complete_only_once_parity_confirms_its_state(
     verdicts["checked"] = False
     assert confirm(5) == "unchecked: the lighthouse does not check parity"
     assert parity_confirmation(lambda: (True, 0, 0), lambda: False)(5) == "off"
+
+
+def _group_snapshots(directory: Path, store: TCPStore, rank: int) -> GroupSnapshots:
+    """Rank ``rank`` of a two-rank group's snapshots (a one-second ``connect_timeout``)."""
+    cfg = resolve(
+        {"RANK": str(rank), "WORLD_SIZE": "2"},
+        snapshot_dir=str(directory),
+        connect_timeout=timedelta(seconds=1),
+    )
+    return GroupSnapshots(cfg, "g0", "g0:abc", store, None, lambda *a: None)
+
+
+def test_a_two_rank_group_restores_together_or_not_at_all(tmp_path: Path) -> None:
+    """Both ranks of a group act on group rank 0's choice, or on none:
+
+    - trained ranks behind a two-rank snapshot load their parts of it, and agree;
+    - a snapshot one step ahead is taken only in the start-up state;
+    - when rank 0 never gets a quorum's answer (its request timed out), a trained rank
+      gives up waiting, publishes "none", and rank 0 coming later takes none too; a rank in
+      its start-up state raises instead (its restart loses nothing);
+    - a rank whose load fails records it, and neither rank then counts the snapshot as
+      loaded by all (so none applies it)."""
+    results: list[SnapshotResult] = []
+    parts = [writer(tmp_path, results, rank=r, world=2) for r in (1, 0)]
+    for w, seed in zip(parts, (1, 0), strict=True):
+        w.save(10, 2, state(10, seed=seed))
+    assert parts[1].wait(30).complete  # type: ignore[union-attr]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    g0, g1 = (_group_snapshots(tmp_path, store, r) for r in (0, 1))
+    keys = {"model", "optim", "data"}
+
+    def template(seed: int) -> Callable[[], dict[str, Any]]:
+        return lambda: state(0, seed=seed)
+
+    loaded = [g.restore(7, 3, 3, keys, template(r), startup=False) for r, g in enumerate((g0, g1))]
+    assert [x[0].step for x in loaded if x is not None] == [10, 10]
+    assert [hash_state(x[1]) for x in loaded if x is not None] == [
+        hash_state(state(10, seed=r)) for r in (0, 1)
+    ]
+    assert g0.agreed(7) and g1.agreed(7)
+    # One step ahead (members at 9): a trained group gains nothing; a fresh one takes it.
+    assert [g.restore(8, 9, 9, keys, template(0), startup=False) for g in (g0, g1)] == [None] * 2
+    fresh = g0.restore(9, 9, 0, keys, template(0))
+    assert fresh is not None and fresh[0].step == 10
+    # Rank 0 never saw quorum 11: rank 1 gives up (no wait forever, no error) and rank 0,
+    # answered late, goes with that.
+    t0 = time.monotonic()
+    assert g1.restore(11, 3, 3, keys, template(1), startup=False) is None
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert g0.restore(11, 3, 3, keys, template(0), startup=False) is None
+    with pytest.raises(TimeoutError, match="did not choose a snapshot"):
+        g1.restore(12, 3, 0, keys, template(1), startup=True)
+    # Rank 1 cannot load its part: both ranks see that not every rank loaded.
+    assert g0.restore(13, 3, 3, keys, template(0), startup=False) is not None
+
+    def broken() -> dict[str, Any]:
+        raise MemoryError("no room for the snapshot")
+
+    with pytest.raises(MemoryError):
+        g1.restore(13, 3, 3, keys, broken, startup=False)
+    assert not g0.agreed(13) and not g1.agreed(13)
+    for w in parts:
+        w.shutdown()
+    for g in (g0, g1):
+        g.shutdown(wait=False)

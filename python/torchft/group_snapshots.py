@@ -36,6 +36,9 @@ SNAPSHOT_FLUSH_S = 1.0
 
 #: How often a rank waiting for group rank 0's choice says so.
 _WAIT_LOG_S = 10.0
+#: The choice published when no snapshot is restored ("" cannot be: the store's
+#: compare-and-set takes an empty expected value to mean "absent").
+_NO_CHOICE = "-"
 
 #: Ends the error of a snapshot refused because the parity check found its group's state
 #: diverged (in its ``snapshot_failed`` event too).
@@ -209,38 +212,46 @@ class GroupSnapshots:
         least two steps ahead: the step that loads it does not commit, so one step ahead
         would gain nothing.
 
+        The choice is the first value written under the quorum's key: group rank 0's, or,
+        from a rank of a trained group that waited ``connect_timeout`` for it in vain (rank
+        0 never got this answer: its request timed out), "none". Either way every rank acts
+        on the same one. In a group of several ranks each rank then records whether it
+        loaded its part; none applies the snapshot unless all did (:meth:`agreed`).
+
         Raises:
-            Exception: the choice or the load failed; the group's ranks may now disagree.
+            Exception: the choice or the load failed (a rank of a group of several ranks
+                records the failure first, so the others do not apply the snapshot).
         """
-        directory = self.writer.directory
-        key = f"torchft/snapshot/{self._replica_id}/{quorum_id}"
+        key = self._choice_key(quorum_id)
         shared = self._world > 1
-        chosen: Snapshot | None = None
-        if self._rank == 0 and not (shared and self._store.check([key])):
-            live = max(max_step, own_step)
-            floor = live if startup else live + 1
-            newest = list_snapshots(directory)
-            if newest and newest[0].step > floor:
-                self._log_info(
-                    "no live replica group is past step %d; newest snapshot is step %d: "
-                    "checking it",
-                    live,
-                    newest[0].step,
-                )
-                chosen = choose_restore(newest, floor, self._world, user_keys)
-            if shared:
-                self._store.set(key, str(chosen.path) if chosen is not None else "")
+        if self._rank == 0:
+            decided = self._store.get(key).decode() if shared and self._store.check([key]) else None
+            if decided is None:
+                try:
+                    chosen = self._choose(max_step, own_step, user_keys, startup)
+                except BaseException:
+                    if shared:
+                        self._store.compare_set(key, "", _NO_CHOICE)
+                    raise
+                value = str(chosen.path) if chosen is not None else _NO_CHOICE
+                decided = self._store.compare_set(key, "", value).decode() if shared else value
         else:
-            choice = self._wait_for_choice(key)
-            if choice:
-                matches = [s for s in list_snapshots(directory) if str(s.path) == choice]
-                if not matches:
-                    raise SnapshotError(f"snapshot {choice} chosen by group rank 0 is gone")
-                chosen = matches[0]
-        if chosen is None:
+            decided = self._wait_for_choice(key, give_up=not startup)
+        if decided in ("", _NO_CHOICE):
             return None
-        t0 = time.perf_counter()
-        state = load_rank(chosen, self._rank, template=template())
+        try:
+            matches = [s for s in list_snapshots(self.writer.directory) if str(s.path) == decided]
+            if not matches:
+                raise SnapshotError(f"snapshot {decided} chosen by group rank 0 is gone")
+            chosen = matches[0]
+            t0 = time.perf_counter()
+            state = load_rank(chosen, self._rank, template=template())
+        except BaseException:
+            if shared:
+                self._store.set(f"{key}/loaded/{self._rank}", "0")
+            raise
+        if shared:
+            self._store.set(f"{key}/loaded/{self._rank}", "1")
         self._log_info(
             "loaded snapshot of step %d from %s in %.3fs (live replica groups are at step "
             "%d); this step does not commit, the next one trains from step %d",
@@ -252,28 +263,72 @@ class GroupSnapshots:
         )
         return chosen, state
 
-    def _wait_for_choice(self, key: str) -> str:
+    def agreed(self, quorum_id: int) -> bool:
+        """Whether every rank of the group loaded its part of the snapshot chosen under
+        ``quorum_id`` (always, for a group of one rank). Each rank records it before the
+        step's vote, so after the vote the records are there; a rank that died before it
+        is waited for up to ``connect_timeout``, logged, and counts as not loaded."""
+        if self._world == 1:
+            return True
+        keys = [f"{self._choice_key(quorum_id)}/loaded/{r}" for r in range(self._world)]
+        if not self._await(keys, "every rank of the group to load its part of the snapshot"):
+            return False
+        return all(self._store.get(k) == b"1" for k in keys)
+
+    def _choice_key(self, quorum_id: int) -> str:
+        return f"torchft/snapshot/{self._replica_id}/{quorum_id}"
+
+    def _choose(
+        self, max_step: int, own_step: int, user_keys: set[str], startup: bool
+    ) -> Snapshot | None:
+        """Group rank 0's choice: the newest usable snapshot past every member (two steps
+        past, for a trained group), checksums verified."""
+        live = max(max_step, own_step)
+        floor = live if startup else live + 1
+        newest = list_snapshots(self.writer.directory)
+        if not newest or newest[0].step <= floor:
+            return None
+        self._log_info(
+            "no live replica group is past step %d; newest snapshot is step %d: checking it",
+            live,
+            newest[0].step,
+        )
+        return choose_restore(newest, floor, self._world, user_keys)
+
+    def _wait_for_choice(self, key: str, give_up: bool) -> str:
         """Group rank 0's snapshot choice for this quorum (it may be verifying a large
-        snapshot: the wait is logged, and bounded by ``connect_timeout``)."""
+        snapshot: the wait is logged, and bounded by ``connect_timeout``). At the bound a
+        trained group's rank (``give_up``) publishes "none" itself and takes whichever
+        value is first; a rank in its start-up state raises (its restart loses nothing)."""
+        if self._await([key], "group rank 0 to choose a durable snapshot"):
+            return self._store.get(key).decode()
+        if give_up:
+            decided = self._store.compare_set(key, "", _NO_CHOICE).decode()
+            logger.warning(
+                "group rank 0 published no snapshot choice within %s; this rank published "
+                "none, and the group goes on with %s",
+                self._connect_timeout,
+                "none" if decided == _NO_CHOICE else decided,
+            )
+            return decided
+        raise TimeoutError(f"group rank 0 did not choose a snapshot within {self._connect_timeout}")
+
+    def _await(self, keys: list[str], what: str) -> bool:
+        """Waits up to ``connect_timeout`` for ``keys`` in the store (polled, fast at first;
+        logged every few seconds). False at the bound."""
         deadline = time.monotonic() + self._connect_timeout.total_seconds()
         told = time.monotonic() + 2.0
-        pause = 0.002  # rank 0 usually answers within milliseconds: poll fast, then back off
-        while not self._store.check([key]):
+        pause = 0.002  # usually there within milliseconds: poll fast, then back off
+        while not self._store.check(keys):
             now = time.monotonic()
             if now >= deadline:
-                raise TimeoutError(
-                    f"group rank 0 did not choose a snapshot within {self._connect_timeout}"
-                )
+                return False
             if now >= told:
-                self._log_info(
-                    "waiting for group rank 0 to choose a durable snapshot (gives up in %.0fs)",
-                    deadline - now,
-                )
+                self._log_info("waiting for %s (gives up in %.0fs)", what, deadline - now)
                 told = now + _WAIT_LOG_S
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
-        choice: bytes = self._store.get(key)
-        return choice.decode()
+        return True
 
     def shutdown(self, wait: bool) -> None:
         """Lets a write in flight finish (``wait``; a snapshot is worth the wait)."""

@@ -164,7 +164,7 @@ class Healer:
         # A healed (or restored) user state not loaded yet, and a loaded snapshot that
         # applies after the vote of the step that loaded it.
         self._pending: dict[str, Any] | None = None
-        self._pending_restore: tuple[Snapshot, dict[str, Any]] | None = None
+        self._pending_restore: tuple[Snapshot, dict[str, Any], Callable[[], bool]] | None = None
         # The quorum whose answer last looked for a durable snapshot (see restore).
         self._restore_quorum: int | None = None
         # The replica group being healed from, and the flag that ends the heal when the
@@ -220,8 +220,12 @@ class Healer:
     def new_step(self) -> None:
         """A step begins. A heal whose step did not commit (an error after it) left its user
         state unloaded while the counters already name its step: it is loaded now, before
-        the step's forward pass, so the gradients this group contributes are taken on it."""
+        the step's forward pass, so the gradients this group contributes are taken on it.
+        So is a loaded snapshot whose step's vote raised before it could be applied."""
         self.healed = False
+        # The other ranks applied theirs after their vote; a step is never committed past a
+        # loaded snapshot.
+        self.apply_restore()
         self.apply_pending()
 
     def committed(self) -> None:
@@ -480,12 +484,18 @@ class Healer:
         the first answer of each new quorum after that: a trained group falls behind a
         snapshot only when the groups that held newer steps left, which changes the quorum
         (a laggard whose leaders died resumes from their snapshot instead of redoing the
-        steps since its own). Every rank of the group gets the same answers, so every rank
-        looks at the same ones (group rank 0's choice is shared through the store).
+        steps since its own; a failed step also gives the next quorum a new id, so a
+        trained group looks again after one). Every rank of the group gets the same
+        answers, so every rank looks at the same ones (group rank 0's choice is shared
+        through the store).
+
+        A trained group whose choice or load failed keeps its state (nothing was applied,
+        and no rank applies a snapshot that not every rank loaded): the failure is logged
+        and the group trains on from its own step.
 
         Raises:
-            TornStateError: the choice or the load failed on this rank: the group's ranks
-                may now disagree, so none goes on; a restart of the group chooses again.
+            TornStateError: the choice or the load failed on a rank in its start-up state
+                (a restart of the group loses nothing and chooses again).
         """
         startup = self._state.startup
         if not startup and quorum_id == self._restore_quorum:
@@ -496,6 +506,17 @@ class Healer:
                 quorum_id, max_step, step, set(self._loaders), self._served_state, startup
             )
         except Exception as e:
+            if not startup:
+                logger.warning(
+                    "restoring a durable snapshot under quorum %d failed on group rank %d "
+                    "(%s: %s); this group keeps its state and trains on from step %d",
+                    quorum_id,
+                    self._group_rank,
+                    type(e).__name__,
+                    e,
+                    step,
+                )
+                return None
             self._fatal = TornStateError(
                 f"restoring a durable snapshot failed on group rank {self._group_rank}: "
                 f"{type(e).__name__}: {e}; restart the group"
@@ -503,7 +524,7 @@ class Healer:
             raise self._fatal from e
         if loaded is None:
             return None
-        self._pending_restore = loaded
+        self._pending_restore = (*loaded, lambda: snapshots.agreed(quorum_id))
         return loaded[0]
 
     def apply_restore(self) -> None:
@@ -512,7 +533,15 @@ class Healer:
         self._pending_restore = None
         if pending is None:
             return
-        snap, state = pending
+        snap, state, agreed = pending
+        if not agreed():
+            logger.warning(
+                "not every rank of this group loaded its part of the snapshot of step %d "
+                "(%s): none applies it, and the group trains on from its own step",
+                snap.step,
+                snap.path,
+            )
+            return
         self._settle_readers()
         self._load_counters(state["torchft"])
         self._pending = state["user"]

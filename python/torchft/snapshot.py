@@ -32,8 +32,9 @@ reported as a ``snapshot_failed`` event; training goes on.
 
 Restoring: a group whose process holds its start-up state (no step committed, no heal
 applied) checks, at each quorum answer, whether a complete snapshot is newer than the
-quorum's ``max_step``; a live group that is ahead, or level, always wins and the group heals
-from it as usual. Otherwise group rank 0 picks the newest snapshot that is complete,
+quorum's ``max_step``; a group that has trained checks at the first answer of each new
+quorum, for one at least two steps newer (a laggard whose leaders died). A live group that
+is ahead, or level, always wins and the group heals from it as usual. Otherwise group rank 0 picks the newest snapshot that is complete,
 compatible (same ranks per group, the registered state keys) and whose checksums verify,
 skipping others with a warning that names them; every rank loads its own part. The step of
 that quorum does not commit (its gradients were taken on the old state); the state is applied

@@ -31,9 +31,11 @@ pub struct Regression {
     /// (sorted). Empty when the regression was unavoidable: every holder of
     /// the newer state is gone.
     pub alive_holders: Vec<String>,
-    /// A member asked at step 0: a process still holding its start-up state, which
+    /// A member asked at step 0: a fresh process (holding its start-up state), which
     /// restores any durable snapshot newer than every member's step before it trains, where
     /// a group that has trained takes one only at least two steps ahead (the job then goes
-    /// on from that snapshot, not from `to_step`).
+    /// on from that snapshot, not from `to_step`). A process that started from a
+    /// checkpoint of its own at a later step holds its start-up state too, but asks at that
+    /// step: the lighthouse counts it as trained.
     pub fresh: bool,
 }
