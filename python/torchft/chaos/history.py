@@ -158,11 +158,17 @@ class HistoryWriter:
             t,
         )
 
-    def restore(self, step: int, state: str, t: float | None = None) -> None:
-        """Records that the process resumed from the durable snapshot of ``step`` (every group
-        had died), holding the state ``state`` before training on; ``t``: when the step that
-        restored it ended (now by default)."""
-        self._write({"kind": "restore", "step": step, "state": state}, t)
+    def restore(
+        self, step: int, state: str, t: float | None = None, quorum_id: int | None = None
+    ) -> None:
+        """Records that the process resumed from the durable snapshot of ``step`` (no group
+        in its quorum held a step as new), holding the state ``state`` before training on;
+        ``t``: when the step that restored it ended (now by default); ``quorum_id``: the
+        quorum whose answer chose it."""
+        rec: dict[str, Any] = {"kind": "restore", "step": step, "state": state}
+        if quorum_id is not None:
+            rec["quorum_id"] = quorum_id
+        self._write(rec, t)
 
     def hang(self, seconds: float, step: int) -> None:
         """Records that the training loop blocks for ``seconds`` (an injected hang)."""
@@ -442,9 +448,12 @@ def check(run_dir: Path, target: int, min_replicas: int, groups: list[str]) -> R
                     f"step {step} re-committed by {c['group']} after every holder of it "
                     f"died (best step then {best}: {lost} steps lost; {why or 'UNEXPLAINED'})"
                 )
-                skipped = bypassed_snapshot(c, previous.get(c["pid"]), best, run.events, run.faults)
-                if skipped is not None:
-                    rep.violations.append(f"a newer durable snapshot was not restored: {skipped}")
+        # Whether or not it forked (a redone step may have the same state as before).
+        before = previous.get(c["pid"])
+        if before is None or before["quorum_id"] != c["quorum_id"]:
+            skipped = bypassed_snapshot(c, before, run.events, run.faults)
+            if skipped is not None:
+                rep.violations.append(f"a newer durable snapshot was not restored: {skipped}")
         last_step[c["pid"]] = max(last_step.get(c["pid"], 0), step)
         previous[c["pid"]] = c
 

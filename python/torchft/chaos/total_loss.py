@@ -78,12 +78,13 @@ def judge_total_losses(
         gone[pid] = min(gone.get(pid, at), at)
     for r in run.restores:
         # Never past a live holder: no process that had committed the step or a later one
-        # before the restoring process started (or, for one that had trained, before its
-        # last commit) lived on through its restore. (Groups that restored in the same
-        # round may commit before this one writes its line, which comes after the vote of
-        # the step that loaded the snapshot.)
+        # before the restoring process looked (after it started, after its last commit,
+        # after the member set of the quorum it restored under formed) lived on through
+        # its restore. (Groups that restored in the same round may commit before this one
+        # writes its line, which comes after the vote of the step that loaded the
+        # snapshot.)
         born = max(
-            [started.get(r["pid"], r["t"])]
+            [started.get(r["pid"], r["t"]), formed_at(run.events, r.get("quorum_id"))]
             + [c["t"] for c in commits if c["pid"] == r["pid"] and c["t"] < r["t"]]
         )
         holders = sorted(
@@ -305,35 +306,29 @@ def reported_complete(
 def bypassed_snapshot(
     commit: dict[str, Any],
     previous: dict[str, Any] | None,
-    best: int,
     events: list[dict[str, Any]],
     faults: list[dict[str, Any]],
 ) -> str | None:
-    """Why ``commit``, the first re-commit of a regression (every holder of its step gone),
-    should have come from a newer durable snapshot; None when it could not have.
+    """Why ``commit`` should have come from a newer durable snapshot; None when it could
+    not have.
 
     A group looks for a snapshot at the first answer of each new quorum (every answer while
     it holds its start-up state) and restores one at least two steps ahead of every member.
-    When the re-commit's quorum is not the one of the process's previous commit, the process
-    looked at it, after the quorum's member set formed (the ``quorum_changed`` event of the
-    newest quorum id at or below the re-commit's). A snapshot of a step from two past the
-    one it went on from up to ``best`` that the lighthouse had been told was complete before
-    then (its writer reports it once the manifest is written) was on disk when it looked;
-    going on from the older step instead lost the steps between them."""
+    When the commit's quorum is not the one of the process's previous commit, the process
+    looked at it after the quorum's member set formed (the ``quorum_changed`` event of the
+    newest quorum id at or below the commit's). A snapshot of a step at least two past the
+    one it went on from that the lighthouse had been told was complete before then (its
+    writer reports it once the manifest is written; since the last total loss) was on disk
+    when it looked, and no member was past it (the process would have healed to it):
+    going on from the older step redid steps a restore would have kept. Judged whether or
+    not the commit forked: a step redone under the same data may give the same state."""
     if previous is not None and previous["quorum_id"] == commit["quorum_id"]:
         return None
-    formed = [
-        e
-        for e in events
-        if e.get("kind") == "quorum_changed"
-        and isinstance(e.get("quorum_id"), int)
-        and e["quorum_id"] <= commit["quorum_id"]
-    ]
-    if not formed:
+    at = formed_at(events, commit["quorum_id"])
+    if at == float("-inf"):
         return None
-    at = float(max(formed, key=lambda e: e["quorum_id"])["ts"])
     kills = [float(f["t"]) for f in faults if f["fault"] == "kill_all" and f["t"] < at]
-    found = reported_complete(events, (max(kills, default=float("-inf")), at), best)
+    found = reported_complete(events, (max(kills, default=float("-inf")), at), 2**62)
     if found is None or found[0] < commit["step"] + 1:
         return None
     return (
@@ -342,3 +337,20 @@ def bypassed_snapshot(
         f"before that quorum formed that the snapshot of step {found[0]} was complete: "
         f"{found[0] - commit['step'] + 1} steps redone that a restore would have kept"
     )
+
+
+def formed_at(events: list[dict[str, Any]], quorum_id: int | None) -> float:
+    """When the member set of quorum ``quorum_id`` formed: the lighthouse's
+    ``quorum_changed`` event of the newest quorum id at or below it (a new id with the same
+    members has none). -inf when unknown (no such event, no id)."""
+    if quorum_id is None:
+        return float("-inf")
+    formed = [
+        (e["quorum_id"], float(e["ts"]))
+        for e in events
+        if e.get("kind") == "quorum_changed"
+        and isinstance(e.get("quorum_id"), int)
+        and e["quorum_id"] <= quorum_id
+        and isinstance(e.get("ts"), (int, float))
+    ]
+    return max(formed)[1] if formed else float("-inf")

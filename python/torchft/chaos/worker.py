@@ -272,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             healed = healed or step_healed
             if manager.current_step() > before + 1:
-                # A durable snapshot was restored (every group had died): the state the
-                # group trains on from here, for the checker to compare with the history.
+                # A durable snapshot was restored (no group in the quorum held a step as
+                # new): the state the group trains on from here, for the checker to compare
+                # with the history, and the quorum whose answer chose it.
                 history.restore(
                     manager.current_step(),
                     state_hash(model.state_dict(), optim.state_dict()),
                     t=ended,
+                    quorum_id=manager._quorum_id,
                 )
             elif manager.current_step() == before + 1:
                 history.commit(
