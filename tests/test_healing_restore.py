@@ -25,6 +25,7 @@ class _Snapshots:
     def __init__(self, loaded: Any = None, error: Exception | None = None) -> None:
         self.loaded, self.error, self.all_loaded = loaded, error, True
         self.asked: list[tuple[int, bool]] = []
+        self.refused: list[str] = []
 
     def restore(self, quorum_id: int, *args: Any) -> Any:
         self.asked.append((quorum_id, args[-1]))
@@ -34,6 +35,9 @@ class _Snapshots:
 
     def agreed(self, quorum_id: int) -> bool:
         return self.all_loaded
+
+    def refuse(self, path: str) -> None:
+        self.refused.append(path)
 
 
 def _healer(applied: list[Any]) -> Healer:
@@ -96,7 +100,7 @@ def test_a_snapshot_not_every_rank_loaded_is_not_applied() -> None:
     snaps.all_loaded = False
     assert healer.restore(snaps, 5, 3, 3).step == 20  # type: ignore[arg-type, union-attr]
     healer.apply_restore()
-    assert applied == []
+    assert applied == [] and snaps.refused == ["/snaps/step_20"]
     snaps.all_loaded = True
     healer.restore(snaps, 6, 3, 3)  # type: ignore[arg-type]
     healer.apply_restore()
@@ -115,3 +119,17 @@ def test_a_snapshot_whose_vote_raised_applies_at_the_next_step() -> None:
     assert applied == [("counters", 30), ("model", "state of 30")]
     healer.apply_restore()  # nothing left to apply
     assert len(applied) == 2
+
+
+def test_a_restore_makes_a_torn_state_whole() -> None:
+    """A group whose failed heal tore its tensors and that restores a snapshot holds a
+    whole state afterwards (it is not ended later as torn)."""
+    applied: list[Any] = []
+    healer = _healer(applied)
+    healer.committed()
+    healer._tear()
+    assert healer.state is LocalState.TORN
+    healer.restore(_Snapshots(loaded=_snapshot(40)), 5, 3, 3)  # type: ignore[arg-type]
+    healer.check_trainable(True, True, False)  # the restore counts as the mend
+    healer.apply_restore()
+    assert healer.state is LocalState.TRAINED and healer.fatal is None

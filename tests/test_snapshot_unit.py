@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -525,7 +526,41 @@ def test_a_two_rank_group_restores_together_or_not_at_all(tmp_path: Path) -> Non
     with pytest.raises(MemoryError):
         g1.restore(13, 3, 3, keys, broken, startup=False)
     assert not g0.agreed(13) and not g1.agreed(13)
+    # Rank 0 judges before slow rank 1 recorded its part: "abort" at the bound, and rank 1,
+    # done later, goes with that verdict rather than applying alone.
+    assert g0.restore(14, 3, 3, keys, template(0), startup=False) is not None
+    t0 = time.monotonic()
+    assert not g0.agreed(14)
+    assert time.monotonic() - t0 >= 1.0
+    assert g1.restore(14, 3, 3, keys, template(1), startup=False) is not None
+    assert not g1.agreed(14)
+    # A snapshot not every rank loaded is refused; with it refused, rank 0 finds none.
+    g0.refuse(str(loaded[0][0].path))  # type: ignore[index]
+    assert g0.restore(15, 3, 3, keys, template(0), startup=False) is None
     for w in parts:
         w.shutdown()
     for g in (g0, g1):
         g.shutdown(wait=False)
+
+
+def test_a_waiting_rank_waits_as_long_as_rank_0_is_checking(tmp_path: Path) -> None:
+    """Rank 0 verifying a large snapshot says so every second: a waiting rank waits past
+    ``connect_timeout`` (1 s here) while the signs come, and takes rank 0's choice."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    g1 = _group_snapshots(tmp_path, store, 1)
+    key = "torchft/snapshot/g0:abc/3"
+
+    def rank_0_checking() -> None:
+        for _ in range(6):  # 3 s of checking, a sign every half second
+            store.add(f"{key}/choosing", 1)
+            time.sleep(0.5)
+        store.compare_set(key, "", "-")
+
+    t = threading.Thread(target=rank_0_checking)
+    t.start()
+    t0 = time.monotonic()
+    assert g1.restore(3, 3, 3, {"model"}, lambda: {}, startup=False) is None
+    t.join()
+    # It waited for rank 0's own answer (none, here), 2 s past its bound.
+    assert time.monotonic() - t0 >= 2.5
+    g1.shutdown(wait=False)

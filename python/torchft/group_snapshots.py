@@ -9,6 +9,7 @@ applying a loaded snapshot after the vote of the step that loaded it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ _WAIT_LOG_S = 10.0
 #: The choice published when no snapshot is restored ("" cannot be: the store's
 #: compare-and-set takes an empty expected value to mean "absent").
 _NO_CHOICE = "-"
+#: A rank's record of whether it loaded its part of the chosen snapshot.
+_LOADED, _NOT_LOADED = "1", "0"
 
 #: Ends the error of a snapshot refused because the parity check found its group's state
 #: diverged (in its ``snapshot_failed`` event too).
@@ -136,6 +139,8 @@ class GroupSnapshots:
         # The (step, quorum id) this group writes at the top of its next step.
         self._due: tuple[int, int] | None = None
         self._quorum_id = 0
+        # Snapshot paths this process will not choose again (see refuse).
+        self._refused: set[str] = set()
 
     # ------------------------------------------------------------------ writing
 
@@ -212,15 +217,18 @@ class GroupSnapshots:
         least two steps ahead: the step that loads it does not commit, so one step ahead
         would gain nothing.
 
-        The choice is the first value written under the quorum's key: group rank 0's, or,
-        from a rank of a trained group that waited ``connect_timeout`` for it in vain (rank
-        0 never got this answer: its request timed out), "none". Either way every rank acts
-        on the same one. In a group of several ranks each rank then records whether it
-        loaded its part; none applies the snapshot unless all did (:meth:`agreed`).
+        The choice is the first value written under the quorum's key: group rank 0's, or
+        "none" from a rank of a trained group that waited ``connect_timeout`` in vain (rank
+        0 never got this answer: its request timed out). While rank 0 reads the snapshot's
+        files to verify them it says so in the store, and the wait goes on as long as it
+        does. Either way every rank acts on the same value. In a group of several ranks
+        each rank then records whether it loaded its part, and the first rank to judge
+        those records writes the group's verdict (:meth:`agreed`). A snapshot that failed
+        to load or to be agreed on is not chosen again by this process.
 
         Raises:
             Exception: the choice or the load failed (a rank of a group of several ranks
-                records the failure first, so the others do not apply the snapshot).
+                records the failure first, so no rank applies the snapshot).
         """
         key = self._choice_key(quorum_id)
         shared = self._world > 1
@@ -228,7 +236,9 @@ class GroupSnapshots:
             decided = self._store.get(key).decode() if shared and self._store.check([key]) else None
             if decided is None:
                 try:
-                    chosen = self._choose(max_step, own_step, user_keys, startup)
+                    chosen = self._choose(
+                        max_step, own_step, user_keys, startup, self._beat(key) if shared else None
+                    )
                 except BaseException:
                     if shared:
                         self._store.compare_set(key, "", _NO_CHOICE)
@@ -247,11 +257,12 @@ class GroupSnapshots:
             t0 = time.perf_counter()
             state = load_rank(chosen, self._rank, template=template())
         except BaseException:
+            self.refuse(decided)
             if shared:
-                self._store.set(f"{key}/loaded/{self._rank}", "0")
+                self._store.set(f"{key}/loaded/{self._rank}", _NOT_LOADED)
             raise
         if shared:
-            self._store.set(f"{key}/loaded/{self._rank}", "1")
+            self._store.set(f"{key}/loaded/{self._rank}", _LOADED)
         self._log_info(
             "loaded snapshot of step %d from %s in %.3fs (live replica groups are at step "
             "%d); this step does not commit, the next one trains from step %d",
@@ -264,28 +275,80 @@ class GroupSnapshots:
         return chosen, state
 
     def agreed(self, quorum_id: int) -> bool:
-        """Whether every rank of the group loaded its part of the snapshot chosen under
-        ``quorum_id`` (always, for a group of one rank). Each rank records it before the
-        step's vote, so after the vote the records are there; a rank that died before it
-        is waited for up to ``connect_timeout``, logged, and counts as not loaded."""
+        """Whether the group applies the snapshot chosen under ``quorum_id`` (always, for a
+        group of one rank): the group's verdict, written once by the first rank to judge.
+
+        Every rank records whether it loaded its part before the step's vote. A rank judges
+        "apply" when every record says loaded, "abort" as soon as one says not, and "abort"
+        when a record is still missing after ``connect_timeout`` (logged meanwhile); the
+        first verdict written is every rank's, so a slow rank whose part came in after
+        another judged "abort" does not apply it alone."""
         if self._world == 1:
             return True
-        keys = [f"{self._choice_key(quorum_id)}/loaded/{r}" for r in range(self._world)]
-        if not self._await(keys, "every rank of the group to load its part of the snapshot"):
-            return False
-        return all(self._store.get(k) == b"1" for k in keys)
+        key = self._choice_key(quorum_id)
+        verdict, loaded = f"{key}/verdict", [f"{key}/loaded/{r}" for r in range(self._world)]
+        deadline = time.monotonic() + self._connect_timeout.total_seconds()
+        told = time.monotonic() + 2.0
+        pause = 0.002
+        while not self._store.check([verdict]):
+            seen = [self._store.get(k) for k in loaded if self._store.check([k])]
+            now = time.monotonic()
+            if any(v != _LOADED.encode() for v in seen) or now >= deadline:
+                self._store.compare_set(verdict, "", "abort")
+            elif len(seen) == len(loaded):
+                self._store.compare_set(verdict, "", "apply")
+            else:
+                if now >= told:
+                    self._log_info(
+                        "waiting for every rank of the group to load its part of the snapshot "
+                        "(%d of %d; gives up in %.0fs)",
+                        len(seen),
+                        len(loaded),
+                        deadline - now,
+                    )
+                    told = now + _WAIT_LOG_S
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+        return bool(self._store.get(verdict) == b"apply")
+
+    def refuse(self, path: str) -> None:
+        """Never chooses the snapshot at ``path`` again in this process (it failed to load
+        here, or not every rank of the group loaded it): choosing it at every later quorum
+        would fail every step the same way."""
+        self._refused.add(path)
 
     def _choice_key(self, quorum_id: int) -> str:
         return f"torchft/snapshot/{self._replica_id}/{quorum_id}"
 
+    def _beat(self, key: str) -> Callable[[], None]:
+        """Says in the store, at once and then at most every second while called, that
+        group rank 0 is choosing under ``key`` (see :meth:`_wait_for_choice`)."""
+        marker, last = f"{key}/choosing", [-math.inf]
+
+        def beat() -> None:
+            now = time.monotonic()
+            if now - last[0] >= 1.0:
+                last[0] = now
+                self._store.add(marker, 1)
+
+        beat()
+        return beat
+
     def _choose(
-        self, max_step: int, own_step: int, user_keys: set[str], startup: bool
+        self,
+        max_step: int,
+        own_step: int,
+        user_keys: set[str],
+        startup: bool,
+        progress: Callable[[], None] | None,
     ) -> Snapshot | None:
         """Group rank 0's choice: the newest usable snapshot past every member (two steps
-        past, for a trained group), checksums verified."""
+        past, for a trained group) that this process has not refused, checksums verified."""
         live = max(max_step, own_step)
         floor = live if startup else live + 1
-        newest = list_snapshots(self.writer.directory)
+        newest = [
+            s for s in list_snapshots(self.writer.directory) if str(s.path) not in self._refused
+        ]
         if not newest or newest[0].step <= floor:
             return None
         self._log_info(
@@ -293,14 +356,37 @@ class GroupSnapshots:
             live,
             newest[0].step,
         )
-        return choose_restore(newest, floor, self._world, user_keys)
+        return choose_restore(newest, floor, self._world, user_keys, progress)
 
     def _wait_for_choice(self, key: str, give_up: bool) -> str:
-        """Group rank 0's snapshot choice for this quorum (it may be verifying a large
-        snapshot: the wait is logged, and bounded by ``connect_timeout``). At the bound a
-        trained group's rank (``give_up``) publishes "none" itself and takes whichever
-        value is first; a rank in its start-up state raises (its restart loses nothing)."""
-        if self._await([key], "group rank 0 to choose a durable snapshot"):
+        """Group rank 0's snapshot choice for this quorum. The wait is logged, and bounded
+        by ``connect_timeout`` from the last sign of rank 0 choosing (it may be verifying a
+        large snapshot: it says so every second). At the bound a trained group's rank
+        (``give_up``) publishes "none" itself and takes whichever value is first; a rank in
+        its start-up state raises (its restart loses nothing)."""
+        marker = f"{key}/choosing"
+        bound = self._connect_timeout.total_seconds()
+        deadline = time.monotonic() + bound
+        told = time.monotonic() + 2.0
+        pause = 0.002  # rank 0 usually answers within milliseconds: poll fast, then back off
+        beats = 0
+        while not self._store.check([key]):
+            now = time.monotonic()
+            seen = self._store.add(marker, 0)  # reads the count (adds nothing)
+            if seen != beats:
+                beats, deadline = seen, now + bound
+            if now >= deadline:
+                break
+            if now >= told:
+                self._log_info(
+                    "waiting for group rank 0 to choose a durable snapshot (%s; gives up in %.0fs)",
+                    "it is checking one" if beats else "no sign of it yet",
+                    deadline - now,
+                )
+                told = now + _WAIT_LOG_S
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        else:
             return self._store.get(key).decode()
         if give_up:
             decided = self._store.compare_set(key, "", _NO_CHOICE).decode()
@@ -312,23 +398,6 @@ class GroupSnapshots:
             )
             return decided
         raise TimeoutError(f"group rank 0 did not choose a snapshot within {self._connect_timeout}")
-
-    def _await(self, keys: list[str], what: str) -> bool:
-        """Waits up to ``connect_timeout`` for ``keys`` in the store (polled, fast at first;
-        logged every few seconds). False at the bound."""
-        deadline = time.monotonic() + self._connect_timeout.total_seconds()
-        told = time.monotonic() + 2.0
-        pause = 0.002  # usually there within milliseconds: poll fast, then back off
-        while not self._store.check(keys):
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            if now >= told:
-                self._log_info("waiting for %s (gives up in %.0fs)", what, deadline - now)
-                told = now + _WAIT_LOG_S
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        return True
 
     def shutdown(self, wait: bool) -> None:
         """Lets a write in flight finish (``wait``; a snapshot is worth the wait)."""

@@ -662,8 +662,8 @@ class Manager:
             # (the healer decides which answers look: see Healer.restore).
             restored = self._healer.restore(self._snapshots, quorum_id, max_step, self._step)
         # A failed in-place heal left this group's tensors partly overwritten: going on would
-        # train, and later serve, a state no step ever had.
-        self._healer.check_trainable(heal, allow_heal, bool(quorum.heal))
+        # train, and later serve, a state no step ever had (a heal or a restore mends it).
+        self._healer.check_trainable(heal or restored is not None, allow_heal, bool(quorum.heal))
         self._take_roles(quorum, allow_heal)
         if self._group.needs_configure(quorum):
             store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}"

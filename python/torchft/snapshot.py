@@ -111,9 +111,10 @@ class Snapshot:
         return self.path / f"rank_{rank}"
 
 
-def _file_checksum(path: Path) -> int:
+def _file_checksum(path: Path, progress: Callable[[], None] | None = None) -> int:
     """zlib's CRC-32 of a file, read in pieces into one buffer and summed natively (at the
-    speed the file is read, where zlib's sum made about 2 GB/s)."""
+    speed the file is read, where zlib's sum made about 2 GB/s); ``progress`` is called
+    after each piece."""
     crc = 0
     buf = torch.empty(min(_CHUNK, max(path.stat().st_size, 1)), dtype=torch.uint8)
     view = buf.numpy().data
@@ -123,6 +124,8 @@ def _file_checksum(path: Path) -> int:
             if not n:
                 return crc
             crc = _crc32_update(crc, buf.data_ptr(), n)
+            if progress is not None:
+                progress()
 
 
 def _files_of(rank_dir: Path) -> dict[str, dict[str, int]]:
@@ -221,8 +224,9 @@ def unusable_reason(snap: Snapshot, group_world_size: int, user_keys: set[str]) 
     return None
 
 
-def verify(snap: Snapshot) -> str | None:
-    """Checks every rank's files against the manifest's checksums (reads them all).
+def verify(snap: Snapshot, progress: Callable[[], None] | None = None) -> str | None:
+    """Checks every rank's files against the manifest's checksums (reads them all, calling
+    ``progress`` after each piece read).
 
     Returns:
         None when they match, else what differs.
@@ -231,7 +235,7 @@ def verify(snap: Snapshot) -> str | None:
         for name, f in entry["files"].items():
             p = snap.rank_dir(int(rank)) / name
             try:
-                crc = _file_checksum(p)
+                crc = _file_checksum(p, progress)
             except OSError as e:
                 return f"file {p} unreadable: {e}"
             if crc != f.get("crc32"):
@@ -869,9 +873,11 @@ def choose_restore(
     above_step: int,
     group_world_size: int,
     user_keys: set[str],
+    progress: Callable[[], None] | None = None,
 ) -> Snapshot | None:
     """The newest usable snapshot newer than ``above_step`` among ``snapshots`` (as
-    :func:`list_snapshots` gives them, newest first), checksums verified.
+    :func:`list_snapshots` gives them, newest first), checksums verified (``progress``:
+    called as they are read).
 
     Snapshots that are incompatible, incomplete or corrupt are skipped with a warning naming
     them (a corrupt one is also marked, so no process tries it again).
@@ -881,7 +887,7 @@ def choose_restore(
             return None
         reason = unusable_reason(snap, group_world_size, user_keys)
         if reason is None:
-            reason = verify(snap)
+            reason = verify(snap, progress)
             if reason is not None:
                 mark_corrupt(snap)
                 reason = f"corrupt: {reason}"

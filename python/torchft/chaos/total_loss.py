@@ -79,8 +79,7 @@ def judge_total_losses(
     for r in run.restores:
         # Never past a live holder: no process that had committed the step or a later one
         # before the restoring process looked (after it started, after its last commit,
-        # after the member set of the quorum it restored under formed) lived on through
-        # its restore. (Groups that restored in the same round may commit before this one
+        # after the quorum it restored under was issued) lived on through its restore. (Groups that restored in the same round may commit before this one
         # writes its line, which comes after the vote of the step that loaded the
         # snapshot.)
         born = max(
@@ -315,8 +314,7 @@ def bypassed_snapshot(
     A group looks for a snapshot at the first answer of each new quorum (every answer while
     it holds its start-up state) and restores one at least two steps ahead of every member.
     When the commit's quorum is not the one of the process's previous commit, the process
-    looked at it after the quorum's member set formed (the ``quorum_changed`` event of the
-    newest quorum id at or below the commit's). A snapshot of a step at least two past the
+    looked at it after the quorum was issued (:func:`formed_at`). A snapshot of a step at least two past the
     one it went on from that the lighthouse had been told was complete before then (its
     writer reports it once the manifest is written; since the last total loss) was on disk
     when it looked, and no member was past it (the process would have healed to it):
@@ -340,9 +338,10 @@ def bypassed_snapshot(
 
 
 def formed_at(events: list[dict[str, Any]], quorum_id: int | None) -> float:
-    """When the member set of quorum ``quorum_id`` formed: the lighthouse's
-    ``quorum_changed`` event of the newest quorum id at or below it (a new id with the same
-    members has none). -inf when unknown (no such event, no id)."""
+    """When quorum ``quorum_id`` (or, without an event of its own, the newest before it)
+    was issued: the lighthouse's ``quorum_changed`` event of the newest quorum id at or
+    below it, written before the quorum's members are answered. -inf when unknown (no such
+    event, no id)."""
     if quorum_id is None:
         return float("-inf")
     formed = [
