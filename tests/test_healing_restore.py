@@ -25,7 +25,6 @@ class _Snapshots:
     def __init__(self, loaded: Any = None, error: Exception | None = None) -> None:
         self.loaded, self.error, self.all_loaded = loaded, error, True
         self.asked: list[tuple[int, bool]] = []
-        self.refused: list[str] = []
 
     def restore(self, quorum_id: int, *args: Any) -> Any:
         self.asked.append((quorum_id, args[-1]))
@@ -35,9 +34,6 @@ class _Snapshots:
 
     def agreed(self, quorum_id: int) -> bool:
         return self.all_loaded
-
-    def refuse(self, path: str) -> None:
-        self.refused.append(path)
 
 
 def _healer(applied: list[Any]) -> Healer:
@@ -100,7 +96,7 @@ def test_a_snapshot_not_every_rank_loaded_is_not_applied() -> None:
     snaps.all_loaded = False
     assert healer.restore(snaps, 5, 3, 3).step == 20  # type: ignore[arg-type, union-attr]
     healer.apply_restore()
-    assert applied == [] and snaps.refused == ["/snaps/step_20"]
+    assert applied == []
     snaps.all_loaded = True
     healer.restore(snaps, 6, 3, 3)  # type: ignore[arg-type]
     healer.apply_restore()

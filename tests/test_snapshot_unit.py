@@ -485,8 +485,10 @@ def test_a_two_rank_group_restores_together_or_not_at_all(tmp_path: Path) -> Non
     - when rank 0 never gets a quorum's answer (its request timed out), a trained rank
       gives up waiting, publishes "none", and rank 0 coming later takes none too; a rank in
       its start-up state raises instead (its restart loses nothing);
-    - a rank whose load fails records it, and neither rank then counts the snapshot as
-      loaded by all (so none applies it)."""
+    - the first rank to judge whether every rank loaded its part writes the verdict:
+      "abort" when a part is still missing at the bound (a slow rank done later goes with
+      it), "refuse" at once when a rank's load failed (that snapshot is then not chosen
+      again by the process)."""
     results: list[SnapshotResult] = []
     parts = [writer(tmp_path, results, rank=r, world=2) for r in (1, 0)]
     for w, seed in zip(parts, (1, 0), strict=True):
@@ -517,29 +519,32 @@ def test_a_two_rank_group_restores_together_or_not_at_all(tmp_path: Path) -> Non
     assert g0.restore(11, 3, 3, keys, template(0), startup=False) is None
     with pytest.raises(TimeoutError, match="did not choose a snapshot"):
         g1.restore(12, 3, 0, keys, template(1), startup=True)
-    # Rank 1 cannot load its part: both ranks see that not every rank loaded.
+    # Rank 0 judges before slow rank 1 recorded its part: "abort" at the bound, and rank 1,
+    # done later, goes with that verdict rather than applying alone.
     assert g0.restore(13, 3, 3, keys, template(0), startup=False) is not None
+    t0 = time.monotonic()
+    assert not g0.agreed(13)
+    assert time.monotonic() - t0 >= 1.0
+    assert g1.restore(13, 3, 3, keys, template(1), startup=False) is not None
+    assert not g1.agreed(13)
+    # Rank 1 cannot load its part: both ranks judge "refuse" at once, and the snapshot is
+    # not chosen again by rank 0 (a missing record, above, did not refuse it).
+    assert g0.restore(14, 3, 3, keys, template(0), startup=False) is not None
 
     def broken() -> dict[str, Any]:
         raise MemoryError("no room for the snapshot")
 
     with pytest.raises(MemoryError):
-        g1.restore(13, 3, 3, keys, broken, startup=False)
-    assert not g0.agreed(13) and not g1.agreed(13)
-    # Rank 0 judges before slow rank 1 recorded its part: "abort" at the bound, and rank 1,
-    # done later, goes with that verdict rather than applying alone.
-    assert g0.restore(14, 3, 3, keys, template(0), startup=False) is not None
+        g1.restore(14, 3, 3, keys, broken, startup=False)
     t0 = time.monotonic()
-    assert not g0.agreed(14)
-    assert time.monotonic() - t0 >= 1.0
-    assert g1.restore(14, 3, 3, keys, template(1), startup=False) is not None
-    assert not g1.agreed(14)
-    # A snapshot not every rank loaded is refused; with it refused, rank 0 finds none.
-    g0.refuse(str(loaded[0][0].path))  # type: ignore[index]
+    assert not g0.agreed(14) and not g1.agreed(14)
+    assert time.monotonic() - t0 < 1.0
     assert g0.restore(15, 3, 3, keys, template(0), startup=False) is None
+    fresh_rank_0 = _group_snapshots(tmp_path, store, 0)
+    assert fresh_rank_0.restore(16, 3, 3, keys, template(0), startup=False) is not None
     for w in parts:
         w.shutdown()
-    for g in (g0, g1):
+    for g in (g0, g1, fresh_rank_0):
         g.shutdown(wait=False)
 
 

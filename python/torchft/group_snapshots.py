@@ -279,10 +279,11 @@ class GroupSnapshots:
         group of one rank): the group's verdict, written once by the first rank to judge.
 
         Every rank records whether it loaded its part before the step's vote. A rank judges
-        "apply" when every record says loaded, "abort" as soon as one says not, and "abort"
-        when a record is still missing after ``connect_timeout`` (logged meanwhile); the
-        first verdict written is every rank's, so a slow rank whose part came in after
-        another judged "abort" does not apply it alone."""
+        "apply" when every record says loaded, "refuse" as soon as one says not (the
+        snapshot is then refused: :meth:`refuse`), and "abort" when a record is still
+        missing after ``connect_timeout`` (logged meanwhile: a rank that never got this
+        answer); the first verdict written is every rank's, so a slow rank whose part came
+        in after another judged does not apply it alone."""
         if self._world == 1:
             return True
         key = self._choice_key(quorum_id)
@@ -293,7 +294,9 @@ class GroupSnapshots:
         while not self._store.check([verdict]):
             seen = [self._store.get(k) for k in loaded if self._store.check([k])]
             now = time.monotonic()
-            if any(v != _LOADED.encode() for v in seen) or now >= deadline:
+            if any(v != _LOADED.encode() for v in seen):
+                self._store.compare_set(verdict, "", "refuse")
+            elif now >= deadline:
                 self._store.compare_set(verdict, "", "abort")
             elif len(seen) == len(loaded):
                 self._store.compare_set(verdict, "", "apply")
@@ -309,12 +312,15 @@ class GroupSnapshots:
                     told = now + _WAIT_LOG_S
                 time.sleep(pause)
                 pause = min(pause * 2, 0.02)
-        return bool(self._store.get(verdict) == b"apply")
+        judged = self._store.get(verdict)
+        if judged == b"refuse":
+            self.refuse(self._store.get(key).decode())
+        return bool(judged == b"apply")
 
     def refuse(self, path: str) -> None:
         """Never chooses the snapshot at ``path`` again in this process (it failed to load
-        here, or not every rank of the group loaded it): choosing it at every later quorum
-        would fail every step the same way."""
+        here, or on another rank of the group): choosing it at every later quorum would fail
+        every step the same way."""
         self._refused.add(path)
 
     def _choice_key(self, quorum_id: int) -> str:

@@ -164,9 +164,7 @@ class Healer:
         # A healed (or restored) user state not loaded yet, and a loaded snapshot that
         # applies after the vote of the step that loaded it.
         self._pending: dict[str, Any] | None = None
-        self._pending_restore: (
-            tuple[Snapshot, dict[str, Any], Callable[[], bool], Callable[[str], None]] | None
-        ) = None
+        self._pending_restore: tuple[Snapshot, dict[str, Any], Callable[[], bool]] | None = None
         # The quorum whose answer last looked for a durable snapshot (see restore).
         self._restore_quorum: int | None = None
         # The replica group being healed from, and the flag that ends the heal when the
@@ -526,7 +524,7 @@ class Healer:
             raise self._fatal from e
         if loaded is None:
             return None
-        self._pending_restore = (*loaded, lambda: snapshots.agreed(quorum_id), snapshots.refuse)
+        self._pending_restore = (*loaded, lambda: snapshots.agreed(quorum_id))
         return loaded[0]
 
     def apply_restore(self) -> None:
@@ -535,9 +533,8 @@ class Healer:
         self._pending_restore = None
         if pending is None:
             return
-        snap, state, agreed, refuse = pending
+        snap, state, agreed = pending
         if not agreed():
-            refuse(str(snap.path))
             logger.warning(
                 "not every rank of this group loaded its part of the snapshot of step %d "
                 "(%s): none applies it, and the group trains on from its own step",
