@@ -74,6 +74,7 @@ def test_a_trained_group_looks_once_per_quorum_and_a_fresh_one_at_every_answer()
         healer.restore(snaps, q, 3, 3)  # type: ignore[arg-type]
     # Quorum 6 was looked at already (in the start-up state): only the new ones.
     assert snaps.asked[3:] == [(7, False), (8, False)]
+    assert healer.restore_quorum == 8  # what the chaos worker's restore line names
 
 
 def test_a_failed_restore_ends_only_a_process_in_its_start_up_state() -> None:

@@ -200,6 +200,11 @@ class Healer:
         return self._state
 
     @property
+    def restore_quorum(self) -> int | None:
+        """The quorum whose answer last looked for a durable snapshot (see :meth:`restore`)."""
+        return self._restore_quorum
+
+    @property
     def fatal(self) -> TornStateError | None:
         """The error that ends the process: a torn state nothing can heal again."""
         return self._fatal

@@ -274,12 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             if manager.current_step() > before + 1:
                 # A durable snapshot was restored (no group in the quorum held a step as
                 # new): the state the group trains on from here, for the checker to compare
-                # with the history, and the quorum whose answer chose it.
+                # with the history, and the quorum whose answer chose it (the failed step
+                # tore down the process group, so the healer remembers it, not the group).
                 history.restore(
                     manager.current_step(),
                     state_hash(model.state_dict(), optim.state_dict()),
                     t=ended,
-                    quorum_id=manager._quorum_id,
+                    quorum_id=manager._healer.restore_quorum,
                 )
             elif manager.current_step() == before + 1:
                 history.commit(
