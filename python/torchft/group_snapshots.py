@@ -247,7 +247,7 @@ class GroupSnapshots:
                 decided = self._store.compare_set(key, "", value).decode() if shared else value
         else:
             decided = self._wait_for_choice(key, give_up=not startup)
-        if decided in ("", _NO_CHOICE):
+        if decided == _NO_CHOICE:
             return None
         try:
             matches = [s for s in list_snapshots(self.writer.directory) if str(s.path) == decided]
@@ -327,8 +327,8 @@ class GroupSnapshots:
         return f"torchft/snapshot/{self._replica_id}/{quorum_id}"
 
     def _beat(self, key: str) -> Callable[[], None]:
-        """Says in the store, at once and then at most every second while called, that
-        group rank 0 is choosing under ``key`` (see :meth:`_wait_for_choice`)."""
+        """Says in the store, at most every second while called, that group rank 0 is
+        choosing under ``key`` (see :meth:`_wait_for_choice`)."""
         marker, last = f"{key}/choosing", [-math.inf]
 
         def beat() -> None:
@@ -337,7 +337,6 @@ class GroupSnapshots:
                 last[0] = now
                 self._store.add(marker, 1)
 
-        beat()
         return beat
 
     def _choose(
@@ -362,6 +361,8 @@ class GroupSnapshots:
             live,
             newest[0].step,
         )
+        if progress is not None:
+            progress()  # the other ranks now wait as long as the check takes
         return choose_restore(newest, floor, self._world, user_keys, progress)
 
     def _wait_for_choice(self, key: str, give_up: bool) -> str:

@@ -34,11 +34,12 @@ Restoring: a group whose process holds its start-up state (no step committed, no
 applied) checks, at each quorum answer, whether a complete snapshot is newer than the
 quorum's ``max_step``; a group that has trained checks at the first answer of each new
 quorum, for one at least two steps newer (a laggard whose leaders died). A live group that
-is ahead, or level, always wins and the group heals from it as usual. Otherwise group rank 0 picks the newest snapshot that is complete,
-compatible (same ranks per group, the registered state keys) and whose checksums verify,
-skipping others with a warning that names them; every rank loads its own part. The step of
-that quorum does not commit (its gradients were taken on the old state); the state is applied
-after its vote, and the next quorum trains on from the snapshot's step.
+is ahead, or level, always wins and the group heals from it as usual. Otherwise group rank 0
+picks the newest snapshot that is complete, compatible (same ranks per group, the registered
+state keys) and whose checksums verify, skipping others with a warning that names them;
+every rank loads its own part. The step of that quorum does not commit (its gradients were
+taken on the old state); the state is applied after its vote, and the next quorum trains on
+from the snapshot's step.
 
 Non-tensor values (an optimizer's ``param_groups``, a data loader's position) are stored by
 DCP as pickled bytes: load snapshots only from a directory the job alone writes.
